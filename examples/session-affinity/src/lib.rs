@@ -1,0 +1,90 @@
+//! `session-affinity`: keeps each session on one worker, unless that worker is overloaded.
+//!
+//! - A request with a session key goes to the candidate chosen by rendezvous hashing of
+//!   (session key, worker ID): stable while the worker set is stable, and when a worker
+//!   leaves only its own sessions move.
+//! - If that worker already has `max_in_flight` requests in flight, the request spills
+//!   over to the least-loaded candidate.
+//! - A request without a session key goes to the least-loaded candidate; ties are broken
+//!   with the host's seed.
+//! - If every candidate is at `max_in_flight` and `reject_when_full` is set, the request is
+//!   rejected as `all-busy` so the client backs off.
+//!
+//! Configuration (JSON): `{"max_in_flight": 8, "reject_when_full": false}`.
+
+use serde::Deserialize;
+use std::cell::Cell;
+use switchyard::policy::types::RejectionKind;
+
+wit_bindgen::generate!({ path: "../../wit", world: "policy" });
+
+#[derive(Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Config {
+    max_in_flight: u32,
+    reject_when_full: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config { max_in_flight: 8, reject_when_full: false }
+    }
+}
+
+thread_local! {
+    static CONFIG: Cell<Config> = Cell::new(Config::default());
+}
+
+struct SessionAffinity;
+
+impl Guest for SessionAffinity {
+    fn configure(config: String) -> Result<(), String> {
+        let config: Config = if config.trim().is_empty() {
+            Config::default()
+        } else {
+            serde_json::from_str(&config).map_err(|e| format!("session-affinity config: {e}"))?
+        };
+        if config.max_in_flight == 0 {
+            return Err("session-affinity config: max_in_flight must be at least 1".into());
+        }
+        CONFIG.set(config);
+        Ok(())
+    }
+
+    fn describe() -> Info {
+        Info { name: "session-affinity".into(), version: env!("CARGO_PKG_VERSION").into() }
+    }
+
+    fn choose(req: Request, c: Candidates) -> Result<u64, Rejection> {
+        let config = CONFIG.get();
+        let n = c.worker_ids.len();
+        if n == 0 {
+            return Err(Rejection { kind: RejectionKind::NoFit, reason: "no candidates".into() });
+        }
+        if let Some(key) = req.session_key {
+            let home = (0..n).max_by_key(|&i| mix(key ^ mix(c.worker_ids[i]))).unwrap();
+            if c.in_flight[home] < config.max_in_flight {
+                return Ok(c.worker_ids[home]);
+            }
+        }
+        let least = (0..n).map(|i| c.in_flight[i]).min().unwrap();
+        if least >= config.max_in_flight && config.reject_when_full {
+            return Err(Rejection {
+                kind: RejectionKind::AllBusy,
+                reason: format!("every worker has {} or more requests in flight", config.max_in_flight),
+            });
+        }
+        let tied: Vec<usize> = (0..n).filter(|&i| c.in_flight[i] == least).collect();
+        Ok(c.worker_ids[tied[(mix(req.seed) % tied.len() as u64) as usize]])
+    }
+}
+
+/// SplitMix64's finaliser: a cheap, well-spread 64-bit hash.
+fn mix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+export!(SessionAffinity);

@@ -1,0 +1,224 @@
+//! One wasmtime `Engine` and `Linker` for every policy of the process, the epoch ticker
+//! that enforces per-call time budgets, and the compiled-code caches.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use wasmtime::component::{Component, Linker};
+use wasmtime::{Config, Engine};
+
+use super::bindings::PolicyPre;
+use super::cache::{self, CacheOutcome};
+use super::loaded::{LoadedPolicy, PolicySource};
+use super::sandbox::{self, HostState};
+use super::{PolicyError, builtin, describe_error};
+
+/// Limits and knobs of the policy runtime.
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    /// Wall-time budget of one `choose` call. Past it the call is interrupted and the
+    /// decision falls back to native `kv-cost`.
+    pub call_budget: Duration,
+    /// Granularity of the epoch ticker that enforces `call_budget`.
+    pub epoch_tick: Duration,
+    /// Linear-memory cap per instance, in bytes (covers what the host lowers into it).
+    pub memory_cap: usize,
+    /// A warm instance is retired after this many calls (bounds what a leaky policy
+    /// can accumulate).
+    pub recycle_after_calls: u64,
+    /// Most idle warm instances kept per policy.
+    pub max_warm_instances: usize,
+    /// Consecutive failed calls after which the handle rolls back to the last good policy.
+    pub rollback_after_failures: u32,
+    /// Guest stdout/stderr lines logged per second per policy; the rest are counted.
+    pub guest_log_lines_per_sec: u32,
+    /// Directory for compiled policies (keyed by content hash and engine
+    /// compatibility hash); `None` compiles every load.
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig {
+            call_budget: Duration::from_millis(10),
+            epoch_tick: Duration::from_millis(1),
+            memory_cap: 64 << 20,
+            recycle_after_calls: 100_000,
+            max_warm_instances: 64,
+            rollback_after_failures: 5,
+            guest_log_lines_per_sec: 20,
+            cache_dir: default_cache_dir(),
+        }
+    }
+}
+
+/// `$XDG_CACHE_HOME/switchyard/policies`, else `$HOME/.cache/switchyard/policies`.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("switchyard").join("policies"))
+}
+
+/// The process-wide policy runtime. Cheap to clone.
+#[derive(Clone)]
+pub struct PolicyEngine {
+    pub(crate) inner: Arc<EngineInner>,
+}
+
+pub(crate) struct EngineInner {
+    pub(crate) engine: Engine,
+    pub(crate) linker: Linker<HostState>,
+    pub(crate) config: RuntimeConfig,
+    /// Epoch ticks that make up one call budget (+1: the first tick may come at once).
+    pub(crate) deadline_ticks: u64,
+    /// Compiled components by content sha256, so swapping back and forth between
+    /// policies never recompiles. Bounded; cleared whole when full.
+    compiled: Mutex<HashMap<String, Component>>,
+}
+
+const MAX_COMPILED_IN_MEMORY: usize = 32;
+
+impl PolicyEngine {
+    /// Builds the engine and linker and starts the epoch ticker thread (it stops when
+    /// the last clone of this engine is dropped).
+    pub fn new(config: RuntimeConfig) -> Result<PolicyEngine, PolicyError> {
+        let mut wasm = Config::new();
+        wasm.wasm_component_model(true)
+            .concurrency_support(false)
+            .epoch_interruption(true)
+            // Trap messages stay one line; a policy's own stderr says where it failed.
+            .wasm_backtrace_max_frames(None)
+            .cranelift_opt_level(wasmtime::OptLevel::Speed);
+        let engine = Engine::new(&wasm).map_err(|e| PolicyError::Runtime(describe_error(&e)))?;
+        let mut linker = Linker::new(&engine);
+        sandbox::add_to_linker(&mut linker)
+            .map_err(|e| PolicyError::Runtime(describe_error(&e)))?;
+
+        let tick = config.epoch_tick.max(Duration::from_micros(100));
+        let deadline_ticks = config.call_budget.as_nanos().div_ceil(tick.as_nanos()) as u64 + 1;
+        let weak = engine.weak();
+        std::thread::Builder::new()
+            .name("policy-epoch".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(tick);
+                    match weak.upgrade() {
+                        Some(engine) => engine.increment_epoch(),
+                        None => break,
+                    }
+                }
+            })
+            .map_err(|e| PolicyError::Runtime(format!("cannot start the epoch ticker: {e}")))?;
+
+        Ok(PolicyEngine {
+            inner: Arc::new(EngineInner {
+                engine,
+                linker,
+                config,
+                deadline_ticks,
+                compiled: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// The runtime's configuration.
+    pub fn config(&self) -> &RuntimeConfig {
+        &self.inner.config
+    }
+
+    /// Loads a policy: a built-in name (`kv-cost`, `round-robin`) or a path to a `.wasm`.
+    pub fn load_spec(&self, spec: &str, config_json: &str) -> Result<LoadedPolicy, PolicyError> {
+        match builtin(spec) {
+            Some(b) => self.load(PolicySource::Builtin(b.name), b.wasm, config_json),
+            None if spec.ends_with(".wasm") || Path::new(spec).exists() => {
+                self.load_file(Path::new(spec), config_json)
+            }
+            None => Err(PolicyError::UnknownBuiltin(spec.to_string())),
+        }
+    }
+
+    /// Loads a policy from a `.wasm` file.
+    pub fn load_file(&self, path: &Path, config_json: &str) -> Result<LoadedPolicy, PolicyError> {
+        let bytes = std::fs::read(path).map_err(|source| PolicyError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        self.load(PolicySource::File(path.to_path_buf()), &bytes, config_json)
+    }
+
+    /// Compiles (or fetches from cache), links, instantiates and configures a policy.
+    /// The returned policy has one warm, configured instance; it has not been
+    /// canary-tested yet (see [`LoadedPolicy::canary`]).
+    pub fn load(
+        &self,
+        source: PolicySource,
+        bytes: &[u8],
+        config_json: &str,
+    ) -> Result<LoadedPolicy, PolicyError> {
+        let started = Instant::now();
+        check_component_header(bytes)?;
+        let sha256 = cache::sha256_hex(bytes);
+        let (component, cache) = self.compile(bytes, &sha256)?;
+        let instance_pre = self.inner.linker.instantiate_pre(&component).map_err(|e| {
+            PolicyError::Instantiate(format!(
+                "{} (a policy may import only WASI 0.2 and must export the `policy` world)",
+                describe_error(&e)
+            ))
+        })?;
+        let pre = PolicyPre::new(instance_pre)
+            .map_err(|e| PolicyError::WrongWorld(describe_error(&e)))?;
+        LoadedPolicy::new(
+            self.clone(),
+            pre,
+            source,
+            sha256,
+            config_json,
+            cache,
+            started,
+        )
+    }
+
+    fn compile(
+        &self,
+        bytes: &[u8],
+        sha256: &str,
+    ) -> Result<(Component, CacheOutcome), PolicyError> {
+        if let Some(c) = self.inner.compiled.lock().get(sha256) {
+            return Ok((c.clone(), CacheOutcome::Memory));
+        }
+        let (component, outcome) = cache::compile(
+            &self.inner.engine,
+            bytes,
+            sha256,
+            self.inner.config.cache_dir.as_deref(),
+        )
+        .map_err(|e| PolicyError::NotAComponent(describe_error(&e)))?;
+        let mut compiled = self.inner.compiled.lock();
+        if compiled.len() >= MAX_COMPILED_IN_MEMORY {
+            compiled.clear();
+        }
+        compiled.insert(sha256.to_string(), component.clone());
+        Ok((component, outcome))
+    }
+}
+
+/// Refuses what is plainly not a component before the compiler sees it, with a hint.
+fn check_component_header(bytes: &[u8]) -> Result<(), PolicyError> {
+    if bytes.len() < 8 || &bytes[..4] != b"\0asm" {
+        return Err(PolicyError::NotAComponent(
+            "the file does not start with the WebAssembly magic bytes".into(),
+        ));
+    }
+    if bytes[4..8] == [1, 0, 0, 0] {
+        return Err(PolicyError::NotAComponent(
+            "this is a core WebAssembly module; build a component instead \
+             (e.g. `cargo build --target wasm32-wasip2` with wit-bindgen)"
+                .into(),
+        ));
+    }
+    Ok(())
+}

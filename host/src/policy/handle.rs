@@ -1,0 +1,312 @@
+//! `PolicyHandle`: an endpoint's current policy, the decisions made through it, hot
+//! swaps, and rollback.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::SystemTime;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+
+use super::loaded::{CallFailure, CallOutcome, LoadedPolicy, PolicyInfo};
+use super::native;
+use super::types::{Candidates, Rejection, Request};
+use super::{PolicyEngine, PolicyError};
+use crate::ids::InstanceId;
+
+/// Who made a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decider {
+    /// The current policy component.
+    Policy,
+    /// The native `kv-cost`, because the policy call failed.
+    Fallback,
+}
+
+/// The result of one decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecisionOutcome {
+    /// Route to this worker.
+    Chosen(InstanceId),
+    /// The policy refused the request on purpose.
+    Rejected(Rejection),
+    /// There was no candidate to choose from.
+    NoCandidates,
+}
+
+/// One routing decision and how it was made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// What was decided.
+    pub outcome: DecisionOutcome,
+    /// Whether the policy or the fallback decided.
+    pub decider: Decider,
+    /// Which loaded policy was current for this decision (increases by one per swap or
+    /// rollback). A decision is made entirely by that one policy.
+    pub generation: u64,
+    /// The request's sequence number on this handle.
+    pub sequence: u64,
+    /// Why the policy call failed, when the fallback decided.
+    pub failure: Option<CallFailure>,
+}
+
+/// Counters and identity of the current policy, for the admin API and metrics.
+#[derive(Debug, Clone)]
+pub struct PolicyStatus {
+    /// Name, version, sha256, source, config, load time.
+    pub info: PolicyInfo,
+    /// Generation number of the current policy.
+    pub generation: u64,
+    /// Decisions made since it became current (by it or by the fallback).
+    pub decisions: u64,
+    /// Calls to it that failed.
+    pub failures: u64,
+    /// Decisions the native fallback made for it.
+    pub fallbacks: u64,
+    /// Requests it rejected on purpose.
+    pub rejections: u64,
+    /// When it became current.
+    pub active_since: SystemTime,
+    /// The policy a rollback would return to, if any.
+    pub previous: Option<PolicyInfo>,
+    /// Rollbacks on this handle so far (automatic and manual).
+    pub rollbacks: u64,
+    /// Guest output lines logged and suppressed.
+    pub guest_log_lines: (u64, u64),
+}
+
+struct Active {
+    policy: LoadedPolicy,
+    /// The native fallback's configuration: the policy's own if it is `kv-cost`.
+    fallback: native::Config,
+    generation: u64,
+    active_since: SystemTime,
+    decisions: AtomicU64,
+    failures: AtomicU64,
+    fallbacks: AtomicU64,
+    rejections: AtomicU64,
+}
+
+impl Active {
+    fn new(policy: LoadedPolicy, generation: u64) -> Arc<Active> {
+        let fallback = if policy.info().name == "kv-cost" {
+            native::Config::from_json(&policy.info().config).unwrap_or_default()
+        } else {
+            native::Config::default()
+        };
+        Arc::new(Active {
+            policy,
+            fallback,
+            generation,
+            active_since: SystemTime::now(),
+            decisions: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+            fallbacks: AtomicU64::new(0),
+            rejections: AtomicU64::new(0),
+        })
+    }
+}
+
+/// An endpoint's policy: decide through it, swap it, roll it back.
+pub struct PolicyHandle {
+    engine: PolicyEngine,
+    /// The current policy. Each decision loads it once and uses only that one;
+    /// a swap replaces it whole, so in-flight decisions finish on the old one.
+    current: ArcSwap<Active>,
+    /// The last good policy before the current one. Only touched by swaps and
+    /// rollbacks, which `swap_lock` serialises.
+    previous: Mutex<Option<LoadedPolicy>>,
+    /// Serialises swaps and rollbacks (never taken by a decision).
+    swap_lock: Mutex<()>,
+    next_generation: AtomicU64,
+    sequence: AtomicU64,
+    consecutive_failures: AtomicU32,
+    rollbacks: AtomicU64,
+    seed_base: u64,
+}
+
+impl PolicyHandle {
+    /// A handle serving `initial`, which must pass its canary first.
+    pub fn new(engine: PolicyEngine, initial: LoadedPolicy) -> Result<PolicyHandle, PolicyError> {
+        initial.canary()?;
+        let seed_base = {
+            use std::hash::{BuildHasher, RandomState};
+            RandomState::new().hash_one(SystemTime::now())
+        };
+        Ok(PolicyHandle {
+            engine,
+            current: ArcSwap::new(Active::new(initial, 1)),
+            previous: Mutex::new(None),
+            swap_lock: Mutex::new(()),
+            next_generation: AtomicU64::new(2),
+            sequence: AtomicU64::new(0),
+            consecutive_failures: AtomicU32::new(0),
+            rollbacks: AtomicU64::new(0),
+            seed_base,
+        })
+    }
+
+    /// The engine this handle loads replacements with.
+    pub fn engine(&self) -> &PolicyEngine {
+        &self.engine
+    }
+
+    /// Makes one decision. Never fails: a failed policy call falls back to the native
+    /// `kv-cost`. Fills in `req.sequence`, and `req.seed` when it is 0.
+    pub fn decide(&self, mut req: Request, candidates: &Candidates) -> Decision {
+        let sequence = self.sequence.fetch_add(1, Ordering::Relaxed);
+        req.sequence = sequence;
+        if req.seed == 0 {
+            req.seed = switchyard_cost_model::mix(sequence ^ self.seed_base);
+        }
+        let active = self.current.load_full();
+        active.decisions.fetch_add(1, Ordering::Relaxed);
+        let mut decision = Decision {
+            outcome: DecisionOutcome::NoCandidates,
+            decider: Decider::Policy,
+            generation: active.generation,
+            sequence,
+            failure: None,
+        };
+        if candidates.is_empty() {
+            return decision;
+        }
+        match active.policy.call(&req, candidates) {
+            Ok(outcome) => {
+                self.consecutive_failures.store(0, Ordering::Relaxed);
+                decision.outcome = match outcome {
+                    CallOutcome::Chosen(id) => DecisionOutcome::Chosen(id),
+                    CallOutcome::Rejected(r) => {
+                        active.rejections.fetch_add(1, Ordering::Relaxed);
+                        DecisionOutcome::Rejected(r)
+                    }
+                };
+            }
+            Err(failure) => {
+                let failures = active.failures.fetch_add(1, Ordering::Relaxed) + 1;
+                active.fallbacks.fetch_add(1, Ordering::Relaxed);
+                // Log the first failures and then one in a thousand: a broken policy
+                // under load must not flood the log.
+                if failures <= 10 || failures.is_multiple_of(1000) {
+                    tracing::warn!(
+                        policy = %active.policy.info().name,
+                        sha256 = %active.policy.info().sha256,
+                        failures,
+                        error = %failure,
+                        "policy call failed; native kv-cost decided"
+                    );
+                }
+                let id = native::choose(&active.fallback, &req, candidates)
+                    .expect("candidates are not empty");
+                decision.outcome = DecisionOutcome::Chosen(id);
+                decision.decider = Decider::Fallback;
+                decision.failure = Some(failure);
+                let run = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+                if run >= self.engine.config().rollback_after_failures {
+                    self.auto_rollback(&active, run);
+                }
+            }
+        }
+        decision
+    }
+
+    /// Validates `new` (canary decision) and makes it current. The replaced policy
+    /// becomes the rollback target. A policy that fails its canary is refused and the
+    /// current one keeps serving.
+    pub fn swap(&self, new: LoadedPolicy) -> Result<PolicyStatus, PolicyError> {
+        new.canary()?;
+        let _guard = self.swap_lock.lock();
+        let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
+        let old = self.current.swap(Active::new(new, generation));
+        *self.previous.lock() = Some(old.policy.clone());
+        self.consecutive_failures.store(0, Ordering::Relaxed);
+        tracing::info!(
+            from = %old.policy.info().name,
+            to = %self.current.load().policy.info().name,
+            generation,
+            "policy swapped"
+        );
+        drop(_guard);
+        Ok(self.status())
+    }
+
+    /// Loads a policy from `.wasm` bytes and swaps it in (see [`PolicyHandle::swap`]).
+    pub fn swap_bytes(
+        &self,
+        source: super::loaded::PolicySource,
+        bytes: &[u8],
+        config_json: &str,
+    ) -> Result<PolicyStatus, PolicyError> {
+        let loaded = self.engine.load(source, bytes, config_json)?;
+        self.swap(loaded)
+    }
+
+    /// Returns to the previous policy; the current one becomes the new rollback target.
+    /// `None` when there is nothing to return to.
+    pub fn rollback(&self) -> Option<PolicyStatus> {
+        let _guard = self.swap_lock.lock();
+        let previous = self.previous.lock().take()?;
+        let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
+        let old = self.current.swap(Active::new(previous, generation));
+        *self.previous.lock() = Some(old.policy.clone());
+        self.consecutive_failures.store(0, Ordering::Relaxed);
+        self.rollbacks.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(from = %old.policy.info().name, generation, "policy rolled back");
+        drop(_guard);
+        Some(self.status())
+    }
+
+    fn auto_rollback(&self, failing: &Arc<Active>, run: u32) {
+        let _guard = self.swap_lock.lock();
+        // Racing: another thread may have rolled back or swapped already; only the
+        // thread that still sees the failing policy current acts.
+        if !Arc::ptr_eq(&self.current.load(), failing) {
+            return;
+        }
+        let Some(previous) = self.previous.lock().take() else {
+            if run == self.engine.config().rollback_after_failures {
+                tracing::error!(
+                    policy = %failing.policy.info().name,
+                    run,
+                    "policy keeps failing and there is no earlier policy to roll back to; \
+                     the native fallback is deciding"
+                );
+            }
+            return;
+        };
+        let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(
+            from = %failing.policy.info().name,
+            to = %previous.info().name,
+            run,
+            generation,
+            "policy failed {run} times in a row; rolled back to the last good policy"
+        );
+        // The failing policy is dropped, not kept as a rollback target.
+        self.current.store(Active::new(previous, generation));
+        self.consecutive_failures.store(0, Ordering::Relaxed);
+        self.rollbacks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The current policy.
+    pub fn current(&self) -> LoadedPolicy {
+        self.current.load().policy.clone()
+    }
+
+    /// Identity and counters of the current policy.
+    pub fn status(&self) -> PolicyStatus {
+        let a = self.current.load_full();
+        PolicyStatus {
+            info: a.policy.info().clone(),
+            generation: a.generation,
+            decisions: a.decisions.load(Ordering::Relaxed),
+            failures: a.failures.load(Ordering::Relaxed),
+            fallbacks: a.fallbacks.load(Ordering::Relaxed),
+            rejections: a.rejections.load(Ordering::Relaxed),
+            active_since: a.active_since,
+            previous: self.previous.lock().as_ref().map(|p| p.info().clone()),
+            rollbacks: self.rollbacks.load(Ordering::Relaxed),
+            guest_log_lines: a.policy.guest_log_counts(),
+        }
+    }
+}

@@ -1,0 +1,312 @@
+//! A loaded policy: compiled code, its pre-linked instance template, and a pool of warm
+//! instances that decisions check out, use, and give back.
+
+use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+
+use crossbeam_queue::ArrayQueue;
+use wasmtime::Store;
+
+use super::bindings::{Policy, PolicyPre};
+use super::cache::CacheOutcome;
+use super::engine::PolicyEngine;
+use super::sandbox::{GuestLog, HostState};
+use super::types::{CandidateRow, Candidates, Rejection, Request};
+use super::{PolicyError, describe_error};
+use crate::ids::InstanceId;
+
+/// Where a policy's bytes came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PolicySource {
+    /// A built-in policy, by name.
+    Builtin(&'static str),
+    /// A `.wasm` file.
+    File(PathBuf),
+    /// Bytes uploaded through the admin API or fetched from etcd.
+    Uploaded(String),
+}
+
+impl std::fmt::Display for PolicySource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PolicySource::Builtin(name) => write!(f, "builtin:{name}"),
+            PolicySource::File(path) => write!(f, "file:{}", path.display()),
+            PolicySource::Uploaded(origin) => write!(f, "uploaded:{origin}"),
+        }
+    }
+}
+
+/// What a policy says about itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyInfo {
+    /// Its name, from `describe`.
+    pub name: String,
+    /// Its version, from `describe`.
+    pub version: String,
+    /// sha256 of its `.wasm` bytes, hex.
+    pub sha256: String,
+    /// Where it was loaded from.
+    pub source: PolicySource,
+    /// The operator configuration it was given.
+    pub config: String,
+    /// When it was loaded.
+    pub loaded_at: SystemTime,
+    /// How long compile + instantiate + configure took.
+    pub load_time: Duration,
+    /// Whether the compiled code came from a cache.
+    pub cache: CacheOutcome,
+}
+
+/// Why one `choose` call did not produce a valid answer. The decision itself still
+/// succeeds, through the native fallback.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CallFailure {
+    /// The call ran past its time budget and was interrupted.
+    #[error("policy exceeded its time budget of {0:?}")]
+    Timeout(Duration),
+    /// The guest tried to grow its memory past the cap.
+    #[error("policy exceeded its memory cap of {0} bytes")]
+    OutOfMemory(usize),
+    /// The guest trapped (a panic, an unreachable, a bad canonical-ABI value...).
+    #[error("policy trapped: {0}")]
+    Trap(String),
+    /// The guest answered with a worker that is not one of the candidates.
+    #[error("policy chose worker {0}, which is not a candidate")]
+    NotACandidate(InstanceId),
+    /// A fresh instance could not be created or configured.
+    #[error("policy instance could not be created: {0}")]
+    Instantiate(String),
+}
+
+/// The answer of one successful call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallOutcome {
+    /// The policy chose this worker (a candidate).
+    Chosen(InstanceId),
+    /// The policy refused on purpose.
+    Rejected(Rejection),
+}
+
+/// A compiled, configured policy. Cheap to clone; clones share the instance pool.
+#[derive(Clone)]
+pub struct LoadedPolicy {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    engine: PolicyEngine,
+    pre: PolicyPre<HostState>,
+    info: PolicyInfo,
+    log: Arc<GuestLog>,
+    /// Idle warm instances. A decision pops one (or makes one), calls it, and pushes it
+    /// back: no lock is held across a call, and a trapped instance is simply not
+    /// returned.
+    pool: ArrayQueue<Warm>,
+    instances_created: AtomicU64,
+}
+
+struct Warm {
+    store: Store<HostState>,
+    policy: Policy,
+    calls: u64,
+}
+
+impl LoadedPolicy {
+    pub(crate) fn new(
+        engine: PolicyEngine,
+        pre: PolicyPre<HostState>,
+        source: PolicySource,
+        sha256: String,
+        config: &str,
+        cache: CacheOutcome,
+        started: Instant,
+    ) -> Result<LoadedPolicy, PolicyError> {
+        let label = match &source {
+            PolicySource::Builtin(name) => name.to_string(),
+            _ => sha256[..12].to_string(),
+        };
+        let log = GuestLog::new(&label, engine.config().guest_log_lines_per_sec);
+        let max_warm = engine.config().max_warm_instances.max(1);
+        let mut shared = Shared {
+            engine,
+            pre,
+            info: PolicyInfo {
+                name: String::new(),
+                version: String::new(),
+                sha256,
+                source,
+                config: if config.trim().is_empty() {
+                    "{}".into()
+                } else {
+                    config.to_string()
+                },
+                loaded_at: SystemTime::now(),
+                load_time: Duration::ZERO,
+                cache,
+            },
+            log,
+            pool: ArrayQueue::new(max_warm),
+            instances_created: AtomicU64::new(0),
+        };
+        let mut first = shared.instantiate().map_err(|e| match e {
+            InstantiateError::Config(msg) => PolicyError::BadConfig(msg),
+            InstantiateError::Trap(msg) => PolicyError::Trap(msg),
+        })?;
+        let info = first
+            .policy
+            .call_describe(&mut first.store)
+            .map_err(|e| PolicyError::Trap(format!("in describe: {}", describe_error(&e))))?;
+        shared.info.name = info.name;
+        shared.info.version = info.version;
+        shared.info.load_time = started.elapsed();
+        let _ = shared.pool.push(first);
+        Ok(LoadedPolicy {
+            shared: Arc::new(shared),
+        })
+    }
+
+    /// The policy's identity and load facts.
+    pub fn info(&self) -> &PolicyInfo {
+        &self.shared.info
+    }
+
+    /// Instances created so far (the first one, plus one per trap, recycle or
+    /// concurrency peak).
+    pub fn instances_created(&self) -> u64 {
+        self.shared.instances_created.load(Ordering::Relaxed)
+    }
+
+    /// Guest output lines logged, and lines dropped by the rate limit.
+    pub fn guest_log_counts(&self) -> (u64, u64) {
+        (self.shared.log.logged(), self.shared.log.suppressed())
+    }
+
+    /// True when both handles share the same loaded policy.
+    pub fn ptr_eq(&self, other: &LoadedPolicy) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
+    /// Calls `choose` once on a warm instance and validates the answer.
+    pub fn call(&self, req: &Request, candidates: &Candidates) -> Result<CallOutcome, CallFailure> {
+        let s = &*self.shared;
+        let mut warm = match s.pool.pop() {
+            Some(w) => w,
+            None => s
+                .instantiate()
+                .map_err(|e| CallFailure::Instantiate(e.to_string()))?,
+        };
+        warm.store.set_epoch_deadline(s.engine.inner.deadline_ticks);
+        let wit_req = req.to_wit();
+        // A panic in a host function (a WASI shim) must not take the router down: it is
+        // caught here and the instance, possibly left inconsistent, is discarded.
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            warm.policy
+                .call_choose(&mut warm.store, wit_req, &candidates.cols)
+        }));
+        warm.calls += 1;
+        let answer = match result {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(e)) => return Err(s.classify(&e)),
+            Err(_) => return Err(CallFailure::Trap("a host function panicked".into())),
+        };
+        // The instance is healthy: give it back unless it is due for recycling (or
+        // the pool is full).
+        if warm.calls < s.engine.config().recycle_after_calls {
+            let _ = s.pool.push(warm);
+        }
+        match answer {
+            Ok(id) if candidates.contains(InstanceId(id)) => {
+                Ok(CallOutcome::Chosen(InstanceId(id)))
+            }
+            Ok(id) => Err(CallFailure::NotACandidate(InstanceId(id))),
+            Err(rejection) => Ok(CallOutcome::Rejected(rejection.into())),
+        }
+    }
+
+    /// The self-test run before a policy may serve: one decision on a synthetic
+    /// candidate list, which must produce a candidate or a rejection within budget.
+    pub fn canary(&self) -> Result<CallOutcome, PolicyError> {
+        let candidates = canary_candidates();
+        let req = Request {
+            prompt_tokens: 1000,
+            prompt_blocks: 62,
+            block_size: 16,
+            session_key: Some(0x5eed),
+            seed: 0x00c0_ffee,
+            sequence: 0,
+        };
+        self.call(&req, &candidates)
+            .map_err(|e| PolicyError::Canary(e.to_string()))
+    }
+}
+
+/// Four synthetic workers with varied overlap and load.
+pub(crate) fn canary_candidates() -> Candidates {
+    [
+        (0xa1, 0, 40, 0, 2),
+        (0xb2, 30, 10, 512, 1),
+        (0xc3, 62, 120, 0, 6),
+        (0xd4, 5, 0, 0, 0),
+    ]
+    .into_iter()
+    .map(|(id, overlap, active, pending, in_flight)| CandidateRow {
+        id: InstanceId(id),
+        overlap_blocks: overlap,
+        active_blocks: active,
+        pending_prefill_tokens: pending,
+        in_flight,
+        kv_usage: Some(0.5),
+    })
+    .collect()
+}
+
+#[derive(Debug, thiserror::Error)]
+enum InstantiateError {
+    #[error("{0}")]
+    Config(String),
+    #[error("{0}")]
+    Trap(String),
+}
+
+impl Shared {
+    /// A fresh instance, configured with the operator's config.
+    fn instantiate(&self) -> Result<Warm, InstantiateError> {
+        let cfg = self.engine.config();
+        let mut store = Store::new(
+            &self.engine.inner.engine,
+            HostState::new(&self.log, cfg.memory_cap),
+        );
+        store.limiter(|s| &mut s.limits);
+        store.epoch_deadline_trap();
+        store.set_epoch_deadline(self.engine.inner.deadline_ticks);
+        let policy = self.pre.instantiate(&mut store).map_err(|e| {
+            InstantiateError::Trap(format!("instantiation failed: {}", describe_error(&e)))
+        })?;
+        store.set_epoch_deadline(self.engine.inner.deadline_ticks);
+        policy
+            .call_configure(&mut store, &self.info.config)
+            .map_err(|e| InstantiateError::Trap(format!("in configure: {}", describe_error(&e))))?
+            .map_err(InstantiateError::Config)?;
+        self.instances_created.fetch_add(1, Ordering::Relaxed);
+        Ok(Warm {
+            store,
+            policy,
+            calls: 0,
+        })
+    }
+
+    fn classify(&self, e: &wasmtime::Error) -> CallFailure {
+        let cfg = self.engine.config();
+        if let Some(wasmtime::Trap::Interrupt) = e.downcast_ref::<wasmtime::Trap>() {
+            return CallFailure::Timeout(cfg.call_budget);
+        }
+        let text = describe_error(e);
+        if text.contains("growing memory") || text.contains("memory") && text.contains("limit") {
+            return CallFailure::OutOfMemory(cfg.memory_cap);
+        }
+        CallFailure::Trap(text)
+    }
+}

@@ -1,0 +1,81 @@
+//! The policy runtime: every routing decision goes through here.
+//!
+//! A policy is a WebAssembly component implementing the `switchyard:policy` world in
+//! `wit/`. This module compiles it (with an on-disk cache), instantiates it in a sandbox
+//! with no filesystem, network, environment or clock, keeps warm instances in a
+//! checkout pool, and calls `choose` under a time budget and a memory cap. Whatever the
+//! guest does — trap, spin, allocate without bound, answer with a worker that is not a
+//! candidate — the decision is still made: by the native `kv-cost` ([`native`]), and
+//! the failure is counted and logged.
+//!
+//! [`PolicyHandle`] is what the rest of the host holds: the endpoint's current policy
+//! behind an `ArcSwap`, replaced whole by a validated hot swap, and rolled back to the
+//! last good policy after a run of failures.
+//!
+//! Must not know: HTTP, discovery, the KV index. Only this module knows wasmtime.
+
+mod bindings;
+mod builtin;
+mod cache;
+mod engine;
+mod handle;
+mod loaded;
+pub mod native;
+mod sandbox;
+mod types;
+
+pub use builtin::{BUILTINS, Builtin, builtin};
+pub use cache::CacheOutcome;
+pub use engine::{PolicyEngine, RuntimeConfig};
+pub use handle::{Decider, Decision, DecisionOutcome, PolicyHandle, PolicyStatus};
+pub use loaded::{CallFailure, CallOutcome, LoadedPolicy, PolicyInfo, PolicySource};
+pub use types::{CandidateRow, Candidates, Rejection, RejectionKind, Request};
+
+/// Why a policy could not be loaded or swapped in. The current policy keeps serving.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    /// The bytes are not a WebAssembly component (e.g. a core module or garbage).
+    #[error("not a WebAssembly component: {0}")]
+    NotAComponent(String),
+    /// A component, but not one implementing `switchyard:policy@0.1.0`.
+    #[error("the component does not implement the switchyard:policy@0.1.0 world `policy`: {0}")]
+    WrongWorld(String),
+    /// The component imports something the sandbox does not grant.
+    #[error("the component cannot be instantiated in the policy sandbox: {0}")]
+    Instantiate(String),
+    /// The policy's `configure` refused the operator's configuration.
+    #[error("the policy refused its configuration: {0}")]
+    BadConfig(String),
+    /// A lifecycle call (`configure`, `describe`) trapped.
+    #[error("the policy trapped while loading: {0}")]
+    Trap(String),
+    /// The self-test decision on a synthetic candidate list failed.
+    #[error("the policy failed its canary decision: {0}")]
+    Canary(String),
+    /// No built-in policy has this name.
+    #[error("no built-in policy named `{0}` (built-ins: kv-cost, round-robin)")]
+    UnknownBuiltin(String),
+    /// Reading the policy file failed.
+    #[error("cannot read policy file {path}: {source}")]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        source: std::io::Error,
+    },
+    /// The runtime itself could not be set up (engine configuration).
+    #[error("policy runtime error: {0}")]
+    Runtime(String),
+}
+
+/// Renders a wasmtime error with its whole cause chain on one line.
+pub(crate) fn describe_error(e: &wasmtime::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let s = cause.to_string();
+        if !parts.iter().any(|p| p.contains(&s)) {
+            parts.push(s);
+        }
+    }
+    parts.join(": ")
+}

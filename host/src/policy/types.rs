@@ -1,0 +1,188 @@
+//! The data of one decision, in the host's own types. The candidate list is stored as
+//! the generated struct-of-arrays record itself, so a call lowers it without copying.
+
+use super::bindings::wit;
+use crate::ids::InstanceId;
+
+/// What the host knows about the request being routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Request {
+    /// Prompt length in tokens.
+    pub prompt_tokens: u32,
+    /// Full KV blocks in the prompt.
+    pub prompt_blocks: u32,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Hash of the session/affinity key, if the client gave one.
+    pub session_key: Option<u64>,
+    /// Per-decision random number; filled in by [`super::PolicyHandle::decide`] when 0.
+    pub seed: u64,
+    /// Per-endpoint decision counter; filled in by [`super::PolicyHandle::decide`].
+    pub sequence: u64,
+}
+
+impl Request {
+    pub(crate) fn to_wit(self) -> wit::Request {
+        wit::Request {
+            prompt_tokens: self.prompt_tokens,
+            prompt_blocks: self.prompt_blocks,
+            block_size: self.block_size,
+            session_key: self.session_key,
+            seed: self.seed,
+            sequence: self.sequence,
+        }
+    }
+}
+
+/// One candidate worker, as pushed into [`Candidates`].
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct CandidateRow {
+    /// The worker.
+    pub id: InstanceId,
+    /// Leading prompt blocks it already caches.
+    pub overlap_blocks: u32,
+    /// Blocks held by its in-flight requests.
+    pub active_blocks: u32,
+    /// Prompt tokens routed to it and not yet prefilled.
+    pub pending_prefill_tokens: u32,
+    /// Requests in flight on it.
+    pub in_flight: u32,
+    /// KV usage it reported, in [0, 1], if any.
+    pub kv_usage: Option<f32>,
+}
+
+/// The candidate workers of one decision, as parallel columns (struct of arrays).
+///
+/// Reuse one across decisions (`clear`, then `push`) to avoid allocating.
+#[derive(Debug, Clone)]
+pub struct Candidates {
+    pub(crate) cols: wit::Candidates,
+}
+
+impl Default for Candidates {
+    fn default() -> Self {
+        Candidates::with_capacity(0)
+    }
+}
+
+impl Candidates {
+    /// An empty list with room for `n` candidates.
+    pub fn with_capacity(n: usize) -> Self {
+        Candidates {
+            cols: wit::Candidates {
+                worker_ids: Vec::with_capacity(n),
+                overlap_blocks: Vec::with_capacity(n),
+                active_blocks: Vec::with_capacity(n),
+                pending_prefill_tokens: Vec::with_capacity(n),
+                in_flight: Vec::with_capacity(n),
+                kv_usage: Vec::with_capacity(n),
+            },
+        }
+    }
+
+    /// Appends one candidate.
+    pub fn push(&mut self, row: CandidateRow) {
+        let c = &mut self.cols;
+        c.worker_ids.push(row.id.0);
+        c.overlap_blocks.push(row.overlap_blocks);
+        c.active_blocks.push(row.active_blocks);
+        c.pending_prefill_tokens.push(row.pending_prefill_tokens);
+        c.in_flight.push(row.in_flight);
+        c.kv_usage.push(row.kv_usage.unwrap_or(-1.0));
+    }
+
+    /// Removes every candidate, keeping the allocations.
+    pub fn clear(&mut self) {
+        let c = &mut self.cols;
+        c.worker_ids.clear();
+        c.overlap_blocks.clear();
+        c.active_blocks.clear();
+        c.pending_prefill_tokens.clear();
+        c.in_flight.clear();
+        c.kv_usage.clear();
+    }
+
+    /// Number of candidates.
+    pub fn len(&self) -> usize {
+        self.cols.worker_ids.len()
+    }
+
+    /// True when there is no candidate.
+    pub fn is_empty(&self) -> bool {
+        self.cols.worker_ids.is_empty()
+    }
+
+    /// Candidate `i`.
+    pub fn row(&self, i: usize) -> CandidateRow {
+        let c = &self.cols;
+        CandidateRow {
+            id: InstanceId(c.worker_ids[i]),
+            overlap_blocks: c.overlap_blocks[i],
+            active_blocks: c.active_blocks[i],
+            pending_prefill_tokens: c.pending_prefill_tokens[i],
+            in_flight: c.in_flight[i],
+            kv_usage: (c.kv_usage[i] >= 0.0).then_some(c.kv_usage[i]),
+        }
+    }
+
+    /// True when `id` is one of the candidates.
+    pub fn contains(&self, id: InstanceId) -> bool {
+        self.cols.worker_ids.contains(&id.0)
+    }
+
+    /// The candidates' IDs, in list order.
+    pub fn ids(&self) -> impl Iterator<Item = InstanceId> + '_ {
+        self.cols.worker_ids.iter().map(|&id| InstanceId(id))
+    }
+
+    pub(crate) fn view(&self) -> switchyard_cost_model::CandidateView<'_> {
+        switchyard_cost_model::CandidateView {
+            overlap_blocks: &self.cols.overlap_blocks,
+            active_blocks: &self.cols.active_blocks,
+            pending_prefill_tokens: &self.cols.pending_prefill_tokens,
+        }
+    }
+}
+
+impl FromIterator<CandidateRow> for Candidates {
+    fn from_iter<I: IntoIterator<Item = CandidateRow>>(iter: I) -> Self {
+        let mut c = Candidates::default();
+        for row in iter {
+            c.push(row);
+        }
+        c
+    }
+}
+
+/// Why a policy refused to pick a worker (a legitimate answer, not a failure).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RejectionKind {
+    /// Every candidate is too busy.
+    AllBusy,
+    /// No candidate fits the request.
+    NoFit,
+    /// Refused by the operator's rules.
+    Refused,
+}
+
+/// A policy's refusal, with its reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    /// The kind of refusal.
+    pub kind: RejectionKind,
+    /// The policy's reason, for logs and the client.
+    pub reason: String,
+}
+
+impl From<wit::Rejection> for Rejection {
+    fn from(r: wit::Rejection) -> Self {
+        Rejection {
+            kind: match r.kind {
+                wit::RejectionKind::AllBusy => RejectionKind::AllBusy,
+                wit::RejectionKind::NoFit => RejectionKind::NoFit,
+                wit::RejectionKind::Refused => RejectionKind::Refused,
+            },
+            reason: r.reason,
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! The `kv-cost` routing decision, as plain Rust with no I/O.
+//!
+//! Used twice: compiled into the `kv-cost` policy component, and linked into the host as
+//! the native fallback that decides whenever a policy fails. Both must agree exactly, so
+//! there is one implementation.
+//!
+//! For candidate `i` of a request with `P` full prompt blocks and block size `B`:
+//!
+//! ```text
+//! prefill_blocks[i] = pending_prefill_tokens[i] / B + (P - min(overlap_blocks[i], P))
+//! decode_blocks[i]  = active_blocks[i] + P
+//! cost[i]           = overlap_weight * prefill_blocks[i] + decode_blocks[i]
+//! ```
+//!
+//! With `temperature == 0` the lowest cost wins and ties are broken uniformly by the
+//! request's seed. With `temperature > 0` the candidate is sampled with probability
+//! proportional to `exp(-normalised_cost / temperature)`, where costs are normalised to
+//! `[0, 1]` over the candidate set.
+
+use serde::Deserialize;
+
+/// Operator configuration of `kv-cost`, given as JSON to `configure`.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvCostConfig {
+    /// How much a block of prefill work costs relative to a block of decode memory.
+    /// Higher values chase cache hits harder; `0` ignores the cache entirely.
+    pub overlap_weight: f64,
+    /// Softmax temperature; `0` picks the cheapest candidate deterministically.
+    pub temperature: f64,
+}
+
+impl Default for KvCostConfig {
+    fn default() -> Self {
+        KvCostConfig {
+            overlap_weight: 1.0,
+            temperature: 0.0,
+        }
+    }
+}
+
+impl KvCostConfig {
+    /// Parses and validates the operator's JSON (`""` and `{}` give the defaults).
+    pub fn from_json(text: &str) -> Result<KvCostConfig, String> {
+        let text = text.trim();
+        let config: KvCostConfig = if text.is_empty() {
+            KvCostConfig::default()
+        } else {
+            serde_json::from_str(text).map_err(|e| format!("invalid kv-cost config: {e}"))?
+        };
+        if !(config.overlap_weight.is_finite() && config.overlap_weight >= 0.0) {
+            return Err(format!(
+                "invalid kv-cost config: overlap_weight must be a finite number >= 0, got {}",
+                config.overlap_weight
+            ));
+        }
+        if !(config.temperature.is_finite() && config.temperature >= 0.0) {
+            return Err(format!(
+                "invalid kv-cost config: temperature must be a finite number >= 0, got {}",
+                config.temperature
+            ));
+        }
+        Ok(config)
+    }
+}
+
+/// The request-level inputs of one decision.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestShape {
+    /// Full KV blocks in the prompt.
+    pub prompt_blocks: u32,
+    /// Tokens per block (treated as 1 if 0).
+    pub block_size: u32,
+    /// The host's per-decision random number.
+    pub seed: u64,
+}
+
+/// The per-candidate inputs, as parallel slices of equal length.
+#[derive(Debug, Clone, Copy)]
+pub struct CandidateView<'a> {
+    /// Leading prompt blocks each candidate holds.
+    pub overlap_blocks: &'a [u32],
+    /// Blocks held by in-flight requests on each candidate.
+    pub active_blocks: &'a [u32],
+    /// Prompt tokens waiting for prefill on each candidate.
+    pub pending_prefill_tokens: &'a [u32],
+}
+
+impl CandidateView<'_> {
+    /// Number of candidates (the shortest of the slices, so a malformed view cannot
+    /// index out of bounds).
+    pub fn len(&self) -> usize {
+        self.overlap_blocks
+            .len()
+            .min(self.active_blocks.len())
+            .min(self.pending_prefill_tokens.len())
+    }
+
+    /// True when there is no candidate.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The cost of sending the request to candidate `i` (lower is better).
+pub fn cost(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>, i: usize) -> f64 {
+    let blocks = f64::from(req.prompt_blocks);
+    let block_size = f64::from(req.block_size.max(1));
+    let cached = f64::from(c.overlap_blocks[i].min(req.prompt_blocks));
+    let prefill = f64::from(c.pending_prefill_tokens[i]) / block_size + (blocks - cached);
+    let decode = f64::from(c.active_blocks[i]) + blocks;
+    config.overlap_weight * prefill + decode
+}
+
+/// Picks a candidate index, or `None` when there are no candidates.
+pub fn choose(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>) -> Option<usize> {
+    let n = c.len();
+    if n == 0 {
+        return None;
+    }
+    if config.temperature > 0.0 {
+        return Some(softmax_sample(config, req, c));
+    }
+    let mut best = f64::INFINITY;
+    let mut ties = 0u64;
+    for i in 0..n {
+        let x = cost(config, req, c, i);
+        if x < best {
+            best = x;
+            ties = 1;
+        } else if x == best {
+            ties += 1;
+        }
+    }
+    let mut pick = uniform_below(mix(req.seed), ties);
+    for i in 0..n {
+        if cost(config, req, c, i) == best {
+            if pick == 0 {
+                return Some(i);
+            }
+            pick -= 1;
+        }
+    }
+    unreachable!("a tie counted above is found again")
+}
+
+fn softmax_sample(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>) -> usize {
+    let n = c.len();
+    let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+    for i in 0..n {
+        let x = cost(config, req, c, i);
+        lo = lo.min(x);
+        hi = hi.max(x);
+    }
+    let range = hi - lo;
+    let weight = |i: usize| {
+        if range > 0.0 {
+            (-((cost(config, req, c, i) - lo) / range) / config.temperature).exp()
+        } else {
+            1.0
+        }
+    };
+    let total: f64 = (0..n).map(weight).sum();
+    let mut target = unit_interval(mix(req.seed)) * total;
+    for i in 0..n {
+        target -= weight(i);
+        if target < 0.0 {
+            return i;
+        }
+    }
+    n - 1
+}
+
+/// SplitMix64's finaliser: spreads any seed (even a counter) over all 64 bits.
+pub fn mix(seed: u64) -> u64 {
+    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Maps 64 random bits to `0..n` without modulo bias worth measuring (Lemire's
+/// multiply-shift).
+pub fn uniform_below(bits: u64, n: u64) -> u64 {
+    ((u128::from(bits) * u128::from(n)) >> 64) as u64
+}
+
+fn unit_interval(bits: u64) -> f64 {
+    (bits >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view<'a>(o: &'a [u32], a: &'a [u32], p: &'a [u32]) -> CandidateView<'a> {
+        CandidateView {
+            overlap_blocks: o,
+            active_blocks: a,
+            pending_prefill_tokens: p,
+        }
+    }
+
+    #[test]
+    fn cached_prefix_wins_when_load_is_equal() {
+        let req = RequestShape {
+            prompt_blocks: 10,
+            block_size: 16,
+            seed: 7,
+        };
+        let c = view(&[0, 8, 2], &[5, 5, 5], &[0, 0, 0]);
+        assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(1));
+    }
+
+    #[test]
+    fn load_outweighs_a_small_overlap() {
+        let req = RequestShape {
+            prompt_blocks: 10,
+            block_size: 16,
+            seed: 7,
+        };
+        let c = view(&[2, 0], &[100, 0], &[0, 0]);
+        assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(1));
+    }
+
+    #[test]
+    fn zero_weight_ignores_the_cache() {
+        let config = KvCostConfig {
+            overlap_weight: 0.0,
+            temperature: 0.0,
+        };
+        let req = RequestShape {
+            prompt_blocks: 10,
+            block_size: 16,
+            seed: 7,
+        };
+        let c = view(&[10, 0], &[3, 2], &[0, 0]);
+        assert_eq!(choose(&config, &req, &c), Some(1));
+    }
+
+    #[test]
+    fn ties_spread_over_all_tied_candidates() {
+        let req = |seed| RequestShape {
+            prompt_blocks: 4,
+            block_size: 16,
+            seed,
+        };
+        let c = view(&[0, 0, 0, 9], &[0, 0, 0, 50], &[0, 0, 0, 0]);
+        let mut seen = [0u32; 4];
+        for seed in 0..3000 {
+            seen[choose(&KvCostConfig::default(), &req(seed), &c).unwrap()] += 1;
+        }
+        assert_eq!(seen[3], 0);
+        for count in &seen[..3] {
+            assert!((800..1200).contains(count), "uneven tie-breaking: {seen:?}");
+        }
+    }
+
+    #[test]
+    fn temperature_prefers_cheap_but_samples_others() {
+        let config = KvCostConfig {
+            overlap_weight: 1.0,
+            temperature: 0.5,
+        };
+        let req = |seed| RequestShape {
+            prompt_blocks: 8,
+            block_size: 16,
+            seed,
+        };
+        let c = view(&[8, 0], &[0, 0], &[0, 0]);
+        let mut seen = [0u32; 2];
+        for seed in 0..2000 {
+            seen[choose(&config, &req(seed), &c).unwrap()] += 1;
+        }
+        assert!(seen[0] > seen[1] && seen[1] > 0, "{seen:?}");
+    }
+
+    #[test]
+    fn config_rejects_unknown_keys_and_bad_values() {
+        assert_eq!(KvCostConfig::from_json("{}"), Ok(KvCostConfig::default()));
+        assert!(KvCostConfig::from_json(r#"{"overlap_weight": 2.5}"#).is_ok());
+        assert!(
+            KvCostConfig::from_json(r#"{"overlap_wieght": 1}"#)
+                .unwrap_err()
+                .contains("unknown field")
+        );
+        assert!(KvCostConfig::from_json(r#"{"temperature": -1}"#).is_err());
+        assert!(KvCostConfig::from_json("[").is_err());
+    }
+
+    #[test]
+    fn empty_candidates_give_none() {
+        let req = RequestShape {
+            prompt_blocks: 1,
+            block_size: 16,
+            seed: 0,
+        };
+        assert_eq!(
+            choose(&KvCostConfig::default(), &req, &view(&[], &[], &[])),
+            None
+        );
+    }
+}

@@ -1,0 +1,50 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+/// The `.wasm` of a guest built by the host's build script, by artifact name.
+pub fn guest(name: &str) -> PathBuf {
+    let path = match name {
+        "session_affinity" => env!("SWITCHYARD_SESSION_AFFINITY_WASM"),
+        "spin_forever" => env!("SWITCHYARD_SPIN_FOREVER_WASM"),
+        "memory_bomb" => env!("SWITCHYARD_MEMORY_BOMB_WASM"),
+        "panics" => env!("SWITCHYARD_PANICS_WASM"),
+        "wrong_id" => env!("SWITCHYARD_WRONG_ID_WASM"),
+        "stdout_spam" => env!("SWITCHYARD_STDOUT_SPAM_WASM"),
+        "reads_host" => env!("SWITCHYARD_READS_HOST_WASM"),
+        "bad_config" => env!("SWITCHYARD_BAD_CONFIG_WASM"),
+        "wrong_world" => env!("SWITCHYARD_WRONG_WORLD_WASM"),
+        other => panic!("no test guest named {other}"),
+    };
+    PathBuf::from(path)
+}
+
+/// A small deterministic RNG (SplitMix64) for generated test data.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// A runtime configuration for tests: compiled policies cached under cargo's
+/// per-project temporary directory, so repeated runs skip compilation, and a call
+/// budget wide enough that a busy 2-core test machine (tests run in parallel, in an
+/// unoptimised build) never interrupts a well-behaved policy.
+pub fn runtime() -> switchyard::policy::RuntimeConfig {
+    switchyard::policy::RuntimeConfig {
+        call_budget: std::time::Duration::from_millis(500),
+        cache_dir: Some(PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("policy-cache")),
+        ..Default::default()
+    }
+}

@@ -1,0 +1,72 @@
+//! `switchyard policy ...` as a user runs it.
+
+mod common;
+
+use std::process::Command;
+
+fn switchyard(args: &[&str]) -> (bool, String) {
+    let cache = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("policy-cache");
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(args)
+        .env("SWITCHYARD_POLICY_CACHE", cache)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+#[test]
+fn policy_check_prints_identity_and_a_sample_decision() {
+    let wasm = common::guest("session_affinity");
+    let (ok, out) = switchyard(&[
+        "policy",
+        "check",
+        wasm.to_str().unwrap(),
+        "--config",
+        r#"{"max_in_flight": 4}"#,
+    ]);
+    assert!(ok, "{out}");
+    assert!(out.contains("policy:   session-affinity 0.1.0"), "{out}");
+    assert!(out.contains("sha256:   "), "{out}");
+    assert!(out.contains("canary:   chose worker"), "{out}");
+}
+
+#[test]
+fn policy_check_explains_what_is_wrong() {
+    let cases = [
+        (
+            common::guest("wrong_world"),
+            "does not implement the switchyard:policy@0.1.0 world",
+        ),
+        (common::guest("spin_forever"), "time budget"),
+        (common::guest("bad_config"), "refused its configuration"),
+        (std::path::PathBuf::from("Cargo.toml"), "magic bytes"),
+        (
+            std::path::PathBuf::from("/nonexistent/policy.wasm"),
+            "cannot read policy file",
+        ),
+    ];
+    for (path, needle) in cases {
+        let (ok, out) = switchyard(&["policy", "check", path.to_str().unwrap()]);
+        assert!(!ok, "{} should fail", path.display());
+        assert!(
+            out.contains(needle),
+            "{}: `{out}` should mention `{needle}`",
+            path.display()
+        );
+    }
+    let (ok, out) = switchyard(&["policy", "check", "kv-cost", "--config", "{not json"]);
+    assert!(!ok);
+    assert!(out.contains("invalid kv-cost config"), "{out}");
+}
+
+#[test]
+fn policy_builtin_lists_the_builtins() {
+    let (ok, out) = switchyard(&["policy", "builtin"]);
+    assert!(ok);
+    assert!(
+        out.contains("kv-cost") && out.contains("round-robin"),
+        "{out}"
+    );
+}
