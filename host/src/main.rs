@@ -3,8 +3,13 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use switchyard::discovery::etcd::{EtcdConfig, list_all};
+use switchyard::discovery::etcd_register::Registration;
+use switchyard::discovery::{EndpointPath, InstanceInfo};
+use switchyard::ids::InstanceId;
 use switchyard::policy::{BUILTINS, CallOutcome, PolicyEngine, RuntimeConfig};
 
 /// A KV-cache-aware router for LLM inference fleets, with sandboxed Wasm routing policies.
@@ -20,6 +25,68 @@ enum Command {
     /// Inspect and validate routing policies.
     #[command(subcommand)]
     Policy(PolicyCommand),
+    /// Register an existing OpenAI-compatible server (e.g. a vLLM worker) in etcd and keep
+    /// its lease alive until stopped (Ctrl-C / SIGTERM revoke it at once).
+    Register(RegisterArgs),
+    /// List the instances registered in etcd.
+    Instances {
+        #[command(flatten)]
+        etcd: EtcdArgs,
+    },
+}
+
+#[derive(Args)]
+struct EtcdArgs {
+    /// etcd client URL(s), comma-separated.
+    #[arg(
+        long = "etcd",
+        env = "SWITCHYARD_ETCD",
+        value_delimiter = ',',
+        required = true
+    )]
+    endpoints: Vec<String>,
+    /// Root of Switchyard's keys in etcd.
+    #[arg(long, env = "SWITCHYARD_ETCD_ROOT", default_value = "switchyard")]
+    etcd_root: String,
+}
+
+impl EtcdArgs {
+    fn config(&self) -> EtcdConfig {
+        EtcdConfig {
+            root: self.etcd_root.clone(),
+            ..EtcdConfig::new(self.endpoints.clone())
+        }
+    }
+}
+
+#[derive(Args)]
+struct RegisterArgs {
+    #[command(flatten)]
+    etcd: EtcdArgs,
+    /// The server's HTTP base URL, e.g. http://10.0.0.7:8000.
+    #[arg(long)]
+    url: String,
+    /// The model it serves (selects the endpoint in the router).
+    #[arg(long)]
+    model: String,
+    /// Endpoint path namespace/component/endpoint (default: default/MODEL/generate).
+    #[arg(long)]
+    endpoint: Option<EndpointPath>,
+    /// Lease TTL in seconds; the registration disappears this long after a crash.
+    #[arg(long, default_value_t = 10)]
+    ttl: u64,
+    /// The server's KV block size in tokens.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// URL of the server's KV event stream, if it publishes one.
+    #[arg(long)]
+    events_url: Option<String>,
+    /// Path of the server's health endpoint.
+    #[arg(long, default_value = "/health")]
+    health_path: String,
+    /// Instance ID in hex (default: random).
+    #[arg(long)]
+    instance_id: Option<InstanceId>,
 }
 
 #[derive(Subcommand)]
@@ -70,7 +137,86 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             config,
             cache_dir,
         }) => policy_check(&policy, &config, cache_dir),
+        Command::Register(args) => tokio_runtime()?.block_on(register(args)),
+        Command::Instances { etcd } => tokio_runtime()?.block_on(instances(etcd)),
     }
+}
+
+fn tokio_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("install a SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+fn random_instance_id() -> InstanceId {
+    use std::hash::{BuildHasher, RandomState};
+    InstanceId(RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now())))
+}
+
+async fn register(args: RegisterArgs) -> anyhow::Result<()> {
+    let config = args.etcd.config();
+    let info = InstanceInfo {
+        id: args.instance_id.unwrap_or_else(random_instance_id),
+        endpoint: args
+            .endpoint
+            .unwrap_or_else(|| EndpointPath::for_model(&args.model)),
+        url: args.url.trim_end_matches('/').to_string(),
+        model: args.model,
+        block_size: args.block_size,
+        events_url: args.events_url,
+        health_path: args.health_path,
+        registration: 0,
+    };
+    anyhow::ensure!(
+        info.url.starts_with("http://") || info.url.starts_with("https://"),
+        "--url must be an http(s) URL, got {}",
+        info.url
+    );
+    let mut registration = Registration::start(config, &info, Duration::from_secs(args.ttl));
+    let lease = registration
+        .wait_registered(Duration::from_secs(15))
+        .await?;
+    println!(
+        "registered {} (lease {lease:x}); Ctrl-C to deregister",
+        registration.key()
+    );
+    shutdown_signal().await;
+    registration.stop().await;
+    println!("deregistered");
+    Ok(())
+}
+
+async fn instances(etcd: EtcdArgs) -> anyhow::Result<()> {
+    let (found, malformed) = list_all(&etcd.config()).await?;
+    println!(
+        "{:<36} {:<18} {:<24} {:<8} URL",
+        "ENDPOINT", "INSTANCE", "MODEL", "BLOCK"
+    );
+    for i in &found {
+        println!(
+            "{:<36} {:<18} {:<24} {:<8} {}",
+            i.endpoint.to_string(),
+            i.id.to_string(),
+            i.model,
+            i.block_size,
+            i.url
+        );
+    }
+    for e in &malformed {
+        eprintln!("skipped: {e}");
+    }
+    println!("{} instance(s)", found.len());
+    Ok(())
 }
 
 fn policy_check(spec: &str, config: &str, cache_dir: Option<PathBuf>) -> anyhow::Result<()> {

@@ -3,6 +3,9 @@
 
 use std::path::PathBuf;
 
+pub mod etcd;
+pub mod health;
+
 /// The `.wasm` of a guest built by the host's build script, by artifact name.
 pub fn guest(name: &str) -> PathBuf {
     let path = match name {

@@ -1,0 +1,56 @@
+//! Health probes, used to re-admit an instance that was reported down.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Empty;
+use hyper_util::client::legacy::Client as HttpClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::discovery::InstanceInfo;
+
+/// Decides whether an instance is healthy again.
+#[async_trait::async_trait]
+pub trait HealthCheck: Send + Sync + 'static {
+    /// `Ok` when the instance can take traffic; `Err` says why not.
+    async fn check(&self, instance: &InstanceInfo) -> Result<(), String>;
+}
+
+/// `GET {url}{health_path}`; any 2xx within the timeout is healthy.
+pub struct HttpHealthCheck {
+    http: HttpClient<HttpConnector, Empty<Bytes>>,
+    timeout: Duration,
+}
+
+impl HttpHealthCheck {
+    /// A probe that gives each request `timeout`.
+    pub fn new(timeout: Duration) -> HttpHealthCheck {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(timeout));
+        connector.set_nodelay(true);
+        HttpHealthCheck {
+            http: HttpClient::builder(TokioExecutor::new()).build(connector),
+            timeout,
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl HealthCheck for HttpHealthCheck {
+    async fn check(&self, instance: &InstanceInfo) -> Result<(), String> {
+        let url = format!("{}{}", instance.url, instance.health_path);
+        let uri: hyper::Uri = url
+            .parse()
+            .map_err(|e| format!("bad health URL {url}: {e}"))?;
+        let response = tokio::time::timeout(self.timeout, self.http.get(uri))
+            .await
+            .map_err(|_| format!("GET {url} timed out after {:?}", self.timeout))?
+            .map_err(|e| format!("GET {url}: {e}"))?;
+        if response.status().is_success() {
+            Ok(())
+        } else {
+            Err(format!("GET {url}: {}", response.status()))
+        }
+    }
+}

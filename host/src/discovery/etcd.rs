@@ -1,0 +1,216 @@
+//! etcd discovery: list an endpoint's prefix, then watch it from the listed revision + 1
+//! so no change is missed; on a broken watch or a lost connection, reconnect with
+//! backoff, re-list and reset. While etcd is unreachable nothing is sent, so the last
+//! known set stays in force.
+
+use std::time::Duration;
+
+use etcd_client::{Client as Etcd, ConnectOptions, EventType, GetOptions, KeyValue, WatchOptions};
+use tokio::sync::mpsc;
+
+use super::{
+    Discovery, DiscoveryError, DiscoveryUpdate, EndpointPath, InstanceInfo, InstanceKey,
+    InstanceRecord,
+};
+
+/// How to reach etcd and where Switchyard's keys live.
+#[derive(Debug, Clone)]
+pub struct EtcdConfig {
+    /// Client URLs, e.g. `http://127.0.0.1:2379`.
+    pub endpoints: Vec<String>,
+    /// Root of Switchyard's key space.
+    pub root: String,
+    /// Timeout for connecting and for each request.
+    pub timeout: Duration,
+    /// First reconnect delay; doubles up to `backoff_max`.
+    pub backoff_initial: Duration,
+    /// Longest reconnect delay.
+    pub backoff_max: Duration,
+}
+
+impl EtcdConfig {
+    /// Defaults for `endpoints`: root `switchyard`, 2 s timeouts, backoff 0.25 s → 5 s.
+    pub fn new(endpoints: Vec<String>) -> EtcdConfig {
+        EtcdConfig {
+            endpoints,
+            root: "switchyard".into(),
+            timeout: Duration::from_secs(2),
+            backoff_initial: Duration::from_millis(250),
+            backoff_max: Duration::from_secs(5),
+        }
+    }
+
+    pub(crate) fn error(&self, e: impl std::fmt::Display) -> DiscoveryError {
+        DiscoveryError::Etcd {
+            endpoints: self.endpoints.join(","),
+            why: e.to_string(),
+        }
+    }
+
+    /// Connects, with keep-alive pings so that a dead server breaks open watches.
+    pub async fn connect(&self) -> Result<Etcd, DiscoveryError> {
+        let options = ConnectOptions::new()
+            .with_connect_timeout(self.timeout)
+            .with_timeout(self.timeout)
+            .with_keep_alive(Duration::from_secs(1), self.timeout)
+            .with_keep_alive_while_idle(true);
+        tokio::time::timeout(self.timeout, Etcd::connect(&self.endpoints, Some(options)))
+            .await
+            .map_err(|_| self.error("connection timed out"))?
+            .map_err(|e| self.error(e))
+    }
+}
+
+/// Parses one key-value pair under an endpoint prefix.
+pub(crate) fn parse_kv(kv: &KeyValue) -> Result<InstanceInfo, DiscoveryError> {
+    let key_text = String::from_utf8_lossy(kv.key());
+    let key: InstanceKey = key_text.parse()?;
+    let record: InstanceRecord =
+        serde_json::from_slice(kv.value()).map_err(|e| DiscoveryError::BadValue {
+            key: key.to_string(),
+            why: e.to_string(),
+        })?;
+    // A new lease (or, without one, a new create revision) is a new registration.
+    let registration = if kv.lease() != 0 {
+        kv.lease()
+    } else {
+        kv.create_revision()
+    } as u64;
+    record.into_info(&key, registration)
+}
+
+/// Lists every registered instance under `root` (all endpoints).
+pub async fn list_all(
+    config: &EtcdConfig,
+) -> Result<(Vec<InstanceInfo>, Vec<DiscoveryError>), DiscoveryError> {
+    let mut etcd = config.connect().await?;
+    let prefix = format!("{}/instances/", config.root.trim_end_matches('/'));
+    let resp = etcd
+        .get(prefix, Some(GetOptions::new().with_prefix()))
+        .await
+        .map_err(|e| config.error(e))?;
+    let (mut ok, mut bad) = (Vec::new(), Vec::new());
+    for kv in resp.kvs() {
+        match parse_kv(kv) {
+            Ok(info) => ok.push(info),
+            Err(e) => bad.push(e),
+        }
+    }
+    Ok((ok, bad))
+}
+
+/// Discovery from etcd.
+#[derive(Debug, Clone)]
+pub struct EtcdDiscovery {
+    config: EtcdConfig,
+}
+
+impl EtcdDiscovery {
+    /// Discovery against the etcd in `config`.
+    pub fn new(config: EtcdConfig) -> EtcdDiscovery {
+        EtcdDiscovery { config }
+    }
+}
+
+impl Discovery for EtcdDiscovery {
+    fn watch(
+        &self,
+        endpoint: EndpointPath,
+        tx: mpsc::UnboundedSender<DiscoveryUpdate>,
+    ) -> tokio::task::JoinHandle<()> {
+        let config = self.config.clone();
+        tokio::spawn(async move {
+            let mut delay = config.backoff_initial;
+            loop {
+                let result = tokio::select! {
+                    r = list_and_watch(&config, &endpoint, &tx, &mut delay) => r,
+                    _ = tx.closed() => return,
+                };
+                if tx.is_closed() {
+                    return;
+                }
+                if let Err(e) = result {
+                    tracing::warn!(endpoint = %endpoint, error = %e, retry_in = ?delay, "etcd discovery interrupted; keeping the last known instances");
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(config.backoff_max);
+            }
+        })
+    }
+}
+
+/// One list + watch cycle; returns when the watch breaks.
+async fn list_and_watch(
+    config: &EtcdConfig,
+    endpoint: &EndpointPath,
+    tx: &mpsc::UnboundedSender<DiscoveryUpdate>,
+    delay: &mut Duration,
+) -> Result<(), DiscoveryError> {
+    let prefix = endpoint.etcd_prefix(&config.root);
+    let mut etcd = config.connect().await?;
+    let resp = etcd
+        .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
+        .await
+        .map_err(|e| config.error(e))?;
+    let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
+    let mut set = Vec::new();
+    for kv in resp.kvs() {
+        match parse_kv(kv) {
+            Ok(info) => set.push(info),
+            Err(e) => tracing::warn!(error = %e, "skipping a malformed instance entry"),
+        }
+    }
+    let mut stream = etcd
+        .watch(
+            prefix.as_str(),
+            Some(
+                WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(revision + 1),
+            ),
+        )
+        .await
+        .map_err(|e| config.error(e))?;
+    tracing::debug!(endpoint = %endpoint, instances = set.len(), revision, "listed instances; watching");
+    if tx.send(DiscoveryUpdate::Reset(set)).is_err() {
+        return Ok(());
+    }
+    // Connected and listed: the next failure starts backing off from the beginning.
+    *delay = config.backoff_initial;
+    loop {
+        let msg = stream.message().await.map_err(|e| config.error(e))?;
+        let Some(msg) = msg else {
+            return Err(config.error("watch stream ended"));
+        };
+        if msg.canceled() {
+            return Err(config.error(format!(
+                "watch canceled (compacted at {}): {}",
+                msg.compact_revision(),
+                msg.cancel_reason()
+            )));
+        }
+        for event in msg.events() {
+            let Some(kv) = event.kv() else { continue };
+            let update = match event.event_type() {
+                EventType::Put => match parse_kv(kv) {
+                    Ok(info) => DiscoveryUpdate::Insert(info),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "skipping a malformed instance entry");
+                        continue;
+                    }
+                },
+                EventType::Delete => match String::from_utf8_lossy(kv.key()).parse::<InstanceKey>()
+                {
+                    Ok(key) => DiscoveryUpdate::Remove(key.id),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "skipping the deletion of a malformed key");
+                        continue;
+                    }
+                },
+            };
+            if tx.send(update).is_err() {
+                return Ok(());
+            }
+        }
+    }
+}

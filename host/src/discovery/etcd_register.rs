@@ -1,0 +1,160 @@
+//! Registering a worker instance in etcd: grant a lease, put the instance's key bound to
+//! it, keep it alive at TTL/3, register again if the lease is lost, revoke it on a
+//! graceful stop (so the instance disappears at once instead of after the TTL).
+
+use std::time::Duration;
+
+use etcd_client::PutOptions;
+use tokio::sync::{oneshot, watch};
+
+use super::etcd::EtcdConfig;
+use super::{DiscoveryError, InstanceInfo, InstanceKey, InstanceRecord};
+
+/// A live registration. Dropping it without [`Registration::stop`] leaves the key to
+/// expire with its lease (as a crash would).
+pub struct Registration {
+    key: String,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+    lease: watch::Receiver<Option<i64>>,
+}
+
+enum SessionEnd {
+    Stopped,
+    LeaseLost,
+}
+
+impl Registration {
+    /// Starts registering `info` under `config.root` with a lease of `ttl` (at least 2 s).
+    /// Returns at once; see [`Registration::wait_registered`].
+    pub fn start(config: EtcdConfig, info: &InstanceInfo, ttl: Duration) -> Registration {
+        let key = InstanceKey {
+            root: config.root.clone(),
+            endpoint: info.endpoint.clone(),
+            id: info.id,
+        }
+        .to_string();
+        let value =
+            serde_json::to_string(&InstanceRecord::from_info(info)).expect("records serialise");
+        let ttl = ttl.max(Duration::from_secs(2));
+        let (stop_tx, mut stop_rx) = oneshot::channel();
+        let (lease_tx, lease_rx) = watch::channel(None);
+        let task_key = key.clone();
+        let task = tokio::spawn(async move {
+            let mut delay = config.backoff_initial;
+            loop {
+                match session(&config, &task_key, &value, ttl, &mut stop_rx, &lease_tx).await {
+                    Ok(SessionEnd::Stopped) => return,
+                    Ok(SessionEnd::LeaseLost) => {
+                        tracing::warn!(key = %task_key, "registration lease lost; registering again");
+                        delay = config.backoff_initial;
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(key = %task_key, error = %e, retry_in = ?delay, "registration interrupted");
+                    }
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = &mut stop_rx => return,
+                }
+                delay = (delay * 2).min(config.backoff_max);
+            }
+        });
+        Registration {
+            key,
+            stop: Some(stop_tx),
+            task,
+            lease: lease_rx,
+        }
+    }
+
+    /// The etcd key this registration writes.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The current lease, if registered.
+    pub fn lease(&self) -> Option<i64> {
+        *self.lease.borrow()
+    }
+
+    /// Waits until the key is written (or `limit` passes).
+    pub async fn wait_registered(&mut self, limit: Duration) -> Result<i64, DiscoveryError> {
+        let wait = self.lease.wait_for(|l| l.is_some());
+        match tokio::time::timeout(limit, wait).await {
+            Ok(Ok(lease)) => Ok(lease.expect("waited for Some")),
+            _ => Err(DiscoveryError::Etcd {
+                endpoints: String::new(),
+                why: format!("not registered within {limit:?}"),
+            }),
+        }
+    }
+
+    /// Revokes the lease (the key disappears at once) and ends the keep-alive task.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if self.stop.is_some() {
+            self.task.abort();
+        }
+    }
+}
+
+async fn session(
+    config: &EtcdConfig,
+    key: &str,
+    value: &str,
+    ttl: Duration,
+    stop: &mut oneshot::Receiver<()>,
+    lease_tx: &watch::Sender<Option<i64>>,
+) -> Result<SessionEnd, DiscoveryError> {
+    let mut etcd = config.connect().await?;
+    let lease = etcd
+        .lease_grant(ttl.as_secs() as i64, None)
+        .await
+        .map_err(|e| config.error(e))?
+        .id();
+    etcd.put(key, value, Some(PutOptions::new().with_lease(lease)))
+        .await
+        .map_err(|e| config.error(e))?;
+    lease_tx.send_replace(Some(lease));
+    tracing::info!(key, lease, ttl = ?ttl, "registered");
+    let (mut keeper, mut responses) = etcd
+        .lease_keep_alive(lease)
+        .await
+        .map_err(|e| config.error(e))?;
+    let mut tick = tokio::time::interval(ttl / 3);
+    loop {
+        tokio::select! {
+            _ = &mut *stop => {
+                let revoked = tokio::time::timeout(config.timeout, etcd.lease_revoke(lease)).await;
+                lease_tx.send_replace(None);
+                match revoked {
+                    Ok(Ok(_)) => tracing::info!(key, lease, "registration revoked"),
+                    _ => tracing::warn!(key, lease, "could not revoke the lease; the key expires with it"),
+                }
+                return Ok(SessionEnd::Stopped);
+            }
+            _ = tick.tick() => {
+                keeper.keep_alive().await.map_err(|e| config.error(e))?;
+                let resp = tokio::time::timeout(config.timeout, responses.message())
+                    .await
+                    .map_err(|_| config.error("lease keep-alive timed out"))?
+                    .map_err(|e| config.error(e))?
+                    .ok_or_else(|| config.error("lease keep-alive stream ended"))?;
+                if resp.ttl() <= 0 {
+                    lease_tx.send_replace(None);
+                    return Ok(SessionEnd::LeaseLost);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! Service discovery: which worker instances serve an endpoint.
+//!
+//! A [`Discovery`] source streams [`DiscoveryUpdate`]s for one endpoint: a `Reset` with
+//! the full set on every (re-)list, then `Insert` / `Remove` as instances come and go.
+//! Two sources exist: [`etcd`] (the distributed default: instances register themselves
+//! under a lease) and [`fixed`] (instances given on the command line; no service
+//! needed). Workers register with [`etcd_register`].
+//!
+//! Only `discovery/etcd*` knows etcd. Must not know: routing, policies, HTTP serving.
+
+pub mod etcd;
+pub mod etcd_register;
+pub mod fixed;
+pub mod key;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use crate::ids::InstanceId;
+pub use key::{EndpointPath, InstanceKey, KeyError};
+
+/// What discovery knows about one worker instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceInfo {
+    /// The instance.
+    pub id: InstanceId,
+    /// The endpoint it serves.
+    pub endpoint: EndpointPath,
+    /// Its HTTP base URL, e.g. `http://10.0.0.7:8000`.
+    pub url: String,
+    /// The model it serves.
+    pub model: String,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Where its KV event stream is, if it publishes one.
+    pub events_url: Option<String>,
+    /// Path of its health endpoint (probed to re-admit it after a failure).
+    pub health_path: String,
+    /// Identifies one registration (etcd: the lease); a different value for the same ID
+    /// means the instance registered again.
+    pub registration: u64,
+}
+
+/// The JSON value stored under an instance's key. Unknown fields are ignored so that
+/// newer workers can add some.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InstanceRecord {
+    /// The instance ID, hex (as in the key).
+    pub instance_id: String,
+    /// HTTP base URL.
+    pub url: String,
+    /// Model name.
+    pub model: String,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// KV event stream URL, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub events_url: Option<String>,
+    /// Health endpoint path.
+    #[serde(default = "default_health_path")]
+    pub health_path: String,
+}
+
+fn default_health_path() -> String {
+    "/health".to_string()
+}
+
+impl InstanceRecord {
+    /// The record for `info`.
+    pub fn from_info(info: &InstanceInfo) -> InstanceRecord {
+        InstanceRecord {
+            instance_id: info.id.to_string(),
+            url: info.url.clone(),
+            model: info.model.clone(),
+            block_size: info.block_size,
+            events_url: info.events_url.clone(),
+            health_path: info.health_path.clone(),
+        }
+    }
+
+    /// Validates the record found under `key` and turns it into an [`InstanceInfo`].
+    pub fn into_info(
+        self,
+        key: &InstanceKey,
+        registration: u64,
+    ) -> Result<InstanceInfo, DiscoveryError> {
+        let bad = |why: String| DiscoveryError::BadValue {
+            key: key.to_string(),
+            why,
+        };
+        let id: InstanceId = self
+            .instance_id
+            .parse()
+            .map_err(|_| bad(format!("instance_id `{}` is not hex", self.instance_id)))?;
+        if id != key.id {
+            return Err(bad(format!("instance_id {id} does not match the key")));
+        }
+        if !(self.url.starts_with("http://") || self.url.starts_with("https://")) {
+            return Err(bad(format!("url `{}` is not an http(s) URL", self.url)));
+        }
+        if self.block_size == 0 {
+            return Err(bad("block_size is 0".into()));
+        }
+        Ok(InstanceInfo {
+            id,
+            endpoint: key.endpoint.clone(),
+            url: self.url.trim_end_matches('/').to_string(),
+            model: self.model,
+            block_size: self.block_size,
+            events_url: self.events_url,
+            health_path: self.health_path,
+            registration,
+        })
+    }
+}
+
+/// One change to an endpoint's set of instances.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DiscoveryUpdate {
+    /// The complete set (sent on every list and re-list).
+    Reset(Vec<InstanceInfo>),
+    /// An instance appeared or its record changed.
+    Insert(InstanceInfo),
+    /// An instance is gone.
+    Remove(InstanceId),
+}
+
+/// Discovery failures. None of them is fatal: sources retry and keep the last set.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DiscoveryError {
+    /// etcd could not be reached or answered with an error.
+    #[error("etcd at {endpoints}: {why}")]
+    Etcd {
+        /// The etcd endpoints tried.
+        endpoints: String,
+        /// What went wrong.
+        why: String,
+    },
+    /// A key under the prefix is not an instance key.
+    #[error(transparent)]
+    BadKey(#[from] KeyError),
+    /// An instance's value is not a valid record.
+    #[error("bad instance record at {key}: {why}")]
+    BadValue {
+        /// The key.
+        key: String,
+        /// What is wrong with it.
+        why: String,
+    },
+}
+
+/// A source of instances for endpoints.
+pub trait Discovery: Send + Sync + 'static {
+    /// Starts streaming updates for `endpoint` into `tx`; the task ends when `tx`'s
+    /// receiver is dropped.
+    fn watch(
+        &self,
+        endpoint: EndpointPath,
+        tx: mpsc::UnboundedSender<DiscoveryUpdate>,
+    ) -> tokio::task::JoinHandle<()>;
+}

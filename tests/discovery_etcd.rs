@@ -1,0 +1,328 @@
+//! Discovery and the shared Client against a real etcd process.
+
+mod common;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::etcd::Etcd;
+use common::health::HealthServer;
+use etcd_client::PutOptions;
+use switchyard::client::{Availability, Client, ClientConfig, ClientRegistry, HttpHealthCheck};
+use switchyard::discovery::etcd::{EtcdConfig, EtcdDiscovery};
+use switchyard::discovery::etcd_register::Registration;
+use switchyard::discovery::{EndpointPath, InstanceInfo, InstanceKey, InstanceRecord};
+use switchyard::ids::InstanceId;
+use tokio::sync::watch;
+
+/// Upper bound for waiting on an event that should come much sooner.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+fn config(etcd: &Etcd) -> EtcdConfig {
+    EtcdConfig {
+        timeout: Duration::from_secs(1),
+        backoff_initial: Duration::from_millis(100),
+        backoff_max: Duration::from_secs(1),
+        ..EtcdConfig::new(vec![etcd.url()])
+    }
+}
+
+fn registry(etcd: &Etcd) -> ClientRegistry {
+    ClientRegistry::new(
+        Arc::new(EtcdDiscovery::new(config(etcd))),
+        Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
+        ClientConfig {
+            probe_initial: Duration::from_millis(100),
+            probe_max: Duration::from_millis(400),
+        },
+    )
+}
+
+fn endpoint() -> EndpointPath {
+    EndpointPath::for_model("test-model")
+}
+
+fn info(id: u64, url: &str) -> InstanceInfo {
+    InstanceInfo {
+        id: InstanceId(id),
+        endpoint: endpoint(),
+        url: url.to_string(),
+        model: "test-model".into(),
+        block_size: 16,
+        events_url: None,
+        health_path: "/health".into(),
+        registration: 0,
+    }
+}
+
+async fn bounded<T>(what: &str, f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(PATIENCE, f)
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+}
+
+async fn wait_available(rx: &mut watch::Receiver<Arc<[InstanceId]>>, want: &[u64], what: &str) {
+    let want: Vec<InstanceId> = want.iter().map(|&i| InstanceId(i)).collect();
+    bounded(what, rx.wait_for(|a| **a == *want)).await.unwrap();
+}
+
+async fn put_record(etcd: &Etcd, info: &InstanceInfo) {
+    let key = InstanceKey {
+        root: "switchyard".into(),
+        endpoint: info.endpoint.clone(),
+        id: info.id,
+    };
+    let mut c = etcd_client::Client::connect([etcd.url()], None)
+        .await
+        .unwrap();
+    c.put(
+        key.to_string(),
+        serde_json::to_string(&InstanceRecord::from_info(info)).unwrap(),
+        None::<PutOptions>,
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registered_instance_appears_and_a_graceful_stop_removes_it_at_once() {
+    let etcd = Etcd::start();
+    let registry = registry(&etcd);
+    let client = registry.client(&endpoint());
+    assert!(
+        Arc::ptr_eq(&client, &registry.client(&endpoint())),
+        "one Client per endpoint"
+    );
+    let mut rx = client.subscribe();
+
+    // A long TTL: only the revoke on a graceful stop can remove it within PATIENCE.
+    let mut reg = Registration::start(
+        config(&etcd),
+        &info(0xa1, "http://127.0.0.1:9"),
+        Duration::from_secs(60),
+    );
+    reg.wait_registered(PATIENCE).await.unwrap();
+    wait_available(&mut rx, &[0xa1], "the registration").await;
+    let seen = client.instance(InstanceId(0xa1)).unwrap();
+    assert_eq!(seen.url, "http://127.0.0.1:9");
+    assert_eq!(seen.model, "test-model");
+
+    reg.stop().await;
+    wait_available(&mut rx, &[], "the deregistration").await;
+    assert!(client.snapshot().instances.is_empty());
+}
+
+fn switchyard(args: &[&str]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_switchyard"));
+    cmd.args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null());
+    cmd
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_register_process_expires_with_its_lease_and_a_stopped_one_leaves_at_once() {
+    let etcd = Etcd::start();
+    let registry = registry(&etcd);
+    let client = registry.client(&endpoint());
+    let mut rx = client.subscribe();
+    let url = etcd.url();
+
+    let mut crashing = switchyard(&[
+        "register",
+        "--etcd",
+        &url,
+        "--url",
+        "http://127.0.0.1:9",
+        "--model",
+        "test-model",
+        "--ttl",
+        "2",
+        "--instance-id",
+        "b1",
+    ])
+    .spawn()
+    .unwrap();
+    let mut stopping = switchyard(&[
+        "register",
+        "--etcd",
+        &url,
+        "--url",
+        "http://127.0.0.1:10",
+        "--model",
+        "test-model",
+        "--ttl",
+        "60",
+        "--instance-id",
+        "b2",
+    ])
+    .spawn()
+    .unwrap();
+    wait_available(&mut rx, &[0xb1, 0xb2], "both registrations").await;
+
+    // `switchyard instances` lists them.
+    let out = switchyard(&["instances", "--etcd", &url]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(
+        text.contains("b1") && text.contains("b2") && text.contains("2 instance(s)"),
+        "{text}"
+    );
+
+    // SIGKILL: nothing revokes the lease; it expires after its 2 s TTL.
+    crashing.kill().unwrap();
+    crashing.wait().unwrap();
+    wait_available(&mut rx, &[0xb2], "the crashed registration to expire").await;
+
+    // SIGTERM: the lease (60 s TTL) is revoked at once.
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &stopping.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut stdout = String::new();
+    use std::io::Read;
+    stopping
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut stdout)
+        .unwrap();
+    assert!(stopping.wait().unwrap().success());
+    assert!(stdout.contains("deregistered"), "{stdout}");
+    wait_available(&mut rx, &[], "the stopped registration to leave").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reported_down_instance_returns_after_its_health_endpoint_answers_and_not_before() {
+    let etcd = Etcd::start();
+    let health = HealthServer::start().await;
+    let registry = registry(&etcd);
+    let client = registry.client(&endpoint());
+    let mut rx = client.subscribe();
+    let mut watchers = vec![client.subscribe(), client.subscribe()];
+
+    put_record(&etcd, &info(1, &health.url())).await;
+    put_record(&etcd, &info(2, "http://127.0.0.1:9")).await;
+    wait_available(&mut rx, &[1, 2], "both instances").await;
+
+    assert!(client.report_instance_down(InstanceId(1), "connection refused"));
+    // Every receiver sees the smaller set before the caller's next step.
+    for w in &mut watchers {
+        assert_eq!(**w.borrow_and_update(), [InstanceId(2)]);
+    }
+    // Discovery still lists it.
+    assert!(client.instance(InstanceId(1)).is_some());
+
+    // The probe hits a 503 several times; the instance stays out.
+    bounded("failed probes", async {
+        while health.hits.load(Ordering::SeqCst) < 3 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(*client.available(), [InstanceId(2)]);
+    match &client.snapshot().instances[&InstanceId(1)].availability {
+        Availability::Down {
+            reason,
+            failed_probes,
+            ..
+        } => {
+            assert_eq!(reason, "connection refused");
+            assert!(*failed_probes >= 2);
+        }
+        other => panic!("{other:?}"),
+    }
+
+    health.healthy.store(true, Ordering::SeqCst);
+    wait_available(&mut rx, &[1, 2], "re-admission after a healthy probe").await;
+    assert_eq!(
+        client
+            .counters()
+            .readmitted_by_probe
+            .load(Ordering::Relaxed),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_keeps_its_set_while_etcd_is_down_then_converges() {
+    let mut etcd = Etcd::start();
+    let registry = registry(&etcd);
+    let client: Arc<Client> = registry.client(&endpoint());
+    let mut rx = client.subscribe();
+    put_record(&etcd, &info(1, "http://127.0.0.1:9")).await;
+    put_record(&etcd, &info(2, "http://127.0.0.1:10")).await;
+    wait_available(&mut rx, &[1, 2], "both instances").await;
+
+    etcd.stop();
+    // Give the watcher time to notice and retry a few times: nothing is lost meanwhile.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(*client.available(), [InstanceId(1), InstanceId(2)]);
+    assert_eq!(client.snapshot().instances.len(), 2);
+
+    etcd.restart();
+    // Changes made while the client was disconnected.
+    put_record(&etcd, &info(3, "http://127.0.0.1:11")).await;
+    let mut c = etcd_client::Client::connect([etcd.url()], None)
+        .await
+        .unwrap();
+    let key1 = InstanceKey {
+        root: "switchyard".into(),
+        endpoint: endpoint(),
+        id: InstanceId(1),
+    };
+    c.delete(key1.to_string(), None).await.unwrap();
+    wait_available(&mut rx, &[2, 3], "convergence after the restart").await;
+
+    // And the watch is live again.
+    put_record(&etcd, &info(4, "http://127.0.0.1:12")).await;
+    wait_available(&mut rx, &[2, 3, 4], "a change after reconnecting").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_keys_and_values_are_skipped_and_the_watch_goes_on() {
+    let etcd = Etcd::start();
+    let prefix = endpoint().etcd_prefix("switchyard");
+    let mut c = etcd_client::Client::connect([etcd.url()], None)
+        .await
+        .unwrap();
+    // Present at list time.
+    c.put(format!("{prefix}not-hex"), "{}", None).await.unwrap();
+    c.put(format!("{prefix}a"), "not json", None).await.unwrap();
+    put_record(&etcd, &info(1, "http://127.0.0.1:9")).await;
+
+    let registry = registry(&etcd);
+    let client = registry.client(&endpoint());
+    let mut rx = client.subscribe();
+    wait_available(&mut rx, &[1], "the valid instance").await;
+
+    // Arriving through the watch.
+    let mut wrong_id = InstanceRecord::from_info(&info(2, "http://127.0.0.1:9"));
+    wrong_id.instance_id = "ff".into();
+    c.put(
+        format!("{prefix}2"),
+        serde_json::to_string(&wrong_id).unwrap(),
+        None,
+    )
+    .await
+    .unwrap();
+    let mut bad_url = InstanceRecord::from_info(&info(3, "ftp://x"));
+    bad_url.url = "ftp://x".into();
+    c.put(
+        format!("{prefix}3"),
+        serde_json::to_string(&bad_url).unwrap(),
+        None,
+    )
+    .await
+    .unwrap();
+    c.put(format!("{prefix}zz/extra"), "{}", None)
+        .await
+        .unwrap();
+    c.delete(format!("{prefix}not-hex"), None).await.unwrap();
+    put_record(&etcd, &info(5, "http://127.0.0.1:9")).await;
+    wait_available(&mut rx, &[1, 5], "the next valid instance").await;
+    assert_eq!(client.snapshot().instances.len(), 2);
+}
