@@ -23,6 +23,21 @@ impl FromStr for InstanceId {
     }
 }
 
+/// The chained hash of one full KV block: equal hashes mean equal token prefixes up to
+/// and including that block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct BlockHash(pub u64);
+
+impl fmt::Display for BlockHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// One routed request, for load accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct RequestId(pub u64);
+
 #[cfg(test)]
 mod tests {
     use super::*;

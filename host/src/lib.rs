@@ -7,11 +7,18 @@
 //!   registration in etcd. The only module that knows etcd.
 //! - [`client`]: the per-endpoint `Client` — discovered and *available* instances,
 //!   instance-down reports and re-admission — shared through `ClientRegistry`.
+//! - [`kv`]: block hashing, the KV overlap index, approximate mode, load tracking and the
+//!   worker event format — pure data structures, no I/O, no clock.
 //! - [`policy`]: the Wasm policy runtime — loading, sandboxing, calling and hot-swapping
 //!   routing policies, with the native `kv-cost` fallback. The only module that knows
 //!   wasmtime.
+//! - [`router`]: `KvRouter`, one per endpoint — candidates from the shared `Client`, the
+//!   index and the load tracker, decided by the endpoint's policy — and the subscriber
+//!   that keeps the index in step with the workers' KV event streams.
 
 pub mod client;
 pub mod discovery;
 pub mod ids;
+pub mod kv;
 pub mod policy;
+pub mod router;

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 pub mod etcd;
+pub mod events;
 pub mod health;
 
 /// The `.wasm` of a guest built by the host's build script, by artifact name.

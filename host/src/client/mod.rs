@@ -109,6 +109,9 @@ pub struct Client {
     /// The available IDs, sent under `writer` after each change so that every receiver
     /// sees changes in the order they were made.
     available_tx: watch::Sender<Arc<[InstanceId]>>,
+    /// The snapshot version, sent after every change (also those that leave the
+    /// available set alone, e.g. discovery removing a down instance).
+    version_tx: watch::Sender<u64>,
     /// Serialises writers (discovery updates, reports, re-admissions) and owns the
     /// probe tasks. Never held across an await.
     writer: Mutex<HashMap<InstanceId, tokio::task::AbortHandle>>,
@@ -127,12 +130,14 @@ impl Client {
     ) -> Arc<Client> {
         let empty: Arc<[InstanceId]> = Arc::from(Vec::new());
         let (available_tx, _) = watch::channel(empty);
+        let (version_tx, _) = watch::channel(0);
         Arc::new_cyclic(|me| Client {
             endpoint,
             config,
             health,
             current: ArcSwap::from_pointee(Snapshot::default()),
             available_tx,
+            version_tx,
             writer: Mutex::new(HashMap::new()),
             counters: ClientCounters::default(),
             runtime: tokio::runtime::Handle::current(),
@@ -158,6 +163,11 @@ impl Client {
     /// A receiver of the available IDs, updated on every change.
     pub fn subscribe(&self) -> watch::Receiver<Arc<[InstanceId]>> {
         self.available_tx.subscribe()
+    }
+
+    /// A receiver of the snapshot version, updated on every change of any kind.
+    pub fn subscribe_changes(&self) -> watch::Receiver<u64> {
+        self.version_tx.subscribe()
     }
 
     /// What discovery says about `id`, if it is discovered.
@@ -303,6 +313,7 @@ impl Client {
         if available_changed {
             self.available_tx.send_replace(available);
         }
+        self.version_tx.send_replace(version);
         version
     }
 

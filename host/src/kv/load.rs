@@ -1,0 +1,269 @@
+//! Load tracking per worker, from the router's own bookkeeping plus what workers report.
+//!
+//! A request is booked when routed: its prompt blocks count as the worker's active
+//! blocks (a block shared by several in-flight requests counts once) and its uncached
+//! prompt tokens as pending prefill. Its prefill is marked done at its first token, and
+//! everything is released when it ends, fails or is cancelled — or, as a backstop, when
+//! it is older than a hard expiry, so nothing can leak.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use super::PassThrough;
+use crate::ids::{BlockHash, InstanceId, RequestId};
+
+/// What a worker last reported about itself.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ReportedLoad {
+    /// KV blocks in use.
+    pub kv_used_blocks: u64,
+    /// KV blocks in total.
+    pub kv_total_blocks: u64,
+    /// Requests running.
+    pub running: u32,
+    /// Requests queued.
+    pub waiting: u32,
+}
+
+impl ReportedLoad {
+    /// KV usage in [0, 1], if the total is known.
+    pub fn kv_usage(&self) -> Option<f32> {
+        (self.kv_total_blocks > 0)
+            .then(|| (self.kv_used_blocks as f64 / self.kv_total_blocks as f64).min(1.0) as f32)
+    }
+}
+
+/// One worker's load as the policy sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct WorkerLoad {
+    /// Distinct blocks of in-flight requests.
+    pub active_blocks: u32,
+    /// Prompt tokens routed and not yet prefilled.
+    pub pending_prefill_tokens: u64,
+    /// Requests in flight.
+    pub in_flight: u32,
+    /// The worker's own report, if any.
+    pub reported: Option<ReportedLoad>,
+}
+
+#[derive(Debug, Default)]
+struct Worker {
+    /// Block → number of in-flight requests using it.
+    blocks: HashMap<BlockHash, u32, PassThrough>,
+    pending_prefill_tokens: u64,
+    in_flight: u32,
+    reported: Option<ReportedLoad>,
+}
+
+#[derive(Debug)]
+struct Booking {
+    worker: InstanceId,
+    blocks: Vec<BlockHash>,
+    /// Uncached prompt tokens still counted as pending prefill (0 once done).
+    pending: u64,
+    booked_at: Instant,
+}
+
+/// Per-worker load. Pure; the caller serialises access.
+#[derive(Debug, Default)]
+pub struct LoadTracker {
+    workers: HashMap<InstanceId, Worker>,
+    requests: HashMap<RequestId, Booking>,
+}
+
+impl LoadTracker {
+    /// No load.
+    pub fn new() -> LoadTracker {
+        LoadTracker::default()
+    }
+
+    /// Books a request routed to `worker`. Booking the same request twice replaces the
+    /// first booking.
+    pub fn book(
+        &mut self,
+        req: RequestId,
+        worker: InstanceId,
+        blocks: &[BlockHash],
+        uncached_tokens: u64,
+        now: Instant,
+    ) {
+        self.finish(req);
+        let w = self.workers.entry(worker).or_default();
+        for &b in blocks {
+            *w.blocks.entry(b).or_insert(0) += 1;
+        }
+        w.pending_prefill_tokens += uncached_tokens;
+        w.in_flight += 1;
+        self.requests.insert(
+            req,
+            Booking {
+                worker,
+                blocks: blocks.to_vec(),
+                pending: uncached_tokens,
+                booked_at: now,
+            },
+        );
+    }
+
+    /// The request's first token arrived: its prompt is no longer pending prefill.
+    pub fn prefill_done(&mut self, req: RequestId) {
+        let Some(b) = self.requests.get_mut(&req) else {
+            return;
+        };
+        if let Some(w) = self.workers.get_mut(&b.worker) {
+            w.pending_prefill_tokens -= b.pending;
+        }
+        b.pending = 0;
+    }
+
+    /// The request ended, failed or was cancelled: release everything it holds.
+    /// Returns false if it was not booked (already released).
+    pub fn finish(&mut self, req: RequestId) -> bool {
+        let Some(b) = self.requests.remove(&req) else {
+            return false;
+        };
+        if let Some(w) = self.workers.get_mut(&b.worker) {
+            for block in &b.blocks {
+                if let Some(n) = w.blocks.get_mut(block) {
+                    *n -= 1;
+                    if *n == 0 {
+                        w.blocks.remove(block);
+                    }
+                }
+            }
+            w.pending_prefill_tokens -= b.pending;
+            w.in_flight -= 1;
+        }
+        true
+    }
+
+    /// Releases every request booked more than `max_age` before `now`; returns how many.
+    pub fn expire(&mut self, now: Instant, max_age: Duration) -> usize {
+        let old: Vec<RequestId> = self
+            .requests
+            .iter()
+            .filter(|(_, b)| now.saturating_duration_since(b.booked_at) > max_age)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &old {
+            self.finish(*id);
+        }
+        old.len()
+    }
+
+    /// Records what `worker` reported about itself.
+    pub fn report(&mut self, worker: InstanceId, load: ReportedLoad) {
+        self.workers.entry(worker).or_default().reported = Some(load);
+    }
+
+    /// Forgets `worker`'s report (its bookings stay until their requests end).
+    pub fn forget_report(&mut self, worker: InstanceId) {
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.reported = None;
+        }
+    }
+
+    /// `worker`'s current load.
+    pub fn load(&self, worker: InstanceId) -> WorkerLoad {
+        self.workers
+            .get(&worker)
+            .map_or_else(WorkerLoad::default, |w| WorkerLoad {
+                active_blocks: w.blocks.len() as u32,
+                pending_prefill_tokens: w.pending_prefill_tokens,
+                in_flight: w.in_flight,
+                reported: w.reported,
+            })
+    }
+
+    /// Requests currently booked.
+    pub fn in_flight(&self) -> usize {
+        self.requests.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn b(v: &[u64]) -> Vec<BlockHash> {
+        v.iter().map(|&x| BlockHash(x)).collect()
+    }
+
+    #[test]
+    fn shared_prefixes_count_once_and_prefill_clears_at_first_token() {
+        let now = Instant::now();
+        let mut t = LoadTracker::new();
+        t.book(RequestId(1), InstanceId(7), &b(&[1, 2, 3]), 48, now);
+        t.book(RequestId(2), InstanceId(7), &b(&[1, 2, 4]), 16, now);
+        let l = t.load(InstanceId(7));
+        assert_eq!(
+            (l.active_blocks, l.pending_prefill_tokens, l.in_flight),
+            (4, 64, 2)
+        );
+        t.prefill_done(RequestId(1));
+        assert_eq!(t.load(InstanceId(7)).pending_prefill_tokens, 16);
+        t.finish(RequestId(1));
+        let l = t.load(InstanceId(7));
+        assert_eq!(
+            (l.active_blocks, l.pending_prefill_tokens, l.in_flight),
+            (3, 16, 1)
+        );
+        assert!(!t.finish(RequestId(1)), "double release is a no-op");
+    }
+
+    #[test]
+    fn a_hard_expiry_frees_what_was_left_behind() {
+        let now = Instant::now();
+        let mut t = LoadTracker::new();
+        t.book(RequestId(1), InstanceId(1), &b(&[1]), 10, now);
+        t.book(
+            RequestId(2),
+            InstanceId(1),
+            &b(&[2]),
+            10,
+            now + Duration::from_secs(50),
+        );
+        assert_eq!(
+            t.expire(now + Duration::from_secs(61), Duration::from_secs(60)),
+            1
+        );
+        assert_eq!(t.load(InstanceId(1)).in_flight, 1);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Book(u64, u64, Vec<u64>, u64),
+        Prefill(u64),
+        Finish(u64),
+    }
+
+    proptest! {
+        #[test]
+        fn every_counter_returns_to_zero_once_all_requests_end(
+            ops in proptest::collection::vec(prop_oneof![
+                3 => (0u64..20, 0u64..4, proptest::collection::vec(0u64..10, 0..8), 0u64..500)
+                    .prop_map(|(r, w, bl, t)| Op::Book(r, w, bl, t)),
+                2 => (0u64..20).prop_map(Op::Prefill),
+                2 => (0u64..20).prop_map(Op::Finish),
+            ], 0..200)
+        ) {
+            let now = Instant::now();
+            let mut t = LoadTracker::new();
+            for op in ops {
+                match op {
+                    Op::Book(r, w, bl, tok) => t.book(RequestId(r), InstanceId(w), &b(&bl), tok, now),
+                    Op::Prefill(r) => t.prefill_done(RequestId(r)),
+                    Op::Finish(r) => { t.finish(RequestId(r)); }
+                }
+            }
+            for r in 0..20 {
+                t.finish(RequestId(r));
+            }
+            prop_assert_eq!(t.in_flight(), 0);
+            for w in 0..4 {
+                prop_assert_eq!(t.load(InstanceId(w)), WorkerLoad::default());
+            }
+        }
+    }
+}

@@ -1,0 +1,336 @@
+//! `KvRouter`: one per endpoint. Builds the candidates of a request — the endpoint's
+//! available instances (from the shared `Client`), each with its KV overlap (from the
+//! index) and load (from the tracker) — asks the endpoint's policy, validates the
+//! answer, and books the request's load on the chosen worker.
+//!
+//! Must not know: wasmtime (it sees `PolicyHandle`), etcd, HTTP serving.
+
+pub mod subscriber;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
+
+use crate::client::Client;
+use crate::discovery::EndpointPath;
+use crate::ids::{BlockHash, InstanceId, RequestId};
+use crate::kv::approx::ApproxIndex;
+use crate::kv::events::KvEvent;
+use crate::kv::hash::BlockHasher;
+use crate::kv::index::OverlapIndex;
+use crate::kv::load::{LoadTracker, ReportedLoad};
+use crate::policy::{
+    CandidateRow, Candidates, Decider, Decision, DecisionOutcome, PolicyHandle, Rejection, Request,
+};
+
+/// Where overlap comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IndexMode {
+    /// Workers publish KV events; the index mirrors their caches.
+    Events,
+    /// Workers publish nothing; the router predicts caches from its own decisions.
+    Approximate {
+        /// How long a prediction lives.
+        ttl: Duration,
+        /// Most (worker, block) predictions kept.
+        max_blocks: usize,
+    },
+}
+
+/// One endpoint's routing configuration.
+#[derive(Debug, Clone)]
+pub struct KvRouterConfig {
+    /// Tokens per KV block (must match the workers').
+    pub block_size: u32,
+    /// Seed of the block hash chain (must match the workers').
+    pub hash_seed: u64,
+    /// Events or approximate.
+    pub mode: IndexMode,
+    /// A booked request still open after this long is released anyway.
+    pub load_expiry: Duration,
+}
+
+impl KvRouterConfig {
+    /// Event mode, 10-minute load expiry.
+    pub fn events(block_size: u32) -> KvRouterConfig {
+        KvRouterConfig {
+            block_size,
+            hash_seed: 0,
+            mode: IndexMode::Events,
+            load_expiry: Duration::from_secs(600),
+        }
+    }
+}
+
+/// Why a request could not be routed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    /// The endpoint has no available instance (or all were excluded by retries).
+    #[error("no available instance for endpoint {endpoint} ({excluded} excluded after failures)")]
+    NoInstances {
+        /// The endpoint.
+        endpoint: String,
+        /// Instances excluded by the caller.
+        excluded: usize,
+    },
+    /// The policy refused the request.
+    #[error("the routing policy rejected the request: {}", .0.reason)]
+    Rejected(Rejection),
+}
+
+/// A routed request. Call [`KvRouter::prefill_done`] at its first token and
+/// [`KvRouter::finish`] when it ends, fails or is cancelled.
+#[derive(Debug, Clone)]
+pub struct Routed {
+    /// The chosen worker.
+    pub worker: InstanceId,
+    /// The load booking.
+    pub request: RequestId,
+    /// Leading prompt blocks the worker already holds.
+    pub overlap_blocks: u32,
+    /// Full prompt blocks.
+    pub prompt_blocks: u32,
+    /// How the policy decided.
+    pub decision: Decision,
+}
+
+enum Index {
+    Events(OverlapIndex),
+    Approximate(ApproxIndex),
+}
+
+impl Index {
+    fn overlaps(&self) -> &OverlapIndex {
+        match self {
+            Index::Events(i) => i,
+            Index::Approximate(a) => a.index(),
+        }
+    }
+}
+
+/// The KV-aware router of one endpoint.
+pub struct KvRouter {
+    endpoint: EndpointPath,
+    client: Arc<Client>,
+    policy: Arc<PolicyHandle>,
+    hasher: BlockHasher,
+    config: KvRouterConfig,
+    /// Read by every decision, written by event subscribers (and, in approximate mode,
+    /// by decisions).
+    index: RwLock<Index>,
+    /// Short critical sections only: read candidates' loads, book, release.
+    load: Mutex<LoadTracker>,
+    next_request: AtomicU64,
+    event_stats: subscriber::EventStats,
+}
+
+impl KvRouter {
+    /// A router for `client`'s endpoint deciding with `policy`.
+    pub fn new(client: Arc<Client>, policy: Arc<PolicyHandle>, config: KvRouterConfig) -> KvRouter {
+        let index = match config.mode {
+            IndexMode::Events => Index::Events(OverlapIndex::new()),
+            IndexMode::Approximate { ttl, max_blocks } => {
+                Index::Approximate(ApproxIndex::new(ttl, max_blocks))
+            }
+        };
+        KvRouter {
+            endpoint: client.endpoint().clone(),
+            hasher: BlockHasher::new(config.block_size, config.hash_seed),
+            client,
+            policy,
+            config,
+            index: RwLock::new(index),
+            load: Mutex::new(LoadTracker::new()),
+            next_request: AtomicU64::new(1),
+            event_stats: subscriber::EventStats::default(),
+        }
+    }
+
+    /// The endpoint.
+    pub fn endpoint(&self) -> &EndpointPath {
+        &self.endpoint
+    }
+
+    /// The shared client (the same `Arc` the proxy uses).
+    pub fn client(&self) -> &Arc<Client> {
+        &self.client
+    }
+
+    /// The endpoint's policy.
+    pub fn policy(&self) -> &Arc<PolicyHandle> {
+        &self.policy
+    }
+
+    /// The block hasher (the same chain the workers use).
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
+    /// Counters of the KV event subscriptions.
+    pub fn event_stats(&self) -> &subscriber::EventStats {
+        &self.event_stats
+    }
+
+    /// Routes a request given its token IDs, avoiding `exclude` (workers that already
+    /// failed this request).
+    pub fn route(
+        &self,
+        tokens: &[u32],
+        session_key: Option<u64>,
+        exclude: &[InstanceId],
+    ) -> Result<Routed, RouteError> {
+        let hashes = self.hasher.hashes(tokens);
+        self.route_blocks(
+            tokens.len() as u32,
+            &hashes,
+            session_key,
+            exclude,
+            Instant::now(),
+        )
+    }
+
+    /// Routes a request given its block hashes (`prompt_tokens` may exceed the hashed
+    /// blocks by a partial block).
+    pub fn route_blocks(
+        &self,
+        prompt_tokens: u32,
+        hashes: &[BlockHash],
+        session_key: Option<u64>,
+        exclude: &[InstanceId],
+        now: Instant,
+    ) -> Result<Routed, RouteError> {
+        let available = self.client.available();
+        let mut overlaps = Vec::new();
+        self.index
+            .read()
+            .overlaps()
+            .overlaps(hashes, |w, n| overlaps.push((w, n)));
+        overlaps.sort_unstable();
+        let mut candidates = Candidates::with_capacity(available.len());
+        {
+            let load = self.load.lock();
+            for &id in available.iter().filter(|id| !exclude.contains(id)) {
+                let l = load.load(id);
+                let overlap = overlaps
+                    .binary_search_by_key(&id, |(w, _)| *w)
+                    .map_or(0, |i| overlaps[i].1);
+                candidates.push(CandidateRow {
+                    id,
+                    overlap_blocks: overlap,
+                    active_blocks: l.active_blocks,
+                    pending_prefill_tokens: l.pending_prefill_tokens.min(u64::from(u32::MAX))
+                        as u32,
+                    in_flight: l.in_flight,
+                    kv_usage: l.reported.and_then(|r| r.kv_usage()),
+                });
+            }
+        }
+        if candidates.is_empty() {
+            return Err(RouteError::NoInstances {
+                endpoint: self.endpoint.to_string(),
+                excluded: exclude.len(),
+            });
+        }
+        let prompt_blocks = hashes.len() as u32;
+        let request = Request {
+            prompt_tokens,
+            prompt_blocks,
+            block_size: self.config.block_size,
+            session_key,
+            seed: 0,
+            sequence: 0,
+        };
+        let decision = self.policy.decide(request, &candidates);
+        let worker = match &decision.outcome {
+            DecisionOutcome::Chosen(id) => *id,
+            DecisionOutcome::Rejected(r) => return Err(RouteError::Rejected(r.clone())),
+            DecisionOutcome::NoCandidates => {
+                return Err(RouteError::NoInstances {
+                    endpoint: self.endpoint.to_string(),
+                    excluded: exclude.len(),
+                });
+            }
+        };
+        debug_assert!(decision.decider == Decider::Fallback || candidates.contains(worker));
+        let overlap_blocks = overlaps
+            .binary_search_by_key(&worker, |(w, _)| *w)
+            .map_or(0, |i| overlaps[i].1);
+        let request = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
+        let uncached = u64::from(prompt_tokens)
+            .saturating_sub(u64::from(overlap_blocks) * u64::from(self.config.block_size));
+        {
+            let mut load = self.load.lock();
+            load.expire(now, self.config.load_expiry);
+            load.book(request, worker, hashes, uncached, now);
+        }
+        if let Index::Approximate(a) = &mut *self.index.write() {
+            a.record(worker, hashes, now);
+        }
+        Ok(Routed {
+            worker,
+            request,
+            overlap_blocks,
+            prompt_blocks,
+            decision,
+        })
+    }
+
+    /// The request's first token arrived.
+    pub fn prefill_done(&self, request: RequestId) {
+        self.load.lock().prefill_done(request);
+    }
+
+    /// The request ended, failed or was cancelled.
+    pub fn finish(&self, request: RequestId) {
+        self.load.lock().finish(request);
+    }
+
+    /// Current load of `worker`.
+    pub fn load_of(&self, worker: InstanceId) -> crate::kv::load::WorkerLoad {
+        self.load.lock().load(worker)
+    }
+
+    /// Blocks the index says `worker` holds.
+    pub fn cached_blocks(&self, worker: InstanceId) -> usize {
+        self.index.read().overlaps().worker_blocks(worker)
+    }
+
+    /// Every block the index says `worker` holds, sorted.
+    pub fn cached_block_list(&self, worker: InstanceId) -> Vec<BlockHash> {
+        self.index.read().overlaps().worker_block_list(worker)
+    }
+
+    /// Applies one event from `worker`'s stream (the subscriber checks sequence numbers).
+    pub(crate) fn apply_event(&self, worker: InstanceId, event: &KvEvent) {
+        let mut guard = self.index.write();
+        let Index::Events(index) = &mut *guard else {
+            return;
+        };
+        let hashes = |v: &[u64]| v.iter().map(|&h| BlockHash(h)).collect::<Vec<_>>();
+        match event {
+            KvEvent::Snapshot { blocks, .. } => {
+                index.cleared(worker);
+                index.stored(worker, &hashes(blocks));
+            }
+            KvEvent::Stored { blocks, .. } => index.stored(worker, &hashes(blocks)),
+            KvEvent::Removed { blocks, .. } => index.removed(worker, &hashes(blocks)),
+            KvEvent::Cleared { .. } => index.cleared(worker),
+            KvEvent::Load { .. } => {}
+        }
+    }
+
+    pub(crate) fn report_load(&self, worker: InstanceId, load: ReportedLoad) {
+        self.load.lock().report(worker, load);
+    }
+
+    /// Forgets a worker that discovery removed.
+    pub(crate) fn drop_worker(&self, worker: InstanceId) {
+        match &mut *self.index.write() {
+            Index::Events(i) => i.remove_worker(worker),
+            Index::Approximate(a) => a.remove_worker(worker),
+        }
+        self.load.lock().forget_report(worker);
+    }
+}

@@ -1,0 +1,239 @@
+//! KV event subscriptions: one per *available* worker that publishes an event stream,
+//! following the shared Client. Events are applied to the endpoint's index; a sequence
+//! gap resubscribes for a fresh snapshot; a broken or silent stream reconnects with
+//! backoff; malformed lines are counted and skipped; a worker that discovery removes has
+//! its blocks dropped.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client as HttpClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use super::KvRouter;
+use crate::ids::InstanceId;
+use crate::kv::events::{KvEvent, SeqCheck, check_seq};
+
+/// Subscription timing.
+#[derive(Debug, Clone)]
+pub struct SubscriberConfig {
+    /// First reconnect delay (doubles up to `backoff_max`).
+    pub backoff_initial: Duration,
+    /// Longest reconnect delay.
+    pub backoff_max: Duration,
+    /// A stream silent for this long (no event, no load report) is reconnected.
+    pub idle_timeout: Duration,
+}
+
+impl Default for SubscriberConfig {
+    fn default() -> Self {
+        SubscriberConfig {
+            backoff_initial: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Counters of the event subscriptions of one endpoint.
+#[derive(Debug, Default)]
+pub struct EventStats {
+    /// Cache events applied (snapshots included).
+    pub applied: AtomicU64,
+    /// Lines that were not valid events.
+    pub malformed: AtomicU64,
+    /// Sequence gaps (each forces a resubscription).
+    pub gaps: AtomicU64,
+    /// Successful connections (each starts with a snapshot).
+    pub connects: AtomicU64,
+    /// Streams that broke or went silent.
+    pub disconnects: AtomicU64,
+}
+
+/// Starts following `router`'s client; runs until the router is dropped.
+pub fn spawn(router: &Arc<KvRouter>, config: SubscriberConfig) -> tokio::task::JoinHandle<()> {
+    let weak = Arc::downgrade(router);
+    let mut changes = router.client().subscribe_changes();
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_secs(2)));
+    let http: HttpClient<HttpConnector, Empty<Bytes>> =
+        HttpClient::builder(TokioExecutor::new()).build(connector);
+    tokio::spawn(async move {
+        let mut subs: HashMap<InstanceId, (String, tokio::task::AbortHandle)> = HashMap::new();
+        let mut known: BTreeSet<InstanceId> = BTreeSet::new();
+        loop {
+            {
+                let Some(router) = weak.upgrade() else { break };
+                let snap = router.client().snapshot();
+                for gone in known.iter().filter(|id| !snap.instances.contains_key(id)) {
+                    router.drop_worker(*gone);
+                }
+                known = snap.instances.keys().copied().collect();
+                let available: BTreeSet<InstanceId> = snap.available.iter().copied().collect();
+                subs.retain(|id, (url, task)| {
+                    let keep = available.contains(id)
+                        && snap
+                            .instances
+                            .get(id)
+                            .and_then(|s| s.info.events_url.as_ref())
+                            == Some(url);
+                    if !keep {
+                        task.abort();
+                    }
+                    keep
+                });
+                for id in &available {
+                    let Some(url) = snap
+                        .instances
+                        .get(id)
+                        .and_then(|s| s.info.events_url.clone())
+                    else {
+                        continue;
+                    };
+                    if subs.contains_key(id) {
+                        continue;
+                    }
+                    let task = tokio::spawn(follow(
+                        weak.clone(),
+                        *id,
+                        url.clone(),
+                        config.clone(),
+                        http.clone(),
+                    ));
+                    subs.insert(*id, (url, task.abort_handle()));
+                }
+            }
+            if changes.changed().await.is_err() {
+                break;
+            }
+        }
+        for (_, (_, task)) in subs {
+            task.abort();
+        }
+    })
+}
+
+enum End {
+    Gap,
+    Broken(String),
+}
+
+async fn follow(
+    router: Weak<KvRouter>,
+    worker: InstanceId,
+    url: String,
+    config: SubscriberConfig,
+    http: HttpClient<HttpConnector, Empty<Bytes>>,
+) {
+    let mut delay = config.backoff_initial;
+    loop {
+        let mut synced = false;
+        let end = stream_once(&router, worker, &url, &config, &http, &mut synced).await;
+        let Some(r) = router.upgrade() else { return };
+        if synced {
+            delay = config.backoff_initial;
+        }
+        match end {
+            End::Gap => {
+                r.event_stats.gaps.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(instance = %worker, "KV event sequence gap; resubscribing for a snapshot");
+                continue;
+            }
+            End::Broken(why) => {
+                r.event_stats.disconnects.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(instance = %worker, url, why, retry_in = ?delay, "KV event stream broke");
+            }
+        }
+        drop(r);
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(config.backoff_max);
+    }
+}
+
+async fn stream_once(
+    router: &Weak<KvRouter>,
+    worker: InstanceId,
+    url: &str,
+    config: &SubscriberConfig,
+    http: &HttpClient<HttpConnector, Empty<Bytes>>,
+    synced: &mut bool,
+) -> End {
+    let uri: hyper::Uri = match url.parse() {
+        Ok(u) => u,
+        Err(e) => return End::Broken(format!("bad events URL: {e}")),
+    };
+    let response = match tokio::time::timeout(config.idle_timeout, http.get(uri)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return End::Broken(e.to_string()),
+        Err(_) => return End::Broken("connect timed out".into()),
+    };
+    if !response.status().is_success() {
+        return End::Broken(format!("HTTP {}", response.status()));
+    }
+    let mut body = response.into_body();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut last: Option<u64> = None;
+    loop {
+        let frame = match tokio::time::timeout(config.idle_timeout, body.frame()).await {
+            Err(_) => return End::Broken(format!("silent for {:?}", config.idle_timeout)),
+            Ok(None) => return End::Broken("stream ended".into()),
+            Ok(Some(Err(e))) => return End::Broken(e.to_string()),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        buf.extend_from_slice(&data);
+        while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=nl).collect();
+            let line = &line[..line.len() - 1];
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            let Some(r) = router.upgrade() else {
+                return End::Broken("router dropped".into());
+            };
+            let event: KvEvent = match serde_json::from_slice(line) {
+                Ok(e) => e,
+                Err(e) => {
+                    let n = r.event_stats.malformed.fetch_add(1, Ordering::Relaxed) + 1;
+                    if n <= 10 || n.is_multiple_of(1000) {
+                        tracing::warn!(instance = %worker, error = %e, malformed = n, "skipping a malformed KV event");
+                    }
+                    continue;
+                }
+            };
+            match check_seq(last, &event) {
+                SeqCheck::Reset => {
+                    r.apply_event(worker, &event);
+                    if !*synced {
+                        r.event_stats.connects.fetch_add(1, Ordering::Relaxed);
+                    }
+                    *synced = true;
+                    last = event.seq();
+                    r.event_stats.applied.fetch_add(1, Ordering::Relaxed);
+                }
+                SeqCheck::Apply => {
+                    r.apply_event(worker, &event);
+                    last = event.seq();
+                    r.event_stats.applied.fetch_add(1, Ordering::Relaxed);
+                }
+                SeqCheck::NotSequenced => {
+                    if let Some(load) = event.load() {
+                        r.report_load(worker, load);
+                    }
+                }
+                SeqCheck::Gap { expected, got } => {
+                    tracing::debug!(instance = %worker, expected, got, "KV event gap");
+                    return End::Gap;
+                }
+            }
+        }
+    }
+}

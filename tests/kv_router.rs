@@ -1,0 +1,242 @@
+//! The KV index kept in step with real worker event streams over HTTP, and the
+//! endpoint's KvRouter deciding with the real kv-cost policy over a real Client.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use common::events::EventServer;
+use switchyard::client::{Client, ClientConfig, HttpHealthCheck};
+use switchyard::discovery::{DiscoveryUpdate, EndpointPath, InstanceInfo};
+use switchyard::ids::{BlockHash, InstanceId};
+use switchyard::kv::hash::BlockHasher;
+use switchyard::policy::{Decider, PolicyEngine, PolicyHandle};
+use switchyard::router::subscriber::{self, SubscriberConfig};
+use switchyard::router::{IndexMode, KvRouter, KvRouterConfig, RouteError};
+
+const PATIENCE: Duration = Duration::from_secs(30);
+
+fn instance(id: u64, events_url: Option<String>) -> InstanceInfo {
+    InstanceInfo {
+        id: InstanceId(id),
+        endpoint: EndpointPath::for_model("m"),
+        url: format!("http://127.0.0.1:{}", 1 + id),
+        model: "m".into(),
+        block_size: 16,
+        events_url,
+        health_path: "/health".into(),
+        registration: 1,
+    }
+}
+
+fn router(instances: Vec<InstanceInfo>, mode: IndexMode) -> (Arc<KvRouter>, Arc<Client>) {
+    let client = Client::new(
+        EndpointPath::for_model("m"),
+        ClientConfig {
+            probe_initial: Duration::from_secs(3600),
+            probe_max: Duration::from_secs(3600),
+        },
+        Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
+    );
+    client.apply(DiscoveryUpdate::Reset(instances));
+    let engine = PolicyEngine::new(common::runtime()).unwrap();
+    let policy = Arc::new(
+        PolicyHandle::new(engine.clone(), engine.load_spec("kv-cost", "{}").unwrap()).unwrap(),
+    );
+    let router = Arc::new(KvRouter::new(
+        client.clone(),
+        policy,
+        KvRouterConfig {
+            mode,
+            ..KvRouterConfig::events(16)
+        },
+    ));
+    subscriber::spawn(
+        &router,
+        SubscriberConfig {
+            backoff_initial: Duration::from_millis(20),
+            backoff_max: Duration::from_millis(200),
+            idle_timeout: Duration::from_secs(5),
+        },
+    );
+    (router, client)
+}
+
+/// Polls `f` until it holds (bounded by PATIENCE): there is no event to wait on for
+/// "the index has caught up with a remote stream".
+async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + PATIENCE;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn hashes(v: &[u64]) -> Vec<BlockHash> {
+    v.iter().map(|&b| BlockHash(b)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_then_deltas_land_in_the_index() {
+    let worker = EventServer::start(&[1, 2, 3]).await;
+    let (router, _client) = router(
+        vec![instance(7, Some(worker.url.clone()))],
+        IndexMode::Events,
+    );
+    let w = InstanceId(7);
+    eventually("the snapshot", || {
+        router.cached_block_list(w) == hashes(&[1, 2, 3])
+    })
+    .await;
+    worker.store(&[4, 5]);
+    worker.remove(&[1]);
+    eventually("the deltas", || {
+        router.cached_block_list(w) == hashes(&[2, 3, 4, 5])
+    })
+    .await;
+    worker.load(30, 100);
+    eventually("the load report", || {
+        router
+            .load_of(w)
+            .reported
+            .is_some_and(|r| r.kv_used_blocks == 30)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_gap_forces_a_resync_that_matches_the_worker() {
+    let worker = EventServer::start(&[1]).await;
+    let (router, _client) = router(
+        vec![instance(7, Some(worker.url.clone()))],
+        IndexMode::Events,
+    );
+    let w = InstanceId(7);
+    eventually("the snapshot", || {
+        router.cached_block_list(w) == hashes(&[1])
+    })
+    .await;
+    // Block 9's event never reaches the router; the next one arrives with a gap.
+    worker.lose_an_event_then_store(&[9], &[10]);
+    eventually("the resync", || {
+        router.cached_block_list(w) == hashes(&worker.blocks())
+    })
+    .await;
+    assert_eq!(router.cached_block_list(w), hashes(&[1, 9, 10]));
+    assert!(router.event_stats().gaps.load(Ordering::Relaxed) >= 1);
+    assert!(worker.connections.load(Ordering::SeqCst) >= 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_stream_reconnects_and_malformed_lines_are_skipped() {
+    let worker = EventServer::start(&[1]).await;
+    let (router, _client) = router(
+        vec![instance(7, Some(worker.url.clone()))],
+        IndexMode::Events,
+    );
+    let w = InstanceId(7);
+    eventually("the snapshot", || {
+        router.cached_block_list(w) == hashes(&[1])
+    })
+    .await;
+
+    worker.send_raw("this is not json\n");
+    worker.send_raw("{\"type\":\"stored\",\"seq\":\"x\"}\n");
+    worker.store(&[2]);
+    eventually("the event after the garbage", || {
+        router.cached_block_list(w) == hashes(&[1, 2])
+    })
+    .await;
+    assert_eq!(router.event_stats().malformed.load(Ordering::Relaxed), 2);
+
+    worker.disconnect_all();
+    worker.store(&[3]); // made while nobody listens
+    eventually("the reconnection", || {
+        router.cached_block_list(w) == hashes(&[1, 2, 3])
+    })
+    .await;
+    assert!(router.event_stats().connects.load(Ordering::Relaxed) >= 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_cost_sends_a_cached_prefix_to_its_worker_and_never_to_a_reported_down_one() {
+    let tokens: Vec<u32> = (0..64 * 16).map(|i| (i * 7 + 3) % 50_000).collect();
+    let prompt: Vec<u64> = BlockHasher::new(16, 0)
+        .hashes(&tokens)
+        .iter()
+        .map(|h| h.0)
+        .collect();
+    let a = EventServer::start(&[]).await;
+    let b = EventServer::start(&prompt).await;
+    let c = EventServer::start(&prompt[..8]).await;
+    let (router, client) = router(
+        vec![
+            instance(0xa, Some(a.url.clone())),
+            instance(0xb, Some(b.url.clone())),
+            instance(0xc, Some(c.url.clone())),
+        ],
+        IndexMode::Events,
+    );
+    eventually("the snapshots", || {
+        router.cached_blocks(InstanceId(0xb)) == 64 && router.cached_blocks(InstanceId(0xc)) == 8
+    })
+    .await;
+
+    let routed = router.route(&tokens, None, &[]).unwrap();
+    assert_eq!(routed.worker, InstanceId(0xb));
+    assert_eq!(routed.decision.decider, Decider::Policy);
+    assert_eq!(routed.overlap_blocks, 64);
+    // The booking shows up as load on B.
+    assert_eq!(router.load_of(InstanceId(0xb)).in_flight, 1);
+    router.finish(routed.request);
+    assert_eq!(router.load_of(InstanceId(0xb)).in_flight, 0);
+
+    assert!(client.report_instance_down(InstanceId(0xb), "connection refused"));
+    let next = router.route(&tokens, None, &[]).unwrap();
+    assert_eq!(
+        next.worker,
+        InstanceId(0xc),
+        "the next best cache holder, never B"
+    );
+    router.finish(next.request);
+
+    // Retries exclude the workers that already failed this request.
+    let retry = router.route(&tokens, None, &[InstanceId(0xc)]).unwrap();
+    assert_eq!(retry.worker, InstanceId(0xa));
+    let err = router
+        .route(&tokens, None, &[InstanceId(0xa), InstanceId(0xc)])
+        .unwrap_err();
+    assert!(
+        matches!(err, RouteError::NoInstances { excluded: 2, .. }),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approximate_mode_predicts_caches_from_its_own_decisions() {
+    let mode = IndexMode::Approximate {
+        ttl: Duration::from_secs(120),
+        max_blocks: 10_000,
+    };
+    let (router, _client) = router((1..=4).map(|i| instance(i, None)).collect(), mode);
+    let tokens: Vec<u32> = (0..40 * 16).collect();
+    let first = router.route(&tokens, None, &[]).unwrap();
+    assert_eq!(first.overlap_blocks, 0);
+    router.finish(first.request);
+    let second = router.route(&tokens, None, &[]).unwrap();
+    assert_eq!(second.worker, first.worker);
+    assert_eq!(second.overlap_blocks, 40);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_available_instance_is_a_typed_error() {
+    let (router, client) = router(vec![instance(1, None)], IndexMode::Events);
+    client.report_instance_down(InstanceId(1), "test");
+    let err = router.route(&[1, 2, 3], None, &[]).unwrap_err();
+    assert!(
+        matches!(err, RouteError::NoInstances { excluded: 0, .. }),
+        "{err}"
+    );
+}
