@@ -201,32 +201,7 @@ impl KvRouter {
         exclude: &[InstanceId],
         now: Instant,
     ) -> Result<Routed, RouteError> {
-        let available = self.client.available();
-        let mut overlaps = Vec::new();
-        self.index
-            .read()
-            .overlaps()
-            .overlaps(hashes, |w, n| overlaps.push((w, n)));
-        overlaps.sort_unstable();
-        let mut candidates = Candidates::with_capacity(available.len());
-        {
-            let load = self.load.lock();
-            for &id in available.iter().filter(|id| !exclude.contains(id)) {
-                let l = load.load(id);
-                let overlap = overlaps
-                    .binary_search_by_key(&id, |(w, _)| *w)
-                    .map_or(0, |i| overlaps[i].1);
-                candidates.push(CandidateRow {
-                    id,
-                    overlap_blocks: overlap,
-                    active_blocks: l.active_blocks,
-                    pending_prefill_tokens: l.pending_prefill_tokens.min(u64::from(u32::MAX))
-                        as u32,
-                    in_flight: l.in_flight,
-                    kv_usage: l.reported.and_then(|r| r.kv_usage()),
-                });
-            }
-        }
+        let (candidates, overlaps) = self.candidates(hashes, exclude);
         if candidates.is_empty() {
             return Err(RouteError::NoInstances {
                 endpoint: self.endpoint.to_string(),
@@ -275,6 +250,46 @@ impl KvRouter {
             prompt_blocks,
             decision,
         })
+    }
+
+    /// The candidates for a request with these block hashes: every available instance
+    /// not in `exclude`, ascending, with its overlap and load; and the overlaps found
+    /// (sorted by worker).
+    pub fn candidates(
+        &self,
+        hashes: &[BlockHash],
+        exclude: &[InstanceId],
+    ) -> (Candidates, Vec<(InstanceId, u32)>) {
+        let available = self.client.available();
+        let mut overlaps = Vec::new();
+        self.index
+            .read()
+            .overlaps()
+            .overlaps(hashes, |w, n| overlaps.push((w, n)));
+        overlaps.sort_unstable();
+        let mut candidates = Candidates::with_capacity(available.len());
+        let load = self.load.lock();
+        for &id in available.iter().filter(|id| !exclude.contains(id)) {
+            let l = load.load(id);
+            let overlap = overlaps
+                .binary_search_by_key(&id, |(w, _)| *w)
+                .map_or(0, |i| overlaps[i].1);
+            candidates.push(CandidateRow {
+                id,
+                overlap_blocks: overlap,
+                active_blocks: l.active_blocks,
+                pending_prefill_tokens: l.pending_prefill_tokens.min(u64::from(u32::MAX)) as u32,
+                in_flight: l.in_flight,
+                kv_usage: l.reported.and_then(|r| r.kv_usage()),
+            });
+        }
+        (candidates, overlaps)
+    }
+
+    /// Applies a cache event as if `worker` had sent it (for benchmarks and tools that
+    /// feed the index directly).
+    pub fn apply_cache_event(&self, worker: InstanceId, event: &KvEvent) {
+        self.apply_event(worker, event);
     }
 
     /// The request's first token arrived.
