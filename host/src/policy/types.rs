@@ -57,6 +57,9 @@ pub struct CandidateRow {
 #[derive(Debug, Clone)]
 pub struct Candidates {
     pub(crate) cols: wit::Candidates,
+    /// IDs pushed in ascending order so far (the router always does), which makes
+    /// `contains` a binary search.
+    ascending: bool,
 }
 
 impl Default for Candidates {
@@ -77,12 +80,14 @@ impl Candidates {
                 in_flight: Vec::with_capacity(n),
                 kv_usage: Vec::with_capacity(n),
             },
+            ascending: true,
         }
     }
 
     /// Appends one candidate.
     pub fn push(&mut self, row: CandidateRow) {
         let c = &mut self.cols;
+        self.ascending &= c.worker_ids.last().is_none_or(|&last| last < row.id.0);
         c.worker_ids.push(row.id.0);
         c.overlap_blocks.push(row.overlap_blocks);
         c.active_blocks.push(row.active_blocks);
@@ -100,6 +105,7 @@ impl Candidates {
         c.pending_prefill_tokens.clear();
         c.in_flight.clear();
         c.kv_usage.clear();
+        self.ascending = true;
     }
 
     /// Number of candidates.
@@ -127,7 +133,11 @@ impl Candidates {
 
     /// True when `id` is one of the candidates.
     pub fn contains(&self, id: InstanceId) -> bool {
-        self.cols.worker_ids.contains(&id.0)
+        if self.ascending {
+            self.cols.worker_ids.binary_search(&id.0).is_ok()
+        } else {
+            self.cols.worker_ids.contains(&id.0)
+        }
     }
 
     /// The candidates' IDs, in list order.

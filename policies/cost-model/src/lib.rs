@@ -104,15 +104,49 @@ impl CandidateView<'_> {
 
 /// The cost of sending the request to candidate `i` (lower is better).
 pub fn cost(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>, i: usize) -> f64 {
-    let blocks = f64::from(req.prompt_blocks);
-    let block_size = f64::from(req.block_size.max(1));
-    let cached = f64::from(c.overlap_blocks[i].min(req.prompt_blocks));
-    let prefill = f64::from(c.pending_prefill_tokens[i]) / block_size + (blocks - cached);
-    let decode = f64::from(c.active_blocks[i]) + blocks;
-    config.overlap_weight * prefill + decode
+    Costs::new(config, req).of(c, i)
+}
+
+/// The per-request constants of the cost function, computed once per decision.
+struct Costs {
+    weight: f64,
+    blocks: f64,
+    per_token: f64,
+    prompt_blocks: u32,
+}
+
+impl Costs {
+    fn new(config: &KvCostConfig, req: &RequestShape) -> Costs {
+        Costs {
+            weight: config.overlap_weight,
+            blocks: f64::from(req.prompt_blocks),
+            per_token: 1.0 / f64::from(req.block_size.max(1)),
+            prompt_blocks: req.prompt_blocks,
+        }
+    }
+
+    #[inline]
+    fn of(&self, c: &CandidateView<'_>, i: usize) -> f64 {
+        self.cost(
+            c.overlap_blocks[i],
+            c.active_blocks[i],
+            c.pending_prefill_tokens[i],
+        )
+    }
+
+    #[inline(always)]
+    fn cost(&self, overlap: u32, active: u32, pending: u32) -> f64 {
+        let cached = f64::from(overlap.min(self.prompt_blocks));
+        let prefill = f64::from(pending) * self.per_token + (self.blocks - cached);
+        let decode = f64::from(active) + self.blocks;
+        self.weight * prefill + decode
+    }
 }
 
 /// Picks a candidate index, or `None` when there are no candidates.
+///
+/// One pass: ties for the lowest cost are broken by reservoir sampling driven by the
+/// seed, so each tied candidate is equally likely.
 pub fn choose(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>) -> Option<usize> {
     let n = c.len();
     if n == 0 {
@@ -121,41 +155,46 @@ pub fn choose(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>) 
     if config.temperature > 0.0 {
         return Some(softmax_sample(config, req, c));
     }
+    let costs = Costs::new(config, req);
     let mut best = f64::INFINITY;
+    let mut pick = 0;
     let mut ties = 0u64;
-    for i in 0..n {
-        let x = cost(config, req, c, i);
+    let mut bits = req.seed;
+    // Zipped iterators rather than indexing: no bounds checks in the hot loop.
+    let rows = c.overlap_blocks[..n]
+        .iter()
+        .zip(&c.active_blocks[..n])
+        .zip(&c.pending_prefill_tokens[..n]);
+    for (i, ((&overlap, &active), &pending)) in rows.enumerate() {
+        let x = costs.cost(overlap, active, pending);
         if x < best {
             best = x;
+            pick = i;
             ties = 1;
         } else if x == best {
             ties += 1;
-        }
-    }
-    let mut pick = uniform_below(mix(req.seed), ties);
-    for i in 0..n {
-        if cost(config, req, c, i) == best {
-            if pick == 0 {
-                return Some(i);
+            bits = mix(bits);
+            if uniform_below(bits, ties) == 0 {
+                pick = i;
             }
-            pick -= 1;
         }
     }
-    unreachable!("a tie counted above is found again")
+    Some(pick)
 }
 
 fn softmax_sample(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>) -> usize {
     let n = c.len();
+    let costs = Costs::new(config, req);
     let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
     for i in 0..n {
-        let x = cost(config, req, c, i);
+        let x = costs.of(c, i);
         lo = lo.min(x);
         hi = hi.max(x);
     }
     let range = hi - lo;
     let weight = |i: usize| {
         if range > 0.0 {
-            (-((cost(config, req, c, i) - lo) / range) / config.temperature).exp()
+            (-((costs.of(c, i) - lo) / range) / config.temperature).exp()
         } else {
             1.0
         }
