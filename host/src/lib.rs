@@ -15,10 +15,18 @@
 //! - [`router`]: `KvRouter`, one per endpoint — candidates from the shared `Client`, the
 //!   index and the load tracker, decided by the endpoint's policy — and the subscriber
 //!   that keeps the index in step with the workers' KV event streams.
+//! - [`tokens`]: text → token IDs (built-in or Hugging Face `tokenizer.json`) and the chat
+//!   template; shared by the router and the mock worker.
+//! - [`openai`]: the OpenAI-compatible request format and error bodies.
+//! - [`worker`]: the mock worker, a simulated LLM engine (KV cache with LRU eviction,
+//!   continuous batching, timing model, KV events, fault injection).
 
 pub mod client;
 pub mod discovery;
 pub mod ids;
 pub mod kv;
+pub mod openai;
 pub mod policy;
 pub mod router;
+pub mod tokens;
+pub mod worker;

@@ -11,6 +11,9 @@ use switchyard::discovery::etcd_register::Registration;
 use switchyard::discovery::{EndpointPath, InstanceInfo};
 use switchyard::ids::InstanceId;
 use switchyard::policy::{BUILTINS, CallOutcome, PolicyEngine, RuntimeConfig};
+use switchyard::worker::{
+    EngineConfig, Fault, FaultConfig, MockWorker, MockWorkerConfig, TimingModel,
+};
 
 /// A KV-cache-aware router for LLM inference fleets, with sandboxed Wasm routing policies.
 #[derive(Parser)]
@@ -28,6 +31,10 @@ enum Command {
     /// Register an existing OpenAI-compatible server (e.g. a vLLM worker) in etcd and keep
     /// its lease alive until stopped (Ctrl-C / SIGTERM revoke it at once).
     Register(RegisterArgs),
+    /// Run simulated LLM workers (CPU only): OpenAI-compatible endpoints, a KV cache with
+    /// prefix reuse and LRU eviction, continuous batching, a KV event stream, and fault
+    /// injection.
+    MockWorker(MockWorkerArgs),
     /// List the instances registered in etcd.
     Instances {
         #[command(flatten)]
@@ -57,6 +64,58 @@ impl EtcdArgs {
             ..EtcdConfig::new(self.endpoints.clone())
         }
     }
+}
+
+#[derive(Args)]
+struct MockWorkerArgs {
+    /// Address of the first worker; further workers (`--count`) take the next ports.
+    #[arg(long, default_value = "127.0.0.1:8001")]
+    listen: std::net::SocketAddr,
+    /// Workers to run in this process.
+    #[arg(long, default_value_t = 1)]
+    count: u16,
+    /// The model name served.
+    #[arg(long, default_value = "mock-model")]
+    model: String,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// KV cache size, in blocks, per worker.
+    #[arg(long, default_value_t = 8192)]
+    kv_blocks: usize,
+    /// Most requests running at once per worker.
+    #[arg(long, default_value_t = 64)]
+    max_batch: usize,
+    /// Run simulated time this many times faster.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Timing model: prefill cost per uncached prompt token, in µs.
+    #[arg(long, default_value_t = TimingModel::default().prefill_us_per_token)]
+    prefill_us_per_token: f64,
+    /// Timing model: fixed cost of a decode step, in µs.
+    #[arg(long, default_value_t = TimingModel::default().decode_base_us)]
+    decode_base_us: f64,
+    /// Timing model: added decode-step cost per running sequence, in µs.
+    #[arg(long, default_value_t = TimingModel::default().decode_us_per_seq)]
+    decode_us_per_seq: f64,
+    /// Register the workers in this etcd (comma-separated URLs); no discovery without it.
+    #[arg(long = "etcd", env = "SWITCHYARD_ETCD", value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// Root of Switchyard's keys in etcd.
+    #[arg(long, env = "SWITCHYARD_ETCD_ROOT", default_value = "switchyard")]
+    etcd_root: String,
+    /// Endpoint path to register under (default: default/MODEL/generate).
+    #[arg(long)]
+    endpoint: Option<EndpointPath>,
+    /// Registration lease TTL in seconds.
+    #[arg(long, default_value_t = 10)]
+    ttl: u64,
+    /// Inject a fault.
+    #[arg(long, value_enum, default_value = "none")]
+    fault: Fault,
+    /// The fault starts after this many completion requests.
+    #[arg(long, default_value_t = 0)]
+    fault_after: u64,
 }
 
 #[derive(Args)]
@@ -139,6 +198,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }) => policy_check(&policy, &config, cache_dir),
         Command::Register(args) => tokio_runtime()?.block_on(register(args)),
         Command::Instances { etcd } => tokio_runtime()?.block_on(instances(etcd)),
+        Command::MockWorker(args) => tokio_runtime()?.block_on(mock_worker(args)),
     }
 }
 
@@ -193,6 +253,87 @@ async fn register(args: RegisterArgs) -> anyhow::Result<()> {
     shutdown_signal().await;
     registration.stop().await;
     println!("deregistered");
+    Ok(())
+}
+
+async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.count >= 1, "--count must be at least 1");
+    anyhow::ensure!(args.speedup > 0.0, "--speedup must be positive");
+    anyhow::ensure!(
+        args.block_size >= 1 && args.kv_blocks >= 1 && args.max_batch >= 1,
+        "sizes must be at least 1"
+    );
+    let config = MockWorkerConfig {
+        model: args.model.clone(),
+        engine: EngineConfig {
+            block_size: args.block_size,
+            kv_blocks: args.kv_blocks,
+            max_batch: args.max_batch,
+            speedup: args.speedup,
+            timing: TimingModel {
+                prefill_us_per_token: args.prefill_us_per_token,
+                decode_base_us: args.decode_base_us,
+                decode_us_per_seq: args.decode_us_per_seq,
+            },
+        },
+        hash_seed: 0,
+        fault: FaultConfig {
+            fault: args.fault,
+            after: args.fault_after,
+        },
+    };
+    let endpoint = args
+        .endpoint
+        .clone()
+        .unwrap_or_else(|| EndpointPath::for_model(&args.model));
+    let mut workers = Vec::new();
+    let mut registrations = Vec::new();
+    for i in 0..args.count {
+        let port = args
+            .listen
+            .port()
+            .checked_add(i)
+            .ok_or_else(|| anyhow::anyhow!("port overflow"))?;
+        let addr = std::net::SocketAddr::new(args.listen.ip(), port);
+        let worker = MockWorker::bind(config.clone(), addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+        let id = random_instance_id();
+        if !args.etcd.is_empty() {
+            let etcd = EtcdConfig {
+                root: args.etcd_root.clone(),
+                ..EtcdConfig::new(args.etcd.clone())
+            };
+            let info = worker.instance_info(id, endpoint.clone());
+            let mut reg = Registration::start(etcd, &info, Duration::from_secs(args.ttl));
+            reg.wait_registered(Duration::from_secs(15)).await?;
+            registrations.push(reg);
+        }
+        println!(
+            "mock worker {}/{}: {} model={} instance={id} kv_blocks={} block_size={}",
+            i + 1,
+            args.count,
+            worker.url(),
+            args.model,
+            args.kv_blocks,
+            args.block_size
+        );
+        workers.push(worker);
+    }
+    if !registrations.is_empty() {
+        println!(
+            "registered {} worker(s) under {endpoint} in etcd",
+            registrations.len()
+        );
+    }
+    shutdown_signal().await;
+    for reg in registrations {
+        reg.stop().await;
+    }
+    for w in workers {
+        w.shutdown().await;
+    }
+    println!("stopped");
     Ok(())
 }
 

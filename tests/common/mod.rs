@@ -6,6 +6,7 @@ use std::path::PathBuf;
 pub mod etcd;
 pub mod events;
 pub mod health;
+pub mod http;
 
 /// The `.wasm` of a guest built by the host's build script, by artifact name.
 pub fn guest(name: &str) -> PathBuf {

@@ -1,0 +1,257 @@
+//! The OpenAI-compatible wire format: request parsing and error bodies, shared by the
+//! router's front door and the mock worker.
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::tokens::ChatMessage;
+
+/// The prompt of a request, as the client sent it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// Text (`/v1/completions` with a string prompt).
+    Text(String),
+    /// Token IDs (`/v1/completions` with an array of integers).
+    Tokens(Vec<u32>),
+    /// Chat messages (`/v1/chat/completions`).
+    Chat(Vec<ChatMessage>),
+}
+
+/// The fields of a completion request that routing and the mock engine use. The raw
+/// body is forwarded unchanged.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompletionRequest {
+    /// The model (selects the endpoint).
+    pub model: String,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Tokens to generate.
+    pub max_tokens: u32,
+    /// Server-sent events instead of one JSON body.
+    pub stream: bool,
+    /// With `stream`, send a final chunk with `usage`.
+    pub include_usage: bool,
+    /// The OpenAI `user` field, used as the session key.
+    pub user: Option<String>,
+}
+
+/// Which endpoint a request came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
+/// A request the server refuses, with an OpenAI error body.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct BadRequest {
+    /// What is wrong.
+    pub message: String,
+    /// The offending parameter, if one.
+    pub param: Option<String>,
+}
+
+fn bad(message: impl Into<String>, param: &str) -> BadRequest {
+    BadRequest {
+        message: message.into(),
+        param: Some(param.to_string()),
+    }
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// Parses a request body for `api`.
+pub fn parse(api: Api, body: &[u8]) -> Result<CompletionRequest, BadRequest> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| BadRequest {
+        message: format!("request body is not valid JSON: {e}"),
+        param: None,
+    })?;
+    let obj = v.as_object().ok_or_else(|| BadRequest {
+        message: "request body must be a JSON object".into(),
+        param: None,
+    })?;
+    let model = obj
+        .get("model")
+        .and_then(Value::as_str)
+        .filter(|m| !m.is_empty())
+        .ok_or_else(|| {
+            bad(
+                "`model` is required and must be a non-empty string",
+                "model",
+            )
+        })?
+        .to_string();
+    let prompt = match api {
+        Api::Completions => match obj.get("prompt") {
+            Some(Value::String(s)) => Prompt::Text(s.clone()),
+            Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_u64) => {
+                Prompt::Tokens(
+                    items
+                        .iter()
+                        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                        .collect::<Option<Vec<u32>>>()
+                        .ok_or_else(|| bad("token IDs must fit in 32 bits", "prompt"))?,
+                )
+            }
+            Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
+                Prompt::Text(items[0].as_str().unwrap_or_default().to_string())
+            }
+            Some(_) => {
+                return Err(bad(
+                    "`prompt` must be a string or an array of token IDs",
+                    "prompt",
+                ));
+            }
+            None => return Err(bad("`prompt` is required", "prompt")),
+        },
+        Api::Chat => {
+            let messages = obj
+                .get("messages")
+                .and_then(Value::as_array)
+                .filter(|m| !m.is_empty())
+                .ok_or_else(|| {
+                    bad(
+                        "`messages` is required and must be a non-empty array",
+                        "messages",
+                    )
+                })?;
+            let mut out = Vec::with_capacity(messages.len());
+            for m in messages {
+                let role = m
+                    .get("role")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| bad("every message needs a string `role`", "messages"))?;
+                let content = match m.get("content") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(Value::Array(parts)) => parts
+                        .iter()
+                        .filter_map(|p| p.get("text").and_then(Value::as_str))
+                        .collect::<Vec<_>>()
+                        .join("\n"),
+                    Some(Value::Null) | None => String::new(),
+                    Some(_) => {
+                        return Err(bad(
+                            "message `content` must be a string or an array of parts",
+                            "messages",
+                        ));
+                    }
+                };
+                out.push(ChatMessage {
+                    role: role.to_string(),
+                    content,
+                });
+            }
+            Prompt::Chat(out)
+        }
+    };
+    let max_tokens = match obj
+        .get("max_completion_tokens")
+        .or_else(|| obj.get("max_tokens"))
+    {
+        None | Some(Value::Null) => 16,
+        Some(v) => v
+            .as_u64()
+            .filter(|n| (1..=1 << 20).contains(n))
+            .ok_or_else(|| {
+                bad(
+                    "`max_tokens` must be an integer between 1 and 1048576",
+                    "max_tokens",
+                )
+            })? as u32,
+    };
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad("`stream` must be a boolean", "stream")),
+    };
+    let include_usage = match obj.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(v) => {
+            serde_json::from_value::<StreamOptions>(v.clone())
+                .map_err(|e| bad(format!("bad `stream_options`: {e}"), "stream_options"))?
+                .include_usage
+        }
+    };
+    let user = obj.get("user").and_then(Value::as_str).map(str::to_string);
+    Ok(CompletionRequest {
+        model,
+        prompt,
+        max_tokens,
+        stream,
+        include_usage,
+        user,
+    })
+}
+
+/// An OpenAI error body.
+pub fn error_body(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> String {
+    json!({ "error": { "message": message, "type": kind, "param": param, "code": code } })
+        .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_common_shapes() {
+        let r = parse(Api::Chat, br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"user":"u1"}"#).unwrap();
+        assert_eq!(r.model, "m");
+        assert!(r.stream && r.include_usage);
+        assert_eq!(r.user.as_deref(), Some("u1"));
+        assert_eq!(r.max_tokens, 16);
+        let r = parse(
+            Api::Completions,
+            br#"{"model":"m","prompt":[1,2,3],"max_tokens":5}"#,
+        )
+        .unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        assert_eq!(r.max_tokens, 5);
+        let r = parse(Api::Completions, br#"{"model":"m","prompt":"hello"}"#).unwrap();
+        assert_eq!(r.prompt, Prompt::Text("hello".into()));
+    }
+
+    #[test]
+    fn rejects_bad_requests_with_the_parameter() {
+        for (api, body, param) in [
+            (
+                Api::Chat,
+                &br#"{"messages":[{"role":"user","content":"x"}]}"#[..],
+                Some("model"),
+            ),
+            (
+                Api::Chat,
+                br#"{"model":"m","messages":[]}"#,
+                Some("messages"),
+            ),
+            (Api::Completions, br#"{"model":"m"}"#, Some("prompt")),
+            (
+                Api::Completions,
+                br#"{"model":"m","prompt":[1,-2]}"#,
+                Some("prompt"),
+            ),
+            (
+                Api::Completions,
+                br#"{"model":"m","prompt":"x","max_tokens":0}"#,
+                Some("max_tokens"),
+            ),
+            (
+                Api::Completions,
+                br#"{"model":"m","prompt":"x","stream":"yes"}"#,
+                Some("stream"),
+            ),
+            (Api::Completions, b"{not json", None),
+            (Api::Completions, b"[1,2]", None),
+        ] {
+            let err = parse(api, body).unwrap_err();
+            assert_eq!(err.param.as_deref(), param, "{err}");
+        }
+    }
+}

@@ -1,0 +1,338 @@
+//! The simulated engine's KV cache: a fixed number of blocks, prefix reuse across
+//! requests, blocks of running requests pinned, free blocks evicted least recently used
+//! first. Every store and eviction is appended to an event log with per-worker sequence
+//! numbers, the stream the router subscribes to. Pure: no I/O, no clock.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::ids::BlockHash;
+use crate::kv::events::KvEvent;
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    /// Running requests using the block; evictable only at 0.
+    pins: u32,
+    /// Logical time of last use, the key in `lru` while unpinned.
+    last_use: u64,
+}
+
+/// Not enough free blocks for a request right now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheFull {
+    /// Blocks needed.
+    pub needed: usize,
+    /// Blocks that could be freed.
+    pub available: usize,
+}
+
+/// The blocks a running request holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// Its prompt's block hashes (cached now, pinned).
+    pub blocks: Vec<BlockHash>,
+    /// Blocks it found already cached when admitted.
+    pub cached: usize,
+    /// Extra unhashed blocks (partial prompt block and generated tokens).
+    pub private: usize,
+}
+
+/// A fixed-size KV cache.
+#[derive(Debug)]
+pub struct KvCache {
+    capacity: usize,
+    block_size: u32,
+    blocks: HashMap<BlockHash, Entry>,
+    /// Unpinned cached blocks by last use; the first is evicted first.
+    lru: BTreeMap<u64, BlockHash>,
+    /// Blocks held privately by running requests.
+    private: usize,
+    clock: u64,
+    seq: u64,
+    events: Vec<KvEvent>,
+}
+
+impl KvCache {
+    /// An empty cache of `capacity` blocks of `block_size` tokens.
+    pub fn new(capacity: usize, block_size: u32) -> KvCache {
+        KvCache {
+            capacity,
+            block_size,
+            blocks: HashMap::new(),
+            lru: BTreeMap::new(),
+            private: 0,
+            clock: 0,
+            seq: 0,
+            events: Vec::new(),
+        }
+    }
+
+    /// Blocks in total.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Blocks in use (cached or private).
+    pub fn used(&self) -> usize {
+        self.blocks.len() + self.private
+    }
+
+    /// Leading blocks of `hashes` that are cached.
+    pub fn cached_prefix(&self, hashes: &[BlockHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.blocks.contains_key(h))
+            .count()
+    }
+
+    /// Admits a request: pins its blocks that are cached, stores the others (evicting
+    /// least recently used free blocks as needed) and reserves `private` blocks. Only the
+    /// leading cached run counts as reused (`Lease::cached`): a block after a miss must
+    /// be recomputed anyway.
+    pub fn admit(&mut self, hashes: &[BlockHash], private: usize) -> Result<Lease, CacheFull> {
+        let cached = self.cached_prefix(hashes);
+        let present: Vec<bool> = hashes.iter().map(|h| self.blocks.contains_key(h)).collect();
+        let needed = present.iter().filter(|p| !**p).count() + private;
+        // Cached blocks that are free now would be pinned, not evicted: don't count them.
+        let reusable = hashes
+            .iter()
+            .zip(&present)
+            .filter(|(h, p)| **p && self.blocks[*h].pins == 0)
+            .count();
+        let free = self.capacity - self.used();
+        let evictable = self.lru.len() - reusable;
+        if needed > free + evictable {
+            return Err(CacheFull {
+                needed,
+                available: free + evictable,
+            });
+        }
+        for (h, p) in hashes.iter().zip(&present) {
+            if *p {
+                self.pin(*h);
+            }
+        }
+        let mut evicted = Vec::new();
+        while self.capacity - self.used() < needed {
+            let (_, victim) = self.lru.pop_first().expect("counted as evictable");
+            self.blocks.remove(&victim);
+            evicted.push(victim.0);
+        }
+        if !evicted.is_empty() {
+            self.seq += 1;
+            self.events.push(KvEvent::Removed {
+                seq: self.seq,
+                blocks: evicted,
+            });
+        }
+        // Store the missing blocks, one `stored` event per consecutive run.
+        let mut run: Vec<u64> = Vec::new();
+        let mut parent: Option<u64> = None;
+        for (i, (h, p)) in hashes.iter().zip(&present).enumerate() {
+            if *p {
+                self.flush_stored(&mut run, parent);
+                parent = Some(h.0);
+                continue;
+            }
+            if run.is_empty() {
+                parent = i.checked_sub(1).map(|j| hashes[j].0);
+            }
+            self.clock += 1;
+            self.blocks.insert(
+                *h,
+                Entry {
+                    pins: 1,
+                    last_use: self.clock,
+                },
+            );
+            run.push(h.0);
+        }
+        self.flush_stored(&mut run, parent);
+        self.private += private;
+        Ok(Lease {
+            blocks: hashes.to_vec(),
+            cached,
+            private,
+        })
+    }
+
+    fn flush_stored(&mut self, run: &mut Vec<u64>, parent: Option<u64>) {
+        if !run.is_empty() {
+            self.seq += 1;
+            self.events.push(KvEvent::Stored {
+                seq: self.seq,
+                parent,
+                blocks: std::mem::take(run),
+            });
+        }
+    }
+
+    fn pin(&mut self, h: BlockHash) {
+        let e = self.blocks.get_mut(&h).expect("pinning a cached block");
+        if e.pins == 0 {
+            self.lru.remove(&e.last_use);
+        }
+        e.pins += 1;
+    }
+
+    /// Releases a finished request's blocks: its prompt blocks stay cached, free to evict.
+    /// They are released last block first, so that eviction takes a prompt's tail before
+    /// its head and a shared prefix survives longest (as vLLM does).
+    pub fn release(&mut self, lease: &Lease) {
+        for h in lease.blocks.iter().rev() {
+            self.clock += 1;
+            let Some(e) = self.blocks.get_mut(h) else {
+                continue;
+            };
+            e.pins -= 1;
+            if e.pins == 0 {
+                e.last_use = self.clock;
+                self.lru.insert(self.clock, *h);
+            }
+        }
+        self.private -= lease.private;
+    }
+
+    /// Drops every unpinned block.
+    pub fn clear_free(&mut self) {
+        let freed: Vec<u64> = std::mem::take(&mut self.lru)
+            .into_values()
+            .map(|h| h.0)
+            .collect();
+        for h in &freed {
+            self.blocks.remove(&BlockHash(*h));
+        }
+        if !freed.is_empty() {
+            self.seq += 1;
+            self.events.push(KvEvent::Removed {
+                seq: self.seq,
+                blocks: freed,
+            });
+        }
+    }
+
+    /// The snapshot a new subscriber starts from.
+    pub fn snapshot(&self) -> KvEvent {
+        let mut blocks: Vec<u64> = self.blocks.keys().map(|h| h.0).collect();
+        blocks.sort_unstable();
+        KvEvent::Snapshot {
+            seq: self.seq,
+            block_size: self.block_size,
+            blocks,
+        }
+    }
+
+    /// Takes the events appended since the last call.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Every cached block, sorted.
+    pub fn cached_blocks(&self) -> Vec<BlockHash> {
+        let mut v: Vec<BlockHash> = self.blocks.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeSet;
+
+    fn h(v: &[u64]) -> Vec<BlockHash> {
+        v.iter().map(|&x| BlockHash(x)).collect()
+    }
+
+    #[test]
+    fn a_full_cache_evicts_least_recently_used_free_blocks_and_says_so() {
+        let mut c = KvCache::new(4, 16);
+        let a = c.admit(&h(&[1, 2]), 0).unwrap();
+        c.release(&a);
+        let b = c.admit(&h(&[3, 4]), 0).unwrap();
+        c.release(&b);
+        c.take_events();
+        // Reusing block 1..2's prefix touches them; 4 and then 3 are now the oldest.
+        let again = c.admit(&h(&[1, 2]), 0).unwrap();
+        assert_eq!(again.cached, 2);
+        c.release(&again);
+        let d = c.admit(&h(&[5]), 1).unwrap();
+        assert_eq!(
+            c.take_events(),
+            vec![
+                KvEvent::Removed {
+                    seq: 3,
+                    blocks: vec![4, 3]
+                },
+                KvEvent::Stored {
+                    seq: 4,
+                    parent: None,
+                    blocks: vec![5]
+                },
+            ]
+        );
+        assert_eq!(c.cached_blocks(), h(&[1, 2, 5]));
+        c.release(&d);
+    }
+
+    #[test]
+    fn pinned_blocks_are_never_evicted() {
+        let mut c = KvCache::new(3, 16);
+        let running = c.admit(&h(&[1, 2]), 0).unwrap();
+        assert_eq!(
+            c.admit(&h(&[7, 8]), 0),
+            Err(CacheFull {
+                needed: 2,
+                available: 1
+            })
+        );
+        c.release(&running);
+        assert!(c.admit(&h(&[7, 8]), 0).is_ok());
+    }
+
+    proptest! {
+        /// Applying the snapshot taken at any point and every event after it always
+        /// reconstructs the cache exactly.
+        #[test]
+        fn snapshot_plus_deltas_reconstruct_the_cache(
+            ops in proptest::collection::vec(
+                (proptest::collection::vec(0u64..30, 0..6), 0usize..3, any::<bool>()), 1..80),
+            snapshot_at in 0usize..80,
+        ) {
+            let mut c = KvCache::new(12, 16);
+            let mut running: Vec<Lease> = Vec::new();
+            let mut mirror: Option<(u64, BTreeSet<u64>)> = None;
+            for (i, (blocks, private, finish_one)) in ops.into_iter().enumerate() {
+                if i == snapshot_at.min(79) {
+                    c.take_events();
+                    let KvEvent::Snapshot { seq, blocks, .. } = c.snapshot() else { unreachable!() };
+                    mirror = Some((seq, blocks.into_iter().collect()));
+                }
+                // A prompt's blocks are distinct (chained hashes never repeat).
+                let mut seen = BTreeSet::new();
+                let prompt: Vec<u64> = blocks.into_iter().filter(|b| seen.insert(*b)).collect();
+                if let Ok(lease) = c.admit(&h(&prompt), private) {
+                    running.push(lease);
+                }
+                if finish_one && !running.is_empty() {
+                    let lease = running.remove(0);
+                    c.release(&lease);
+                }
+                prop_assert!(c.used() <= c.capacity());
+                if let Some((seq, set)) = &mut mirror {
+                    for e in c.take_events() {
+                        prop_assert_eq!(e.seq(), Some(*seq + 1));
+                        *seq += 1;
+                        match e {
+                            KvEvent::Stored { blocks, .. } => set.extend(blocks),
+                            KvEvent::Removed { blocks, .. } => for b in blocks { set.remove(&b); },
+                            other => prop_assert!(false, "unexpected {:?}", other),
+                        }
+                    }
+                    let actual: BTreeSet<u64> = c.cached_blocks().iter().map(|b| b.0).collect();
+                    prop_assert_eq!(&*set, &actual);
+                }
+            }
+        }
+    }
+}

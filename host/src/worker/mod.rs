@@ -1,0 +1,15 @@
+//! `switchyard mock-worker`: a simulated LLM engine on the CPU, behaving like a vLLM
+//! worker where routing can tell the difference — prefix caching with LRU eviction, a
+//! continuous-batching scheduler whose prefill time grows with *uncached* prompt tokens,
+//! a KV event stream, load reports, etcd registration, and fault injection.
+//!
+//! - [`cache`]: the KV cache (pure).
+//! - [`engine`]: the scheduler and timing model.
+//! - [`server`]: the OpenAI-compatible HTTP server, event stream and admin endpoints.
+
+pub mod cache;
+pub mod engine;
+pub mod server;
+
+pub use engine::{EngineConfig, EngineStats, TimingModel};
+pub use server::{Fault, FaultConfig, MockWorker, MockWorkerConfig};

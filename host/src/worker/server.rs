@@ -1,0 +1,634 @@
+//! The mock worker's HTTP server.
+//!
+//! | route | does |
+//! | --- | --- |
+//! | `POST /v1/completions`, `POST /v1/chat/completions` | OpenAI-compatible, streaming (SSE) or not; `usage.prompt_tokens_details.cached_tokens` reports the prefix found in the cache |
+//! | `GET /v1/models` | the one model served |
+//! | `GET /health` | 200 when serving; 503 while a fault is active |
+//! | `GET /v1/kv_events` | the KV event stream (`docs/kv-events.md`) |
+//! | `GET /stats` | the engine's step accounting |
+//! | `POST /admin/fault` | `{"fault": "crash" \| "hang" \| "refuse" \| "error" \| "cut_stream" \| "none", "after": N}` |
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use parking_lot::Mutex;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+
+use super::engine::{Engine, EngineConfig, Output};
+use crate::discovery::{EndpointPath, InstanceInfo};
+use crate::ids::InstanceId;
+use crate::kv::events::KvEvent;
+use crate::kv::hash::BlockHasher;
+use crate::openai::{self, Api, Prompt};
+use crate::tokens::{Tokenizer, render_chat};
+
+type Body = BoxBody<Bytes, std::io::Error>;
+
+/// An injected fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Fault {
+    /// Behave.
+    None,
+    /// Exit the process at once.
+    Crash,
+    /// Accept requests and never answer.
+    Hang,
+    /// Close the listening socket: connections are refused.
+    Refuse,
+    /// Answer every completion with HTTP 500.
+    Error,
+    /// Cut streaming responses half-way.
+    CutStream,
+}
+
+/// A fault and when it starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub struct FaultConfig {
+    /// The fault.
+    pub fault: Fault,
+    /// It starts after this many completion requests were served.
+    #[serde(default)]
+    pub after: u64,
+}
+
+impl FaultConfig {
+    /// No fault.
+    pub const NONE: FaultConfig = FaultConfig {
+        fault: Fault::None,
+        after: 0,
+    };
+}
+
+/// One mock worker.
+#[derive(Debug, Clone)]
+pub struct MockWorkerConfig {
+    /// The model name it serves.
+    pub model: String,
+    /// Engine shape and timing.
+    pub engine: EngineConfig,
+    /// Seed of the block hash chain (must match the router's).
+    pub hash_seed: u64,
+    /// Injected fault.
+    pub fault: FaultConfig,
+}
+
+struct Shared {
+    model: String,
+    engine: Arc<Engine>,
+    tokenizer: Tokenizer,
+    hasher: BlockHasher,
+    fault: Mutex<FaultConfig>,
+    /// Completion requests received.
+    served: AtomicU64,
+    /// Tells the accept loop to stop accepting (true) or resume (false).
+    refuse: watch::Sender<bool>,
+}
+
+impl Shared {
+    /// The fault in force for the next request, counting it.
+    fn fault_for_request(&self) -> Fault {
+        let n = self.served.fetch_add(1, Ordering::SeqCst);
+        let f = *self.fault.lock();
+        if n >= f.after { f.fault } else { Fault::None }
+    }
+
+    fn active_fault(&self) -> Fault {
+        let f = *self.fault.lock();
+        if self.served.load(Ordering::SeqCst) >= f.after {
+            f.fault
+        } else {
+            Fault::None
+        }
+    }
+
+    fn set_fault(&self, f: FaultConfig) {
+        *self.fault.lock() = f;
+        self.update_refuse();
+    }
+
+    fn update_refuse(&self) {
+        self.refuse
+            .send_replace(self.active_fault() == Fault::Refuse);
+    }
+}
+
+/// A running mock worker.
+pub struct MockWorker {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    shutdown: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl MockWorker {
+    /// Starts serving on `listener`.
+    pub fn start(config: MockWorkerConfig, listener: TcpListener) -> std::io::Result<MockWorker> {
+        let addr = listener.local_addr()?;
+        let (refuse, refuse_rx) = watch::channel(false);
+        let shared = Arc::new(Shared {
+            model: config.model,
+            hasher: BlockHasher::new(config.engine.block_size, config.hash_seed),
+            engine: Engine::start(config.engine),
+            tokenizer: Tokenizer::builtin(),
+            fault: Mutex::new(config.fault),
+            served: AtomicU64::new(0),
+            refuse,
+        });
+        shared.update_refuse();
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let task = tokio::spawn(accept_loop(
+            listener,
+            addr,
+            shared.clone(),
+            refuse_rx,
+            shutdown_rx,
+        ));
+        Ok(MockWorker {
+            addr,
+            shared,
+            shutdown,
+            task,
+        })
+    }
+
+    /// Binds `addr` and starts.
+    pub async fn bind(config: MockWorkerConfig, addr: SocketAddr) -> std::io::Result<MockWorker> {
+        MockWorker::start(config, TcpListener::bind(addr).await?)
+    }
+
+    /// The listening address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://{addr}`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// What to register in discovery for this worker.
+    pub fn instance_info(&self, id: InstanceId, endpoint: EndpointPath) -> InstanceInfo {
+        InstanceInfo {
+            id,
+            endpoint,
+            url: self.url(),
+            model: self.shared.model.clone(),
+            block_size: self.shared.engine.config().block_size,
+            events_url: Some(format!("{}/v1/kv_events", self.url())),
+            health_path: "/health".into(),
+            registration: 0,
+        }
+    }
+
+    /// Injects (or clears, with [`Fault::None`]) a fault at run time.
+    pub fn set_fault(&self, fault: FaultConfig) {
+        self.shared.set_fault(fault);
+    }
+
+    /// The engine's step accounting.
+    pub fn stats(&self) -> super::EngineStats {
+        self.shared.engine.stats()
+    }
+
+    /// Stops accepting and waits for the accept loop to end (open connections finish on
+    /// their own tasks).
+    pub async fn shutdown(self) {
+        let _ = self.shutdown.send(true);
+        let _ = self.task.await;
+    }
+}
+
+async fn accept_loop(
+    mut listener: TcpListener,
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    mut refuse: watch::Receiver<bool>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        if *refuse.borrow_and_update() {
+            // Close the socket so connections are refused, until the fault is cleared.
+            drop(listener);
+            tokio::select! {
+                r = refuse.wait_for(|r| !*r) => if r.is_err() { return },
+                _ = shutdown.changed() => return,
+            }
+            listener = loop {
+                match TcpListener::bind(addr).await {
+                    Ok(l) => break l,
+                    Err(e) => {
+                        tracing::warn!(%addr, error = %e, "cannot listen again yet");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            };
+            continue;
+        }
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let _ = stream.set_nodelay(true);
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    let service = service_fn(move |req| {
+                        let shared = shared.clone();
+                        async move { Ok::<_, Infallible>(route(shared, req).await) }
+                    });
+                    let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+                });
+            }
+            _ = refuse.changed() => {}
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+fn full(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", content_type)
+        .body(Full::new(body.into()).map_err(|e| match e {}).boxed())
+        .expect("valid response")
+}
+
+fn json_response(status: StatusCode, v: serde_json::Value) -> Response<Body> {
+    full(status, "application/json", v.to_string())
+}
+
+fn error(
+    status: StatusCode,
+    message: &str,
+    kind: &str,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> Response<Body> {
+    full(
+        status,
+        "application/json",
+        openai::error_body(message, kind, param, code),
+    )
+}
+
+async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
+    match (req.method(), req.uri().path()) {
+        (&Method::POST, "/v1/completions") => completion(shared, Api::Completions, req).await,
+        (&Method::POST, "/v1/chat/completions") => completion(shared, Api::Chat, req).await,
+        (&Method::GET, "/v1/models") => json_response(
+            StatusCode::OK,
+            json!({"object": "list", "data": [{"id": shared.model, "object": "model", "created": 0, "owned_by": "switchyard-mock"}]}),
+        ),
+        (&Method::GET, "/health") => match shared.active_fault() {
+            Fault::None | Fault::CutStream => {
+                json_response(StatusCode::OK, json!({"status": "ok"}))
+            }
+            Fault::Hang => std::future::pending().await,
+            f => json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"status": "faulty", "fault": format!("{f:?}")}),
+            ),
+        },
+        (&Method::GET, "/v1/kv_events") => kv_events(&shared),
+        (&Method::GET, "/stats") => json_response(
+            StatusCode::OK,
+            serde_json::to_value(shared.engine.stats()).expect("stats serialise"),
+        ),
+        (&Method::POST, "/admin/fault") => {
+            let body = match Limited::new(req.into_body(), 4096).collect().await {
+                Ok(b) => b.to_bytes(),
+                Err(_) => {
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        "body too large",
+                        "invalid_request_error",
+                        None,
+                        None,
+                    );
+                }
+            };
+            match serde_json::from_slice::<FaultConfig>(&body) {
+                Ok(f) => {
+                    shared.set_fault(f);
+                    json_response(
+                        StatusCode::OK,
+                        json!({"fault": format!("{:?}", f.fault), "after": f.after}),
+                    )
+                }
+                Err(e) => error(
+                    StatusCode::BAD_REQUEST,
+                    &format!("bad fault: {e}"),
+                    "invalid_request_error",
+                    None,
+                    None,
+                ),
+            }
+        }
+        _ => error(
+            StatusCode::NOT_FOUND,
+            "no such route",
+            "invalid_request_error",
+            None,
+            Some("not_found"),
+        ),
+    }
+}
+
+/// The KV event stream: snapshot, then every event, plus a load report each second.
+fn kv_events(shared: &Arc<Shared>) -> Response<Body> {
+    let (snapshot, mut events) = shared.engine.subscribe();
+    let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(64);
+    let engine = shared.engine.clone();
+    tokio::spawn(async move {
+        if tx
+            .send(Ok(Frame::data(Bytes::from(snapshot.to_line()))))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            let line = tokio::select! {
+                e = events.recv() => match e {
+                    Ok(e) => e.to_line(),
+                    // Lagged or closed: end the stream; the subscriber resubscribes and
+                    // gets a fresh snapshot.
+                    Err(_) => return,
+                },
+                _ = tick.tick() => {
+                    let s = engine.stats();
+                    KvEvent::Load {
+                        kv_used_blocks: s.kv_used_blocks,
+                        kv_total_blocks: s.kv_total_blocks,
+                        running: s.running as u32,
+                        waiting: s.waiting as u32,
+                    }
+                    .to_line()
+                }
+            };
+            if tx.send(Ok(Frame::data(Bytes::from(line)))).await.is_err() {
+                return;
+            }
+        }
+    });
+    Response::builder()
+        .header("content-type", "application/x-ndjson")
+        .body(StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed())
+        .expect("valid response")
+}
+
+/// Deterministic filler text for generated token `i`.
+fn filler(i: u32) -> &'static str {
+    const WORDS: [&str; 8] = [
+        "lorem ",
+        "ipsum ",
+        "dolor ",
+        "sit ",
+        "amet ",
+        "consectetur ",
+        "adipiscing ",
+        "elit ",
+    ];
+    WORDS[i as usize % WORDS.len()]
+}
+
+const MAX_BODY: usize = 32 << 20;
+
+async fn completion(shared: Arc<Shared>, api: Api, req: Request<Incoming>) -> Response<Body> {
+    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request body too large",
+                "invalid_request_error",
+                None,
+                None,
+            );
+        }
+    };
+    let parsed = match openai::parse(api, &body) {
+        Ok(p) => p,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &e.message,
+                "invalid_request_error",
+                e.param.as_deref(),
+                None,
+            );
+        }
+    };
+    if parsed.model != shared.model {
+        return error(
+            StatusCode::NOT_FOUND,
+            &format!(
+                "The model `{}` does not exist (this worker serves `{}`)",
+                parsed.model, shared.model
+            ),
+            "invalid_request_error",
+            Some("model"),
+            Some("model_not_found"),
+        );
+    }
+    let fault = shared.fault_for_request();
+    shared.update_refuse();
+    match fault {
+        Fault::Crash => {
+            tracing::error!("fault injection: crashing");
+            std::process::exit(3);
+        }
+        Fault::Hang => return std::future::pending().await,
+        Fault::Error | Fault::Refuse => {
+            return error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "injected fault",
+                "server_error",
+                None,
+                Some("injected_fault"),
+            );
+        }
+        Fault::None | Fault::CutStream => {}
+    }
+    let tokens = match &parsed.prompt {
+        Prompt::Tokens(t) => Ok(t.clone()),
+        Prompt::Text(t) => shared.tokenizer.encode(t),
+        Prompt::Chat(m) => shared.tokenizer.encode(&render_chat(m)),
+    };
+    let tokens = match tokens {
+        Ok(t) if !t.is_empty() => t,
+        Ok(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "the prompt is empty",
+                "invalid_request_error",
+                Some("prompt"),
+                None,
+            );
+        }
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &e.to_string(),
+                "invalid_request_error",
+                Some("prompt"),
+                None,
+            );
+        }
+    };
+    let prompt_tokens = tokens.len() as u32;
+    let blocks = shared.hasher.hashes(&tokens);
+    let mut out = shared
+        .engine
+        .submit(blocks, prompt_tokens, parsed.max_tokens);
+    let cached_tokens = match out.recv().await {
+        Some(Output::Admitted { cached_tokens }) => cached_tokens,
+        Some(Output::TooLarge { needed }) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("the request needs {needed} KV blocks, more than this worker has"),
+                "invalid_request_error",
+                Some("prompt"),
+                Some("context_length_exceeded"),
+            );
+        }
+        _ => {
+            return error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "engine stopped",
+                "server_error",
+                None,
+                None,
+            );
+        }
+    };
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let id = format!(
+        "{}-{:x}",
+        if api == Api::Chat { "chatcmpl" } else { "cmpl" },
+        shared.served.load(Ordering::Relaxed)
+    );
+    let usage = move |completion: u32| {
+        json!({
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        })
+    };
+    if !parsed.stream {
+        let mut text = String::new();
+        let mut n = 0;
+        while let Some(o) = out.recv().await {
+            match o {
+                Output::Token(i) => {
+                    text.push_str(filler(i));
+                    n += 1;
+                }
+                Output::Done => break,
+                _ => {}
+            }
+        }
+        let choice = match api {
+            Api::Chat => {
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+            }
+            Api::Completions => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length"})
+            }
+        };
+        let object = if api == Api::Chat {
+            "chat.completion"
+        } else {
+            "text_completion"
+        };
+        return json_response(
+            StatusCode::OK,
+            json!({"id": id, "object": object, "created": created, "model": shared.model, "choices": [choice], "usage": usage(n)}),
+        );
+    }
+    let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(16);
+    let model = shared.model.clone();
+    let max_tokens = parsed.max_tokens;
+    let include_usage = parsed.include_usage;
+    tokio::spawn(async move {
+        let object = if api == Api::Chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        let chunk = |choice: serde_json::Value| {
+            let v = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
+            Bytes::from(format!("data: {v}\n\n"))
+        };
+        let mut n = 0u32;
+        while let Some(o) = out.recv().await {
+            let bytes = match o {
+                Output::Token(i) => {
+                    if fault == Fault::CutStream && n >= max_tokens / 2 {
+                        let _ = tx
+                            .send(Err(std::io::Error::other("injected fault: stream cut")))
+                            .await;
+                        return;
+                    }
+                    n += 1;
+                    match api {
+                        Api::Chat if i == 0 => chunk(
+                            json!({"index": 0, "delta": {"role": "assistant", "content": filler(i)}, "finish_reason": null}),
+                        ),
+                        Api::Chat => chunk(
+                            json!({"index": 0, "delta": {"content": filler(i)}, "finish_reason": null}),
+                        ),
+                        Api::Completions => chunk(
+                            json!({"index": 0, "text": filler(i), "logprobs": null, "finish_reason": null}),
+                        ),
+                    }
+                }
+                Output::Done => {
+                    let last = match api {
+                        Api::Chat => {
+                            chunk(json!({"index": 0, "delta": {}, "finish_reason": "length"}))
+                        }
+                        Api::Completions => chunk(
+                            json!({"index": 0, "text": "", "logprobs": null, "finish_reason": "length"}),
+                        ),
+                    };
+                    let mut tail = last.to_vec();
+                    if include_usage {
+                        let v = json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage(n)});
+                        tail.extend_from_slice(format!("data: {v}\n\n").as_bytes());
+                    }
+                    tail.extend_from_slice(b"data: [DONE]\n\n");
+                    let _ = tx.send(Ok(Frame::data(Bytes::from(tail)))).await;
+                    return;
+                }
+                _ => continue,
+            };
+            if tx.send(Ok(Frame::data(bytes))).await.is_err() {
+                return; // the client went away; dropping `out` cancels the request
+            }
+        }
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+        .body(StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed())
+        .expect("valid response")
+}

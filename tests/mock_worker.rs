@@ -1,0 +1,463 @@
+//! The mock worker as users run it: real HTTP, the real event stream, real processes for
+//! the command-line flags, a real etcd for registration.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::http::{self, HttpClient, get, post_json, sse_events};
+use hyper::{Method, StatusCode};
+use serde_json::{Value, json};
+use switchyard::kv::events::KvEvent;
+use switchyard::worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, TimingModel};
+
+fn config(kv_blocks: usize) -> MockWorkerConfig {
+    MockWorkerConfig {
+        model: "mock".into(),
+        engine: EngineConfig {
+            block_size: 16,
+            kv_blocks,
+            max_batch: 8,
+            speedup: 1000.0,
+            timing: TimingModel::default(),
+        },
+        hash_seed: 0,
+        fault: FaultConfig::NONE,
+    }
+}
+
+async fn worker(kv_blocks: usize) -> MockWorker {
+    MockWorker::bind(config(kv_blocks), "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap()
+}
+
+fn long_prompt(topic: &str) -> String {
+    format!(
+        "You are a meticulous analyst. {} Please summarise the {topic} in detail.",
+        "Background material follows. ".repeat(40)
+    )
+}
+
+async fn stats(c: &HttpClient, w: &MockWorker) -> Value {
+    let (_, body) = get(c, &format!("{}/stats", w.url())).await;
+    serde_json::from_slice(&body).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_prompt_twice_is_served_from_the_cache_the_second_time() {
+    let w = worker(4096).await;
+    let c = http::client();
+    let body = json!({"model": "mock", "prompt": long_prompt("report"), "max_tokens": 4});
+    let (status, first, _) = post_json(&c, &format!("{}/v1/completions", w.url()), &body).await;
+    assert_eq!(status, StatusCode::OK, "{first}");
+    let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens > 200, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(first["usage"]["completion_tokens"], 4);
+    let after_first = stats(&c, &w).await;
+
+    let (_, second, _) = post_json(&c, &format!("{}/v1/completions", w.url()), &body).await;
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    // Every full block is reused; only the partial last block is prefilled again.
+    assert_eq!(cached, prompt_tokens / 16 * 16);
+    let after_second = stats(&c, &w).await;
+    let prefill = |s: &Value| s["prefill_tokens"].as_u64().unwrap();
+    assert_eq!(prefill(&after_first), prompt_tokens);
+    assert_eq!(
+        prefill(&after_second) - prefill(&after_first),
+        prompt_tokens - cached
+    );
+    assert!(prompt_tokens - cached < 16);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_streams_valid_sse_ending_in_done_with_usage() {
+    let w = worker(4096).await;
+    let c = http::client();
+    let body = json!({
+        "model": "mock", "stream": true, "max_tokens": 6, "stream_options": {"include_usage": true},
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}],
+    });
+    let (status, headers, bytes) = http::send(
+        &c,
+        Method::POST,
+        &format!("{}/v1/chat/completions", w.url()),
+        &[],
+        body.to_string(),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["content-type"], "text/event-stream");
+    let events = sse_events(&bytes);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text.split_whitespace().count(), 6);
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk" && c["id"] == chunks[0]["id"])
+    );
+    assert_eq!(
+        chunks
+            .iter()
+            .filter(|c| c["choices"][0]["finish_reason"] == "length")
+            .count(),
+        1
+    );
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_style_errors() {
+    let w = worker(64).await;
+    let c = http::client();
+    let url = format!("{}/v1/chat/completions", w.url());
+    for (body, status, param) in [
+        (
+            json!({"messages": [{"role": "user", "content": "x"}]}),
+            StatusCode::BAD_REQUEST,
+            json!("model"),
+        ),
+        (
+            json!({"model": "mock", "messages": "hi"}),
+            StatusCode::BAD_REQUEST,
+            json!("messages"),
+        ),
+        (
+            json!({"model": "mock", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}),
+            StatusCode::BAD_REQUEST,
+            json!("max_tokens"),
+        ),
+        (
+            json!({"model": "other", "messages": [{"role": "user", "content": "x"}]}),
+            StatusCode::NOT_FOUND,
+            json!("model"),
+        ),
+        // 64 blocks of 16 tokens cannot hold this prompt at all.
+        (
+            json!({"model": "mock", "messages": [{"role": "user", "content": "word ".repeat(3000)}]}),
+            StatusCode::BAD_REQUEST,
+            json!("prompt"),
+        ),
+    ] {
+        let (got, err, raw) = post_json(&c, &url, &body).await;
+        assert_eq!(got, status, "{}", String::from_utf8_lossy(&raw));
+        assert!(
+            err["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{err}"
+        );
+        assert!(err["error"]["type"].is_string(), "{err}");
+        assert_eq!(err["error"]["param"], param, "{err}");
+    }
+    let (status, _, bytes) = http::send(
+        &c,
+        Method::POST,
+        &url,
+        &[],
+        "{not json",
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(&bytes).contains("not valid JSON"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_cache_evicts_and_the_event_stream_says_so() {
+    // 40 blocks: room for one ~26-block prompt, not two.
+    let w = worker(40).await;
+    let c = http::client();
+    let events_url = format!("{}/v1/kv_events", w.url());
+    let uri: hyper::Uri = events_url.parse().unwrap();
+    let raw: hyper_util::client::legacy::Client<_, http_body_util::Empty<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http();
+    let resp = raw.get(uri).await.unwrap();
+    let mut body = resp.into_body();
+    use http_body_util::BodyExt;
+    let mut lines = Vec::new();
+    let mut buf = Vec::new();
+    let collect = async {
+        for topic in ["alpha", "beta", "gamma"] {
+            let body = json!({"model": "mock", "prompt": format!("{topic} {}", "filler text here ".repeat(60)), "max_tokens": 1});
+            let (s, v, _) = post_json(&c, &format!("{}/v1/completions", w.url()), &body).await;
+            assert_eq!(s, StatusCode::OK, "{v}");
+        }
+    };
+    collect.await;
+    let read = async {
+        while !lines
+            .iter()
+            .any(|e: &KvEvent| matches!(e, KvEvent::Removed { .. }))
+        {
+            let frame = body.frame().await.unwrap().unwrap();
+            buf.extend_from_slice(&frame.into_data().unwrap());
+            while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = buf.drain(..=nl).collect();
+                lines.push(serde_json::from_slice(&line).unwrap());
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .expect("a removed event");
+    assert!(matches!(lines[0], KvEvent::Snapshot { .. }));
+    // The least recently used blocks go first: the first prompt's, tail first (so that
+    // what stays cached is still a usable prefix).
+    let first_stored = lines.iter().find_map(|e| match e {
+        KvEvent::Stored { blocks, .. } => Some(blocks.clone()),
+        _ => None,
+    });
+    let removed = lines.iter().find_map(|e| match e {
+        KvEvent::Removed { blocks, .. } => Some(blocks.clone()),
+        _ => None,
+    });
+    let (first_stored, removed) = (first_stored.unwrap(), removed.unwrap());
+    let tail: Vec<u64> = first_stored[first_stored.len() - removed.len()..]
+        .iter()
+        .rev()
+        .copied()
+        .collect();
+    assert_eq!(removed, tail, "{lines:?}");
+    let seqs: Vec<u64> = lines.iter().filter_map(KvEvent::seq).collect();
+    assert!(seqs.windows(2).all(|p| p[1] == p[0] + 1), "{seqs:?}");
+}
+
+/// A `switchyard mock-worker` process.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn spawn_worker(args: &[&str]) -> (Proc, String) {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args([
+            "mock-worker",
+            "--listen",
+            &listen,
+            "--model",
+            "mock",
+            "--speedup",
+            "1000",
+        ])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let url = format!("http://{listen}");
+    let c = http::client();
+    for _ in 0..400 {
+        if http::send(
+            &c,
+            Method::GET,
+            &format!("{url}/v1/models"),
+            &[],
+            "",
+            Duration::from_secs(1),
+        )
+        .await
+        .is_ok()
+        {
+            return (Proc(child), url);
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("mock worker did not start");
+}
+
+fn hello() -> Value {
+    json!({"model": "mock", "prompt": "hello world", "max_tokens": 2})
+}
+
+async fn complete(c: &HttpClient, url: &str, limit: Duration) -> Result<StatusCode, String> {
+    http::send(
+        c,
+        Method::POST,
+        &format!("{url}/v1/completions"),
+        &[],
+        hello().to_string(),
+        limit,
+    )
+    .await
+    .map(|r| r.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_fault_flag_does_what_it_says() {
+    let c = http::client();
+    let quick = Duration::from_secs(5);
+
+    // crash after 1: the first request succeeds, the second finds the process gone.
+    let (mut p, url) = spawn_worker(&["--fault", "crash", "--fault-after", "1"]).await;
+    assert_eq!(complete(&c, &url, quick).await, Ok(StatusCode::OK));
+    assert!(complete(&c, &url, quick).await.is_err());
+    let status = tokio::task::spawn_blocking(move || p.0.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(!status.success());
+
+    // error: HTTP 500 with an OpenAI error body.
+    let (_p, url) = spawn_worker(&["--fault", "error"]).await;
+    let (s, v, _) = post_json(&c, &format!("{url}/v1/completions"), &hello()).await;
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(v["error"]["code"], "injected_fault");
+
+    // refuse after 1: then connections are refused.
+    let (_p, url) = spawn_worker(&["--fault", "refuse", "--fault-after", "1"]).await;
+    assert_eq!(complete(&c, &url, quick).await, Ok(StatusCode::OK));
+    let addr = url.trim_start_matches("http://").to_string();
+    let mut refused = false;
+    for _ in 0..200 {
+        if std::net::TcpStream::connect(&addr).is_err() {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(refused, "connections are refused");
+
+    // hang: no answer.
+    let (_p, url) = spawn_worker(&["--fault", "hang"]).await;
+    assert_eq!(
+        complete(&c, &url, Duration::from_millis(700)).await,
+        Err("timed out".to_string())
+    );
+
+    // cut_stream: a streaming response breaks off before [DONE].
+    let (_p, url) = spawn_worker(&["--fault", "cut-stream"]).await;
+    let body = json!({"model": "mock", "prompt": "hello world", "max_tokens": 8, "stream": true});
+    let r = http::send(
+        &c,
+        Method::POST,
+        &format!("{url}/v1/completions"),
+        &[],
+        body.to_string(),
+        quick,
+    )
+    .await;
+    match r {
+        Err(e) => assert!(e.contains("body failed"), "{e}"),
+        Ok((_, _, bytes)) => assert!(!String::from_utf8_lossy(&bytes).contains("[DONE]")),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_can_be_switched_at_run_time() {
+    let c = http::client();
+    let (_p, url) = spawn_worker(&[]).await;
+    let set = |fault: &str| {
+        let c = c.clone();
+        let url = url.clone();
+        let fault = fault.to_string();
+        async move {
+            let (s, v, _) =
+                post_json(&c, &format!("{url}/admin/fault"), &json!({"fault": fault})).await;
+            assert_eq!(s, StatusCode::OK, "{v}");
+        }
+    };
+    assert_eq!(
+        complete(&c, &url, Duration::from_secs(5)).await,
+        Ok(StatusCode::OK)
+    );
+    set("error").await;
+    assert_eq!(
+        complete(&c, &url, Duration::from_secs(5)).await,
+        Ok(StatusCode::INTERNAL_SERVER_ERROR)
+    );
+    assert_eq!(
+        get(&c, &format!("{url}/health")).await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    set("none").await;
+    assert_eq!(
+        complete(&c, &url, Duration::from_secs(5)).await,
+        Ok(StatusCode::OK)
+    );
+    assert_eq!(get(&c, &format!("{url}/health")).await.0, StatusCode::OK);
+    let (s, _, _) = post_json(
+        &c,
+        &format!("{url}/admin/fault"),
+        &json!({"fault": "explode"}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_register_in_etcd_while_running_and_leave_on_a_graceful_stop() {
+    let etcd = common::etcd::Etcd::start();
+    let config = switchyard::discovery::etcd::EtcdConfig::new(vec![etcd.url()]);
+    let (p, _url) = spawn_worker(&["--etcd", &etcd.url(), "--count", "2", "--ttl", "60"]).await;
+    let mut found = Vec::new();
+    for _ in 0..400 {
+        found = switchyard::discovery::etcd::list_all(&config)
+            .await
+            .unwrap()
+            .0;
+        if found.len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(found.len(), 2);
+    assert!(found.iter().all(|i| {
+        i.model == "mock"
+            && i.events_url
+                .as_deref()
+                .is_some_and(|u| u.ends_with("/v1/kv_events"))
+    }));
+    let pid = p.0.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let mut p = p;
+    let status = tokio::task::spawn_blocking(move || p.0.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success());
+    // The 60 s lease was revoked, not left to expire.
+    assert!(
+        switchyard::discovery::etcd::list_all(&config)
+            .await
+            .unwrap()
+            .0
+            .is_empty()
+    );
+}
