@@ -262,21 +262,23 @@ fn free_port() -> u16 {
 async fn spawn_worker(args: &[&str]) -> (Proc, String) {
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
-    let child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
-        .args([
-            "mock-worker",
-            "--listen",
-            &listen,
-            "--model",
-            "mock",
-            "--speedup",
-            "1000",
-        ])
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let proc = Proc(
+        Command::new(env!("CARGO_BIN_EXE_switchyard"))
+            .args([
+                "mock-worker",
+                "--listen",
+                &listen,
+                "--model",
+                "mock",
+                "--speedup",
+                "1000",
+            ])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let url = format!("http://{listen}");
     let c = http::client();
     for _ in 0..400 {
@@ -291,7 +293,7 @@ async fn spawn_worker(args: &[&str]) -> (Proc, String) {
         .await
         .is_ok()
         {
-            return (Proc(child), url);
+            return (proc, url);
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
