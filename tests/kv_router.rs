@@ -14,7 +14,7 @@ use switchyard::ids::{BlockHash, InstanceId};
 use switchyard::kv::hash::BlockHasher;
 use switchyard::policy::{Decider, PolicyEngine, PolicyHandle};
 use switchyard::router::subscriber::{self, SubscriberConfig};
-use switchyard::router::{IndexMode, KvRouter, KvRouterConfig, RouteError};
+use switchyard::router::{KvRouter, KvRouterConfig, RouteError};
 
 const PATIENCE: Duration = Duration::from_secs(30);
 
@@ -31,7 +31,7 @@ fn instance(id: u64, events_url: Option<String>) -> InstanceInfo {
     }
 }
 
-fn router(instances: Vec<InstanceInfo>, mode: IndexMode) -> (Arc<KvRouter>, Arc<Client>) {
+fn router(instances: Vec<InstanceInfo>) -> (Arc<KvRouter>, Arc<Client>) {
     let client = Client::new(
         EndpointPath::for_model("m"),
         ClientConfig {
@@ -48,10 +48,7 @@ fn router(instances: Vec<InstanceInfo>, mode: IndexMode) -> (Arc<KvRouter>, Arc<
     let router = Arc::new(KvRouter::new(
         client.clone(),
         policy,
-        KvRouterConfig {
-            mode,
-            ..KvRouterConfig::events(16)
-        },
+        KvRouterConfig::new(16),
     ));
     subscriber::spawn(
         &router,
@@ -81,10 +78,7 @@ fn hashes(v: &[u64]) -> Vec<BlockHash> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_then_deltas_land_in_the_index() {
     let worker = EventServer::start(&[1, 2, 3]).await;
-    let (router, _client) = router(
-        vec![instance(7, Some(worker.url.clone()))],
-        IndexMode::Events,
-    );
+    let (router, _client) = router(vec![instance(7, Some(worker.url.clone()))]);
     let w = InstanceId(7);
     eventually("the snapshot", || {
         router.cached_block_list(w) == hashes(&[1, 2, 3])
@@ -109,10 +103,7 @@ async fn a_snapshot_then_deltas_land_in_the_index() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequence_gap_forces_a_resync_that_matches_the_worker() {
     let worker = EventServer::start(&[1]).await;
-    let (router, _client) = router(
-        vec![instance(7, Some(worker.url.clone()))],
-        IndexMode::Events,
-    );
+    let (router, _client) = router(vec![instance(7, Some(worker.url.clone()))]);
     let w = InstanceId(7);
     eventually("the snapshot", || {
         router.cached_block_list(w) == hashes(&[1])
@@ -132,10 +123,7 @@ async fn a_sequence_gap_forces_a_resync_that_matches_the_worker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_stream_reconnects_and_malformed_lines_are_skipped() {
     let worker = EventServer::start(&[1]).await;
-    let (router, _client) = router(
-        vec![instance(7, Some(worker.url.clone()))],
-        IndexMode::Events,
-    );
+    let (router, _client) = router(vec![instance(7, Some(worker.url.clone()))]);
     let w = InstanceId(7);
     eventually("the snapshot", || {
         router.cached_block_list(w) == hashes(&[1])
@@ -171,14 +159,11 @@ async fn kv_cost_sends_a_cached_prefix_to_its_worker_and_never_to_a_reported_dow
     let a = EventServer::start(&[]).await;
     let b = EventServer::start(&prompt).await;
     let c = EventServer::start(&prompt[..8]).await;
-    let (router, client) = router(
-        vec![
-            instance(0xa, Some(a.url.clone())),
-            instance(0xb, Some(b.url.clone())),
-            instance(0xc, Some(c.url.clone())),
-        ],
-        IndexMode::Events,
-    );
+    let (router, client) = router(vec![
+        instance(0xa, Some(a.url.clone())),
+        instance(0xb, Some(b.url.clone())),
+        instance(0xc, Some(c.url.clone())),
+    ]);
     eventually("the snapshots", || {
         router.cached_blocks(InstanceId(0xb)) == 64 && router.cached_blocks(InstanceId(0xc)) == 8
     })
@@ -215,12 +200,9 @@ async fn kv_cost_sends_a_cached_prefix_to_its_worker_and_never_to_a_reported_dow
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn approximate_mode_predicts_caches_from_its_own_decisions() {
-    let mode = IndexMode::Approximate {
-        ttl: Duration::from_secs(120),
-        max_blocks: 10_000,
-    };
-    let (router, _client) = router((1..=4).map(|i| instance(i, None)).collect(), mode);
+async fn workers_without_events_get_caches_predicted_from_decisions() {
+    // Workers without an event stream: the router predicts their caches.
+    let (router, _client) = router((1..=4).map(|i| instance(i, None)).collect());
     let tokens: Vec<u32> = (0..40 * 16).collect();
     let first = router.route(&tokens, None, &[]).unwrap();
     assert_eq!(first.overlap_blocks, 0);
@@ -232,7 +214,7 @@ async fn approximate_mode_predicts_caches_from_its_own_decisions() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_available_instance_is_a_typed_error() {
-    let (router, client) = router(vec![instance(1, None)], IndexMode::Events);
+    let (router, client) = router(vec![instance(1, None)]);
     client.report_instance_down(InstanceId(1), "test");
     let err = router.route(&[1, 2, 3], None, &[]).unwrap_err();
     assert!(

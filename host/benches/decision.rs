@@ -72,7 +72,7 @@ fn main() {
         let policy = Arc::new(
             PolicyHandle::new(engine.clone(), engine.load_spec("kv-cost", "{}").unwrap()).unwrap(),
         );
-        let router = KvRouter::new(client, policy.clone(), KvRouterConfig::events(16));
+        let router = KvRouter::new(client, policy.clone(), KvRouterConfig::new(16));
         // ~1M cached blocks over the workers, plus the prompt's prefix on a few.
         let per_worker = (1usize << 20) / workers as usize;
         for w in 0..workers {

@@ -7,6 +7,8 @@
 //!   registration in etcd. The only module that knows etcd.
 //! - [`client`]: the per-endpoint `Client` — discovered and *available* instances,
 //!   instance-down reports and re-admission — shared through `ClientRegistry`.
+//! - [`http`]: the front door — OpenAI-compatible routes, the proxy with failover, the
+//!   admin API, health and metrics. Never reads etcd.
 //! - [`kv`]: block hashing, the KV overlap index, approximate mode, load tracking and the
 //!   worker event format — pure data structures, no I/O, no clock.
 //! - [`policy`]: the Wasm policy runtime — loading, sandboxing, calling and hot-swapping
@@ -15,6 +17,8 @@
 //! - [`router`]: `KvRouter`, one per endpoint — candidates from the shared `Client`, the
 //!   index and the load tracker, decided by the endpoint's policy — and the subscriber
 //!   that keeps the index in step with the workers' KV event streams.
+//! - [`serve`]: `switchyard serve` — discovery, clients, policies, routers and the front
+//!   door wired together; [`config`] resolves its flags, environment and TOML file.
 //! - [`tokens`]: text → token IDs (built-in or Hugging Face `tokenizer.json`) and the chat
 //!   template; shared by the router and the mock worker.
 //! - [`openai`]: the OpenAI-compatible request format and error bodies.
@@ -22,11 +26,14 @@
 //!   continuous batching, timing model, KV events, fault injection).
 
 pub mod client;
+pub mod config;
 pub mod discovery;
+pub mod http;
 pub mod ids;
 pub mod kv;
 pub mod openai;
 pub mod policy;
 pub mod router;
+pub mod serve;
 pub mod tokens;
 pub mod worker;

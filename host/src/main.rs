@@ -6,11 +6,14 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use switchyard::config::ServeArgs;
 use switchyard::discovery::etcd::{EtcdConfig, list_all};
+use switchyard::discovery::etcd_policy::{self, PushedPolicy};
 use switchyard::discovery::etcd_register::Registration;
 use switchyard::discovery::{EndpointPath, InstanceInfo};
 use switchyard::ids::InstanceId;
 use switchyard::policy::{BUILTINS, CallOutcome, PolicyEngine, RuntimeConfig};
+use switchyard::serve::serve;
 use switchyard::worker::{
     EngineConfig, Fault, FaultConfig, MockWorker, MockWorkerConfig, TimingModel,
 };
@@ -31,6 +34,24 @@ enum Command {
     /// Register an existing OpenAI-compatible server (e.g. a vLLM worker) in etcd and keep
     /// its lease alive until stopped (Ctrl-C / SIGTERM revoke it at once).
     Register(RegisterArgs),
+    /// Run the router: OpenAI-compatible HTTP in front of discovered workers.
+    Serve(ServeArgs),
+    /// Start a few mock workers and the router in this process, on embedded defaults: no
+    /// etcd, no files. Prints the URL and a request to try.
+    Demo {
+        /// Router address.
+        #[arg(long, default_value = "127.0.0.1:8000")]
+        listen: std::net::SocketAddr,
+        /// Mock workers to start.
+        #[arg(long, default_value_t = 3)]
+        workers: u16,
+        /// Run the workers' simulated time this many times faster.
+        #[arg(long, default_value_t = 1.0)]
+        speedup: f64,
+        /// Routing policy (built-in name or `.wasm`).
+        #[arg(long, default_value = "kv-cost")]
+        policy: String,
+    },
     /// Run simulated LLM workers (CPU only): OpenAI-compatible endpoints, a KV cache with
     /// prefix reuse and LRU eviction, continuous batching, a KV event stream, and fault
     /// injection.
@@ -163,6 +184,20 @@ enum PolicyCommand {
     },
     /// List the built-in policies.
     Builtin,
+    /// Store a policy in etcd for an endpoint: every router replica watching etcd
+    /// validates it and swaps to it, without a restart.
+    Push {
+        /// The `.wasm` component, or a built-in name.
+        policy: String,
+        #[command(flatten)]
+        etcd: EtcdArgs,
+        /// Endpoint path namespace/component/endpoint.
+        #[arg(long)]
+        endpoint: EndpointPath,
+        /// The policy's configuration, JSON.
+        #[arg(long, default_value = "{}")]
+        config: String,
+    },
 }
 
 fn main() -> ExitCode {
@@ -199,6 +234,29 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Register(args) => tokio_runtime()?.block_on(register(args)),
         Command::Instances { etcd } => tokio_runtime()?.block_on(instances(etcd)),
         Command::MockWorker(args) => tokio_runtime()?.block_on(mock_worker(args)),
+        Command::Serve(args) => {
+            let config = args.resolve()?;
+            tokio_runtime()?.block_on(async move {
+                let listener = tokio::net::TcpListener::bind(config.listen)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
+                println!("switchyard serving on http://{}", listener.local_addr()?);
+                serve(config, listener, shutdown_signal()).await?;
+                Ok(())
+            })
+        }
+        Command::Demo {
+            listen,
+            workers,
+            speedup,
+            policy,
+        } => tokio_runtime()?.block_on(demo(listen, workers, speedup, policy)),
+        Command::Policy(PolicyCommand::Push {
+            policy,
+            etcd,
+            endpoint,
+            config,
+        }) => tokio_runtime()?.block_on(policy_push(policy, etcd, endpoint, config)),
     }
 }
 
@@ -334,6 +392,96 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
         w.shutdown().await;
     }
     println!("stopped");
+    Ok(())
+}
+
+async fn demo(
+    listen: std::net::SocketAddr,
+    count: u16,
+    speedup: f64,
+    policy: String,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(count >= 1, "--workers must be at least 1");
+    let model = "mock-model";
+    let mut workers = Vec::new();
+    for _ in 0..count {
+        let config = MockWorkerConfig {
+            model: model.into(),
+            engine: EngineConfig {
+                block_size: 16,
+                kv_blocks: 8192,
+                max_batch: 64,
+                speedup,
+                timing: TimingModel::default(),
+            },
+            hash_seed: 0,
+            fault: FaultConfig::NONE,
+        };
+        workers.push(MockWorker::bind(config, "127.0.0.1:0".parse()?).await?);
+    }
+    let token = "demo-admin-token";
+    let args = ServeArgs {
+        listen: Some(listen),
+        workers: workers.iter().map(MockWorker::url).collect(),
+        model: Some(model.into()),
+        kv_events: Some(true),
+        policy: Some(policy),
+        admin_token: Some(token.into()),
+        shutdown_grace_secs: Some(5),
+        ..Default::default()
+    };
+    let config = args.resolve()?;
+    let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
+        anyhow::anyhow!("cannot listen on {listen}: {e} (pick another port with --listen)")
+    })?;
+    let url = format!("http://{}", listener.local_addr()?);
+    println!("Switchyard demo: {count} mock workers serving `{model}` behind the router at {url}");
+    for w in &workers {
+        println!("  mock worker {}", w.url());
+    }
+    println!();
+    println!("Try:");
+    println!(
+        "  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+    );
+    println!("  curl -s {url}/v1/models");
+    println!("  curl -s -H 'authorization: Bearer {token}' {url}/admin/endpoints");
+    println!("  curl -s {url}/metrics");
+    println!();
+    println!("Ctrl-C to stop.");
+    serve(config, listener, shutdown_signal()).await?;
+    for w in workers {
+        w.shutdown().await;
+    }
+    Ok(())
+}
+
+async fn policy_push(
+    spec: String,
+    etcd: EtcdArgs,
+    endpoint: EndpointPath,
+    config: String,
+) -> anyhow::Result<()> {
+    let bytes = match switchyard::policy::builtin(&spec) {
+        Some(b) => b.wasm.to_vec(),
+        None => std::fs::read(&spec).map_err(|e| anyhow::anyhow!("cannot read {spec}: {e}"))?,
+    };
+    // Validate here first, so that an operator sees a broken policy at once.
+    let engine = PolicyEngine::new(RuntimeConfig::default())?;
+    let loaded = engine.load(
+        switchyard::policy::PolicySource::Uploaded("push".into()),
+        &bytes,
+        &config,
+    )?;
+    loaded.canary()?;
+    let pushed = PushedPolicy::new(&bytes, &config);
+    let key = etcd_policy::push(&etcd.config(), &endpoint, &pushed).await?;
+    println!(
+        "pushed {} {} (sha256 {}) to {key}",
+        loaded.info().name,
+        loaded.info().version,
+        pushed.sha256
+    );
     Ok(())
 }
 

@@ -4,11 +4,13 @@
 //! the full set on every (re-)list, then `Insert` / `Remove` as instances come and go.
 //! Two sources exist: [`etcd`] (the distributed default: instances register themselves
 //! under a lease) and [`fixed`] (instances given on the command line; no service
-//! needed). Workers register with [`etcd_register`].
+//! needed). Workers register with [`etcd_register`]; routing policies are distributed to
+//! every router replica with [`etcd_policy`].
 //!
 //! Only `discovery/etcd*` knows etcd. Must not know: routing, policies, HTTP serving.
 
 pub mod etcd;
+pub mod etcd_policy;
 pub mod etcd_register;
 pub mod fixed;
 pub mod key;

@@ -123,6 +123,9 @@ pub struct PolicyHandle {
     consecutive_failures: AtomicU32,
     rollbacks: AtomicU64,
     seed_base: u64,
+    /// Time spent in policy calls (nanoseconds) and their number, for metrics.
+    call_nanos: AtomicU64,
+    calls: AtomicU64,
 }
 
 impl PolicyHandle {
@@ -143,6 +146,8 @@ impl PolicyHandle {
             consecutive_failures: AtomicU32::new(0),
             rollbacks: AtomicU64::new(0),
             seed_base,
+            call_nanos: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
         })
     }
 
@@ -171,7 +176,12 @@ impl PolicyHandle {
         if candidates.is_empty() {
             return decision;
         }
-        match active.policy.call(&req, candidates) {
+        let started = std::time::Instant::now();
+        let result = active.policy.call(&req, candidates);
+        self.call_nanos
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        match result {
             Ok(outcome) => {
                 self.consecutive_failures.store(0, Ordering::Relaxed);
                 decision.outcome = match outcome {
@@ -286,6 +296,14 @@ impl PolicyHandle {
         self.current.store(Active::new(previous, generation));
         self.consecutive_failures.store(0, Ordering::Relaxed);
         self.rollbacks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Policy calls made through this handle and the total time they took.
+    pub fn call_time(&self) -> (u64, std::time::Duration) {
+        (
+            self.calls.load(Ordering::Relaxed),
+            std::time::Duration::from_nanos(self.call_nanos.load(Ordering::Relaxed)),
+        )
     }
 
     /// The current policy.

@@ -25,18 +25,23 @@ use crate::policy::{
     CandidateRow, Candidates, Decider, Decision, DecisionOutcome, PolicyHandle, Rejection, Request,
 };
 
-/// Where overlap comes from.
+/// Approximate mode, for workers that publish no KV events: the router's decisions
+/// become predicted cache contents.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IndexMode {
-    /// Workers publish KV events; the index mirrors their caches.
-    Events,
-    /// Workers publish nothing; the router predicts caches from its own decisions.
-    Approximate {
-        /// How long a prediction lives.
-        ttl: Duration,
-        /// Most (worker, block) predictions kept.
-        max_blocks: usize,
-    },
+pub struct Approximate {
+    /// How long a prediction lives.
+    pub ttl: Duration,
+    /// Most (worker, block) predictions kept.
+    pub max_blocks: usize,
+}
+
+impl Default for Approximate {
+    fn default() -> Self {
+        Approximate {
+            ttl: Duration::from_secs(120),
+            max_blocks: 1 << 20,
+        }
+    }
 }
 
 /// One endpoint's routing configuration.
@@ -46,19 +51,21 @@ pub struct KvRouterConfig {
     pub block_size: u32,
     /// Seed of the block hash chain (must match the workers').
     pub hash_seed: u64,
-    /// Events or approximate.
-    pub mode: IndexMode,
+    /// Predictions for the workers without an event stream (workers with one are
+    /// mirrored exactly from their events).
+    pub approximate: Approximate,
     /// A booked request still open after this long is released anyway.
     pub load_expiry: Duration,
 }
 
 impl KvRouterConfig {
-    /// Event mode, 10-minute load expiry.
-    pub fn events(block_size: u32) -> KvRouterConfig {
+    /// Defaults for `block_size`: hash seed 0, predictions for 2 minutes, 10-minute
+    /// load expiry.
+    pub fn new(block_size: u32) -> KvRouterConfig {
         KvRouterConfig {
             block_size,
             hash_seed: 0,
-            mode: IndexMode::Events,
+            approximate: Approximate::default(),
             load_expiry: Duration::from_secs(600),
         }
     }
@@ -96,17 +103,24 @@ pub struct Routed {
     pub decision: Decision,
 }
 
-enum Index {
-    Events(OverlapIndex),
-    Approximate(ApproxIndex),
+/// Exact caches of the workers with event streams, predicted caches of the others. A
+/// worker is only ever in one of them.
+struct Index {
+    events: OverlapIndex,
+    predicted: ApproxIndex,
 }
 
 impl Index {
-    fn overlaps(&self) -> &OverlapIndex {
-        match self {
-            Index::Events(i) => i,
-            Index::Approximate(a) => a.index(),
-        }
+    fn overlaps(&self, hashes: &[BlockHash], mut f: impl FnMut(InstanceId, u32)) {
+        self.events.overlaps(hashes, &mut f);
+        self.predicted.index().overlaps(hashes, f);
+    }
+
+    fn worker_block_list(&self, worker: InstanceId) -> Vec<BlockHash> {
+        let mut v = self.events.worker_block_list(worker);
+        v.extend(self.predicted.index().worker_block_list(worker));
+        v.sort_unstable();
+        v
     }
 }
 
@@ -117,8 +131,8 @@ pub struct KvRouter {
     policy: Arc<PolicyHandle>,
     hasher: BlockHasher,
     config: KvRouterConfig,
-    /// Read by every decision, written by event subscribers (and, in approximate mode,
-    /// by decisions).
+    /// Read by every decision; written by event subscribers, and by decisions for
+    /// workers without events.
     index: RwLock<Index>,
     /// Short critical sections only: read candidates' loads, book, release.
     load: Mutex<LoadTracker>,
@@ -129,11 +143,9 @@ pub struct KvRouter {
 impl KvRouter {
     /// A router for `client`'s endpoint deciding with `policy`.
     pub fn new(client: Arc<Client>, policy: Arc<PolicyHandle>, config: KvRouterConfig) -> KvRouter {
-        let index = match config.mode {
-            IndexMode::Events => Index::Events(OverlapIndex::new()),
-            IndexMode::Approximate { ttl, max_blocks } => {
-                Index::Approximate(ApproxIndex::new(ttl, max_blocks))
-            }
+        let index = Index {
+            events: OverlapIndex::new(),
+            predicted: ApproxIndex::new(config.approximate.ttl, config.approximate.max_blocks),
         };
         KvRouter {
             endpoint: client.endpoint().clone(),
@@ -240,8 +252,12 @@ impl KvRouter {
             load.expire(now, self.config.load_expiry);
             load.book(request, worker, hashes, uncached, now);
         }
-        if let Index::Approximate(a) = &mut *self.index.write() {
-            a.record(worker, hashes, now);
+        if self
+            .client
+            .instance(worker)
+            .is_some_and(|i| i.events_url.is_none())
+        {
+            self.index.write().predicted.record(worker, hashes, now);
         }
         Ok(Routed {
             worker,
@@ -264,7 +280,6 @@ impl KvRouter {
         let mut overlaps = Vec::new();
         self.index
             .read()
-            .overlaps()
             .overlaps(hashes, |w, n| overlaps.push((w, n)));
         overlaps.sort_unstable();
         let mut candidates = Candidates::with_capacity(available.len());
@@ -309,20 +324,19 @@ impl KvRouter {
 
     /// Blocks the index says `worker` holds.
     pub fn cached_blocks(&self, worker: InstanceId) -> usize {
-        self.index.read().overlaps().worker_blocks(worker)
+        let index = self.index.read();
+        index.events.worker_blocks(worker) + index.predicted.index().worker_blocks(worker)
     }
 
     /// Every block the index says `worker` holds, sorted.
     pub fn cached_block_list(&self, worker: InstanceId) -> Vec<BlockHash> {
-        self.index.read().overlaps().worker_block_list(worker)
+        self.index.read().worker_block_list(worker)
     }
 
     /// Applies one event from `worker`'s stream (the subscriber checks sequence numbers).
     pub(crate) fn apply_event(&self, worker: InstanceId, event: &KvEvent) {
         let mut guard = self.index.write();
-        let Index::Events(index) = &mut *guard else {
-            return;
-        };
+        let index = &mut guard.events;
         let hashes = |v: &[u64]| v.iter().map(|&h| BlockHash(h)).collect::<Vec<_>>();
         match event {
             KvEvent::Snapshot { blocks, .. } => {
@@ -342,10 +356,9 @@ impl KvRouter {
 
     /// Forgets a worker that discovery removed.
     pub(crate) fn drop_worker(&self, worker: InstanceId) {
-        match &mut *self.index.write() {
-            Index::Events(i) => i.remove_worker(worker),
-            Index::Approximate(a) => a.remove_worker(worker),
-        }
+        let mut index = self.index.write();
+        index.events.remove_worker(worker);
+        index.predicted.remove_worker(worker);
         self.load.lock().forget_report(worker);
     }
 }

@@ -1,0 +1,390 @@
+//! `switchyard serve` configuration: command-line flags, environment variables
+//! (`SWITCHYARD_*`, named beside each flag) and an optional TOML file (`--config`),
+//! resolved once into a typed [`ServeConfig`]. A flag or variable beats the file, the
+//! file beats the default. Unknown keys in the file are errors.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::client::ClientConfig;
+use crate::discovery::EndpointPath;
+use crate::discovery::etcd::EtcdConfig;
+use crate::http::GatewayConfig;
+use crate::policy::RuntimeConfig;
+
+/// Flags of `switchyard serve`.
+#[derive(Debug, Default, clap::Args)]
+pub struct ServeArgs {
+    /// TOML configuration file (see the README for its keys).
+    #[arg(long, env = "SWITCHYARD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1:8000].
+    #[arg(long, env = "SWITCHYARD_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Discover workers in etcd (comma-separated client URLs).
+    #[arg(long = "etcd", env = "SWITCHYARD_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Root of Switchyard's keys in etcd [default: switchyard].
+    #[arg(long, env = "SWITCHYARD_ETCD_ROOT")]
+    pub etcd_root: Option<String>,
+    /// A static worker's base URL (repeatable); used when no etcd is given.
+    #[arg(long = "worker", env = "SWITCHYARD_WORKERS", value_delimiter = ',')]
+    pub workers: Vec<String>,
+    /// The model the static workers serve [default: mock-model].
+    #[arg(long, env = "SWITCHYARD_MODEL")]
+    pub model: Option<String>,
+    /// Static workers publish a KV event stream at `/v1/kv_events` (Switchyard mock
+    /// workers do); without it their caches are predicted from routing decisions.
+    #[arg(long, env = "SWITCHYARD_KV_EVENTS")]
+    pub kv_events: Option<bool>,
+    /// KV block size of the static workers, in tokens [default: 16].
+    #[arg(long, env = "SWITCHYARD_BLOCK_SIZE")]
+    pub block_size: Option<u32>,
+    /// Routing policy: a built-in name (`kv-cost`, `round-robin`) or a `.wasm` path
+    /// [default: kv-cost].
+    #[arg(long, env = "SWITCHYARD_POLICY")]
+    pub policy: Option<String>,
+    /// The policy's configuration, JSON [default: {}].
+    #[arg(long, env = "SWITCHYARD_POLICY_CONFIG")]
+    pub policy_config: Option<String>,
+    /// Reload `--policy PATH.wasm` when the file changes.
+    #[arg(long, env = "SWITCHYARD_POLICY_WATCH")]
+    pub watch: Option<bool>,
+    /// Bearer token of the admin API (the admin API is off without one).
+    #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN")]
+    pub admin_token: Option<String>,
+    /// Hugging Face `tokenizer.json` [default: the built-in tokenizer].
+    #[arg(long, env = "SWITCHYARD_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
+    /// Largest request body, bytes [default: 16777216].
+    #[arg(long, env = "SWITCHYARD_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Workers tried per request [default: 3].
+    #[arg(long, env = "SWITCHYARD_MAX_ATTEMPTS")]
+    pub max_attempts: Option<usize>,
+    /// Worker connect timeout, ms [default: 1000].
+    #[arg(long, env = "SWITCHYARD_CONNECT_TIMEOUT_MS")]
+    pub connect_timeout_ms: Option<u64>,
+    /// Timeout for a worker's first response bytes, seconds [default: 120].
+    #[arg(long, env = "SWITCHYARD_FIRST_BYTE_TIMEOUT_SECS")]
+    pub first_byte_timeout_secs: Option<u64>,
+    /// How long open requests may finish after SIGTERM, seconds [default: 30].
+    #[arg(long, env = "SWITCHYARD_SHUTDOWN_GRACE_SECS")]
+    pub shutdown_grace_secs: Option<u64>,
+    /// Time budget of one policy call, ms [default: 10].
+    #[arg(long, env = "SWITCHYARD_POLICY_BUDGET_MS")]
+    pub policy_budget_ms: Option<u64>,
+    /// Memory cap of one policy instance, MiB [default: 64].
+    #[arg(long, env = "SWITCHYARD_POLICY_MEMORY_MB")]
+    pub policy_memory_mb: Option<usize>,
+    /// Report failing workers down at once [default: true]; `false` is a baseline that
+    /// keeps routing to every discovered worker until discovery drops it.
+    #[arg(long, env = "SWITCHYARD_AVAILABILITY")]
+    pub availability: Option<bool>,
+}
+
+/// The TOML file. Same keys as the flags (snake_case), plus per-endpoint policies.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    listen: Option<SocketAddr>,
+    #[serde(default)]
+    etcd: Vec<String>,
+    etcd_root: Option<String>,
+    #[serde(default)]
+    workers: Vec<String>,
+    model: Option<String>,
+    kv_events: Option<bool>,
+    block_size: Option<u32>,
+    policy: Option<String>,
+    policy_config: Option<String>,
+    watch: Option<bool>,
+    admin_token: Option<String>,
+    tokenizer: Option<PathBuf>,
+    max_body_bytes: Option<usize>,
+    max_attempts: Option<usize>,
+    connect_timeout_ms: Option<u64>,
+    first_byte_timeout_secs: Option<u64>,
+    shutdown_grace_secs: Option<u64>,
+    policy_budget_ms: Option<u64>,
+    policy_memory_mb: Option<usize>,
+    availability: Option<bool>,
+    /// `[endpoints."namespace/component/endpoint"]` tables.
+    #[serde(default)]
+    endpoints: BTreeMap<String, EndpointFile>,
+}
+
+/// Per-endpoint settings in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointFile {
+    policy: Option<String>,
+    policy_config: Option<String>,
+}
+
+/// A policy to load: a built-in name or a `.wasm` path, and its configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicySpec {
+    /// Built-in name or path.
+    pub spec: String,
+    /// JSON configuration.
+    pub config: String,
+}
+
+/// Where workers come from.
+#[derive(Debug, Clone)]
+pub enum DiscoveryConfig {
+    /// etcd.
+    Etcd(EtcdConfig),
+    /// A fixed list.
+    Static {
+        /// Base URLs.
+        workers: Vec<String>,
+        /// Their model.
+        model: String,
+        /// Their block size.
+        block_size: u32,
+        /// Whether they serve `/v1/kv_events`.
+        kv_events: bool,
+    },
+}
+
+/// Everything `serve` needs, validated.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Listen address.
+    pub listen: SocketAddr,
+    /// Discovery.
+    pub discovery: DiscoveryConfig,
+    /// The policy of endpoints without their own.
+    pub default_policy: PolicySpec,
+    /// Per-endpoint policies.
+    pub endpoint_policies: BTreeMap<EndpointPath, PolicySpec>,
+    /// Reload file policies on change.
+    pub watch: bool,
+    /// Tokenizer file, if not built-in.
+    pub tokenizer: Option<PathBuf>,
+    /// The front door.
+    pub gateway: GatewayConfig,
+    /// The policy runtime.
+    pub runtime: RuntimeConfig,
+    /// Re-admission probing.
+    pub client: ClientConfig,
+    /// Shutdown grace period.
+    pub shutdown_grace: Duration,
+}
+
+/// A configuration problem, said plainly.
+#[derive(Debug, thiserror::Error)]
+#[error("configuration: {0}")]
+pub struct ConfigError(pub String);
+
+impl ServeArgs {
+    /// Merges flags, environment and the file.
+    pub fn resolve(self) -> Result<ServeConfig, ConfigError> {
+        let file: FileConfig = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
+                toml::from_str(&text)
+                    .map_err(|e| ConfigError(format!("{}: {e}", path.display())))?
+            }
+            None => FileConfig::default(),
+        };
+        let etcd = if self.etcd.is_empty() {
+            file.etcd
+        } else {
+            self.etcd
+        };
+        let workers = if self.workers.is_empty() {
+            file.workers
+        } else {
+            self.workers
+        };
+        let discovery = match (etcd.is_empty(), workers.is_empty()) {
+            (false, true) => DiscoveryConfig::Etcd(EtcdConfig {
+                root: self
+                    .etcd_root
+                    .or(file.etcd_root)
+                    .unwrap_or_else(|| "switchyard".into()),
+                ..EtcdConfig::new(etcd)
+            }),
+            (true, false) => {
+                for w in &workers {
+                    if !(w.starts_with("http://") || w.starts_with("https://")) {
+                        return Err(ConfigError(format!("worker `{w}` is not an http(s) URL")));
+                    }
+                }
+                DiscoveryConfig::Static {
+                    workers: workers
+                        .iter()
+                        .map(|w| w.trim_end_matches('/').to_string())
+                        .collect(),
+                    model: self
+                        .model
+                        .or(file.model)
+                        .unwrap_or_else(|| "mock-model".into()),
+                    block_size: self.block_size.or(file.block_size).unwrap_or(16).max(1),
+                    kv_events: self.kv_events.or(file.kv_events).unwrap_or(false),
+                }
+            }
+            (false, false) => {
+                return Err(ConfigError(
+                    "give either --etcd or --worker, not both".into(),
+                ));
+            }
+            (true, true) => {
+                return Err(ConfigError(
+                    "no workers: give --etcd URL or --worker URL".into(),
+                ));
+            }
+        };
+        let default_policy = PolicySpec {
+            spec: self
+                .policy
+                .or(file.policy)
+                .unwrap_or_else(|| "kv-cost".into()),
+            config: self
+                .policy_config
+                .or(file.policy_config)
+                .unwrap_or_else(|| "{}".into()),
+        };
+        let mut endpoint_policies = BTreeMap::new();
+        for (path, ep) in file.endpoints {
+            let endpoint: EndpointPath = path
+                .parse()
+                .map_err(|e| ConfigError(format!("[endpoints.\"{path}\"]: {e}")))?;
+            let spec = PolicySpec {
+                spec: ep.policy.unwrap_or_else(|| default_policy.spec.clone()),
+                config: ep.policy_config.unwrap_or_else(|| "{}".into()),
+            };
+            endpoint_policies.insert(endpoint, spec);
+        }
+        let defaults = GatewayConfig::default();
+        let gateway = GatewayConfig {
+            max_body_bytes: self
+                .max_body_bytes
+                .or(file.max_body_bytes)
+                .unwrap_or(defaults.max_body_bytes),
+            max_attempts: self
+                .max_attempts
+                .or(file.max_attempts)
+                .unwrap_or(defaults.max_attempts)
+                .max(1),
+            connect_timeout: self
+                .connect_timeout_ms
+                .or(file.connect_timeout_ms)
+                .map_or(defaults.connect_timeout, Duration::from_millis),
+            first_byte_timeout: self
+                .first_byte_timeout_secs
+                .or(file.first_byte_timeout_secs)
+                .map_or(defaults.first_byte_timeout, Duration::from_secs),
+            admin_token: self
+                .admin_token
+                .or(file.admin_token)
+                .filter(|t| !t.is_empty()),
+            availability: self.availability.or(file.availability).unwrap_or(true),
+            ..defaults
+        };
+        let runtime_defaults = RuntimeConfig::default();
+        let runtime = RuntimeConfig {
+            call_budget: self
+                .policy_budget_ms
+                .or(file.policy_budget_ms)
+                .map_or(runtime_defaults.call_budget, Duration::from_millis),
+            memory_cap: self
+                .policy_memory_mb
+                .or(file.policy_memory_mb)
+                .map_or(runtime_defaults.memory_cap, |mb| mb << 20),
+            ..runtime_defaults
+        };
+        Ok(ServeConfig {
+            listen: self
+                .listen
+                .or(file.listen)
+                .unwrap_or_else(|| "127.0.0.1:8000".parse().expect("valid")),
+            discovery,
+            default_policy,
+            endpoint_policies,
+            watch: self.watch.or(file.watch).unwrap_or(false),
+            tokenizer: self.tokenizer.or(file.tokenizer),
+            gateway,
+            runtime,
+            client: ClientConfig::default(),
+            shutdown_grace: Duration::from_secs(
+                self.shutdown_grace_secs
+                    .or(file.shutdown_grace_secs)
+                    .unwrap_or(30),
+            ),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(text: &str) -> tempfile::NamedTempFile {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), text).unwrap();
+        f
+    }
+
+    #[test]
+    fn flags_beat_the_file_and_the_file_beats_defaults() {
+        let f = file(
+            r#"
+            listen = "127.0.0.1:9000"
+            workers = ["http://127.0.0.1:8001/"]
+            policy = "round-robin"
+            max_attempts = 5
+            [endpoints."default/other/generate"]
+            policy = "kv-cost"
+            policy_config = '{"overlap_weight": 2}'
+            "#,
+        );
+        let args = ServeArgs {
+            config: Some(f.path().into()),
+            max_attempts: Some(2),
+            ..Default::default()
+        };
+        let c = args.resolve().unwrap();
+        assert_eq!(c.listen.port(), 9000);
+        assert_eq!(c.gateway.max_attempts, 2);
+        assert_eq!(c.default_policy.spec, "round-robin");
+        let ep: EndpointPath = "default/other/generate".parse().unwrap();
+        assert_eq!(c.endpoint_policies[&ep].config, r#"{"overlap_weight": 2}"#);
+        match c.discovery {
+            DiscoveryConfig::Static { workers, model, .. } => {
+                assert_eq!(workers, vec!["http://127.0.0.1:8001"]);
+                assert_eq!(model, "mock-model");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn unknown_keys_and_missing_workers_are_errors() {
+        let f = file("workers = [\"http://x:1\"]\npolcy = \"kv-cost\"\n");
+        let err = ServeArgs {
+            config: Some(f.path().into()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(err.to_string().contains("unknown field `polcy`"), "{err}");
+        let err = ServeArgs::default().resolve().unwrap_err();
+        assert!(err.to_string().contains("no workers"), "{err}");
+        let err = ServeArgs {
+            workers: vec!["localhost:1".into()],
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(err.to_string().contains("not an http(s) URL"), "{err}");
+    }
+}

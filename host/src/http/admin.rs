@@ -1,0 +1,227 @@
+//! The admin API. Every route needs `Authorization: Bearer <admin token>`; without a
+//! configured token the admin API is off (401).
+//!
+//! | route | does |
+//! | --- | --- |
+//! | `GET /admin/endpoints` | every endpoint: its policy and instances |
+//! | `GET /admin/endpoints/{ns}/{component}/{endpoint}/policy` | the current policy: name, version, sha256, loaded at, decisions, failures, fallbacks |
+//! | `PUT /admin/endpoints/{path}/policy` | body: a `.wasm` component (or `?builtin=NAME`); config in the `x-policy-config` header; validated (canary) before the swap, 400 with the reason if refused |
+//! | `POST /admin/endpoints/{path}/policy/rollback` | back to the previous policy |
+//! | `GET /admin/endpoints/{path}/instances` | instances with availability and load |
+
+use std::sync::Arc;
+use std::time::UNIX_EPOCH;
+
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::{Value, json};
+
+use super::{ApiError, Body, Gateway, json_response};
+use crate::client::Availability;
+use crate::discovery::EndpointPath;
+use crate::policy::{PolicySource, PolicyStatus};
+use crate::router::KvRouter;
+
+const MAX_POLICY_BYTES: usize = 32 << 20;
+
+fn authorized(gw: &Gateway, req: &Request<Incoming>) -> Result<(), ApiError> {
+    let Some(token) = gw.config.admin_token.as_deref() else {
+        return Err(ApiError::Unauthorized(
+            "the admin API is disabled (start the router with --admin-token)",
+        ));
+    };
+    let given = req
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .ok_or(ApiError::Unauthorized("missing bearer token"))?;
+    // Constant-time comparison: the time taken does not depend on how much matches.
+    let same = given.len() == token.len()
+        && given
+            .bytes()
+            .zip(token.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0;
+    if same {
+        Ok(())
+    } else {
+        Err(ApiError::Unauthorized("wrong bearer token"))
+    }
+}
+
+pub(crate) async fn handle(
+    gw: &Arc<Gateway>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    authorized(gw, &req)?;
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    if path == "/admin/endpoints" && method == Method::GET {
+        let all: Vec<Value> = gw
+            .fleet
+            .routers()
+            .iter()
+            .map(|r| endpoint_json(r))
+            .collect();
+        return Ok(json_response(StatusCode::OK, &json!({"endpoints": all})));
+    }
+    let rest = path
+        .strip_prefix("/admin/endpoints/")
+        .ok_or_else(|| ApiError::NotFound(path.clone()))?;
+    let (endpoint, action) = split_action(rest).ok_or_else(|| ApiError::NotFound(path.clone()))?;
+    let endpoint: EndpointPath = endpoint
+        .parse()
+        .map_err(|e: crate::discovery::KeyError| ApiError::Refused(e.to_string()))?;
+    let router = gw
+        .fleet
+        .router(&endpoint)
+        .ok_or_else(|| ApiError::NotFound(format!("endpoint {endpoint}")))?;
+    match (method, action) {
+        (Method::GET, "policy") => Ok(json_response(
+            StatusCode::OK,
+            &status_json(&router.policy().status()),
+        )),
+        (Method::GET, "instances") => Ok(json_response(StatusCode::OK, &instances_json(&router))),
+        (Method::PUT | Method::POST, "policy") => upload(&router, req).await,
+        (Method::POST, "policy/rollback") => match router.policy().rollback() {
+            Some(status) => Ok(json_response(StatusCode::OK, &status_json(&status))),
+            None => Err(ApiError::Refused(
+                "there is no previous policy to roll back to".into(),
+            )),
+        },
+        (m, a) => Err(ApiError::NotFound(format!("{m} {a} on {endpoint}"))),
+    }
+}
+
+/// `ns/comp/ep/policy/rollback` → (`ns/comp/ep`, `policy/rollback`).
+fn split_action(rest: &str) -> Option<(&str, &str)> {
+    let mut slashes = rest.match_indices('/').map(|(i, _)| i);
+    let third = slashes.nth(2)?;
+    Some((&rest[..third], &rest[third + 1..]))
+}
+
+async fn upload(
+    router: &Arc<KvRouter>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    let config = req
+        .headers()
+        .get("x-policy-config")
+        .map(|v| {
+            v.to_str()
+                .map(str::to_string)
+                .map_err(|_| ApiError::Refused("x-policy-config must be text".into()))
+        })
+        .transpose()?
+        .unwrap_or_else(|| "{}".to_string());
+    let builtin = req
+        .uri()
+        .query()
+        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("builtin=")))
+        .map(str::to_string);
+    let bytes = Limited::new(req.into_body(), MAX_POLICY_BYTES)
+        .collect()
+        .await
+        .map_err(|e| ApiError::Refused(format!("cannot read the policy: {e}")))?
+        .to_bytes();
+    let handle = router.policy().clone();
+    // Compiling takes milliseconds of CPU: keep it off the async workers.
+    let result = tokio::task::spawn_blocking(move || match builtin {
+        Some(name) => handle
+            .engine()
+            .load_spec(&name, &config)
+            .and_then(|p| handle.swap(p)),
+        None => handle.swap_bytes(PolicySource::Uploaded("admin API".into()), &bytes, &config),
+    })
+    .await
+    .map_err(|e| ApiError::Refused(format!("policy load panicked: {e}")))?;
+    match result {
+        Ok(status) => Ok(json_response(StatusCode::OK, &status_json(&status))),
+        Err(e) => Err(ApiError::Refused(format!(
+            "policy refused; the current policy keeps serving: {e}"
+        ))),
+    }
+}
+
+fn secs(t: std::time::SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// The admin API's view of a policy's status.
+pub fn status_json(s: &PolicyStatus) -> Value {
+    json!({
+        "name": s.info.name,
+        "version": s.info.version,
+        "sha256": s.info.sha256,
+        "source": s.info.source.to_string(),
+        "config": s.info.config,
+        "loaded_at": secs(s.info.loaded_at),
+        "load_ms": s.info.load_time.as_secs_f64() * 1e3,
+        "compiled": format!("{:?}", s.info.cache),
+        "generation": s.generation,
+        "active_since": secs(s.active_since),
+        "decisions": s.decisions,
+        "failures": s.failures,
+        "fallbacks": s.fallbacks,
+        "rejections": s.rejections,
+        "rollbacks": s.rollbacks,
+        "previous": s.previous.as_ref().map(|p| json!({"name": p.name, "version": p.version, "sha256": p.sha256})),
+        "guest_log": {"logged": s.guest_log_lines.0, "suppressed": s.guest_log_lines.1},
+    })
+}
+
+fn instances_json(r: &KvRouter) -> Value {
+    let snap = r.client().snapshot();
+    let list: Vec<Value> = snap
+        .instances
+        .iter()
+        .map(|(id, st)| {
+            let load = r.load_of(*id);
+            let (available, down) = match &st.availability {
+                Availability::Available => (true, Value::Null),
+                Availability::Down { since, reason, failed_probes } => {
+                    (false, json!({"since": secs(*since), "reason": reason, "failed_probes": failed_probes}))
+                }
+            };
+            json!({
+                "id": id.to_string(),
+                "url": st.info.url,
+                "model": st.info.model,
+                "events": st.info.events_url.is_some(),
+                "available": available,
+                "down": down,
+                "in_flight": load.in_flight,
+                "active_blocks": load.active_blocks,
+                "pending_prefill_tokens": load.pending_prefill_tokens,
+                "kv_usage": load.reported.and_then(|l| l.kv_usage()),
+                "cached_blocks": r.cached_blocks(*id),
+            })
+        })
+        .collect();
+    json!({"endpoint": r.endpoint().to_string(), "instances": list})
+}
+
+fn endpoint_json(r: &KvRouter) -> Value {
+    json!({
+        "endpoint": r.endpoint().to_string(),
+        "policy": status_json(&r.policy().status()),
+        "instances": instances_json(r)["instances"],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_action;
+
+    #[test]
+    fn admin_paths_split_into_endpoint_and_action() {
+        assert_eq!(split_action("a/b/c/policy"), Some(("a/b/c", "policy")));
+        assert_eq!(
+            split_action("a/b/c/policy/rollback"),
+            Some(("a/b/c", "policy/rollback"))
+        );
+        assert_eq!(split_action("a/b/c"), None);
+    }
+}

@@ -1,0 +1,103 @@
+//! Every error the front door returns, mapped to an HTTP status and OpenAI's error body in
+//! one place.
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Response, StatusCode};
+
+use super::Body;
+use crate::openai;
+use crate::router::RouteError;
+
+/// Why a request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// Malformed request.
+    #[error("{0}")]
+    BadRequest(openai::BadRequest),
+    /// The body is larger than the limit.
+    #[error("request body larger than {0} bytes")]
+    TooLarge(usize),
+    /// No endpoint serves the model.
+    #[error("the model `{0}` does not exist")]
+    UnknownModel(String),
+    /// Routing failed (no instance, or the policy refused).
+    #[error(transparent)]
+    Route(#[from] RouteError),
+    /// Every attempt to reach a worker failed.
+    #[error("upstream workers failed: {0}")]
+    Upstream(String),
+    /// Every attempt timed out.
+    #[error("upstream workers timed out: {0}")]
+    UpstreamTimeout(String),
+    /// Missing or wrong admin token.
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    /// No such route.
+    #[error("no route for {0}")]
+    NotFound(String),
+    /// Something the admin API refused (e.g. a bad policy).
+    #[error("{0}")]
+    Refused(String),
+    /// The router is shutting down.
+    #[error("the router is shutting down")]
+    ShuttingDown,
+}
+
+impl ApiError {
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest(_) | ApiError::Refused(_) => StatusCode::BAD_REQUEST,
+            ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::UnknownModel(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Route(_) | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
+            ApiError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+        }
+    }
+
+    /// The response: OpenAI's `{"error": {message, type, param, code}}`.
+    pub fn response(&self) -> Response<Body> {
+        let (kind, param, code) = match self {
+            ApiError::BadRequest(b) => ("invalid_request_error", b.param.as_deref(), None),
+            ApiError::TooLarge(_) => ("invalid_request_error", None, Some("request_too_large")),
+            ApiError::UnknownModel(_) => (
+                "invalid_request_error",
+                Some("model"),
+                Some("model_not_found"),
+            ),
+            ApiError::Route(RouteError::NoInstances { .. }) => {
+                ("server_error", None, Some("no_available_worker"))
+            }
+            ApiError::Route(RouteError::Rejected(_)) => {
+                ("server_error", None, Some("rejected_by_policy"))
+            }
+            ApiError::Upstream(_) => ("server_error", None, Some("upstream_error")),
+            ApiError::UpstreamTimeout(_) => ("server_error", None, Some("upstream_timeout")),
+            ApiError::Unauthorized(_) => ("authentication_error", None, Some("invalid_api_key")),
+            ApiError::NotFound(_) => ("invalid_request_error", None, Some("not_found")),
+            ApiError::Refused(_) => ("invalid_request_error", None, Some("refused")),
+            ApiError::ShuttingDown => ("server_error", None, Some("shutting_down")),
+        };
+        let mut builder = Response::builder()
+            .status(self.status())
+            .header("content-type", "application/json");
+        if matches!(self, ApiError::Unauthorized(_)) {
+            builder = builder.header("www-authenticate", "Bearer");
+        }
+        builder
+            .body(
+                Full::new(Bytes::from(openai::error_body(
+                    &self.to_string(),
+                    kind,
+                    param,
+                    code,
+                )))
+                .map_err(|e| match e {})
+                .boxed(),
+            )
+            .expect("valid response")
+    }
+}

@@ -1,0 +1,147 @@
+//! Prometheus metrics: counters kept by the front door, plus gauges read from the
+//! routers, clients and policies at scrape time.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::client::Availability;
+use crate::router::KvRouter;
+
+/// The front door's own counters.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// Requests answered, by class: 2xx, 4xx, 5xx.
+    pub responses_2xx: AtomicU64,
+    /// 4xx answers.
+    pub responses_4xx: AtomicU64,
+    /// 5xx answers.
+    pub responses_5xx: AtomicU64,
+    /// Attempts on another worker after a failed one.
+    pub retries: AtomicU64,
+    /// Upstream attempts that failed before the first byte.
+    pub upstream_failures: AtomicU64,
+    /// Streams that broke after they started.
+    pub stream_errors: AtomicU64,
+    /// Prompt tokens, from the workers' `usage`.
+    pub prompt_tokens: AtomicU64,
+    /// Cached prompt tokens, from `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: AtomicU64,
+}
+
+impl Metrics {
+    /// Counts a response by status.
+    pub fn count_status(&self, status: u16) {
+        let c = match status {
+            200..=299 => &self.responses_2xx,
+            400..=499 => &self.responses_4xx,
+            _ => &self.responses_5xx,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Renders everything in the Prometheus text format.
+    pub fn render(&self, routers: &[std::sync::Arc<KvRouter>]) -> String {
+        let mut s = String::new();
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let _ = writeln!(s, "# TYPE switchyard_responses_total counter");
+        for (class, c) in [
+            ("2xx", &self.responses_2xx),
+            ("4xx", &self.responses_4xx),
+            ("5xx", &self.responses_5xx),
+        ] {
+            let _ = writeln!(
+                s,
+                "switchyard_responses_total{{class=\"{class}\"}} {}",
+                load(c)
+            );
+        }
+        for (name, help, c) in [
+            (
+                "switchyard_retries_total",
+                "attempts on another worker after a failure",
+                &self.retries,
+            ),
+            (
+                "switchyard_upstream_failures_total",
+                "upstream attempts failed before the first byte",
+                &self.upstream_failures,
+            ),
+            (
+                "switchyard_stream_errors_total",
+                "streams broken after they started",
+                &self.stream_errors,
+            ),
+            (
+                "switchyard_prompt_tokens_total",
+                "prompt tokens reported by workers",
+                &self.prompt_tokens,
+            ),
+            (
+                "switchyard_cached_prompt_tokens_total",
+                "prompt tokens the workers found cached",
+                &self.cached_tokens,
+            ),
+        ] {
+            let _ = writeln!(
+                s,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                load(c)
+            );
+        }
+        let _ = writeln!(s, "# TYPE switchyard_decisions_total counter");
+        let _ = writeln!(s, "# TYPE switchyard_policy_failures_total counter");
+        let _ = writeln!(s, "# TYPE switchyard_policy_fallbacks_total counter");
+        let _ = writeln!(s, "# TYPE switchyard_policy_call_seconds_sum counter");
+        let _ = writeln!(s, "# TYPE switchyard_policy_calls_total counter");
+        let _ = writeln!(s, "# TYPE switchyard_instance_down_reports_total counter");
+        let _ = writeln!(s, "# TYPE switchyard_instance_available gauge");
+        let _ = writeln!(s, "# TYPE switchyard_instance_in_flight gauge");
+        for r in routers {
+            let ep = r.endpoint().to_string();
+            let st = r.policy().status();
+            let (calls, time) = r.policy().call_time();
+            let _ = writeln!(
+                s,
+                "switchyard_decisions_total{{endpoint=\"{ep}\",policy=\"{}\"}} {}",
+                st.info.name, st.decisions
+            );
+            let _ = writeln!(
+                s,
+                "switchyard_policy_failures_total{{endpoint=\"{ep}\"}} {}",
+                st.failures
+            );
+            let _ = writeln!(
+                s,
+                "switchyard_policy_fallbacks_total{{endpoint=\"{ep}\"}} {}",
+                st.fallbacks
+            );
+            let _ = writeln!(
+                s,
+                "switchyard_policy_call_seconds_sum{{endpoint=\"{ep}\"}} {:.9}",
+                time.as_secs_f64()
+            );
+            let _ = writeln!(
+                s,
+                "switchyard_policy_calls_total{{endpoint=\"{ep}\"}} {calls}"
+            );
+            let down = r.client().counters().reported_down.load(Ordering::Relaxed);
+            let _ = writeln!(
+                s,
+                "switchyard_instance_down_reports_total{{endpoint=\"{ep}\"}} {down}"
+            );
+            for (id, state) in &r.client().snapshot().instances {
+                let up = u8::from(state.availability == Availability::Available);
+                let _ = writeln!(
+                    s,
+                    "switchyard_instance_available{{endpoint=\"{ep}\",instance=\"{id}\"}} {up}"
+                );
+                let _ = writeln!(
+                    s,
+                    "switchyard_instance_in_flight{{endpoint=\"{ep}\",instance=\"{id}\"}} {}",
+                    r.load_of(*id).in_flight
+                );
+            }
+        }
+        s
+    }
+}

@@ -1,0 +1,268 @@
+//! The HTTP front door: OpenAI-compatible routes, the proxy with failover, the admin API,
+//! health and metrics.
+//!
+//! | route | does |
+//! | --- | --- |
+//! | `POST /v1/chat/completions`, `POST /v1/completions` | route by KV overlap and load, proxy to the chosen worker (streaming passed through), fail over on worker errors |
+//! | `GET /v1/models` | the models discovery knows |
+//! | `GET /health` | 200 while the process serves |
+//! | `GET /ready` | 200 once discovery has answered and some endpoint has an available worker |
+//! | `GET /metrics` | Prometheus text |
+//! | `/admin/...` | bearer token; see [`admin`] |
+//!
+//! Must not know: etcd (endpoints come through [`Fleet`]), wasmtime (policies through
+//! `PolicyHandle`).
+
+pub mod admin;
+pub mod error;
+pub mod metrics;
+pub mod proxy;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::client::legacy::Client as HttpClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::json;
+use tokio::net::TcpListener;
+
+use crate::discovery::EndpointPath;
+use crate::router::KvRouter;
+use crate::tokens::Tokenizer;
+pub use error::ApiError;
+pub use metrics::Metrics;
+
+/// Response bodies.
+pub type Body = BoxBody<Bytes, std::io::Error>;
+
+/// The endpoints the front door routes to. Implemented by `serve`, which owns discovery.
+pub trait Fleet: Send + Sync + 'static {
+    /// The router of the endpoint serving `model`, if any.
+    fn router_for_model(&self, model: &str) -> Option<Arc<KvRouter>>;
+    /// The router of `endpoint`, if it is known.
+    fn router(&self, endpoint: &EndpointPath) -> Option<Arc<KvRouter>>;
+    /// Every router created so far.
+    fn routers(&self) -> Vec<Arc<KvRouter>>;
+    /// Known models and their endpoints.
+    fn models(&self) -> Vec<(String, EndpointPath)>;
+    /// True once discovery has answered.
+    fn discovered(&self) -> bool;
+}
+
+/// Limits and behaviour of the front door.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// Largest request body accepted.
+    pub max_body_bytes: usize,
+    /// Largest request head (request line and headers).
+    pub max_header_bytes: usize,
+    /// Workers tried per request (the first plus retries).
+    pub max_attempts: usize,
+    /// Timeout for connecting to a worker.
+    pub connect_timeout: Duration,
+    /// Timeout for a worker's response head and first body bytes.
+    pub first_byte_timeout: Duration,
+    /// The admin API's bearer token; `None` disables the admin API.
+    pub admin_token: Option<String>,
+    /// Report failing workers down (the product); `false` only retries elsewhere and
+    /// keeps routing to every discovered worker (a baseline for benchmarks).
+    pub availability: bool,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            max_body_bytes: 16 << 20,
+            max_header_bytes: 64 << 10,
+            max_attempts: 3,
+            connect_timeout: Duration::from_millis(1000),
+            first_byte_timeout: Duration::from_secs(120),
+            admin_token: None,
+            availability: true,
+        }
+    }
+}
+
+/// The front door's state.
+pub struct Gateway {
+    pub(crate) config: GatewayConfig,
+    pub(crate) fleet: Arc<dyn Fleet>,
+    pub(crate) tokenizer: Arc<Tokenizer>,
+    pub(crate) http: HttpClient<HttpConnector, Full<Bytes>>,
+    pub(crate) metrics: Metrics,
+    draining: AtomicBool,
+}
+
+impl Gateway {
+    /// A front door over `fleet`.
+    pub fn new(
+        config: GatewayConfig,
+        fleet: Arc<dyn Fleet>,
+        tokenizer: Arc<Tokenizer>,
+    ) -> Arc<Gateway> {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(config.connect_timeout));
+        let http = HttpClient::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(256)
+            .build(connector);
+        Arc::new(Gateway {
+            config,
+            fleet,
+            tokenizer,
+            http,
+            metrics: Metrics::default(),
+            draining: AtomicBool::new(false),
+        })
+    }
+
+    /// The front door's counters.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+        let path = req.uri().path().to_string();
+        let response = match (req.method(), path.as_str()) {
+            (&Method::POST, "/v1/chat/completions") => {
+                proxy::completion(&self, crate::openai::Api::Chat, req).await
+            }
+            (&Method::POST, "/v1/completions") => {
+                proxy::completion(&self, crate::openai::Api::Completions, req).await
+            }
+            (&Method::GET, "/v1/models") => Ok(self.models()),
+            (&Method::GET, "/health") => {
+                Ok(json_response(StatusCode::OK, &json!({"status": "ok"})))
+            }
+            (&Method::GET, "/ready") => Ok(self.ready()),
+            (&Method::GET, "/metrics") => Ok(text_response(
+                StatusCode::OK,
+                "text/plain; version=0.0.4",
+                self.metrics.render(&self.fleet.routers()),
+            )),
+            (_, p) if p.starts_with("/admin/") => admin::handle(&self, req).await,
+            (m, p) => Err(ApiError::NotFound(format!("{m} {p}"))),
+        };
+        let response = response.unwrap_or_else(|e| e.response());
+        if path.starts_with("/v1/") {
+            self.metrics.count_status(response.status().as_u16());
+        }
+        response
+    }
+
+    fn models(&self) -> Response<Body> {
+        let data: Vec<_> = self
+            .fleet
+            .models()
+            .into_iter()
+            .map(|(model, endpoint)| {
+                json!({"id": model, "object": "model", "created": 0, "owned_by": "switchyard", "endpoint": endpoint.to_string()})
+            })
+            .collect();
+        json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
+    }
+
+    fn ready(&self) -> Response<Body> {
+        if self.draining.load(Ordering::Relaxed) {
+            return json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &json!({"ready": false, "why": "shutting down"}),
+            );
+        }
+        if !self.fleet.discovered() {
+            return json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &json!({"ready": false, "why": "discovery has not answered yet"}),
+            );
+        }
+        let models = self.fleet.models();
+        let available = models
+            .iter()
+            .filter(|(m, _)| {
+                self.fleet
+                    .router_for_model(m)
+                    .is_some_and(|r| !r.client().available().is_empty())
+            })
+            .count();
+        if available == 0 {
+            return json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &json!({"ready": false, "why": "no available worker"}),
+            );
+        }
+        json_response(
+            StatusCode::OK,
+            &json!({"ready": true, "models": models.len(), "models_with_workers": available}),
+        )
+    }
+}
+
+pub(crate) fn json_response(status: StatusCode, v: &serde_json::Value) -> Response<Body> {
+    text_response(status, "application/json", v.to_string())
+}
+
+pub(crate) fn text_response(
+    status: StatusCode,
+    content_type: &str,
+    body: String,
+) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", content_type)
+        .body(Full::new(Bytes::from(body)).map_err(|e| match e {}).boxed())
+        .expect("valid response")
+}
+
+/// Serves `gateway` on `listener` until `shutdown` resolves; then stops accepting and
+/// lets open requests (streams included) finish for up to `grace`.
+pub async fn run(
+    gateway: Arc<Gateway>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+    grace: Duration,
+) {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let _ = stream.set_nodelay(true);
+                let gw = gateway.clone();
+                let service = service_fn(move |req| {
+                    let gw = gw.clone();
+                    async move { Ok::<_, Infallible>(gw.handle(req).await) }
+                });
+                let conn = http1::Builder::new()
+                    .max_buf_size(gateway.config.max_header_bytes.max(8192))
+                    .serve_connection(TokioIo::new(stream), service);
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                });
+            }
+            _ = &mut shutdown => break,
+        }
+    }
+    drop(listener);
+    gateway.draining.store(true, Ordering::Relaxed);
+    tracing::info!(grace = ?grace, "shutting down: finishing open requests");
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("open requests did not finish within the grace period");
+    }
+}

@@ -1,0 +1,325 @@
+//! `switchyard serve`: wires discovery, the shared clients, per-endpoint policies and KV
+//! routers, and the HTTP front door together.
+//!
+//! Endpoints are found from discovery's instance records (each names its model and
+//! endpoint): static workers form one endpoint; with etcd, the whole instance prefix is
+//! listed every 2 seconds to learn new endpoints (each endpoint's instances are then
+//! watched live by its Client). A router — Client, policy handle, KV index, event
+//! subscriptions — is created as soon as its endpoint appears, so the index is warm
+//! before the first request.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use tokio::net::TcpListener;
+
+use crate::client::{ClientRegistry, HttpHealthCheck};
+use crate::config::{DiscoveryConfig, PolicySpec, ServeConfig};
+use crate::discovery::etcd::{EtcdDiscovery, list_all};
+use crate::discovery::fixed::FixedDiscovery;
+use crate::discovery::{Discovery, EndpointPath, InstanceInfo, etcd_policy};
+use crate::http::{Fleet, Gateway};
+use crate::ids::InstanceId;
+use crate::policy::{PolicyEngine, PolicyError, PolicyHandle, PolicySource};
+use crate::router::subscriber::{self, SubscriberConfig};
+use crate::router::{KvRouter, KvRouterConfig};
+use crate::tokens::Tokenizer;
+
+/// What the catalog knows about an endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct EndpointEntry {
+    endpoint: EndpointPath,
+    block_size: u32,
+}
+
+/// The endpoints, their routers and policies.
+pub struct ServeFleet {
+    registry: ClientRegistry,
+    engine: PolicyEngine,
+    default_policy: PolicySpec,
+    endpoint_policies: BTreeMap<EndpointPath, PolicySpec>,
+    /// model → endpoint, replaced whole on every discovery pass.
+    catalog: ArcSwap<BTreeMap<String, EndpointEntry>>,
+    discovered: AtomicBool,
+    /// Created once per endpoint; never removed (an endpoint that loses all instances
+    /// keeps its router, which answers 503).
+    routers: Mutex<HashMap<EndpointPath, Arc<KvRouter>>>,
+}
+
+impl ServeFleet {
+    fn spec_for(&self, endpoint: &EndpointPath) -> &PolicySpec {
+        self.endpoint_policies
+            .get(endpoint)
+            .unwrap_or(&self.default_policy)
+    }
+
+    /// The router of `entry`, created (with its policy, client and subscriber) if new.
+    fn ensure_router(&self, entry: &EndpointEntry) -> Result<Arc<KvRouter>, PolicyError> {
+        if let Some(r) = self.routers.lock().get(&entry.endpoint) {
+            return Ok(r.clone());
+        }
+        let spec = self.spec_for(&entry.endpoint).clone();
+        let loaded = self.engine.load_spec(&spec.spec, &spec.config)?;
+        let handle = Arc::new(PolicyHandle::new(self.engine.clone(), loaded)?);
+        let client = self.registry.client(&entry.endpoint);
+        let mut routers = self.routers.lock();
+        // Racing: another task may have created it while the policy loaded.
+        if let Some(r) = routers.get(&entry.endpoint) {
+            return Ok(r.clone());
+        }
+        let router = Arc::new(KvRouter::new(
+            client,
+            handle,
+            KvRouterConfig::new(entry.block_size),
+        ));
+        subscriber::spawn(&router, SubscriberConfig::default());
+        tracing::info!(endpoint = %entry.endpoint, policy = %spec.spec, block_size = entry.block_size, "endpoint ready");
+        routers.insert(entry.endpoint.clone(), router.clone());
+        Ok(router)
+    }
+
+    /// Replaces the catalog from a full list of instances and creates new routers.
+    fn update_catalog(&self, instances: &[InstanceInfo]) {
+        let mut catalog = BTreeMap::new();
+        for i in instances {
+            catalog
+                .entry(i.model.clone())
+                .or_insert_with(|| EndpointEntry {
+                    endpoint: i.endpoint.clone(),
+                    block_size: i.block_size,
+                });
+        }
+        for entry in catalog.values() {
+            if let Err(e) = self.ensure_router(entry) {
+                tracing::error!(endpoint = %entry.endpoint, error = %e, "cannot set up the endpoint's policy");
+            }
+        }
+        self.catalog.store(Arc::new(catalog));
+        self.discovered.store(true, Ordering::Relaxed);
+    }
+
+    /// Swaps `endpoint`'s policy to `spec`, after validation.
+    fn swap(&self, endpoint: &EndpointPath, source: PolicySource, bytes: &[u8], config: &str) {
+        let Some(router) = self.routers.lock().get(endpoint).cloned() else {
+            tracing::warn!(endpoint = %endpoint, "a policy was pushed for an endpoint this router does not serve");
+            return;
+        };
+        match router.policy().swap_bytes(source, bytes, config) {
+            Ok(s) => {
+                tracing::info!(endpoint = %endpoint, policy = %s.info.name, sha256 = %s.info.sha256, "policy swapped")
+            }
+            Err(e) => {
+                tracing::error!(endpoint = %endpoint, error = %e, "pushed policy refused; the current one keeps serving")
+            }
+        }
+    }
+}
+
+impl Fleet for ServeFleet {
+    fn router_for_model(&self, model: &str) -> Option<Arc<KvRouter>> {
+        let entry = self.catalog.load().get(model).cloned()?;
+        self.ensure_router(&entry).ok()
+    }
+
+    fn router(&self, endpoint: &EndpointPath) -> Option<Arc<KvRouter>> {
+        self.routers.lock().get(endpoint).cloned()
+    }
+
+    fn routers(&self) -> Vec<Arc<KvRouter>> {
+        let mut v: Vec<_> = self.routers.lock().values().cloned().collect();
+        v.sort_by(|a, b| a.endpoint().cmp(b.endpoint()));
+        v
+    }
+
+    fn models(&self) -> Vec<(String, EndpointPath)> {
+        self.catalog
+            .load()
+            .iter()
+            .map(|(m, e)| (m.clone(), e.endpoint.clone()))
+            .collect()
+    }
+
+    fn discovered(&self) -> bool {
+        self.discovered.load(Ordering::Relaxed)
+    }
+}
+
+/// Static workers as instances (IDs derived from their URLs).
+pub fn static_instances(
+    workers: &[String],
+    model: &str,
+    block_size: u32,
+    kv_events: bool,
+) -> Vec<InstanceInfo> {
+    workers
+        .iter()
+        .map(|url| InstanceInfo {
+            id: InstanceId(xxhash_rust::xxh3::xxh3_64(url.as_bytes())),
+            endpoint: EndpointPath::for_model(model),
+            url: url.clone(),
+            model: model.to_string(),
+            block_size,
+            events_url: kv_events.then(|| format!("{url}/v1/kv_events")),
+            health_path: "/health".into(),
+            registration: 1,
+        })
+        .collect()
+}
+
+/// Why the router could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A configured policy cannot load.
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    /// The tokenizer cannot load.
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokens::TokenizerError),
+    /// The listening socket failed.
+    #[error("listening socket: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Runs the router until `shutdown` resolves, then drains.
+pub async fn serve(
+    config: ServeConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServeError> {
+    let engine = PolicyEngine::new(config.runtime.clone())?;
+    // Fail fast on a policy that cannot load, before serving anything.
+    for spec in std::iter::once(&config.default_policy).chain(config.endpoint_policies.values()) {
+        let loaded = engine.load_spec(&spec.spec, &spec.config)?;
+        loaded.canary()?;
+    }
+    let tokenizer = Arc::new(match &config.tokenizer {
+        Some(path) => Tokenizer::from_file(path)?,
+        None => Tokenizer::builtin(),
+    });
+    let (discovery, static_set): (Arc<dyn Discovery>, Option<Vec<InstanceInfo>>) =
+        match &config.discovery {
+            DiscoveryConfig::Etcd(etcd) => (Arc::new(EtcdDiscovery::new(etcd.clone())), None),
+            DiscoveryConfig::Static {
+                workers,
+                model,
+                block_size,
+                kv_events,
+            } => {
+                let set = static_instances(workers, model, *block_size, *kv_events);
+                (Arc::new(FixedDiscovery::new(set.clone())), Some(set))
+            }
+        };
+    let fleet = Arc::new(ServeFleet {
+        registry: ClientRegistry::new(
+            discovery,
+            Arc::new(HttpHealthCheck::new(Duration::from_secs(2))),
+            config.client.clone(),
+        ),
+        engine: engine.clone(),
+        default_policy: config.default_policy.clone(),
+        endpoint_policies: config.endpoint_policies.clone(),
+        catalog: ArcSwap::from_pointee(BTreeMap::new()),
+        discovered: AtomicBool::new(false),
+        routers: Mutex::new(HashMap::new()),
+    });
+    let mut background = Vec::new();
+    match (&config.discovery, static_set) {
+        (_, Some(set)) => fleet.update_catalog(&set),
+        (DiscoveryConfig::Etcd(etcd), None) => {
+            let (fleet2, etcd2) = (fleet.clone(), etcd.clone());
+            background.push(tokio::spawn(async move {
+                loop {
+                    match list_all(&etcd2).await {
+                        Ok((found, _)) => fleet2.update_catalog(&found),
+                        Err(e) => tracing::warn!(error = %e, "cannot list endpoints; keeping the last known"),
+                    }
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
+            }));
+            let fleet3 = fleet.clone();
+            background.push(etcd_policy::watch(etcd.clone(), move |endpoint, pushed| {
+                let fleet = fleet3.clone();
+                // Compiling is CPU work: off the async workers.
+                tokio::task::spawn_blocking(move || match pushed.wasm() {
+                    Ok(bytes) => fleet.swap(&endpoint, PolicySource::Uploaded("etcd".into()), &bytes, &pushed.config),
+                    Err(e) => tracing::error!(endpoint = %endpoint, error = %e, "pushed policy is corrupt"),
+                });
+            }));
+        }
+        (DiscoveryConfig::Static { .. }, None) => unreachable!("static discovery always has a set"),
+    }
+    if config.watch {
+        background.push(watch_policy_files(fleet.clone(), &config));
+    }
+    let gateway = Gateway::new(config.gateway.clone(), fleet, tokenizer);
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, "serving");
+    crate::http::run(gateway, listener, shutdown, config.shutdown_grace).await;
+    for task in background {
+        task.abort();
+    }
+    Ok(())
+}
+
+/// Polls the `.wasm` files of file-based policies once a second and swaps the endpoints
+/// using them when a file changes (a refused file leaves the current policy in place).
+fn watch_policy_files(fleet: Arc<ServeFleet>, config: &ServeConfig) -> tokio::task::JoinHandle<()> {
+    let mut files: Vec<(std::path::PathBuf, String, Option<EndpointPath>)> = Vec::new();
+    let is_file = |spec: &str| crate::policy::builtin(spec).is_none();
+    if is_file(&config.default_policy.spec) {
+        files.push((
+            config.default_policy.spec.clone().into(),
+            config.default_policy.config.clone(),
+            None,
+        ));
+    }
+    for (ep, spec) in &config.endpoint_policies {
+        if is_file(&spec.spec) {
+            files.push((
+                spec.spec.clone().into(),
+                spec.config.clone(),
+                Some(ep.clone()),
+            ));
+        }
+    }
+    tokio::spawn(async move {
+        let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        let mut last: Vec<_> = files.iter().map(|(p, _, _)| modified(p)).collect();
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            for (i, (path, cfg, endpoint)) in files.iter().enumerate() {
+                let now = modified(path);
+                if now == last[i] {
+                    continue;
+                }
+                last[i] = now;
+                let Ok(bytes) = std::fs::read(path) else {
+                    continue;
+                };
+                tracing::info!(path = %path.display(), "policy file changed; reloading");
+                let targets: Vec<EndpointPath> = match endpoint {
+                    Some(ep) => vec![ep.clone()],
+                    None => fleet
+                        .routers()
+                        .iter()
+                        .map(|r| r.endpoint().clone())
+                        .filter(|ep| !fleet.endpoint_policies.contains_key(ep))
+                        .collect(),
+                };
+                for ep in targets {
+                    let (fleet, bytes, cfg, path) =
+                        (fleet.clone(), bytes.clone(), cfg.clone(), path.clone());
+                    let _ = tokio::task::spawn_blocking(move || {
+                        fleet.swap(&ep, PolicySource::File(path), &bytes, &cfg)
+                    })
+                    .await;
+                }
+            }
+        }
+    })
+}
