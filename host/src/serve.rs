@@ -241,14 +241,30 @@ pub async fn serve(
                     tokio::time::sleep(Duration::from_secs(2)).await;
                 }
             }));
-            let fleet3 = fleet.clone();
+            // Pushes are applied in order, one at a time; a push superseded by a newer one
+            // for the same endpoint before it was applied is skipped.
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
             background.push(etcd_policy::watch(etcd.clone(), move |endpoint, pushed| {
-                let fleet = fleet3.clone();
-                // Compiling is CPU work: off the async workers.
-                tokio::task::spawn_blocking(move || match pushed.wasm() {
-                    Ok(bytes) => fleet.swap(&endpoint, PolicySource::Uploaded("etcd".into()), &bytes, &pushed.config),
-                    Err(e) => tracing::error!(endpoint = %endpoint, error = %e, "pushed policy is corrupt"),
-                });
+                let _ = tx.send((endpoint, pushed));
+            }));
+            let fleet3 = fleet.clone();
+            background.push(tokio::spawn(async move {
+                while let Some(first) = rx.recv().await {
+                    let mut batch = vec![first];
+                    while let Ok(more) = rx.try_recv() {
+                        batch.retain(|(ep, _)| *ep != more.0);
+                        batch.push(more);
+                    }
+                    for (endpoint, pushed) in batch {
+                        let fleet = fleet3.clone();
+                        // Compiling is CPU work: off the async workers.
+                        let _ = tokio::task::spawn_blocking(move || match pushed.wasm() {
+                            Ok(bytes) => fleet.swap(&endpoint, PolicySource::Uploaded("etcd".into()), &bytes, &pushed.config),
+                            Err(e) => tracing::error!(endpoint = %endpoint, error = %e, "pushed policy is corrupt"),
+                        })
+                        .await;
+                    }
+                }
             }));
         }
         (DiscoveryConfig::Static { .. }, None) => unreachable!("static discovery always has a set"),

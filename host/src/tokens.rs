@@ -176,6 +176,24 @@ mod tests {
     }
 
     #[test]
+    fn a_hugging_face_tokenizer_json_is_loaded_and_used() {
+        // A minimal word-level tokenizer in the `tokenizer.json` format.
+        let json = r#"{
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2, "!": 3}, "unk_token": "[UNK]"}
+        }"#;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, json).unwrap();
+        let t = Tokenizer::from_file(&path).unwrap();
+        assert_eq!(t.encode("hello world !").unwrap(), vec![1, 2, 3]);
+        assert_eq!(t.encode("hello there").unwrap(), vec![1, 0]);
+        let err = Tokenizer::from_file(&dir.path().join("missing.json")).unwrap_err();
+        assert!(err.to_string().contains("missing.json"), "{err}");
+    }
+
+    #[test]
     fn chat_rendering_keeps_earlier_turns_as_a_prefix() {
         let m = |role: &str, content: &str| ChatMessage {
             role: role.into(),

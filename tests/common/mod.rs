@@ -7,6 +7,7 @@ pub mod etcd;
 pub mod events;
 pub mod health;
 pub mod http;
+pub mod procs;
 
 /// The `.wasm` of a guest built by the host's build script, by artifact name.
 pub fn guest(name: &str) -> PathBuf {

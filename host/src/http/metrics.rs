@@ -26,6 +26,9 @@ pub struct Metrics {
     pub prompt_tokens: AtomicU64,
     /// Cached prompt tokens, from `usage.prompt_tokens_details.cached_tokens`.
     pub cached_tokens: AtomicU64,
+    /// Failed upstream attempts per instance.
+    pub failures_by_instance:
+        parking_lot::Mutex<std::collections::BTreeMap<crate::ids::InstanceId, u64>>,
 }
 
 impl Metrics {
@@ -86,6 +89,16 @@ impl Metrics {
                 s,
                 "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
                 load(c)
+            );
+        }
+        let _ = writeln!(
+            s,
+            "# TYPE switchyard_instance_upstream_failures_total counter"
+        );
+        for (id, n) in self.failures_by_instance.lock().iter() {
+            let _ = writeln!(
+                s,
+                "switchyard_instance_upstream_failures_total{{instance=\"{id}\"}} {n}"
             );
         }
         let _ = writeln!(s, "# TYPE switchyard_decisions_total counter");

@@ -159,6 +159,11 @@ pub(crate) async fn completion(
             }
             Err(failure) => {
                 gw.metrics.upstream_failures.fetch_add(1, Ordering::Relaxed);
+                *gw.metrics
+                    .failures_by_instance
+                    .lock()
+                    .entry(routed.worker)
+                    .or_insert(0) += 1;
                 let reason = failure.reason();
                 tracing::warn!(endpoint = %router.endpoint(), instance = %routed.worker, url = %instance.url, reason, attempt, "upstream attempt failed");
                 if gw.config.availability {

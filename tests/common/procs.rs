@@ -1,0 +1,97 @@
+//! Real `switchyard` processes for end-to-end tests, killed when dropped.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::http;
+
+/// A child process, killed and reaped on drop.
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Proc {
+    /// Sends SIGTERM (a graceful stop).
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// SIGKILL, and reap.
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts `switchyard ARGS...`.
+pub fn switchyard(args: &[&str]) -> Proc {
+    let log = std::env::var_os("SWITCHYARD_TEST_LOG").is_some();
+    Proc(
+        Command::new(env!("CARGO_BIN_EXE_switchyard"))
+            .args(args)
+            .env(
+                "SWITCHYARD_POLICY_CACHE",
+                std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("policy-cache"),
+            )
+            .env("SWITCHYARD_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(if log { Stdio::inherit() } else { Stdio::null() })
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// Waits (bounded) until `GET url` answers 200.
+pub async fn wait_ok(url: &str) {
+    let c = http::client();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if let Ok((status, _, _)) =
+            http::send(&c, hyper::Method::GET, url, &[], "", Duration::from_secs(2)).await
+            && status.is_success()
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("{url} never answered 200");
+}
+
+/// A mock worker process serving `mock` on a free port; returns it and its URL.
+pub async fn mock_worker(extra: &[&str]) -> (Proc, String) {
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut args = vec!["mock-worker", "--listen", &listen, "--model", "mock"];
+    args.extend_from_slice(extra);
+    let p = switchyard(&args);
+    let url = format!("http://{listen}");
+    wait_ok(&format!("{url}/health")).await;
+    (p, url)
+}
+
+/// A router process; returns it and its URL once it is ready.
+pub async fn serve(extra: &[&str]) -> (Proc, String) {
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut args = vec!["serve", "--listen", &listen];
+    args.extend_from_slice(extra);
+    let p = switchyard(&args);
+    let url = format!("http://{listen}");
+    wait_ok(&format!("{url}/ready")).await;
+    (p, url)
+}

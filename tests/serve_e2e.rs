@@ -1,0 +1,679 @@
+//! `switchyard serve` end to end: real etcd, real mock-worker processes, a real router
+//! process, real HTTP — and a real OpenAI client library.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::etcd::Etcd;
+use common::http::{self, HttpClient, get, post_json, sse_events};
+use common::procs::{mock_worker, serve};
+use hyper::{Method, StatusCode};
+use serde_json::{Value, json};
+
+const TOKEN: &str = "test-admin-token";
+const PATIENCE: Duration = Duration::from_secs(30);
+
+fn auth() -> String {
+    format!("Bearer {TOKEN}")
+}
+
+async fn admin_get(c: &HttpClient, url: &str) -> Value {
+    let (status, _, body) = http::send(
+        c,
+        Method::GET,
+        url,
+        &[("authorization", &auth())],
+        "",
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    serde_json::from_slice(&body).unwrap()
+}
+
+async fn instances(c: &HttpClient, router: &str) -> Vec<Value> {
+    let v = admin_get(
+        c,
+        &format!("{router}/admin/endpoints/default/mock/generate/instances"),
+    )
+    .await;
+    v["instances"].as_array().unwrap().clone()
+}
+
+/// Polls until `f` holds (bounded): waiting on state another process changes.
+async fn eventually<F: std::future::Future<Output = bool>>(what: &str, mut f: impl FnMut() -> F) {
+    let deadline = Instant::now() + PATIENCE;
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn wait_available(c: &HttpClient, router: &str, n: usize) {
+    eventually(&format!("{n} available instances"), || async {
+        let Ok((StatusCode::OK, _, body)) = http::send(
+            c,
+            Method::GET,
+            &format!("{router}/admin/endpoints/default/mock/generate/instances"),
+            &[("authorization", &auth())],
+            "",
+            PATIENCE,
+        )
+        .await
+        else {
+            return false;
+        };
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        v["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|i| i["available"] == true)
+            .count()
+            == n
+    })
+    .await;
+}
+
+async fn worker_finished(c: &HttpClient, worker: &str) -> u64 {
+    let (_, body) = get(c, &format!("{worker}/stats")).await;
+    serde_json::from_slice::<Value>(&body).unwrap()["finished"]
+        .as_u64()
+        .unwrap()
+}
+
+fn chat(text: &str, max_tokens: u32) -> Value {
+    json!({"model": "mock", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens})
+}
+
+async fn metric(c: &HttpClient, router: &str, name: &str) -> f64 {
+    let (_, body) = get(c, &format!("{router}/metrics")).await;
+    String::from_utf8_lossy(&body)
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(name)
+                .and_then(|rest| rest.trim().parse().ok())
+        })
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_prefix_goes_to_the_same_worker_and_round_robin_spreads() {
+    let etcd = Etcd::start();
+    let mut workers = Vec::new();
+    for _ in 0..3 {
+        workers.push(mock_worker(&["--etcd", &etcd.url(), "--speedup", "100"]).await);
+    }
+    let (_router, url) = serve(&["--etcd", &etcd.url(), "--admin-token", TOKEN]).await;
+    let c = http::client();
+    wait_available(&c, &url, 3).await;
+
+    let context =
+        "The quarterly report covers revenue, costs, hiring and the product roadmap. ".repeat(12);
+    let (s, first, _) = post_json(
+        &c,
+        &format!("{url}/v1/chat/completions"),
+        &chat(&format!("{context} What was revenue?"), 2),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // Wait until the router has seen the worker's KV events for that prompt.
+    eventually("the KV events of the first request", || async {
+        instances(&c, &url)
+            .await
+            .iter()
+            .any(|i| i["cached_blocks"].as_u64().unwrap_or(0) > 0)
+    })
+    .await;
+    let (_, second, _) = post_json(
+        &c,
+        &format!("{url}/v1/chat/completions"),
+        &chat(&format!("{context} What were the costs?"), 2),
+    )
+    .await;
+    let prompt = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached * 10 >= prompt * 8,
+        "the shared prefix was not reused: {cached} of {prompt} tokens cached"
+    );
+
+    // Switch the endpoint to round-robin: six requests, two per worker.
+    let (s, _, body) = http::send(
+        &c,
+        Method::PUT,
+        &format!("{url}/admin/endpoints/default/mock/generate/policy?builtin=round-robin"),
+        &[("authorization", &auth())],
+        "",
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    let mut before = Vec::new();
+    for (_, w) in &workers {
+        before.push(worker_finished(&c, w).await);
+    }
+    for i in 0..6 {
+        let (s, v, _) = post_json(
+            &c,
+            &format!("{url}/v1/chat/completions"),
+            &chat(&format!("{context} question {i}"), 1),
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+    }
+    for (i, (_, w)) in workers.iter().enumerate() {
+        assert_eq!(
+            worker_finished(&c, w).await - before[i],
+            2,
+            "round-robin spread unevenly"
+        );
+    }
+}
+
+/// Runs `tasks` clients sending requests until `stop`; returns (ok, failed).
+fn load(
+    url: String,
+    tasks: usize,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<(u64, u64, Vec<String>)> {
+    tokio::spawn(async move {
+        let ok = Arc::new(AtomicU64::new(0));
+        let failed = Arc::new(AtomicU64::new(0));
+        let errors = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let mut handles = Vec::new();
+        for t in 0..tasks {
+            let (url, stop, ok, failed, errors) = (
+                url.clone(),
+                stop.clone(),
+                ok.clone(),
+                failed.clone(),
+                errors.clone(),
+            );
+            handles.push(tokio::spawn(async move {
+                let c = http::client();
+                // Bounded: at most 2,000 requests per task.
+                for i in 0..2000u32 {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let body = chat(&format!("task {t} request {i}: please answer briefly."), 2)
+                        .to_string();
+                    match http::send(
+                        &c,
+                        Method::POST,
+                        &format!("{url}/v1/chat/completions"),
+                        &[],
+                        body,
+                        PATIENCE,
+                    )
+                    .await
+                    {
+                        Ok((StatusCode::OK, _, _)) => {
+                            ok.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok((s, _, b)) => {
+                            failed.fetch_add(1, Ordering::Relaxed);
+                            errors
+                                .lock()
+                                .push(format!("{s}: {}", String::from_utf8_lossy(&b)));
+                        }
+                        Err(e) => {
+                            failed.fetch_add(1, Ordering::Relaxed);
+                            errors.lock().push(e);
+                        }
+                    }
+                }
+            }));
+        }
+        for h in handles {
+            h.await.unwrap();
+        }
+        let errors = errors.lock().clone();
+        (
+            ok.load(Ordering::Relaxed),
+            failed.load(Ordering::Relaxed),
+            errors,
+        )
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_worker_under_load_fails_no_client_request() {
+    let etcd = Etcd::start();
+    let mut workers = Vec::new();
+    for _ in 0..4 {
+        workers.push(mock_worker(&["--etcd", &etcd.url(), "--speedup", "50"]).await);
+    }
+    let (_router, url) = serve(&["--etcd", &etcd.url(), "--admin-token", TOKEN]).await;
+    let c = http::client();
+    wait_available(&c, &url, 4).await;
+    let dead_url = workers[0].1.clone();
+    let dead_id = instances(&c, &url)
+        .await
+        .iter()
+        .find(|i| i["url"] == dead_url.as_str())
+        .map(|i| i["id"].as_str().unwrap().to_string())
+        .unwrap();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients = load(url.clone(), 6, stop.clone());
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    workers[0].0.kill();
+    let failures = format!("switchyard_instance_upstream_failures_total{{instance=\"{dead_id}\"}}");
+    eventually("the first failure on the dead worker", || async {
+        metric(&c, &url, &failures).await >= 1.0
+    })
+    .await;
+    let first = metric(&c, &url, &failures).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (ok, failed, errors) = clients.await.unwrap();
+    let after = metric(&c, &url, &failures).await;
+    assert_eq!(failed, 0, "client requests failed: {errors:?}");
+    assert!(ok > 50, "only {ok} requests completed");
+    assert!(
+        after - first <= 1.0,
+        "{} requests reached the dead worker after its first failure",
+        after - first
+    );
+    let down = instances(&c, &url)
+        .await
+        .into_iter()
+        .find(|i| i["id"] == dead_id.as_str())
+        .unwrap();
+    assert_eq!(down["available"], false, "{down}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_policy_swaps_under_load_through_admin_and_etcd_fail_nothing() {
+    let etcd = Etcd::start();
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        workers.push(mock_worker(&["--etcd", &etcd.url(), "--speedup", "100"]).await);
+    }
+    let (_router, url) = serve(&["--etcd", &etcd.url(), "--admin-token", TOKEN]).await;
+    let c = http::client();
+    wait_available(&c, &url, 2).await;
+    let policy_url = format!("{url}/admin/endpoints/default/mock/generate/policy");
+    let example = std::fs::read(common::guest("session_affinity")).unwrap();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients = load(url.clone(), 3, stop.clone());
+    for i in 0..100 {
+        let (target, body): (String, Vec<u8>) = match i % 3 {
+            0 => (format!("{policy_url}?builtin=round-robin"), vec![]),
+            1 => (policy_url.clone(), example.clone()),
+            _ => (format!("{policy_url}?builtin=kv-cost"), vec![]),
+        };
+        let (s, _, b) = http::send(
+            &c,
+            Method::PUT,
+            &target,
+            &[("authorization", &auth())],
+            body,
+            PATIENCE,
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            s,
+            StatusCode::OK,
+            "swap {i}: {}",
+            String::from_utf8_lossy(&b)
+        );
+    }
+    let before = admin_get(&c, &policy_url).await;
+    // A broken upload is refused with the reason and changes nothing.
+    let (s, _, b) = http::send(
+        &c,
+        Method::PUT,
+        &policy_url,
+        &[("authorization", &auth())],
+        &b"\0asm not really"[..],
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(
+        String::from_utf8_lossy(&b).contains("current policy keeps serving"),
+        "{}",
+        String::from_utf8_lossy(&b)
+    );
+    assert_eq!(admin_get(&c, &policy_url).await["sha256"], before["sha256"]);
+
+    // Through etcd, as every replica would see it.
+    let config = switchyard::discovery::etcd::EtcdConfig::new(vec![etcd.url()]);
+    let endpoint: switchyard::discovery::EndpointPath = "default/mock/generate".parse().unwrap();
+    let kv = switchyard::policy::builtin("kv-cost").unwrap().wasm;
+    let rr = switchyard::policy::builtin("round-robin").unwrap().wasm;
+    // 99 alternating built-ins, then the example policy, whose sha256 appears only once.
+    let mut last = String::new();
+    for i in 0..100 {
+        let wasm = match i {
+            99 => &example[..],
+            i if i % 2 == 0 => kv,
+            _ => rr,
+        };
+        let pushed = switchyard::discovery::etcd_policy::PushedPolicy::new(wasm, "{}");
+        last = pushed.sha256.clone();
+        switchyard::discovery::etcd_policy::push(&config, &endpoint, &pushed)
+            .await
+            .unwrap();
+    }
+    eventually("the last pushed policy", || async {
+        admin_get(&c, &policy_url).await["sha256"] == last.as_str()
+    })
+    .await;
+    let generation = admin_get(&c, &policy_url).await["generation"]
+        .as_u64()
+        .unwrap();
+    let bad = switchyard::discovery::etcd_policy::PushedPolicy::new(b"\0asm\x01\0\0\0", "{}");
+    switchyard::discovery::etcd_policy::push(&config, &endpoint, &bad)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let now = admin_get(&c, &policy_url).await;
+    assert_eq!(
+        now["sha256"],
+        last.as_str(),
+        "a bad pushed policy must not replace the current one"
+    );
+    assert_eq!(now["generation"].as_u64().unwrap(), generation);
+
+    stop.store(true, Ordering::Relaxed);
+    let (ok, failed, errors) = clients.await.unwrap();
+    assert_eq!(failed, 0, "{errors:?}");
+    assert!(ok > 20, "only {ok} requests completed");
+}
+
+/// A worker stand-in that answers with fixed bytes, in awkward chunks, so that the
+/// router's pass-through can be compared byte for byte.
+async fn fixed_upstream() -> (String, &'static [&'static [u8]]) {
+    const CHUNKS: &[&[u8]] = &[
+        b"data: {\"id\":\"x\",\"choices\":[{\"delta\":{\"content\":\"He",
+        b"llo\"}}]}\n\n",
+        b": a comment line the router must not touch\n\ndata:   {\"odd\" :  \"spacing\"}\n\n",
+        b"data: {\"usage\":{\"prompt_tokens\":7,\"prompt_tokens_details\":{\"cached_tokens\":3}}}\n\n",
+        b"data: [DONE]\n\n",
+    ];
+    use hyper::body::Frame;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(
+                    |req: hyper::Request<hyper::body::Incoming>| async move {
+                        let (tx, rx) = tokio::sync::mpsc::channel::<
+                            Result<Frame<bytes::Bytes>, std::convert::Infallible>,
+                        >(8);
+                        if req.uri().path() != "/health" {
+                            tokio::spawn(async move {
+                                for c in CHUNKS {
+                                    tokio::time::sleep(Duration::from_millis(20)).await;
+                                    let _ = tx
+                                        .send(Ok(Frame::data(bytes::Bytes::from_static(c))))
+                                        .await;
+                                }
+                            });
+                        }
+                        let body = http_body_util::StreamBody::new(
+                            tokio_stream::wrappers::ReceiverStream::new(rx),
+                        );
+                        Ok::<_, std::convert::Infallible>(
+                            hyper::Response::builder()
+                                .header("content-type", "text/event-stream")
+                                .body(body)
+                                .unwrap(),
+                        )
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    (url, CHUNKS)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_pass_through_byte_for_byte_and_bad_requests_get_the_documented_errors() {
+    let (upstream, chunks) = fixed_upstream().await;
+    let (_router, url) = serve(&[
+        "--worker",
+        &upstream,
+        "--model",
+        "mock",
+        "--max-body-bytes",
+        "4096",
+        "--admin-token",
+        TOKEN,
+    ])
+    .await;
+    let c = http::client();
+    let body =
+        json!({"model": "mock", "stream": true, "messages": [{"role": "user", "content": "hi"}]})
+            .to_string();
+    let (status, headers, bytes) = http::send(
+        &c,
+        Method::POST,
+        &format!("{url}/v1/chat/completions"),
+        &[],
+        body,
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["content-type"], "text/event-stream");
+    assert_eq!(bytes, chunks.concat(), "the stream was altered");
+    // The usage in the stream reached the metrics.
+    assert_eq!(
+        metric(&c, &url, "switchyard_cached_prompt_tokens_total").await,
+        3.0
+    );
+
+    let completions = format!("{url}/v1/chat/completions");
+    let cases: Vec<(Vec<u8>, StatusCode, &str)> = vec![
+        (
+            b"{this is not json".to_vec(),
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+        ),
+        (
+            json!({"model": "mock"}).to_string().into_bytes(),
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+        ),
+        (
+            chat("x", 1)
+                .to_string()
+                .replace("\"mock\"", "\"gpt-imaginary\"")
+                .into_bytes(),
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+        ),
+        (
+            chat(&"long ".repeat(2000), 1).to_string().into_bytes(),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+        ),
+    ];
+    for (body, want, kind) in cases {
+        let (status, _, bytes) = http::send(&c, Method::POST, &completions, &[], body, PATIENCE)
+            .await
+            .unwrap();
+        assert_eq!(status, want, "{}", String::from_utf8_lossy(&bytes));
+        let err: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(err["error"]["type"], kind, "{err}");
+        assert!(
+            err["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+    }
+    let (s, _) = get(&c, &format!("{url}/admin/endpoints")).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _, _) = http::send(
+        &c,
+        Method::GET,
+        &format!("{url}/admin/endpoints"),
+        &[("authorization", "Bearer wrong")],
+        "",
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _, _) = http::send(
+        &c,
+        Method::PUT,
+        &format!("{url}/admin/endpoints/default/mock/generate/policy?builtin=round-robin"),
+        &[],
+        "",
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(s, StatusCode::UNAUTHORIZED, "no swap without the token");
+    admin_get(&c, &format!("{url}/admin/endpoints")).await;
+    // Still serving.
+    let (s, _, _) = http::send(&c, Method::POST, &completions, &[], json!({"model": "mock", "stream": true, "messages": [{"role": "user", "content": "again"}]}).to_string(), PATIENCE).await.unwrap();
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(get(&c, &format!("{url}/health")).await.0, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_worker_gives_502_then_503_and_the_router_keeps_serving() {
+    let closed = format!("http://127.0.0.1:{}", common::procs::free_port());
+    let (_router, url) = serve(&["--worker", &closed, "--model", "mock"]).await;
+    let c = http::client();
+    let (s, v, _) = post_json(&c, &format!("{url}/v1/chat/completions"), &chat("hi", 1)).await;
+    assert_eq!(s, StatusCode::BAD_GATEWAY, "{v}");
+    assert_eq!(v["error"]["code"], "upstream_error");
+    let (s, v, _) = post_json(&c, &format!("{url}/v1/chat/completions"), &chat("hi", 1)).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    assert_eq!(v["error"]["code"], "no_available_worker");
+    assert_eq!(get(&c, &format!("{url}/health")).await.0, StatusCode::OK);
+    assert_eq!(
+        get(&c, &format!("{url}/ready")).await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_python_client_works_against_serve() {
+    let (_w1, w1) = mock_worker(&["--speedup", "100"]).await;
+    let (_w2, w2) = mock_worker(&["--speedup", "100"]).await;
+    let workers = format!("{w1},{w2}");
+    let (_router, url) = serve(&[
+        "--worker",
+        &workers,
+        "--model",
+        "mock",
+        "--kv-events",
+        "true",
+    ])
+    .await;
+    let script = r#"
+import os, openai
+client = openai.OpenAI(base_url=os.environ["BASE_URL"] + "/v1", api_key="unused")
+r = client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "Hello from the OpenAI client"}], max_tokens=5)
+assert r.choices[0].message.content.strip(), r
+assert r.usage.completion_tokens == 5, r.usage
+print("non-streaming:", r.choices[0].message.content.strip())
+parts = []
+for chunk in client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "Stream please"}], max_tokens=4, stream=True):
+    if chunk.choices and chunk.choices[0].delta.content:
+        parts.append(chunk.choices[0].delta.content)
+assert len(parts) == 4, parts
+print("streaming:", "".join(parts).strip())
+c = client.completions.create(model="mock", prompt="Once upon a time", max_tokens=3)
+assert c.choices[0].text.strip(), c
+print("completions:", c.choices[0].text.strip())
+models = [m.id for m in client.models.list()]
+assert models == ["mock"], models
+print("ok")
+"#;
+    let out = tokio::process::Command::new("python3")
+        .args(["-c", script])
+        .env("BASE_URL", &url)
+        .output()
+        .await
+        .expect("python3 runs (.ci/run installs the `openai` package)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.ends_with("ok\n"), "{stdout}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_an_open_stream_finish_and_stops_accepting() {
+    // Real time: 150 tokens at ~10 ms a step take ~1.5 s.
+    let (_w, worker) = mock_worker(&[]).await;
+    let (router, url) = serve(&[
+        "--worker",
+        &worker,
+        "--model",
+        "mock",
+        "--kv-events",
+        "true",
+    ])
+    .await;
+    let body = json!({"model": "mock", "stream": true, "max_tokens": 150, "messages": [{"role": "user", "content": "long story"}]});
+    let c = http::client();
+    let req = hyper::Request::post(format!("{url}/v1/chat/completions"))
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            body.to_string(),
+        )))
+        .unwrap();
+    let resp = c.request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    use http_body_util::BodyExt;
+    let mut body = resp.into_body();
+    let mut got = body
+        .frame()
+        .await
+        .unwrap()
+        .unwrap()
+        .into_data()
+        .unwrap()
+        .to_vec();
+    router.terminate();
+    // New connections are refused once the listener closes.
+    let addr = url.trim_start_matches("http://").to_string();
+    eventually("the listener to close", || {
+        let addr = addr.clone();
+        async move { std::net::TcpStream::connect(addr).is_err() }
+    })
+    .await;
+    let rest = tokio::time::timeout(PATIENCE, body.collect())
+        .await
+        .unwrap()
+        .unwrap()
+        .to_bytes();
+    got.extend_from_slice(&rest);
+    let events = sse_events(&got);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    assert_eq!(
+        events.iter().filter(|e| e.contains("\"content\"")).count(),
+        150
+    );
+}
