@@ -22,7 +22,7 @@ fn main() {
 
     println!("cargo:rerun-if-changed={}", root.join("wit").display());
     let workspaces = [
-        ("policies", &["kv_cost", "round_robin"][..]),
+        ("policies", &["kv_cost", "round_robin", "random"][..]),
         ("examples/session-affinity", &["session_affinity"][..]),
         (
             "tests/guests",

@@ -124,6 +124,23 @@ fn round_robin_spreads_evenly_across_threads() {
 }
 
 #[test]
+fn random_picks_every_worker_about_equally() {
+    let engine = engine();
+    let h = handle(&engine, "random", "");
+    let candidates: Candidates = (1..=4).map(|i| row(i, 0, 0, 0)).collect();
+    let mut seen: HashMap<InstanceId, u32> = HashMap::new();
+    for _ in 0..2000 {
+        let d = h.decide(request(4, 0), &candidates);
+        assert_eq!(d.decider, Decider::Policy);
+        *seen.entry(chosen(&d.outcome)).or_insert(0) += 1;
+    }
+    for id in 1..=4 {
+        let n = seen[&InstanceId(id)];
+        assert!((400..600).contains(&n), "uneven: {seen:?}");
+    }
+}
+
+#[test]
 fn session_affinity_example_keeps_sessions_and_spills_over_when_full() {
     let engine = engine();
     let loaded = engine

@@ -21,6 +21,9 @@
 //!   door wired together; [`config`] resolves its flags, environment and TOML file.
 //! - [`tokens`]: text → token IDs (built-in or Hugging Face `tokenizer.json`) and the chat
 //!   template; shared by the router and the mock worker.
+//! - [`local`]: a whole fleet (mock workers + router) in one process, for the demo,
+//!   replay and benchmarks.
+//! - [`replay`]: replaying Mooncake traces through the real router, policy by policy.
 //! - [`openai`]: the OpenAI-compatible request format and error bodies.
 //! - [`worker`]: the mock worker, a simulated LLM engine (KV cache with LRU eviction,
 //!   continuous batching, timing model, KV events, fault injection).
@@ -31,8 +34,10 @@ pub mod discovery;
 pub mod http;
 pub mod ids;
 pub mod kv;
+pub mod local;
 pub mod openai;
 pub mod policy;
+pub mod replay;
 pub mod router;
 pub mod serve;
 pub mod tokens;

@@ -52,6 +52,9 @@ enum Command {
         #[arg(long, default_value = "kv-cost")]
         policy: String,
     },
+    /// Replay a Mooncake-format trace through the real router in front of mock workers,
+    /// once per policy, and print TTFT, latency, throughput and prefix hit rate.
+    Replay(ReplayArgs),
     /// Run simulated LLM workers (CPU only): OpenAI-compatible endpoints, a KV cache with
     /// prefix reuse and LRU eviction, continuous batching, a KV event stream, and fault
     /// injection.
@@ -85,6 +88,49 @@ impl EtcdArgs {
             ..EtcdConfig::new(self.endpoints.clone())
         }
     }
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    /// The trace (JSON lines: timestamp, input_length, output_length, hash_ids).
+    trace: PathBuf,
+    /// Policies to compare, each on fresh workers (built-in names or `.wasm` paths).
+    #[arg(
+        long = "policy",
+        value_delimiter = ',',
+        default_value = "kv-cost,round-robin,random"
+    )]
+    policies: Vec<String>,
+    /// Mock workers.
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// KV cache per worker, in blocks.
+    #[arg(long, default_value_t = 4096)]
+    kv_blocks: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 64)]
+    block_size: u32,
+    /// Most requests running at once per worker.
+    #[arg(long, default_value_t = 32)]
+    max_batch: usize,
+    /// Replay this many times faster than the trace (the workers' time runs as fast).
+    #[arg(long, default_value_t = 20.0)]
+    speedup: f64,
+    /// Replay at most this many requests.
+    #[arg(long, default_value_t = 1000)]
+    max_requests: usize,
+    /// Stop sending after this many seconds per policy.
+    #[arg(long, default_value_t = 300)]
+    duration: u64,
+    /// Cap on generated tokens per request.
+    #[arg(long, default_value_t = 256)]
+    max_output: u32,
+    /// Where to write the results as JSON.
+    #[arg(long, default_value = "replay-results.json")]
+    json: PathBuf,
+    /// Where to write the TTFT chart (SVG).
+    #[arg(long, default_value = "replay-ttft.svg")]
+    chart: PathBuf,
 }
 
 #[derive(Args)]
@@ -234,6 +280,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Register(args) => tokio_runtime()?.block_on(register(args)),
         Command::Instances { etcd } => tokio_runtime()?.block_on(instances(etcd)),
         Command::MockWorker(args) => tokio_runtime()?.block_on(mock_worker(args)),
+        Command::Replay(args) => tokio_runtime()?.block_on(replay(args)),
         Command::Serve(args) => {
             let config = args.resolve()?;
             tokio_runtime()?.block_on(async move {
@@ -392,6 +439,48 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
         w.shutdown().await;
     }
     println!("stopped");
+    Ok(())
+}
+
+async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.speedup > 0.0, "--speedup must be positive");
+    let mut config = switchyard::replay::ReplayConfig::new(args.trace.clone());
+    config.policies = args.policies;
+    config.workers = args.workers.max(1);
+    config.engine.kv_blocks = args.kv_blocks;
+    config.engine.block_size = args.block_size.max(1);
+    config.engine.max_batch = args.max_batch.max(1);
+    config.speedup = args.speedup;
+    config.max_requests = args.max_requests;
+    config.duration = Duration::from_secs(args.duration);
+    config.max_output = args.max_output.max(1);
+    eprintln!(
+        "replaying {} (at most {} requests, {}x) against {} mock workers of {} x {}-token blocks, batch {}",
+        args.trace.display(),
+        config.max_requests,
+        config.speedup,
+        config.workers,
+        config.engine.kv_blocks,
+        config.engine.block_size,
+        config.engine.max_batch
+    );
+    let (runs, bound, count) = switchyard::replay::run(&config)
+        .await
+        .map_err(|e| anyhow::anyhow!(e))?;
+    println!(
+        "{count} requests from {}; times are simulated (wall time x {}).",
+        args.trace.display(),
+        config.speedup
+    );
+    println!();
+    print!("{}", switchyard::replay::report::table(&runs, bound));
+    std::fs::write(
+        &args.json,
+        serde_json::to_vec_pretty(&switchyard::replay::report::json(&runs, bound))?,
+    )?;
+    std::fs::write(&args.chart, switchyard::replay::report::svg(&runs))?;
+    println!();
+    println!("wrote {} and {}", args.json.display(), args.chart.display());
     Ok(())
 }
 

@@ -196,9 +196,40 @@ pub fn error_body(message: &str, kind: &str, param: Option<&str>, code: Option<&
         .to_string()
 }
 
+/// Finds `"prompt_tokens":N` and `"cached_tokens":M` (0 if absent) in the last `usage`
+/// object of a response body or its tail (JSON or SSE).
+pub fn scan_usage(tail: &[u8]) -> Option<(u64, u64)> {
+    let text = std::str::from_utf8(tail).ok().or_else(|| {
+        // A multi-byte character cut at the start of the window: skip to a boundary.
+        (1..4).find_map(|i| std::str::from_utf8(tail.get(i..)?).ok())
+    })?;
+    let usage = &text[text.rfind("\"usage\"")?..];
+    let number = |key: &str| -> Option<u64> {
+        let at = usage.find(key)? + key.len();
+        let rest = usage[at..].trim_start_matches([' ', ':']);
+        let end = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        rest[..end].parse().ok()
+    };
+    Some((
+        number("\"prompt_tokens\"")?,
+        number("\"cached_tokens\"").unwrap_or(0),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn usage_is_found_in_json_and_sse_tails() {
+        let body = br#"{"choices":[],"usage":{"completion_tokens":5,"prompt_tokens":62,"prompt_tokens_details":{"cached_tokens":48},"total_tokens":67}}"#;
+        assert_eq!(scan_usage(body), Some((62, 48)));
+        let sse = b"data: {\"usage\":{\"prompt_tokens\": 10}}\n\ndata: [DONE]\n\n";
+        assert_eq!(scan_usage(sse), Some((10, 0)));
+        assert_eq!(scan_usage(b"data: [DONE]\n\n"), None);
+    }
 
     #[test]
     fn parses_the_common_shapes() {

@@ -25,6 +25,11 @@ pub static BUILTINS: &[Builtin] = &[
         summary: "even spread over the available workers, ignoring the cache. No config.",
         wasm: include_bytes!(env!("SWITCHYARD_ROUND_ROBIN_WASM")),
     },
+    Builtin {
+        name: "random",
+        summary: "a uniformly random available worker (a baseline). No config.",
+        wasm: include_bytes!(env!("SWITCHYARD_RANDOM_WASM")),
+    },
 ];
 
 /// The built-in policy called `name`.

@@ -53,7 +53,7 @@ pub enum PolicyError {
     #[error("the policy failed its canary decision: {0}")]
     Canary(String),
     /// No built-in policy has this name.
-    #[error("no built-in policy named `{0}` (built-ins: kv-cost, round-robin)")]
+    #[error("no built-in policy named `{0}` (built-ins: kv-cost, round-robin, random)")]
     UnknownBuiltin(String),
     /// Reading the policy file failed.
     #[error("cannot read policy file {path}: {source}")]

@@ -1,0 +1,132 @@
+//! A whole fleet in one process: mock workers and the router on loopback, with static
+//! discovery and KV events. Used by `switchyard demo`, `switchyard replay` and the
+//! benchmarks.
+
+use std::net::SocketAddr;
+
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+use crate::config::ServeArgs;
+use crate::serve::{ServeError, serve};
+use crate::worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig};
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct LocalFleetConfig {
+    /// Mock workers.
+    pub workers: usize,
+    /// Their engine.
+    pub engine: EngineConfig,
+    /// The model they serve.
+    pub model: String,
+    /// The router's policy (built-in name or `.wasm`).
+    pub policy: String,
+    /// The policy's configuration.
+    pub policy_config: String,
+    /// Report failing workers down (false: the benchmark baseline).
+    pub availability: bool,
+    /// The router's address (`127.0.0.1:0` for any).
+    pub listen: SocketAddr,
+    /// Admin token, if the admin API is wanted.
+    pub admin_token: Option<String>,
+}
+
+/// A running local fleet.
+pub struct LocalFleet {
+    /// The mock workers.
+    pub workers: Vec<MockWorker>,
+    /// The router's base URL.
+    pub url: String,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), ServeError>>,
+}
+
+/// Why a local fleet could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalFleetError {
+    /// A socket could not be bound.
+    #[error("cannot listen: {0}")]
+    Io(#[from] std::io::Error),
+    /// The router's configuration was refused.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+}
+
+impl LocalFleet {
+    /// Starts the workers, then the router in front of them.
+    pub async fn start(config: LocalFleetConfig) -> Result<LocalFleet, LocalFleetError> {
+        let mut workers = Vec::new();
+        for _ in 0..config.workers.max(1) {
+            let worker_config = MockWorkerConfig {
+                model: config.model.clone(),
+                engine: config.engine.clone(),
+                hash_seed: 0,
+                fault: FaultConfig::NONE,
+            };
+            workers.push(
+                MockWorker::bind(worker_config, "127.0.0.1:0".parse().expect("valid")).await?,
+            );
+        }
+        let args = ServeArgs {
+            listen: Some(config.listen),
+            workers: workers.iter().map(MockWorker::url).collect(),
+            model: Some(config.model.clone()),
+            block_size: Some(config.engine.block_size),
+            kv_events: Some(true),
+            policy: Some(config.policy.clone()),
+            policy_config: Some(config.policy_config.clone()),
+            admin_token: config.admin_token.clone(),
+            availability: Some(config.availability),
+            shutdown_grace_secs: Some(5),
+            ..Default::default()
+        };
+        let serve_config = args.resolve()?;
+        let listener = TcpListener::bind(config.listen).await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(serve(serve_config, listener, async move {
+            let _ = stopped.await;
+        }));
+        Ok(LocalFleet {
+            workers,
+            url,
+            stop: Some(stop),
+            task,
+        })
+    }
+
+    /// Waits until the router is ready, or returns its startup error.
+    pub async fn ready(&mut self) -> Result<(), String> {
+        let probe = format!("{}/ready", self.url);
+        let http: hyper_util::client::legacy::Client<_, http_body_util::Empty<bytes::Bytes>> =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http();
+        for _ in 0..600 {
+            if self.task.is_finished() {
+                return Err(match (&mut self.task).await {
+                    Ok(Err(e)) => e.to_string(),
+                    other => format!("the router stopped: {other:?}"),
+                });
+            }
+            if let Ok(r) = http.get(probe.parse().expect("valid URL")).await
+                && r.status().is_success()
+            {
+                return Ok(());
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        Err("the router did not become ready".into())
+    }
+
+    /// Stops the router (letting open requests finish) and the workers.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = (&mut self.task).await;
+        for w in self.workers {
+            w.shutdown().await;
+        }
+    }
+}

@@ -1,0 +1,226 @@
+//! The replay's table, JSON and SVG chart.
+
+use std::fmt::Write;
+
+use serde_json::json;
+
+use super::PolicyRun;
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Summary figures of one run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Summary {
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests that failed.
+    pub failed: usize,
+    /// TTFT mean, p50, p90, p99 (seconds).
+    pub ttft: [f64; 4],
+    /// End-to-end mean and p90 (seconds).
+    pub e2e: [f64; 2],
+    /// Completed requests per simulated second.
+    pub throughput: f64,
+    /// Cached prompt tokens / prompt tokens.
+    pub hit_rate: f64,
+}
+
+/// Summarises a run.
+pub fn summarise(run: &PolicyRun) -> Summary {
+    let ok: Vec<_> = run.outcomes.iter().filter(|o| o.ok).collect();
+    let mut ttft: Vec<f64> = ok.iter().map(|o| o.ttft).collect();
+    let mut e2e: Vec<f64> = ok.iter().map(|o| o.e2e).collect();
+    ttft.sort_by(f64::total_cmp);
+    e2e.sort_by(f64::total_cmp);
+    let mean = |v: &[f64]| {
+        if v.is_empty() {
+            f64::NAN
+        } else {
+            v.iter().sum::<f64>() / v.len() as f64
+        }
+    };
+    let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
+    let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
+    Summary {
+        requests: run.outcomes.len(),
+        failed: run.outcomes.len() - ok.len(),
+        ttft: [
+            mean(&ttft),
+            percentile(&ttft, 0.5),
+            percentile(&ttft, 0.9),
+            percentile(&ttft, 0.99),
+        ],
+        e2e: [mean(&e2e), percentile(&e2e, 0.9)],
+        throughput: if run.span > 0.0 {
+            ok.len() as f64 / run.span
+        } else {
+            0.0
+        },
+        hit_rate: if prompt == 0 {
+            0.0
+        } else {
+            cached as f64 / prompt as f64
+        },
+    }
+}
+
+/// The Markdown table.
+pub fn table(runs: &[PolicyRun], bound: f64) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| policy | requests | failed | TTFT mean | p50 | p90 | p99 | E2E mean | p90 | throughput | hit rate | infinite-cache bound |"
+    );
+    let _ = writeln!(
+        s,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
+    for r in runs {
+        let m = summarise(r);
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {:.3} s | {:.3} s | {:.3} s | {:.3} s | {:.2} s | {:.2} s | {:.2} req/s | {:.1} % | {:.1} % |",
+            r.policy,
+            m.requests,
+            m.failed,
+            m.ttft[0],
+            m.ttft[1],
+            m.ttft[2],
+            m.ttft[3],
+            m.e2e[0],
+            m.e2e[1],
+            m.throughput,
+            m.hit_rate * 100.0,
+            bound * 100.0
+        );
+    }
+    s
+}
+
+/// Everything, as JSON.
+pub fn json(runs: &[PolicyRun], bound: f64) -> serde_json::Value {
+    let summaries: Vec<_> = runs
+        .iter()
+        .map(|r| {
+            let m = summarise(r);
+            json!({
+                "policy": r.policy, "requests": m.requests, "failed": m.failed,
+                "ttft_mean_s": m.ttft[0], "ttft_p50_s": m.ttft[1], "ttft_p90_s": m.ttft[2], "ttft_p99_s": m.ttft[3],
+                "e2e_mean_s": m.e2e[0], "e2e_p90_s": m.e2e[1], "throughput_rps": m.throughput, "hit_rate": m.hit_rate,
+            })
+        })
+        .collect();
+    json!({"infinite_cache_bound": bound, "summary": summaries, "runs": runs})
+}
+
+/// The TTFT distribution of each policy as cumulative curves (log-scaled time axis).
+pub fn svg(runs: &[PolicyRun]) -> String {
+    const W: f64 = 720.0;
+    const H: f64 = 420.0;
+    const PAD: f64 = 60.0;
+    const COLOURS: [&str; 6] = [
+        "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
+    ];
+    let all: Vec<f64> = runs
+        .iter()
+        .flat_map(|r| r.outcomes.iter().filter(|o| o.ok).map(|o| o.ttft.max(1e-4)))
+        .collect();
+    let lo = all
+        .iter()
+        .copied()
+        .fold(f64::INFINITY, f64::min)
+        .max(1e-4)
+        .log10()
+        .floor();
+    let hi = all
+        .iter()
+        .copied()
+        .fold(1e-3, f64::max)
+        .log10()
+        .ceil()
+        .max(lo + 1.0);
+    let x = |t: f64| PAD + (t.max(1e-4).log10() - lo) / (hi - lo) * (W - 2.0 * PAD);
+    let y = |q: f64| H - PAD - q * (H - 2.0 * PAD);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="20" text-anchor="middle" font-size="14">Time to first token (CDF, simulated seconds)</text>"#,
+        W / 2.0
+    );
+    let _ = writeln!(
+        s,
+        r#"<line x1="{PAD}" y1="{}" x2="{}" y2="{}" stroke="black"/>"#,
+        H - PAD,
+        W - PAD,
+        H - PAD
+    );
+    let _ = writeln!(
+        s,
+        r#"<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{}" stroke="black"/>"#,
+        H - PAD
+    );
+    let mut decade = lo;
+    while decade <= hi {
+        let t = 10f64.powf(decade);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{0}" y1="{PAD}" x2="{0}" y2="{1}" stroke="#dddddd"/><text x="{0}" y="{2}" text-anchor="middle">{3}</text>"##,
+            x(t),
+            H - PAD,
+            H - PAD + 16.0,
+            format_seconds(t)
+        );
+        decade += 1.0;
+    }
+    for q in [0.0, 0.5, 0.9, 1.0] {
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="end">{q}</text>"#,
+            PAD - 6.0,
+            y(q) + 4.0
+        );
+    }
+    for (i, r) in runs.iter().enumerate() {
+        let mut t: Vec<f64> = r.outcomes.iter().filter(|o| o.ok).map(|o| o.ttft).collect();
+        t.sort_by(f64::total_cmp);
+        let n = t.len().max(1) as f64;
+        let points: Vec<String> = t
+            .iter()
+            .enumerate()
+            .map(|(k, v)| format!("{:.1},{:.1}", x(*v), y((k + 1) as f64 / n)))
+            .collect();
+        let c = COLOURS[i % COLOURS.len()];
+        let _ = writeln!(
+            s,
+            r#"<polyline fill="none" stroke="{c}" stroke-width="2" points="{}"/>"#,
+            points.join(" ")
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" fill="{c}">{}</text>"#,
+            W - PAD - 120.0,
+            PAD + 16.0 * (i as f64 + 1.0),
+            r.policy
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+fn format_seconds(t: f64) -> String {
+    if t < 1.0 {
+        format!("{} ms", (t * 1000.0).round())
+    } else {
+        format!("{t} s")
+    }
+}

@@ -1,0 +1,128 @@
+//! Mooncake-format traces: one JSON object per line with `timestamp` (ms), `input_length`,
+//! `output_length` and `hash_ids` (512-token prefix blocks).
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use serde::Deserialize;
+
+/// Tokens per trace block.
+pub const TRACE_BLOCK: usize = 512;
+
+/// One request of a trace.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct TraceRequest {
+    /// Arrival, in milliseconds from the start.
+    pub timestamp: u64,
+    /// Prompt tokens.
+    pub input_length: u32,
+    /// Generated tokens.
+    pub output_length: u32,
+    /// Prefix block IDs.
+    pub hash_ids: Vec<u64>,
+}
+
+/// Reads a trace, reporting the first malformed line by number.
+pub fn read(path: &Path) -> Result<Vec<TraceRequest>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| format!("{}:{}: {e}", path.display(), i + 1))
+        })
+        .collect()
+}
+
+/// The prompt of `req`: each hash ID becomes the same deterministic 512 tokens wherever it
+/// appears, so requests sharing IDs share token prefixes; cut to `input_length`.
+pub fn tokens(req: &TraceRequest) -> Vec<u32> {
+    let mut out = Vec::with_capacity(req.input_length as usize);
+    'blocks: for &id in &req.hash_ids {
+        for j in 0..TRACE_BLOCK as u64 {
+            if out.len() >= req.input_length as usize {
+                break 'blocks;
+            }
+            out.push(
+                256 + (switchyard_cost_model::mix(
+                    id.wrapping_mul(TRACE_BLOCK as u64).wrapping_add(j),
+                ) % 99_000) as u32,
+            );
+        }
+    }
+    // A trace may list fewer blocks than its length needs; pad deterministically.
+    let mut k = 0u64;
+    while out.len() < req.input_length as usize {
+        out.push(256 + (switchyard_cost_model::mix(u64::MAX - k) % 99_000) as u32);
+        k += 1;
+    }
+    out
+}
+
+/// The share of prompt tokens an infinite cache could serve: each request's leading blocks
+/// that some earlier request already had.
+pub fn infinite_cache_bound(reqs: &[TraceRequest]) -> f64 {
+    let mut seen: HashSet<u64> = HashSet::new();
+    let (mut hit, mut total) = (0u64, 0u64);
+    for r in reqs {
+        let run = r.hash_ids.iter().take_while(|id| seen.contains(id)).count();
+        hit += (run * TRACE_BLOCK).min(r.input_length as usize) as u64;
+        total += u64::from(r.input_length);
+        seen.extend(&r.hash_ids);
+    }
+    if total == 0 {
+        0.0
+    } else {
+        hit as f64 / total as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(ids: &[u64], len: u32) -> TraceRequest {
+        TraceRequest {
+            timestamp: 0,
+            input_length: len,
+            output_length: 1,
+            hash_ids: ids.to_vec(),
+        }
+    }
+
+    #[test]
+    fn shared_ids_give_shared_token_prefixes() {
+        let a = tokens(&req(&[1, 2, 3], 1300));
+        let b = tokens(&req(&[1, 2, 9], 1500));
+        assert_eq!(a.len(), 1300);
+        assert_eq!(b.len(), 1500);
+        assert_eq!(a[..1024], b[..1024]);
+        assert_ne!(a[1024..1300], b[1024..1300]);
+    }
+
+    #[test]
+    fn the_bound_counts_leading_blocks_seen_before() {
+        let reqs = [
+            req(&[1, 2], 1024),
+            req(&[1, 2, 3], 1500),
+            req(&[4, 2], 1024),
+        ];
+        // Second request: 2 blocks (1024 tokens) of 1500 cached; others: none.
+        let bound = infinite_cache_bound(&reqs);
+        assert!((bound - 1024.0 / 3548.0).abs() < 1e-9, "{bound}");
+    }
+
+    #[test]
+    fn malformed_lines_are_reported_with_their_number() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.jsonl");
+        std::fs::write(
+            &p,
+            "{\"timestamp\":0,\"input_length\":5,\"output_length\":1,\"hash_ids\":[1]}\nnot json\n",
+        )
+        .unwrap();
+        let err = read(&p).unwrap_err();
+        assert!(err.contains(":2:"), "{err}");
+    }
+}
