@@ -12,6 +12,7 @@ use switchyard::discovery::etcd_policy::{self, PushedPolicy};
 use switchyard::discovery::etcd_register::Registration;
 use switchyard::discovery::{EndpointPath, InstanceInfo};
 use switchyard::ids::InstanceId;
+use switchyard::local::{LocalFleet, LocalFleetConfig};
 use switchyard::policy::{BUILTINS, CallOutcome, PolicyEngine, RuntimeConfig};
 use switchyard::serve::serve;
 use switchyard::worker::{
@@ -491,41 +492,31 @@ async fn demo(
     policy: String,
 ) -> anyhow::Result<()> {
     anyhow::ensure!(count >= 1, "--workers must be at least 1");
+    anyhow::ensure!(speedup > 0.0, "--speedup must be positive");
     let model = "mock-model";
-    let mut workers = Vec::new();
-    for _ in 0..count {
-        let config = MockWorkerConfig {
-            model: model.into(),
-            engine: EngineConfig {
-                block_size: 16,
-                kv_blocks: 8192,
-                max_batch: 64,
-                speedup,
-                timing: TimingModel::default(),
-            },
-            hash_seed: 0,
-            fault: FaultConfig::NONE,
-        };
-        workers.push(MockWorker::bind(config, "127.0.0.1:0".parse()?).await?);
-    }
     let token = "demo-admin-token";
-    let args = ServeArgs {
-        listen: Some(listen),
-        workers: workers.iter().map(MockWorker::url).collect(),
-        model: Some(model.into()),
-        kv_events: Some(true),
-        policy: Some(policy),
+    let mut fleet = LocalFleet::start(LocalFleetConfig {
+        workers: usize::from(count),
+        engine: EngineConfig {
+            block_size: 16,
+            kv_blocks: 8192,
+            max_batch: 64,
+            speedup,
+            timing: TimingModel::default(),
+        },
+        model: model.into(),
+        policy,
+        policy_config: "{}".into(),
+        availability: true,
+        listen,
         admin_token: Some(token.into()),
-        shutdown_grace_secs: Some(5),
-        ..Default::default()
-    };
-    let config = args.resolve()?;
-    let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
-        anyhow::anyhow!("cannot listen on {listen}: {e} (pick another port with --listen)")
-    })?;
-    let url = format!("http://{}", listener.local_addr()?);
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e} (pick another port with --listen)"))?;
+    fleet.ready().await.map_err(|e| anyhow::anyhow!(e))?;
+    let url = fleet.url.clone();
     println!("Switchyard demo: {count} mock workers serving `{model}` behind the router at {url}");
-    for w in &workers {
+    for w in &fleet.workers {
         println!("  mock worker {}", w.url());
     }
     println!();
@@ -538,10 +529,8 @@ async fn demo(
     println!("  curl -s {url}/metrics");
     println!();
     println!("Ctrl-C to stop.");
-    serve(config, listener, shutdown_signal()).await?;
-    for w in workers {
-        w.shutdown().await;
-    }
+    shutdown_signal().await;
+    fleet.stop().await;
     Ok(())
 }
 
