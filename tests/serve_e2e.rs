@@ -101,16 +101,38 @@ async fn metric(c: &HttpClient, router: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_shared_prefix_goes_to_the_same_worker_and_round_robin_spreads() {
+/// A real etcd, `n` mock-worker processes registered in it, and a router process; waits
+/// until the router sees every worker available.
+struct EtcdFleet {
+    etcd: Etcd,
+    workers: Vec<(common::procs::Proc, String)>,
+    _router: common::procs::Proc,
+    url: String,
+    c: HttpClient,
+}
+
+async fn etcd_fleet(n: usize, speedup: &str) -> EtcdFleet {
     let etcd = Etcd::start();
     let mut workers = Vec::new();
-    for _ in 0..3 {
-        workers.push(mock_worker(&["--etcd", &etcd.url(), "--speedup", "100"]).await);
+    for _ in 0..n {
+        workers.push(mock_worker(&["--etcd", &etcd.url(), "--speedup", speedup]).await);
     }
-    let (_router, url) = serve(&["--etcd", &etcd.url(), "--admin-token", TOKEN]).await;
+    let (router, url) = serve(&["--etcd", &etcd.url(), "--admin-token", TOKEN]).await;
     let c = http::client();
-    wait_available(&c, &url, 3).await;
+    wait_available(&c, &url, n).await;
+    EtcdFleet {
+        etcd,
+        workers,
+        _router: router,
+        url,
+        c,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_prefix_goes_to_the_same_worker_and_round_robin_spreads() {
+    let fleet = etcd_fleet(3, "100").await;
+    let (workers, url, c) = (&fleet.workers, fleet.url.clone(), fleet.c.clone());
 
     let context =
         "The quarterly report covers revenue, costs, hiring and the product roadmap. ".repeat(12);
@@ -158,7 +180,7 @@ async fn a_shared_prefix_goes_to_the_same_worker_and_round_robin_spreads() {
     .unwrap();
     assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
     let mut before = Vec::new();
-    for (_, w) in &workers {
+    for (_, w) in workers {
         before.push(worker_finished(&c, w).await);
     }
     for i in 0..6 {
@@ -248,15 +270,9 @@ fn load(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_a_worker_under_load_fails_no_client_request() {
-    let etcd = Etcd::start();
-    let mut workers = Vec::new();
-    for _ in 0..4 {
-        workers.push(mock_worker(&["--etcd", &etcd.url(), "--speedup", "50"]).await);
-    }
-    let (_router, url) = serve(&["--etcd", &etcd.url(), "--admin-token", TOKEN]).await;
-    let c = http::client();
-    wait_available(&c, &url, 4).await;
-    let dead_url = workers[0].1.clone();
+    let mut fleet = etcd_fleet(4, "50").await;
+    let (url, c) = (fleet.url.clone(), fleet.c.clone());
+    let dead_url = fleet.workers[0].1.clone();
     let dead_id = instances(&c, &url)
         .await
         .iter()
@@ -267,7 +283,7 @@ async fn killing_a_worker_under_load_fails_no_client_request() {
     let stop = Arc::new(AtomicBool::new(false));
     let clients = load(url.clone(), 6, stop.clone());
     tokio::time::sleep(Duration::from_millis(800)).await;
-    workers[0].0.kill();
+    fleet.workers[0].0.kill();
     let failures = format!("switchyard_instance_upstream_failures_total{{instance=\"{dead_id}\"}}");
     eventually("the first failure on the dead worker", || async {
         metric(&c, &url, &failures).await >= 1.0
@@ -295,14 +311,8 @@ async fn killing_a_worker_under_load_fails_no_client_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hundred_policy_swaps_under_load_through_admin_and_etcd_fail_nothing() {
-    let etcd = Etcd::start();
-    let mut workers = Vec::new();
-    for _ in 0..2 {
-        workers.push(mock_worker(&["--etcd", &etcd.url(), "--speedup", "100"]).await);
-    }
-    let (_router, url) = serve(&["--etcd", &etcd.url(), "--admin-token", TOKEN]).await;
-    let c = http::client();
-    wait_available(&c, &url, 2).await;
+    let fleet = etcd_fleet(2, "100").await;
+    let (etcd, url, c) = (&fleet.etcd, fleet.url.clone(), fleet.c.clone());
     let policy_url = format!("{url}/admin/endpoints/default/mock/generate/policy");
     let example = std::fs::read(common::guest("session_affinity")).unwrap();
 
