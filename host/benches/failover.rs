@@ -1,0 +1,202 @@
+//! B5: kill -9 a worker under load. Four `mock-worker` processes registered in a real
+//! etcd (lease TTL 10 s), one `switchyard serve` process, steady load; worker 1 is killed
+//! a quarter of the way in. Three routers are compared in one run:
+//!
+//! - availability tracking on (the product): the worker is reported down at its first
+//!   failure and the failed request retried elsewhere;
+//! - tracking off, with retries: every request keeps being offered to the dead worker
+//!   until its lease expires, and retried after failing there;
+//! - tracking off, no retries: routing to every registered instance, as routers without
+//!   availability tracking do — the baseline.
+//!
+//! Run: `cargo bench --bench failover` (needs `etcd` on the PATH).
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const BODY: &str = r#"{"model":"mock","prompt":"steady load, a short prompt","max_tokens":4}"#;
+
+/// An etcd process (killed on drop) and its data directory.
+struct Etcd {
+    _proc: Proc,
+    _dir: tempfile::TempDir,
+    url: String,
+}
+
+fn etcd() -> Etcd {
+    let dir = tempfile::tempdir().unwrap();
+    let (cp, pp) = (free_port(), free_port());
+    let client = format!("http://127.0.0.1:{cp}");
+    let peer = format!("http://127.0.0.1:{pp}");
+    let child = std::process::Command::new("etcd")
+        .args(["--name", "bench", "--data-dir"])
+        .arg(dir.path())
+        .args([
+            "--listen-client-urls",
+            &client,
+            "--advertise-client-urls",
+            &client,
+        ])
+        .args([
+            "--listen-peer-urls",
+            &peer,
+            "--initial-advertise-peer-urls",
+            &peer,
+            "--initial-cluster",
+            &format!("bench={peer}"),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("etcd on the PATH");
+    Etcd {
+        _proc: Proc(child),
+        _dir: dir,
+        url: client,
+    }
+}
+
+async fn scenario(name: &str, serve_flags: &[&str], seconds: u64) -> String {
+    let cache = tempfile::tempdir().unwrap();
+    let e = etcd();
+    let c = http();
+    // etcd answers once its client port is open and it has elected itself.
+    for _ in 0..500 {
+        if std::net::TcpStream::connect(e.url.trim_start_matches("http://")).is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut workers = Vec::new();
+    for _ in 0..4 {
+        let listen = format!("127.0.0.1:{}", free_port());
+        let p = switchyard(
+            &[
+                "mock-worker",
+                "--listen",
+                &listen,
+                "--model",
+                "mock",
+                "--speedup",
+                "20",
+                "--etcd",
+                &e.url,
+                "--ttl",
+                "10",
+            ],
+            cache.path(),
+        );
+        wait_ok(&c, &format!("http://{listen}/health")).await;
+        workers.push((p, listen));
+    }
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut args = vec!["serve", "--listen", &listen, "--etcd", &e.url];
+    args.extend_from_slice(serve_flags);
+    let _router = switchyard(&args, cache.path());
+    let url = format!("http://{listen}");
+    wait_ok(&c, &format!("{url}/ready")).await;
+    // Wait until all four are routable.
+    for _ in 0..500 {
+        let page = get_text(&c, &format!("{url}/metrics")).await;
+        if page
+            .lines()
+            .filter(|l| l.starts_with("switchyard_instance_available{") && l.ends_with(" 1"))
+            .count()
+            == 4
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let load_url = format!("{url}/v1/completions");
+    let start = Instant::now();
+    let (c2, stop2) = (c.clone(), stop.clone());
+    let runner = tokio::spawn(async move {
+        load(
+            &c2,
+            &load_url,
+            BODY,
+            8,
+            usize::MAX,
+            Duration::from_secs(seconds),
+            stop2,
+        )
+        .await
+    });
+    // Sample the failures counter every 50 ms: recovery ends at its last increase.
+    let (c3, url3, stop3) = (c.clone(), url.clone(), stop.clone());
+    let sampler = tokio::spawn(async move {
+        let mut points = Vec::new();
+        while !stop3.load(std::sync::atomic::Ordering::Relaxed) {
+            let page = get_text(&c3, &format!("{url3}/metrics")).await;
+            points.push((
+                start.elapsed(),
+                metric(&page, "switchyard_upstream_failures_total"),
+            ));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        points
+    });
+    let kill_at = Duration::from_secs(seconds) / 4;
+    tokio::time::sleep(kill_at).await;
+    let killed_at = start.elapsed();
+    let _ = workers[0].0.0.kill();
+    let samples = runner.await.unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let points = sampler.await.unwrap();
+    let page = get_text(&c, &format!("{url}/metrics")).await;
+    let dead_failures: f64 = page
+        .lines()
+        .filter(|l| l.starts_with("switchyard_instance_upstream_failures_total{"))
+        .map(|l| {
+            l.rsplit_once(' ')
+                .map_or(0.0, |(_, v)| v.parse().unwrap_or(0.0))
+        })
+        .sum();
+    let failed: Vec<&Sample> = samples.iter().filter(|s| !s.ok).collect();
+    let last_increase = points
+        .windows(2)
+        .filter(|w| w[1].1 > w[0].1)
+        .map(|w| w[1].0)
+        .max();
+    let recovery = last_increase.map_or(0.0, |t| t.saturating_sub(killed_at).as_secs_f64());
+    let still_failing = points.windows(2).last().is_some_and(|w| w[1].1 > w[0].1);
+    let recovery = if still_failing {
+        format!("not within the run (> {recovery:.1} s)")
+    } else {
+        format!("{recovery:.2} s")
+    };
+    format!(
+        "| {name} | {} | {} | {} | {:.0} | {recovery} |",
+        samples.len(),
+        failed.len(),
+        (dead_failures - 1.0).max(0.0),
+        percentile_us(&samples, 0.99) / 1000.0,
+    )
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let seconds = if quick() { 4 } else { 16 };
+        println!("4 workers in etcd (lease TTL 10 s), 8 concurrent clients for {seconds} s, worker 1 killed with SIGKILL at {} s:", seconds / 4);
+        println!();
+        println!("| router | requests | failed requests | requests to the dead worker after its first failure | p99 latency (ms) | time to full recovery |");
+        println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+        println!("{}", scenario("availability tracking on", &[], seconds).await);
+        println!("{}", scenario("tracking off, 3 attempts", &["--availability", "false"], seconds).await);
+        println!("{}", scenario("tracking off, 1 attempt (baseline)", &["--availability", "false", "--max-attempts", "1"], seconds).await);
+    });
+}

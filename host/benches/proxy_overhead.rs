@@ -1,0 +1,89 @@
+//! B3: what the router adds. The same load — fixed concurrency, small non-streaming
+//! requests — is sent to a zero-latency mock worker directly, then through `switchyard
+//! serve` (a separate process, so its CPU time is its own), in one run.
+//!
+//! Run: `cargo bench --bench proxy_overhead`
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use common::*;
+use switchyard::worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, TimingModel};
+
+const BODY: &str = r#"{"model":"mock","prompt":"Hello there, a short prompt.","max_tokens":1}"#;
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let quick = quick();
+        let zero = TimingModel { prefill_us_per_token: 0.0, decode_base_us: 0.0, decode_us_per_seq: 0.0 };
+        let worker = MockWorker::bind(
+            MockWorkerConfig {
+                model: "mock".into(),
+                engine: EngineConfig { block_size: 16, kv_blocks: 1 << 16, max_batch: 256, speedup: 1.0, timing: zero },
+                hash_seed: 0,
+                fault: FaultConfig::NONE,
+            },
+            "127.0.0.1:0".parse().unwrap(),
+        )
+        .await
+        .unwrap();
+        let cache = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let router = switchyard(&["serve", "--listen", &listen, "--worker", &worker.url(), "--model", "mock"], cache.path());
+        let c = http();
+        let router_url = format!("http://{listen}");
+        wait_ok(&c, &format!("{router_url}/ready")).await;
+
+        let (concurrency, count) = if quick { (2, 50) } else { (8, 20_000) };
+        let limit = Duration::from_secs(60);
+        let never = Arc::new(AtomicBool::new(false));
+        // Warm both paths (connections, policy instances).
+        load(&c, &format!("{}/v1/completions", worker.url()), BODY, concurrency, 200, limit, never.clone()).await;
+        load(&c, &format!("{router_url}/v1/completions"), BODY, concurrency, 200, limit, never.clone()).await;
+
+        let t = std::time::Instant::now();
+        let direct = load(&c, &format!("{}/v1/completions", worker.url()), BODY, concurrency, count, limit, never.clone()).await;
+        let direct_wall = t.elapsed();
+        let cpu_before = cpu_time(router.0.id());
+        let t = std::time::Instant::now();
+        let routed = load(&c, &format!("{router_url}/v1/completions"), BODY, concurrency, count, limit, never.clone()).await;
+        let routed_wall = t.elapsed();
+        let cpu = cpu_time(router.0.id()) - cpu_before;
+
+        let ok = |s: &[Sample]| s.iter().filter(|x| x.ok).count();
+        println!("{count} requests at concurrency {concurrency}, non-streaming, 1 output token, zero-latency mock worker:");
+        println!();
+        println!("| path | ok | failed | throughput | p50 | p99 |");
+        println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+        for (name, s, wall) in [("direct to worker", &direct, direct_wall), ("through switchyard", &routed, routed_wall)] {
+            println!(
+                "| {name} | {} | {} | {:.0} req/s | {:.0} µs | {:.0} µs |",
+                ok(s),
+                s.len() - ok(s),
+                ok(s) as f64 / wall.as_secs_f64(),
+                percentile_us(s, 0.5),
+                percentile_us(s, 0.99)
+            );
+        }
+        println!();
+        println!(
+            "added by the router: p50 {:.0} µs, p99 {:.0} µs; router CPU {:.1} µs per request ({:.2} s over {} requests)",
+            percentile_us(&routed, 0.5) - percentile_us(&direct, 0.5),
+            percentile_us(&routed, 0.99) - percentile_us(&direct, 0.99),
+            cpu.as_secs_f64() * 1e6 / ok(&routed).max(1) as f64,
+            cpu.as_secs_f64(),
+            ok(&routed)
+        );
+        drop(router);
+        worker.shutdown().await;
+    });
+}
