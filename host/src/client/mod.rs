@@ -212,9 +212,11 @@ impl Client {
                 old.abort();
             }
             changed = true;
+            // Counted before the change is published, so that whoever sees the change
+            // also sees it counted.
+            self.counters.reported_down.fetch_add(1, Ordering::Relaxed);
         });
         if changed {
-            self.counters.reported_down.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(endpoint = %self.endpoint, instance = %id, reason, "instance reported down");
         }
         (changed, version)
@@ -339,20 +341,22 @@ impl Client {
                     state.availability = Availability::Available;
                     probes.remove(&id);
                     readmitted = true;
+                    self.counters
+                        .readmitted_by_probe
+                        .fetch_add(1, Ordering::Relaxed);
                 }
-                (Err(_), Availability::Down { failed_probes, .. }) => *failed_probes += 1,
+                (Err(_), Availability::Down { failed_probes, .. }) => {
+                    *failed_probes += 1;
+                    self.counters.failed_probes.fetch_add(1, Ordering::Relaxed);
+                }
                 _ => {}
             }
         });
         match result {
             Ok(()) if readmitted => {
-                self.counters
-                    .readmitted_by_probe
-                    .fetch_add(1, Ordering::Relaxed);
                 tracing::info!(endpoint = %self.endpoint, instance = %id, "instance healthy again; available");
             }
             Err(e) => {
-                self.counters.failed_probes.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(endpoint = %self.endpoint, instance = %id, error = %e, "health probe failed");
             }
             _ => {}

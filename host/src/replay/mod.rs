@@ -66,6 +66,15 @@ impl ReplayConfig {
     }
 }
 
+/// Hit-rate bounds of the replayed requests.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Bounds {
+    /// With an infinite cache.
+    pub infinite: f64,
+    /// With one LRU cache as large as all workers' KV caches together.
+    pub capacity: f64,
+}
+
 /// One request's outcome.
 #[derive(Debug, Clone, Serialize)]
 pub struct Outcome {
@@ -105,10 +114,16 @@ struct Body<'a> {
 }
 
 /// Replays the trace once per policy. Progress goes to stderr.
-pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, f64, usize), String> {
+pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize), String> {
     let mut reqs = trace::read(&config.trace)?;
     reqs.truncate(config.max_requests);
-    let bound = trace::infinite_cache_bound(&reqs);
+    let capacity = config.workers as u64
+        * config.engine.kv_blocks as u64
+        * u64::from(config.engine.block_size);
+    let bound = Bounds {
+        infinite: trace::infinite_cache_bound(&reqs),
+        capacity: trace::lru_cache_bound(&reqs, capacity),
+    };
     let count = reqs.len();
     let reqs = Arc::new(reqs);
     let mut runs = Vec::new();

@@ -4,7 +4,7 @@ use std::fmt::Write;
 
 use serde_json::json;
 
-use super::PolicyRun;
+use super::{Bounds, PolicyRun};
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -70,21 +70,21 @@ pub fn summarise(run: &PolicyRun) -> Summary {
 }
 
 /// The Markdown table.
-pub fn table(runs: &[PolicyRun], bound: f64) -> String {
+pub fn table(runs: &[PolicyRun], bound: Bounds) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| policy | requests | failed | TTFT mean | p50 | p90 | p99 | E2E mean | p90 | throughput | hit rate | infinite-cache bound |"
+        "| policy | requests | failed | TTFT mean | p50 | p90 | p99 | E2E mean | p90 | throughput | hit rate | bound: fleet capacity | bound: infinite |"
     );
     let _ = writeln!(
         s,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     for r in runs {
         let m = summarise(r);
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {:.3} s | {:.3} s | {:.3} s | {:.3} s | {:.2} s | {:.2} s | {:.2} req/s | {:.1} % | {:.1} % |",
+            "| {} | {} | {} | {:.3} s | {:.3} s | {:.3} s | {:.3} s | {:.2} s | {:.2} s | {:.2} req/s | {:.1} % | {:.1} % | {:.1} % |",
             r.policy,
             m.requests,
             m.failed,
@@ -96,14 +96,15 @@ pub fn table(runs: &[PolicyRun], bound: f64) -> String {
             m.e2e[1],
             m.throughput,
             m.hit_rate * 100.0,
-            bound * 100.0
+            bound.capacity * 100.0,
+            bound.infinite * 100.0
         );
     }
     s
 }
 
 /// Everything, as JSON.
-pub fn json(runs: &[PolicyRun], bound: f64) -> serde_json::Value {
+pub fn json(runs: &[PolicyRun], bound: Bounds) -> serde_json::Value {
     let summaries: Vec<_> = runs
         .iter()
         .map(|r| {
@@ -115,7 +116,7 @@ pub fn json(runs: &[PolicyRun], bound: f64) -> serde_json::Value {
             })
         })
         .collect();
-    json!({"infinite_cache_bound": bound, "summary": summaries, "runs": runs})
+    json!({"infinite_cache_bound": bound.infinite, "capacity_bound": bound.capacity, "summary": summaries, "runs": runs})
 }
 
 /// The TTFT distribution of each policy as cumulative curves (log-scaled time axis).

@@ -78,6 +78,42 @@ pub fn infinite_cache_bound(reqs: &[TraceRequest]) -> f64 {
     }
 }
 
+/// The share of prompt tokens a single LRU cache of `capacity_tokens` (the whole fleet's
+/// KV capacity, pooled) could serve, counting each request's leading cached blocks: what
+/// a perfect router could at best reach with the workers' capacity.
+pub fn lru_cache_bound(reqs: &[TraceRequest], capacity_tokens: u64) -> f64 {
+    use std::collections::{BTreeMap, HashMap};
+    let capacity = (capacity_tokens / TRACE_BLOCK as u64) as usize;
+    let mut last_use: HashMap<u64, u64> = HashMap::new();
+    let mut lru: BTreeMap<u64, u64> = BTreeMap::new();
+    let (mut hit, mut total, mut clock) = (0u64, 0u64, 0u64);
+    for r in reqs {
+        let run = r
+            .hash_ids
+            .iter()
+            .take_while(|id| last_use.contains_key(id))
+            .count();
+        hit += (run * TRACE_BLOCK).min(r.input_length as usize) as u64;
+        total += u64::from(r.input_length);
+        for id in &r.hash_ids {
+            clock += 1;
+            if let Some(old) = last_use.insert(*id, clock) {
+                lru.remove(&old);
+            }
+            lru.insert(clock, *id);
+            while last_use.len() > capacity {
+                let (_, victim) = lru.pop_first().expect("non-empty");
+                last_use.remove(&victim);
+            }
+        }
+    }
+    if total == 0 {
+        0.0
+    } else {
+        hit as f64 / total as f64
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,6 +147,14 @@ mod tests {
         // Second request: 2 blocks (1024 tokens) of 1500 cached; others: none.
         let bound = infinite_cache_bound(&reqs);
         assert!((bound - 1024.0 / 3548.0).abs() < 1e-9, "{bound}");
+    }
+
+    #[test]
+    fn a_small_cache_bounds_the_hit_rate_below_the_infinite_one() {
+        let reqs: Vec<_> = (0..20u64).map(|i| req(&[i % 5, 100 + i], 1024)).collect();
+        let infinite = infinite_cache_bound(&reqs);
+        assert!((lru_cache_bound(&reqs, 1 << 30) - infinite).abs() < 1e-9);
+        assert!(lru_cache_bound(&reqs, 2 * 512) < infinite);
     }
 
     #[test]

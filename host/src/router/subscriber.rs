@@ -211,10 +211,12 @@ async fn stream_once(
             };
             match check_seq(last, &event) {
                 SeqCheck::Reset => {
-                    r.apply_event(worker, &event);
+                    // Counted before the snapshot is applied, so that whoever sees the
+                    // index updated also sees the connection counted.
                     if !*synced {
                         r.event_stats.connects.fetch_add(1, Ordering::Relaxed);
                     }
+                    r.apply_event(worker, &event);
                     *synced = true;
                     last = event.seq();
                     r.event_stats.applied.fetch_add(1, Ordering::Relaxed);
