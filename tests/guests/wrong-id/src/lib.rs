@@ -1,30 +1,15 @@
 #![doc = "A hostile test policy; see the body of `choose`."]
-use switchyard::policy::types::RejectionKind;
 
-wit_bindgen::generate!({ path: "../../../wit", world: "policy" });
-
-thread_local! {
-    static AFTER: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// True when this decision should misbehave (see `configure`).
-fn misbehave(req: &Request) -> bool {
-    req.sequence >= AFTER.get()
-}
-
-struct Hostile;
+include!("../../hostile.rs");
 
 #[allow(unused_variables)]
 impl Guest for Hostile {
-    /// `{"after": N}`: behave (pick the first candidate) for decisions with a sequence
-    /// number below N, so the policy passes its canary and misbehaves later.
     fn configure(config: String) -> Result<(), String> {
-        let digits: String = config.chars().filter(|c| c.is_ascii_digit()).collect();
-        AFTER.set(digits.parse().unwrap_or(0));
-        Ok(())
+        configure_after(&config)
     }
+
     fn describe() -> Info {
-        Info { name: env!("CARGO_PKG_NAME").to_string(), version: "0.1.0".to_string() }
+        describe_self()
     }
 
     /// Answers with a worker that is not among the candidates.
@@ -35,10 +20,3 @@ impl Guest for Hostile {
         Ok(candidates.worker_ids.iter().max().copied().unwrap_or(0) + 1)
     }
 }
-
-#[allow(dead_code)]
-fn reject(reason: &str) -> Rejection {
-    Rejection { kind: RejectionKind::Refused, reason: reason.to_string() }
-}
-
-export!(Hostile);
