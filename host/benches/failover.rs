@@ -21,58 +21,16 @@ use common::*;
 
 const BODY: &str = r#"{"model":"mock","prompt":"steady load, a short prompt","max_tokens":4}"#;
 
-/// An etcd process (killed on drop) and its data directory.
-struct Etcd {
-    _proc: Proc,
-    _dir: tempfile::TempDir,
-    url: String,
-}
-
-fn etcd() -> Etcd {
-    let dir = tempfile::tempdir().unwrap();
-    let (cp, pp) = (free_port(), free_port());
-    let client = format!("http://127.0.0.1:{cp}");
-    let peer = format!("http://127.0.0.1:{pp}");
-    let child = std::process::Command::new("etcd")
-        .args(["--name", "bench", "--data-dir"])
-        .arg(dir.path())
-        .args([
-            "--listen-client-urls",
-            &client,
-            "--advertise-client-urls",
-            &client,
-        ])
-        .args([
-            "--listen-peer-urls",
-            &peer,
-            "--initial-advertise-peer-urls",
-            &peer,
-            "--initial-cluster",
-            &format!("bench={peer}"),
-        ])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("etcd on the PATH");
-    Etcd {
-        _proc: Proc(child),
-        _dir: dir,
-        url: client,
-    }
-}
+/// The same real-etcd helper the integration tests use.
+#[path = "../../tests/common/etcd.rs"]
+#[allow(dead_code)]
+mod etcd;
 
 async fn scenario(name: &str, serve_flags: &[&str], seconds: u64) -> String {
     let cache = tempfile::tempdir().unwrap();
-    let e = etcd();
+    let e = etcd::Etcd::start();
+    let etcd_url = e.url();
     let c = http();
-    // etcd answers once its client port is open and it has elected itself.
-    for _ in 0..500 {
-        if std::net::TcpStream::connect(e.url.trim_start_matches("http://")).is_ok() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
     let mut workers = Vec::new();
     for _ in 0..4 {
         let listen = format!("127.0.0.1:{}", free_port());
@@ -86,7 +44,7 @@ async fn scenario(name: &str, serve_flags: &[&str], seconds: u64) -> String {
                 "--speedup",
                 "20",
                 "--etcd",
-                &e.url,
+                &etcd_url,
                 "--ttl",
                 "10",
             ],
@@ -96,7 +54,7 @@ async fn scenario(name: &str, serve_flags: &[&str], seconds: u64) -> String {
         workers.push((p, listen));
     }
     let listen = format!("127.0.0.1:{}", free_port());
-    let mut args = vec!["serve", "--listen", &listen, "--etcd", &e.url];
+    let mut args = vec!["serve", "--listen", &listen, "--etcd", &etcd_url];
     args.extend_from_slice(serve_flags);
     let _router = switchyard(&args, cache.path());
     let url = format!("http://{listen}");
