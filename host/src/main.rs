@@ -106,8 +106,11 @@ struct ReplayArgs {
     #[arg(long, default_value_t = 4)]
     workers: usize,
     /// KV cache per worker, in blocks.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 65536)]
     kv_blocks: usize,
+    /// Timing model: prefill cost per uncached prompt token, in µs.
+    #[arg(long, default_value_t = TimingModel::default().prefill_us_per_token)]
+    prefill_us_per_token: f64,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 64)]
     block_size: u32,
@@ -446,11 +449,14 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
 async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.speedup > 0.0, "--speedup must be positive");
     let mut config = switchyard::replay::ReplayConfig::new(args.trace.clone());
-    config.policies = args.policies;
+    if !args.policies.is_empty() {
+        config.policies = args.policies;
+    }
     config.workers = args.workers.max(1);
     config.engine.kv_blocks = args.kv_blocks;
     config.engine.block_size = args.block_size.max(1);
     config.engine.max_batch = args.max_batch.max(1);
+    config.engine.timing.prefill_us_per_token = args.prefill_us_per_token;
     config.speedup = args.speedup;
     config.max_requests = args.max_requests;
     config.duration = Duration::from_secs(args.duration);

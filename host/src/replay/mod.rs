@@ -27,7 +27,8 @@ use trace::TraceRequest;
 pub struct ReplayConfig {
     /// The trace.
     pub trace: PathBuf,
-    /// Policies to compare (built-in names or `.wasm` paths), each on fresh workers.
+    /// Policies to compare, each on fresh workers: a built-in name or a `.wasm` path,
+    /// optionally followed by `=` and its JSON configuration (`kv-cost={"overlap_weight":4}`).
     pub policies: Vec<String>,
     /// Mock workers.
     pub workers: usize,
@@ -44,12 +45,12 @@ pub struct ReplayConfig {
 }
 
 impl ReplayConfig {
-    /// Defaults for a trace: kv-cost, round-robin and random; 4 workers of 4,096 64-token
-    /// blocks, batch 32; 20x speed.
+    /// Defaults for a trace: kv-cost, round-robin and random; 4 workers of 65,536 64-token
+    /// blocks (4M tokens each), batch 32; 20x speed.
     pub fn new(trace: PathBuf) -> ReplayConfig {
         ReplayConfig {
             trace,
-            policies: vec!["kv-cost".into(), "round-robin".into()],
+            policies: vec!["kv-cost".into(), "round-robin".into(), "random".into()],
             workers: 4,
             engine: EngineConfig {
                 block_size: 64,
@@ -130,12 +131,13 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
     for policy in &config.policies {
         let mut engine = config.engine.clone();
         engine.speedup = config.speedup;
+        let (spec, policy_config) = policy.split_once('=').unwrap_or((policy.as_str(), "{}"));
         let mut fleet = LocalFleet::start(LocalFleetConfig {
             workers: config.workers,
             engine,
             model: "replay".into(),
-            policy: policy.clone(),
-            policy_config: "{}".into(),
+            policy: spec.to_string(),
+            policy_config: policy_config.to_string(),
             availability: true,
             listen: "127.0.0.1:0".parse().expect("valid"),
             admin_token: None,
