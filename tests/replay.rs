@@ -15,7 +15,7 @@ fn replay_compares_policies_and_writes_json_and_a_chart() {
             let len = ids.len() as u64 * 512 - 100;
             lines.push(format!(
                 r#"{{"timestamp": {}, "input_length": {len}, "output_length": 8, "hash_ids": {ids:?}}}"#,
-                turn * 10_000 + conv * 500
+                turn * 40_000 + conv * 2_000
             ));
         }
     }

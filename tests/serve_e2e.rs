@@ -687,3 +687,89 @@ async fn sigterm_lets_an_open_stream_finish_and_stops_accepting() {
         150
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_broken_after_it_started_ends_with_an_error_event_and_is_counted() {
+    let (_w, worker) = mock_worker(&["--speedup", "100", "--fault", "cut-stream"]).await;
+    let (_router, url) = serve(&[
+        "--worker",
+        &worker,
+        "--model",
+        "mock",
+        "--kv-events",
+        "true",
+    ])
+    .await;
+    let c = http::client();
+    let body = json!({"model": "mock", "stream": true, "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]});
+    let (status, _, bytes) = http::send(
+        &c,
+        Method::POST,
+        &format!("{url}/v1/chat/completions"),
+        &[],
+        body.to_string(),
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, StatusCode::OK);
+    let events = sse_events(&bytes);
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "upstream_stream_error", "{events:?}");
+    assert!(
+        events.iter().any(|e| e.contains("\"content\"")),
+        "some tokens arrived first"
+    );
+    assert_eq!(
+        metric(&c, &url, "switchyard_stream_errors_total").await,
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watched_policy_file_is_reloaded_when_it_changes() {
+    let (_w, worker) = mock_worker(&["--speedup", "100"]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policy.wasm");
+    std::fs::write(
+        &file,
+        switchyard::policy::builtin("round-robin").unwrap().wasm,
+    )
+    .unwrap();
+    let (_router, url) = serve(&[
+        "--worker",
+        &worker,
+        "--model",
+        "mock",
+        "--admin-token",
+        TOKEN,
+        "--policy",
+        file.to_str().unwrap(),
+        "--watch",
+        "true",
+    ])
+    .await;
+    let c = http::client();
+    let policy_url = format!("{url}/admin/endpoints/default/mock/generate/policy");
+    assert_eq!(admin_get(&c, &policy_url).await["name"], "round-robin");
+    // A broken file is refused; the current policy stays.
+    std::fs::write(&file, b"not wasm").unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(admin_get(&c, &policy_url).await["name"], "round-robin");
+    std::fs::write(
+        &file,
+        std::fs::read(common::guest("session_affinity")).unwrap(),
+    )
+    .unwrap();
+    eventually("the reload", || async {
+        admin_get(&c, &policy_url).await["name"] == "session-affinity"
+    })
+    .await;
+    let (s, _, _) = post_json(
+        &c,
+        &format!("{url}/v1/chat/completions"),
+        &chat("after the reload", 1),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+}

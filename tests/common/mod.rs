@@ -50,6 +50,7 @@ impl Rng {
 pub fn runtime() -> switchyard::policy::RuntimeConfig {
     switchyard::policy::RuntimeConfig {
         call_budget: std::time::Duration::from_millis(500),
+        load_budget: std::time::Duration::from_secs(1),
         cache_dir: Some(PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("policy-cache")),
         ..Default::default()
     }

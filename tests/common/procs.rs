@@ -85,10 +85,13 @@ pub async fn mock_worker(extra: &[&str]) -> (Proc, String) {
     (p, url)
 }
 
-/// A router process; returns it and its URL once it is ready.
+/// A router process; returns it and its URL once it is ready. Its policy call budget is
+/// raised to 250 ms: the tests run in parallel, unoptimised, on two cores, and a policy
+/// interrupted by a starved CPU would decide through the fallback (and five in a row roll
+/// the policy back), which is not what these tests are about.
 pub async fn serve(extra: &[&str]) -> (Proc, String) {
     let listen = format!("127.0.0.1:{}", free_port());
-    let mut args = vec!["serve", "--listen", &listen];
+    let mut args = vec!["serve", "--listen", &listen, "--policy-budget-ms", "250"];
     args.extend_from_slice(extra);
     let p = switchyard(&args);
     let url = format!("http://{listen}");

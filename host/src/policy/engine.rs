@@ -24,6 +24,10 @@ pub struct RuntimeConfig {
     pub call_budget: Duration,
     /// Granularity of the epoch ticker that enforces `call_budget`.
     pub epoch_tick: Duration,
+    /// Wall-time budget of a policy's lifecycle calls — instantiation, `configure`,
+    /// `describe` and the canary `choose` at load time. Off the hot path, so generous: a
+    /// busy host must not refuse a good policy.
+    pub load_budget: Duration,
     /// Linear-memory cap per instance, in bytes (covers what the host lowers into it).
     pub memory_cap: usize,
     /// A warm instance is retired after this many calls (bounds what a leaky policy
@@ -44,6 +48,7 @@ impl Default for RuntimeConfig {
     fn default() -> Self {
         RuntimeConfig {
             call_budget: Duration::from_millis(10),
+            load_budget: Duration::from_secs(2),
             epoch_tick: Duration::from_millis(1),
             memory_cap: 64 << 20,
             recycle_after_calls: 100_000,
@@ -75,6 +80,8 @@ pub(crate) struct EngineInner {
     pub(crate) config: RuntimeConfig,
     /// Epoch ticks that make up one call budget (+1: the first tick may come at once).
     pub(crate) deadline_ticks: u64,
+    /// The same for the load budget.
+    pub(crate) load_deadline_ticks: u64,
     /// Compiled components by content sha256, so swapping back and forth between
     /// policies never recompiles. Bounded; cleared whole when full.
     compiled: Mutex<HashMap<String, Component>>,
@@ -99,7 +106,9 @@ impl PolicyEngine {
             .map_err(|e| PolicyError::Runtime(describe_error(&e)))?;
 
         let tick = config.epoch_tick.max(Duration::from_micros(100));
-        let deadline_ticks = config.call_budget.as_nanos().div_ceil(tick.as_nanos()) as u64 + 1;
+        let ticks = |d: Duration| d.as_nanos().div_ceil(tick.as_nanos()) as u64 + 1;
+        let deadline_ticks = ticks(config.call_budget);
+        let load_deadline_ticks = ticks(config.load_budget.max(config.call_budget));
         let weak = engine.weak();
         std::thread::Builder::new()
             .name("policy-epoch".into())
@@ -120,6 +129,7 @@ impl PolicyEngine {
                 linker,
                 config,
                 deadline_ticks,
+                load_deadline_ticks,
                 compiled: Mutex::new(HashMap::new()),
             }),
         })

@@ -191,6 +191,22 @@ impl LoadedPolicy {
 
     /// Calls `choose` once on a warm instance and validates the answer.
     pub fn call(&self, req: &Request, candidates: &Candidates) -> Result<CallOutcome, CallFailure> {
+        let budget = self.shared.engine.config().call_budget;
+        self.call_within(
+            req,
+            candidates,
+            self.shared.engine.inner.deadline_ticks,
+            budget,
+        )
+    }
+
+    fn call_within(
+        &self,
+        req: &Request,
+        candidates: &Candidates,
+        ticks: u64,
+        budget: Duration,
+    ) -> Result<CallOutcome, CallFailure> {
         let s = &*self.shared;
         let mut warm = match s.pool.pop() {
             Some(w) => w,
@@ -198,7 +214,7 @@ impl LoadedPolicy {
                 .instantiate()
                 .map_err(|e| CallFailure::Instantiate(e.to_string()))?,
         };
-        warm.store.set_epoch_deadline(s.engine.inner.deadline_ticks);
+        warm.store.set_epoch_deadline(ticks);
         let wit_req = req.to_wit();
         // A panic in a host function (a WASI shim) must not take the router down: it is
         // caught here and the instance, possibly left inconsistent, is discarded.
@@ -209,7 +225,7 @@ impl LoadedPolicy {
         warm.calls += 1;
         let answer = match result {
             Ok(Ok(answer)) => answer,
-            Ok(Err(e)) => return Err(s.classify(&e)),
+            Ok(Err(e)) => return Err(s.classify(&e, budget)),
             Err(_) => return Err(CallFailure::Trap("a host function panicked".into())),
         };
         // The instance is healthy: give it back unless it is due for recycling (or
@@ -227,7 +243,8 @@ impl LoadedPolicy {
     }
 
     /// The self-test run before a policy may serve: one decision on a synthetic
-    /// candidate list, which must produce a candidate or a rejection within budget.
+    /// candidate list, which must produce a candidate or a rejection within the load
+    /// budget (generous, so that a busy host does not refuse a good policy).
     pub fn canary(&self) -> Result<CallOutcome, PolicyError> {
         let candidates = canary_candidates();
         let req = Request {
@@ -238,8 +255,15 @@ impl LoadedPolicy {
             seed: 0x00c0_ffee,
             sequence: 0,
         };
-        self.call(&req, &candidates)
-            .map_err(|e| PolicyError::Canary(e.to_string()))
+        let cfg = self.shared.engine.config();
+        let budget = cfg.load_budget.max(cfg.call_budget);
+        self.call_within(
+            &req,
+            &candidates,
+            self.shared.engine.inner.load_deadline_ticks,
+            budget,
+        )
+        .map_err(|e| PolicyError::Canary(e.to_string()))
     }
 }
 
@@ -281,11 +305,11 @@ impl Shared {
         );
         store.limiter(|s| &mut s.limits);
         store.epoch_deadline_trap();
-        store.set_epoch_deadline(self.engine.inner.deadline_ticks);
+        store.set_epoch_deadline(self.engine.inner.load_deadline_ticks);
         let policy = self.pre.instantiate(&mut store).map_err(|e| {
             InstantiateError::Trap(format!("instantiation failed: {}", describe_error(&e)))
         })?;
-        store.set_epoch_deadline(self.engine.inner.deadline_ticks);
+        store.set_epoch_deadline(self.engine.inner.load_deadline_ticks);
         policy
             .call_configure(&mut store, &self.info.config)
             .map_err(|e| InstantiateError::Trap(format!("in configure: {}", describe_error(&e))))?
@@ -298,10 +322,10 @@ impl Shared {
         })
     }
 
-    fn classify(&self, e: &wasmtime::Error) -> CallFailure {
+    fn classify(&self, e: &wasmtime::Error, budget: Duration) -> CallFailure {
         let cfg = self.engine.config();
         if let Some(wasmtime::Trap::Interrupt) = e.downcast_ref::<wasmtime::Trap>() {
-            return CallFailure::Timeout(cfg.call_budget);
+            return CallFailure::Timeout(budget);
         }
         let text = describe_error(e);
         if text.contains("growing memory") || text.contains("memory") && text.contains("limit") {
