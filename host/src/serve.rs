@@ -235,7 +235,11 @@ pub async fn serve(
             background.push(tokio::spawn(async move {
                 loop {
                     match list_all(&etcd2).await {
-                        Ok((found, _)) => fleet2.update_catalog(&found),
+                        Ok((found, _)) => {
+                            // A new endpoint compiles its policy: CPU work, off the async workers.
+                            let fleet = fleet2.clone();
+                            let _ = tokio::task::spawn_blocking(move || fleet.update_catalog(&found)).await;
+                        }
                         Err(e) => tracing::warn!(error = %e, "cannot list endpoints; keeping the last known"),
                     }
                     tokio::time::sleep(Duration::from_secs(2)).await;
