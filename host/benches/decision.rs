@@ -5,6 +5,9 @@
 //!
 //! Run: `cargo bench --bench decision` (prints a table).
 
+mod common;
+
+use common::Rng;
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,17 +20,6 @@ use switchyard::policy::{
     Decider, DecisionOutcome, PolicyEngine, PolicyHandle, Request, RuntimeConfig, native,
 };
 use switchyard::router::{KvRouter, KvRouterConfig};
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p) as usize].as_secs_f64() * 1e6

@@ -3,23 +3,14 @@
 //!
 //! Run: `cargo bench --bench kv_index` (prints a table).
 
+mod common;
+
+use common::Rng;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use switchyard::ids::{BlockHash, InstanceId};
 use switchyard::kv::index::OverlapIndex;
-
-/// SplitMix64, for reproducible random hashes.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
 
 /// Median over `rounds` of the time per call of `f` (each round runs it `iters` times).
 fn per_call(rounds: usize, iters: usize, mut f: impl FnMut()) -> Duration {

@@ -176,3 +176,13 @@ pub async fn get_text(c: &Http, url: &str) -> String {
 pub fn quick() -> bool {
     !std::env::args().any(|a| a == "--bench")
 }
+
+/// A reproducible stream of random 64-bit values (SplitMix64).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(1);
+        switchyard_cost_model::mix(self.0)
+    }
+}
