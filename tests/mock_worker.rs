@@ -3,10 +3,11 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use common::http::{self, HttpClient, get, post_json, sse_events};
+use common::procs::Proc;
 use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
 use switchyard::kv::events::KvEvent;
@@ -241,63 +242,11 @@ async fn a_full_cache_evicts_and_the_event_stream_says_so() {
     assert!(seqs.windows(2).all(|p| p[1] == p[0] + 1), "{seqs:?}");
 }
 
-/// A `switchyard mock-worker` process.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
+/// A `switchyard mock-worker` process at 1000x speed, with `args`.
 async fn spawn_worker(args: &[&str]) -> (Proc, String) {
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let proc = Proc(
-        Command::new(env!("CARGO_BIN_EXE_switchyard"))
-            .args([
-                "mock-worker",
-                "--listen",
-                &listen,
-                "--model",
-                "mock",
-                "--speedup",
-                "1000",
-            ])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let url = format!("http://{listen}");
-    let c = http::client();
-    for _ in 0..400 {
-        if http::send(
-            &c,
-            Method::GET,
-            &format!("{url}/v1/models"),
-            &[],
-            "",
-            Duration::from_secs(1),
-        )
-        .await
-        .is_ok()
-        {
-            return (proc, url);
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("mock worker did not start");
+    let mut all = vec!["--speedup", "1000"];
+    all.extend_from_slice(args);
+    common::procs::mock_worker(&all).await
 }
 
 fn hello() -> Value {

@@ -74,14 +74,15 @@ pub async fn wait_ok(url: &str) {
     panic!("{url} never answered 200");
 }
 
-/// A mock worker process serving `mock` on a free port; returns it and its URL.
+/// A mock worker process serving `mock` on a free port; returns it and its URL once it
+/// answers `/v1/models` (which it does whatever fault it was started with).
 pub async fn mock_worker(extra: &[&str]) -> (Proc, String) {
     let listen = format!("127.0.0.1:{}", free_port());
     let mut args = vec!["mock-worker", "--listen", &listen, "--model", "mock"];
     args.extend_from_slice(extra);
     let p = switchyard(&args);
     let url = format!("http://{listen}");
-    wait_ok(&format!("{url}/health")).await;
+    wait_ok(&format!("{url}/v1/models")).await;
     (p, url)
 }
 
