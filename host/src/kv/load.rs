@@ -69,6 +69,8 @@ struct Booking {
 pub struct LoadTracker {
     workers: HashMap<InstanceId, Worker>,
     requests: HashMap<RequestId, Booking>,
+    /// When [`LoadTracker::maybe_expire`] sweeps next.
+    next_sweep: Option<Instant>,
 }
 
 impl LoadTracker {
@@ -151,6 +153,16 @@ impl LoadTracker {
         old.len()
     }
 
+    /// [`LoadTracker::expire`], at most once per second: a sweep looks at every booked
+    /// request, too much work for every routing decision.
+    pub fn maybe_expire(&mut self, now: Instant, max_age: Duration) -> usize {
+        if self.next_sweep.is_some_and(|next| now < next) {
+            return 0;
+        }
+        self.next_sweep = Some(now + Duration::from_secs(1));
+        self.expire(now, max_age)
+    }
+
     /// Records what `worker` reported about itself.
     pub fn report(&mut self, worker: InstanceId, load: ReportedLoad) {
         self.workers.entry(worker).or_default().reported = Some(load);
@@ -229,6 +241,29 @@ mod tests {
             1
         );
         assert_eq!(t.load(InstanceId(1)).in_flight, 1);
+    }
+
+    #[test]
+    fn sweeps_run_at_most_once_a_second() {
+        let now = Instant::now();
+        let max_age = Duration::from_secs(60);
+        let mut t = LoadTracker::new();
+        t.book(RequestId(1), InstanceId(1), &b(&[1]), 10, now);
+        assert_eq!(
+            t.maybe_expire(now + Duration::from_millis(59_500), max_age),
+            0
+        );
+        // Past its age, but within a second of the last sweep: left for the next one.
+        assert_eq!(
+            t.maybe_expire(now + Duration::from_millis(60_200), max_age),
+            0
+        );
+        assert_eq!(t.in_flight(), 1);
+        assert_eq!(
+            t.maybe_expire(now + Duration::from_millis(60_600), max_age),
+            1
+        );
+        assert_eq!(t.in_flight(), 0);
     }
 
     #[derive(Debug, Clone)]

@@ -249,7 +249,7 @@ impl KvRouter {
             .saturating_sub(u64::from(overlap_blocks) * u64::from(self.config.block_size));
         {
             let mut load = self.load.lock();
-            load.expire(now, self.config.load_expiry);
+            load.maybe_expire(now, self.config.load_expiry);
             load.book(request, worker, hashes, uncached, now);
         }
         if self
