@@ -10,7 +10,9 @@ use std::time::Duration;
 use common::etcd::Etcd;
 use common::health::HealthServer;
 use etcd_client::PutOptions;
-use switchyard::client::{Availability, Client, ClientConfig, ClientRegistry, HttpHealthCheck};
+use switchyard::client::{
+    Availability, Client, ClientConfig, ClientRegistry, HttpHealthCheck, OutlierConfig,
+};
 use switchyard::discovery::etcd::{EtcdConfig, EtcdDiscovery};
 use switchyard::discovery::etcd_register::Registration;
 use switchyard::discovery::{EndpointPath, InstanceInfo, InstanceKey, InstanceRecord};
@@ -36,6 +38,13 @@ fn registry(etcd: &Etcd) -> ClientRegistry {
         ClientConfig {
             probe_initial: Duration::from_millis(100),
             probe_max: Duration::from_millis(400),
+            // Discovery is what these tests watch: no active health checks, and the first
+            // probe 100 ms after an ejection.
+            outlier: OutlierConfig {
+                base_ejection: Duration::from_millis(100),
+                health_interval: None,
+                ..OutlierConfig::default()
+            },
         },
     )
 }

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::events::EventServer;
-use switchyard::client::{Client, ClientConfig, HttpHealthCheck};
+use switchyard::client::{Client, ClientConfig, HttpHealthCheck, OutlierConfig};
 use switchyard::discovery::{DiscoveryUpdate, EndpointPath, InstanceInfo};
 use switchyard::ids::{BlockHash, InstanceId};
 use switchyard::kv::hash::BlockHasher;
@@ -37,6 +37,14 @@ fn router(instances: Vec<InstanceInfo>) -> (Arc<KvRouter>, Arc<Client>) {
         ClientConfig {
             probe_initial: Duration::from_secs(3600),
             probe_max: Duration::from_secs(3600),
+            // These tests are about the index: no health checks, no ejection limits.
+            outlier: OutlierConfig {
+                base_ejection: Duration::from_secs(3600),
+                max_ejection_share: 1.0,
+                panic_threshold: 0.0,
+                health_interval: None,
+                ..OutlierConfig::default()
+            },
         },
         Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
     );

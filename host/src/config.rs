@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::client::ClientConfig;
+use crate::client::{ClientConfig, OutlierConfig};
 use crate::discovery::EndpointPath;
 use crate::discovery::etcd::EtcdConfig;
 use crate::http::GatewayConfig;
@@ -85,6 +85,55 @@ pub struct ServeArgs {
     /// keeps routing to every discovered worker until discovery drops it.
     #[arg(long, env = "SWITCHYARD_AVAILABILITY")]
     pub availability: Option<bool>,
+    /// Timeout for a non-streaming answer, which comes whole at the end of the
+    /// generation, seconds [default: 600].
+    #[arg(long, env = "SWITCHYARD_REQUEST_TIMEOUT_SECS")]
+    pub request_timeout_secs: Option<u64>,
+    /// Longest silence between two chunks of a started response, seconds [default: 60].
+    #[arg(long, env = "SWITCHYARD_STREAM_IDLE_TIMEOUT_SECS")]
+    pub stream_idle_timeout_secs: Option<u64>,
+    /// Time a client connection may take to send a request head, and stay idle between
+    /// requests, seconds [default: 30].
+    #[arg(long, env = "SWITCHYARD_CLIENT_IDLE_TIMEOUT_SECS")]
+    pub client_idle_timeout_secs: Option<u64>,
+    /// Most client connections at once [default: 4096].
+    #[arg(long, env = "SWITCHYARD_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// Most completion requests in flight at once [default: 2048].
+    #[arg(long, env = "SWITCHYARD_MAX_IN_FLIGHT")]
+    pub max_in_flight: Option<usize>,
+    /// 5xx answers or timeouts in a row that eject a worker [default: 3].
+    #[arg(long, env = "SWITCHYARD_CONSECUTIVE_FAILURES")]
+    pub consecutive_failures: Option<u32>,
+    /// Most of an endpoint's workers ejected at once, percent; one may always be
+    /// [default: 50].
+    #[arg(long, env = "SWITCHYARD_MAX_EJECTION_PERCENT")]
+    pub max_ejection_percent: Option<u32>,
+    /// Below this percentage of available workers, route over every worker not known to
+    /// be unreachable; 0 turns it off [default: 50].
+    #[arg(long, env = "SWITCHYARD_PANIC_THRESHOLD_PERCENT")]
+    pub panic_threshold_percent: Option<u32>,
+    /// First ejection's length, ms; the n-th lasts n times as long [default: 2000].
+    #[arg(long, env = "SWITCHYARD_BASE_EJECTION_MS")]
+    pub base_ejection_ms: Option<u64>,
+    /// Longest ejection, seconds [default: 120].
+    #[arg(long, env = "SWITCHYARD_MAX_EJECTION_SECS")]
+    pub max_ejection_secs: Option<u64>,
+    /// Active health checks of available workers every this many ms; 0 turns them off
+    /// [default: 5000].
+    #[arg(long, env = "SWITCHYARD_HEALTH_CHECK_INTERVAL_MS")]
+    pub health_check_interval_ms: Option<u64>,
+    /// How long a worker that discovery removed while it was serving keeps serving
+    /// (unless it fails or deregisters), seconds; 0 believes discovery at once
+    /// [default: 60].
+    #[arg(long, env = "SWITCHYARD_DISCOVERY_GRACE_SECS")]
+    pub discovery_grace_secs: Option<u64>,
+    /// Longest `Retry-After` honoured from a busy worker, seconds [default: 60].
+    #[arg(long, env = "SWITCHYARD_MAX_RETRY_AFTER_SECS")]
+    pub max_retry_after_secs: Option<u64>,
+    /// Health endpoint path of the static workers [default: /health].
+    #[arg(long, env = "SWITCHYARD_HEALTH_PATH")]
+    pub health_path: Option<String>,
 }
 
 /// The TOML file. Same keys as the flags (snake_case), plus per-endpoint policies.
@@ -113,6 +162,20 @@ pub struct FileConfig {
     policy_budget_ms: Option<u64>,
     policy_memory_mb: Option<usize>,
     availability: Option<bool>,
+    request_timeout_secs: Option<u64>,
+    stream_idle_timeout_secs: Option<u64>,
+    client_idle_timeout_secs: Option<u64>,
+    max_connections: Option<usize>,
+    max_in_flight: Option<usize>,
+    consecutive_failures: Option<u32>,
+    max_ejection_percent: Option<u32>,
+    panic_threshold_percent: Option<u32>,
+    base_ejection_ms: Option<u64>,
+    max_ejection_secs: Option<u64>,
+    health_check_interval_ms: Option<u64>,
+    discovery_grace_secs: Option<u64>,
+    max_retry_after_secs: Option<u64>,
+    health_path: Option<String>,
     /// `[endpoints."namespace/component/endpoint"]` tables.
     #[serde(default)]
     endpoints: BTreeMap<String, EndpointFile>,
@@ -150,6 +213,8 @@ pub enum DiscoveryConfig {
         block_size: u32,
         /// Whether they serve `/v1/kv_events`.
         kv_events: bool,
+        /// Their health endpoint's path.
+        health_path: String,
     },
 }
 
@@ -230,6 +295,11 @@ impl ServeArgs {
                         .unwrap_or_else(|| "mock-model".into()),
                     block_size: self.block_size.or(file.block_size).unwrap_or(16).max(1),
                     kv_events: self.kv_events.or(file.kv_events).unwrap_or(false),
+                    health_path: self
+                        .health_path
+                        .clone()
+                        .or(file.health_path.clone())
+                        .unwrap_or_else(|| "/health".into()),
                 }
             }
             (false, false) => {
@@ -288,7 +358,71 @@ impl ServeArgs {
                 .or(file.admin_token)
                 .filter(|t| !t.is_empty()),
             availability: self.availability.or(file.availability).unwrap_or(true),
+            request_timeout: self
+                .request_timeout_secs
+                .or(file.request_timeout_secs)
+                .map_or(defaults.request_timeout, Duration::from_secs),
+            stream_idle_timeout: self
+                .stream_idle_timeout_secs
+                .or(file.stream_idle_timeout_secs)
+                .map_or(defaults.stream_idle_timeout, Duration::from_secs),
+            client_idle_timeout: self
+                .client_idle_timeout_secs
+                .or(file.client_idle_timeout_secs)
+                .map_or(defaults.client_idle_timeout, Duration::from_secs),
+            max_connections: self
+                .max_connections
+                .or(file.max_connections)
+                .unwrap_or(defaults.max_connections)
+                .max(1),
+            max_in_flight: self
+                .max_in_flight
+                .or(file.max_in_flight)
+                .unwrap_or(defaults.max_in_flight)
+                .max(1),
             ..defaults
+        };
+        let od = OutlierConfig::default();
+        let percent = |p: u32| f64::from(p.min(100)) / 100.0;
+        let outlier = OutlierConfig {
+            consecutive_failures: self
+                .consecutive_failures
+                .or(file.consecutive_failures)
+                .unwrap_or(od.consecutive_failures)
+                .max(1),
+            max_ejection_share: self
+                .max_ejection_percent
+                .or(file.max_ejection_percent)
+                .map_or(od.max_ejection_share, percent),
+            panic_threshold: self
+                .panic_threshold_percent
+                .or(file.panic_threshold_percent)
+                .map_or(od.panic_threshold, percent),
+            base_ejection: self
+                .base_ejection_ms
+                .or(file.base_ejection_ms)
+                .map_or(od.base_ejection, Duration::from_millis),
+            max_ejection: self
+                .max_ejection_secs
+                .or(file.max_ejection_secs)
+                .map_or(od.max_ejection, Duration::from_secs),
+            health_interval: match self
+                .health_check_interval_ms
+                .or(file.health_check_interval_ms)
+            {
+                Some(0) => None,
+                Some(ms) => Some(Duration::from_millis(ms)),
+                None => od.health_interval,
+            },
+            discovery_grace: self
+                .discovery_grace_secs
+                .or(file.discovery_grace_secs)
+                .map_or(od.discovery_grace, Duration::from_secs),
+            busy_max: self
+                .max_retry_after_secs
+                .or(file.max_retry_after_secs)
+                .map_or(od.busy_max, Duration::from_secs),
+            ..od
         };
         let runtime_defaults = RuntimeConfig::default();
         let runtime = RuntimeConfig {
@@ -314,7 +448,10 @@ impl ServeArgs {
             tokenizer: self.tokenizer.or(file.tokenizer),
             gateway,
             runtime,
-            client: ClientConfig::default(),
+            client: ClientConfig {
+                outlier,
+                ..ClientConfig::default()
+            },
             shutdown_grace: Duration::from_secs(
                 self.shutdown_grace_secs
                     .or(file.shutdown_grace_secs)

@@ -187,6 +187,24 @@ struct MockWorkerArgs {
     /// The fault starts after this many completion requests.
     #[arg(long, default_value_t = 0)]
     fault_after: u64,
+    /// Status of `--fault status` and of `--fault-marker` prompts [default: 500].
+    #[arg(long)]
+    fault_status: Option<u16>,
+    /// `Retry-After` (seconds) on those answers.
+    #[arg(long)]
+    fault_retry_after_secs: Option<u64>,
+    /// Prompts containing this text fail (a "poison" request), whatever the fault.
+    #[arg(long)]
+    fault_marker: Option<String>,
+    /// `/health` answers 200 whatever the fault.
+    #[arg(long)]
+    health_lies: bool,
+    /// Every completion waits this long before it starts, ms (a slow first token).
+    #[arg(long, default_value_t = 0)]
+    first_token_delay_ms: u64,
+    /// Close keep-alive connections idle this long, ms (uvicorn closes after 5 s).
+    #[arg(long)]
+    idle_close_ms: Option<u64>,
 }
 
 #[derive(Args)]
@@ -389,6 +407,12 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
         fault: FaultConfig {
             fault: args.fault,
             after: args.fault_after,
+            status: args.fault_status,
+            retry_after_secs: args.fault_retry_after_secs,
+            marker: args.fault_marker.clone(),
+            health_lies: args.health_lies,
+            first_token_delay_ms: args.first_token_delay_ms,
+            idle_close_ms: args.idle_close_ms,
         },
     };
     let endpoint = args

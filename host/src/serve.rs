@@ -30,6 +30,9 @@ use crate::router::subscriber::{self, SubscriberConfig};
 use crate::router::{KvRouter, KvRouterConfig};
 use crate::tokens::Tokenizer;
 
+/// How long a model whose instances are all gone is answered 503 rather than 404.
+const GONE_MODEL_GRACE: Duration = Duration::from_secs(600);
+
 /// What the catalog knows about an endpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct EndpointEntry {
@@ -45,6 +48,9 @@ pub struct ServeFleet {
     endpoint_policies: BTreeMap<EndpointPath, PolicySpec>,
     /// model → endpoint, replaced whole on every discovery pass.
     catalog: ArcSwap<BTreeMap<String, EndpointEntry>>,
+    /// Models that lost their last instance, and when: answered 503 (not 404) for
+    /// [`GONE_MODEL_GRACE`].
+    gone: Mutex<HashMap<String, std::time::Instant>>,
     discovered: AtomicBool,
     /// Created once per endpoint; never removed (an endpoint that loses all instances
     /// keeps its router, which answers 503).
@@ -83,7 +89,9 @@ impl ServeFleet {
         Ok(router)
     }
 
-    /// Replaces the catalog from a full list of instances and creates new routers.
+    /// Replaces the catalog from a full list of instances and creates new routers. A
+    /// model missing from the list stays while its Client still holds instances (e.g.
+    /// ones held after a mass lease expiry); then it is remembered as gone.
     fn update_catalog(&self, instances: &[InstanceInfo]) {
         let mut catalog = BTreeMap::new();
         for i in instances {
@@ -93,6 +101,30 @@ impl ServeFleet {
                     endpoint: i.endpoint.clone(),
                     block_size: i.block_size,
                 });
+        }
+        let old = self.catalog.load_full();
+        {
+            let mut gone = self.gone.lock();
+            for (model, entry) in old.iter() {
+                if catalog.contains_key(model) {
+                    continue;
+                }
+                let holds = self
+                    .routers
+                    .lock()
+                    .get(&entry.endpoint)
+                    .is_some_and(|r| !r.client().snapshot().instances.is_empty());
+                if holds {
+                    catalog.insert(model.clone(), entry.clone());
+                } else {
+                    tracing::warn!(model, endpoint = %entry.endpoint, "the model has no instances left; answering 503");
+                    gone.insert(model.clone(), std::time::Instant::now());
+                }
+            }
+            for model in catalog.keys() {
+                gone.remove(model);
+            }
+            gone.retain(|_, at| at.elapsed() < GONE_MODEL_GRACE);
         }
         for entry in catalog.values() {
             if let Err(e) = self.ensure_router(entry) {
@@ -147,6 +179,13 @@ impl Fleet for ServeFleet {
     fn discovered(&self) -> bool {
         self.discovered.load(Ordering::Relaxed)
     }
+
+    fn model_known(&self, model: &str) -> bool {
+        self.gone
+            .lock()
+            .get(model)
+            .is_some_and(|at| at.elapsed() < GONE_MODEL_GRACE)
+    }
 }
 
 /// Static workers as instances (IDs derived from their URLs).
@@ -155,6 +194,7 @@ pub fn static_instances(
     model: &str,
     block_size: u32,
     kv_events: bool,
+    health_path: &str,
 ) -> Vec<InstanceInfo> {
     workers
         .iter()
@@ -165,7 +205,7 @@ pub fn static_instances(
             model: model.to_string(),
             block_size,
             events_url: kv_events.then(|| format!("{url}/v1/kv_events")),
-            health_path: "/health".into(),
+            health_path: health_path.to_string(),
             registration: 1,
         })
         .collect()
@@ -209,8 +249,9 @@ pub async fn serve(
                 model,
                 block_size,
                 kv_events,
+                health_path,
             } => {
-                let set = static_instances(workers, model, *block_size, *kv_events);
+                let set = static_instances(workers, model, *block_size, *kv_events, health_path);
                 (Arc::new(FixedDiscovery::new(set.clone())), Some(set))
             }
         };
@@ -224,6 +265,7 @@ pub async fn serve(
         default_policy: config.default_policy.clone(),
         endpoint_policies: config.endpoint_policies.clone(),
         catalog: ArcSwap::from_pointee(BTreeMap::new()),
+        gone: Mutex::new(HashMap::new()),
         discovered: AtomicBool::new(false),
         routers: Mutex::new(HashMap::new()),
     });

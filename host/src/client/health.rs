@@ -1,4 +1,5 @@
-//! Health probes, used to re-admit an instance that was reported down.
+//! Health probes: active checks of available instances, and the probes that re-admit
+//! an ejected one.
 
 use std::time::Duration;
 
@@ -17,7 +18,10 @@ pub trait HealthCheck: Send + Sync + 'static {
     async fn check(&self, instance: &InstanceInfo) -> Result<(), String>;
 }
 
-/// `GET {url}{health_path}`; any 2xx within the timeout is healthy.
+/// `GET {url}{health_path}`; any 2xx within the timeout is healthy. A 404, 405 or 501
+/// means the server has no such health endpoint: it answered, which is all a probe can
+/// tell, so it counts as healthy (a worker without a health endpoint is then judged by
+/// its requests alone, and is never ejected forever).
 pub struct HttpHealthCheck {
     http: HttpClient<HttpConnector, Empty<Bytes>>,
     timeout: Duration,
@@ -47,7 +51,8 @@ impl HealthCheck for HttpHealthCheck {
             .await
             .map_err(|_| format!("GET {url} timed out after {:?}", self.timeout))?
             .map_err(|e| format!("GET {url}: {e}"))?;
-        if response.status().is_success() {
+        let status = response.status();
+        if status.is_success() || matches!(status.as_u16(), 404 | 405 | 501) {
             Ok(())
         } else {
             Err(format!("GET {url}: {}", response.status()))

@@ -1,13 +1,23 @@
 //! The per-endpoint `Client`: which instances are discovered, and which of them are
 //! *available* — the only ones anything routes to.
 //!
-//! Rules of the available set (the only code that changes it is in this file):
+//! Rules of the available set (the only code that changes it is in this file; the
+//! discipline behind ejections is in [`outlier`]):
 //! - an instance enters it when discovery announces it (a new ID, or a known ID with a
 //!   new registration);
-//! - [`Client::report_instance_down`] removes it at once, although discovery still lists
-//!   it, and starts probing its health endpoint with exponential backoff;
-//! - it returns when a probe succeeds, or when discovery announces a new registration;
-//! - an instance removed by discovery leaves both sets and its probing stops.
+//! - [`Client::report_instance_down`] (the worker cannot be reached) ejects it at once;
+//!   [`Client::record_failure`] (a 5xx or a timeout the request was not to blame for)
+//!   ejects it after a run; failed active health checks eject it; every ejection is
+//!   refused when the endpoint already has its share out;
+//! - an ejected instance is probed once its ejection time has passed, and returns on
+//!   probation when a probe succeeds, or at once when discovery announces a new
+//!   registration;
+//! - a busy instance ([`Client::report_busy`]) stays available but is skipped by routing
+//!   until its `Retry-After` has passed;
+//! - discovery removing an instance that is down, or that left gracefully, removes it
+//!   from both sets; an instance that was serving is held for a grace period (a mass
+//!   lease expiry after an etcd outage must not empty the fleet) if a health probe says
+//!   it still answers, and leaves when it fails, the grace ends, or it deregisters.
 //!
 //! State is an immutable [`Snapshot`] behind `ArcSwap`, replaced whole by writers that
 //! hold one mutex, so readers never lock and never see a torn state; every change to the
@@ -16,12 +26,13 @@
 //! Must not know: etcd, HTTP serving, policies.
 
 mod health;
+pub mod outlier;
 mod registry;
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
@@ -30,15 +41,19 @@ use tokio::sync::watch;
 use crate::discovery::{DiscoveryUpdate, EndpointPath, InstanceInfo};
 use crate::ids::InstanceId;
 pub use health::{HealthCheck, HttpHealthCheck};
+pub use outlier::{DownKind, InstanceHealth, OutlierConfig};
 pub use registry::ClientRegistry;
 
-/// Re-admission probing.
+/// Re-admission probing and outlier detection.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
-    /// Delay before the first probe of a reported-down instance.
+    /// Delay between the end of an ejection and the next probe after a failed one
+    /// (doubling up to `probe_max`).
     pub probe_initial: Duration,
-    /// Longest delay between probes (the delay doubles up to this).
+    /// Longest delay between probes.
     pub probe_max: Duration,
+    /// Ejection rules.
+    pub outlier: OutlierConfig,
 }
 
 impl Default for ClientConfig {
@@ -46,6 +61,7 @@ impl Default for ClientConfig {
         ClientConfig {
             probe_initial: Duration::from_millis(500),
             probe_max: Duration::from_secs(30),
+            outlier: OutlierConfig::default(),
         }
     }
 }
@@ -55,15 +71,31 @@ impl Default for ClientConfig {
 pub enum Availability {
     /// Routable.
     Available,
-    /// Reported down; being probed.
+    /// Ejected; probed once `ejected_for` has passed.
     Down {
-        /// When it was reported down.
+        /// When it was ejected.
         since: SystemTime,
         /// Why (from the report).
         reason: String,
         /// Failed probes so far.
         failed_probes: u32,
+        /// What kind of failure.
+        kind: DownKind,
+        /// How long the ejection lasts before probing starts.
+        ejected_for: Duration,
     },
+}
+
+impl Availability {
+    fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            Availability::Down {
+                kind: DownKind::Unreachable,
+                ..
+            }
+        )
+    }
 }
 
 /// One discovered instance and its availability.
@@ -73,6 +105,10 @@ pub struct InstanceState {
     pub info: Arc<InstanceInfo>,
     /// Whether it is routable.
     pub availability: Availability,
+    /// Its failure memory (shared across snapshots).
+    pub health: Arc<InstanceHealth>,
+    /// Discovery removed it while it was serving: it serves until then unless it fails.
+    pub held_until: Option<SystemTime>,
 }
 
 /// The endpoint's state at one moment. Never modified once published.
@@ -80,23 +116,42 @@ pub struct InstanceState {
 pub struct Snapshot {
     /// Increases by one per change.
     pub version: u64,
-    /// Every discovered instance.
+    /// Every discovered instance (and those held after discovery removed them).
     pub instances: BTreeMap<InstanceId, InstanceState>,
     /// The available instances, ascending.
     pub available: Arc<[InstanceId]>,
+    /// What routing uses: `available`, or in panic mode every instance not known to be
+    /// unreachable.
+    pub routable: Arc<[InstanceId]>,
+    /// Fewer instances are available than the panic threshold.
+    pub panic: bool,
 }
 
 /// How the available set has changed over the client's life.
 #[derive(Debug, Default)]
 pub struct ClientCounters {
-    /// Effective `report_instance_down` calls.
+    /// Effective ejections (of every kind).
     pub reported_down: AtomicU64,
+    /// Ejections because the instance could not be reached.
+    pub ejected_unreachable: AtomicU64,
+    /// Ejections after a run of failures (or one on probation).
+    pub ejected_failing: AtomicU64,
+    /// Ejections after failed active health checks.
+    pub ejected_unhealthy: AtomicU64,
+    /// Ejections refused because the endpoint already had its share out.
+    pub ejections_refused: AtomicU64,
+    /// Busy answers (429/503) recorded.
+    pub busy: AtomicU64,
     /// Instances re-admitted by a successful health probe.
     pub readmitted_by_probe: AtomicU64,
     /// Instances re-admitted because discovery announced a new registration.
     pub readmitted_by_discovery: AtomicU64,
     /// Health probes that failed.
     pub failed_probes: AtomicU64,
+    /// Removals by discovery that were held because the instance still answered.
+    pub held_removals: AtomicU64,
+    /// Times the endpoint entered panic mode.
+    pub panics: AtomicU64,
 }
 
 /// One endpoint's instances. Create through [`ClientRegistry`] so that it is shared.
@@ -113,16 +168,20 @@ pub struct Client {
     /// available set alone, e.g. discovery removing a down instance).
     version_tx: watch::Sender<u64>,
     /// Serialises writers (discovery updates, reports, re-admissions) and owns the
-    /// probe tasks. Never held across an await.
+    /// per-instance tasks (a probe, or a hold). Never held across an await.
     writer: Mutex<HashMap<InstanceId, tokio::task::AbortHandle>>,
+    /// Busy instances and when they may take traffic again. Usually empty; `any_busy`
+    /// lets routing skip the lock then.
+    busy: Mutex<Vec<(InstanceId, Instant)>>,
+    any_busy: AtomicBool,
     counters: ClientCounters,
     runtime: tokio::runtime::Handle,
     me: Weak<Client>,
 }
 
 impl Client {
-    /// An empty client for `endpoint`. Must be called inside a Tokio runtime (probes are
-    /// spawned on it).
+    /// An empty client for `endpoint`. Must be called inside a Tokio runtime (probes and
+    /// active health checks are spawned on it).
     pub fn new(
         endpoint: EndpointPath,
         config: ClientConfig,
@@ -131,7 +190,7 @@ impl Client {
         let empty: Arc<[InstanceId]> = Arc::from(Vec::new());
         let (available_tx, _) = watch::channel(empty);
         let (version_tx, _) = watch::channel(0);
-        Arc::new_cyclic(|me| Client {
+        let client = Arc::new_cyclic(|me| Client {
             endpoint,
             config,
             health,
@@ -139,10 +198,18 @@ impl Client {
             available_tx,
             version_tx,
             writer: Mutex::new(HashMap::new()),
+            busy: Mutex::new(Vec::new()),
+            any_busy: AtomicBool::new(false),
             counters: ClientCounters::default(),
             runtime: tokio::runtime::Handle::current(),
             me: me.clone(),
-        })
+        });
+        if let Some(every) = client.config.outlier.health_interval {
+            client
+                .runtime
+                .spawn(active_checks(Arc::downgrade(&client), every));
+        }
+        client
     }
 
     /// The endpoint this client serves.
@@ -150,9 +217,20 @@ impl Client {
         &self.endpoint
     }
 
+    /// The rules this client applies.
+    pub fn config(&self) -> &ClientConfig {
+        &self.config
+    }
+
     /// The available instance IDs, ascending.
     pub fn available(&self) -> Arc<[InstanceId]> {
         self.current.load().available.clone()
+    }
+
+    /// The IDs routing may use, ascending: the available ones, or in panic mode every
+    /// discovered instance not known to be unreachable.
+    pub fn routable(&self) -> Arc<[InstanceId]> {
+        self.current.load().routable.clone()
     }
 
     /// The whole current state.
@@ -184,102 +262,263 @@ impl Client {
         &self.counters
     }
 
-    /// Takes `id` out of the available set at once (every watch receiver sees the
-    /// smaller set before this returns) and starts probing it. Returns `false` when it
-    /// was not available (unknown, or already down).
+    /// The worker could not be reached: ejects it at once (every watch receiver sees the
+    /// smaller set before this returns) unless the endpoint already has its share out.
+    /// Returns `false` when nothing changed (unknown, already down, or refused).
     pub fn report_instance_down(&self, id: InstanceId, reason: &str) -> bool {
-        self.report_down_at(id, reason).0
+        self.eject(id, reason, DownKind::Unreachable).0
     }
 
-    /// `report_instance_down`, also returning the snapshot version the report produced.
-    fn report_down_at(&self, id: InstanceId, reason: &str) -> (bool, u64) {
+    /// A request the worker answered well (or refused as the client's fault).
+    pub fn record_success(&self, id: InstanceId) {
+        let snap = self.current.load();
+        if let Some(state) = snap.instances.get(&id)
+            && state.health.success()
+        {
+            tracing::info!(endpoint = %self.endpoint, instance = %id, "instance passed its probation");
+        }
+    }
+
+    /// A 5xx answer or a timeout that was the worker's fault; ejects it after a run (or
+    /// at once on probation). Returns true when it was ejected.
+    pub fn record_failure(&self, id: InstanceId, reason: &str) -> bool {
+        let eject = {
+            let snap = self.current.load();
+            let Some(state) = snap.instances.get(&id) else {
+                return false;
+            };
+            state.health.failure(&self.config.outlier)
+        };
+        eject && self.eject(id, reason, DownKind::Failing).0
+    }
+
+    /// A request timed out on `id` without being its fault unless the worker is silent:
+    /// probes its health now and counts a failure only if the probe fails.
+    pub async fn check_now(&self, id: InstanceId, reason: &str) {
+        let Some(info) = self.instance(id) else {
+            return;
+        };
+        if let Err(e) = self.health.check(&info).await {
+            self.record_failure(id, &format!("{reason}; and its health check failed: {e}"));
+        }
+    }
+
+    /// The worker said it is busy (429/503): skip it for `retry_after` (or the default),
+    /// without counting a failure.
+    pub fn report_busy(&self, id: InstanceId, retry_after: Option<Duration>) -> Duration {
+        let skip = self.config.outlier.busy_time(retry_after);
+        let until = Instant::now() + skip;
+        let mut busy = self.busy.lock();
+        match busy.iter_mut().find(|(b, _)| *b == id) {
+            Some(entry) => entry.1 = entry.1.max(until),
+            None => busy.push((id, until)),
+        }
+        self.any_busy.store(true, Ordering::Release);
+        self.counters.busy.fetch_add(1, Ordering::Relaxed);
+        skip
+    }
+
+    /// Instances that asked not to get traffic until after `now`, with how long is left.
+    pub fn busy(&self, now: Instant) -> Vec<(InstanceId, Duration)> {
+        if !self.any_busy.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        let mut busy = self.busy.lock();
+        busy.retain(|(_, until)| *until > now);
+        if busy.is_empty() {
+            self.any_busy.store(false, Ordering::Release);
+        }
+        busy.iter().map(|(id, until)| (*id, *until - now)).collect()
+    }
+
+    /// Takes `id` out of the available set, subject to the share cap. Returns whether it
+    /// changed anything, and the snapshot version.
+    fn eject(&self, id: InstanceId, reason: &str, kind: DownKind) -> (bool, u64) {
         let mut changed = false;
-        let version = self.write(|instances, probes| {
-            let Some(state) = instances.get_mut(&id) else {
+        let mut refused = false;
+        let mut removed_held = false;
+        let mut ejected_for = Duration::ZERO;
+        let version = self.write(|instances, tasks| {
+            let Some(state) = instances.get(&id) else {
                 return;
             };
             if state.availability != Availability::Available {
                 return;
             }
+            if state.held_until.is_some() {
+                // Discovery already removed it; failing ends the hold.
+                instances.remove(&id);
+                if let Some(t) = tasks.remove(&id) {
+                    t.abort();
+                }
+                removed_held = true;
+                changed = true;
+                return;
+            }
+            let out = instances
+                .values()
+                .filter(|s| s.availability != Availability::Available)
+                .count();
+            if out + 1 > self.config.outlier.max_ejected(instances.len()) {
+                refused = true;
+                self.counters
+                    .ejections_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            let state = instances.get_mut(&id).expect("checked above");
+            ejected_for = state.health.ejected(&self.config.outlier, Instant::now());
             state.availability = Availability::Down {
                 since: SystemTime::now(),
                 reason: reason.to_string(),
                 failed_probes: 0,
+                kind,
+                ejected_for,
             };
             let registration = state.info.registration;
-            let task = self.runtime.spawn(probe(self.me.clone(), id, registration));
-            if let Some(old) = probes.insert(id, task.abort_handle()) {
+            let task = self
+                .runtime
+                .spawn(probe(self.me.clone(), id, registration, ejected_for));
+            if let Some(old) = tasks.insert(id, task.abort_handle()) {
                 old.abort();
             }
             changed = true;
             // Counted before the change is published, so that whoever sees the change
             // also sees it counted.
             self.counters.reported_down.fetch_add(1, Ordering::Relaxed);
+            let by_kind = match kind {
+                DownKind::Unreachable => &self.counters.ejected_unreachable,
+                DownKind::Failing => &self.counters.ejected_failing,
+                DownKind::Unhealthy => &self.counters.ejected_unhealthy,
+            };
+            by_kind.fetch_add(1, Ordering::Relaxed);
         });
-        if changed {
-            tracing::warn!(endpoint = %self.endpoint, instance = %id, reason, "instance reported down");
+        if removed_held {
+            tracing::warn!(endpoint = %self.endpoint, instance = %id, reason, "instance held after discovery removed it has failed; removed");
+        } else if changed {
+            tracing::warn!(endpoint = %self.endpoint, instance = %id, reason, kind = ?kind, ejected_for = ?ejected_for, "instance ejected");
+        } else if refused {
+            tracing::warn!(endpoint = %self.endpoint, instance = %id, reason, "ejection refused: the endpoint already has its share of instances out");
         }
         (changed, version)
     }
 
     /// Applies one discovery update; returns the resulting snapshot version.
     pub fn apply(&self, update: DiscoveryUpdate) -> u64 {
-        self.write(|instances, probes| match update {
+        let mut to_hold = Vec::new();
+        let version = self.write(|instances, tasks| match update {
             DiscoveryUpdate::Reset(list) => {
                 let mut next = BTreeMap::new();
                 for info in list {
                     let id = info.id;
-                    let state = self.admit(instances.remove(&id), info, probes);
+                    let state = self.admit(instances.remove(&id), info, tasks);
                     next.insert(id, state);
                 }
-                for gone in instances.keys() {
-                    if let Some(p) = probes.remove(gone) {
-                        p.abort();
+                for (id, state) in std::mem::take(instances) {
+                    if let Some(state) = self.removed(id, state, tasks, &mut to_hold) {
+                        next.insert(id, state);
                     }
                 }
                 *instances = next;
             }
             DiscoveryUpdate::Insert(info) => {
                 let id = info.id;
-                let state = self.admit(instances.remove(&id), info, probes);
+                let state = self.admit(instances.remove(&id), info, tasks);
                 instances.insert(id, state);
             }
             DiscoveryUpdate::Remove(id) => {
-                instances.remove(&id);
-                if let Some(p) = probes.remove(&id) {
-                    p.abort();
+                if let Some(state) = instances.remove(&id)
+                    && let Some(state) = self.removed(id, state, tasks, &mut to_hold)
+                {
+                    instances.insert(id, state);
                 }
             }
-        })
+            DiscoveryUpdate::Leave(id) => {
+                instances.remove(&id);
+                if let Some(t) = tasks.remove(&id) {
+                    t.abort();
+                }
+            }
+        });
+        for id in to_hold {
+            tracing::warn!(endpoint = %self.endpoint, instance = %id, grace = ?self.config.outlier.discovery_grace, "discovery removed a serving instance; it keeps serving while it answers, for the grace period");
+        }
+        version
+    }
+
+    /// What becomes of an instance that discovery no longer lists: gone, unless it was
+    /// serving and a grace period applies; then it is held (and checked at once).
+    fn removed(
+        &self,
+        id: InstanceId,
+        mut state: InstanceState,
+        tasks: &mut HashMap<InstanceId, tokio::task::AbortHandle>,
+        held: &mut Vec<InstanceId>,
+    ) -> Option<InstanceState> {
+        let grace = self.config.outlier.discovery_grace;
+        if state.held_until.is_some() {
+            return Some(state);
+        }
+        if state.availability != Availability::Available || grace.is_zero() {
+            if let Some(t) = tasks.remove(&id) {
+                t.abort();
+            }
+            return None;
+        }
+        state.held_until = Some(SystemTime::now() + grace);
+        let task = self
+            .runtime
+            .spawn(hold(self.me.clone(), id, state.info.registration, grace));
+        if let Some(old) = tasks.insert(id, task.abort_handle()) {
+            old.abort();
+        }
+        self.counters.held_removals.fetch_add(1, Ordering::Relaxed);
+        held.push(id);
+        Some(state)
     }
 
     /// The state of an announced instance: its old availability if this is the same
-    /// registration, available otherwise (a new registration re-admits it).
+    /// registration, available otherwise (a new registration re-admits it). Either way
+    /// discovery lists it, so a hold ends.
     fn admit(
         &self,
         old: Option<InstanceState>,
         info: InstanceInfo,
-        probes: &mut HashMap<InstanceId, tokio::task::AbortHandle>,
+        tasks: &mut HashMap<InstanceId, tokio::task::AbortHandle>,
     ) -> InstanceState {
-        let availability = match old {
-            Some(old) if old.info.registration == info.registration => old.availability,
-            Some(old) => {
-                if old.availability != Availability::Available {
-                    if let Some(p) = probes.remove(&info.id) {
-                        p.abort();
-                    }
-                    self.counters
-                        .readmitted_by_discovery
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::info!(endpoint = %self.endpoint, instance = %info.id, "instance registered again; available");
+        let Some(old) = old else {
+            return InstanceState {
+                info: Arc::new(info),
+                availability: Availability::Available,
+                health: Arc::default(),
+                held_until: None,
+            };
+        };
+        if old.held_until.is_some()
+            && let Some(t) = tasks.remove(&info.id)
+        {
+            t.abort();
+        }
+        let availability = if old.info.registration == info.registration {
+            old.availability
+        } else {
+            if old.availability != Availability::Available {
+                if let Some(t) = tasks.remove(&info.id) {
+                    t.abort();
                 }
-                Availability::Available
+                self.counters
+                    .readmitted_by_discovery
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::info!(endpoint = %self.endpoint, instance = %info.id, "instance registered again; available");
             }
-            None => Availability::Available,
+            old.health.fresh();
+            Availability::Available
         };
         InstanceState {
             info: Arc::new(info),
             availability,
+            health: old.health,
+            held_until: None,
         }
     }
 
@@ -291,10 +530,10 @@ impl Client {
             &mut HashMap<InstanceId, tokio::task::AbortHandle>,
         ),
     ) -> u64 {
-        let mut probes = self.writer.lock();
+        let mut tasks = self.writer.lock();
         let old = self.current.load_full();
         let mut instances = old.instances.clone();
-        f(&mut instances, &mut probes);
+        f(&mut instances, &mut tasks);
         let available: Vec<InstanceId> = instances
             .iter()
             .filter(|(_, s)| s.availability == Availability::Available)
@@ -306,11 +545,31 @@ impl Client {
         } else {
             old.available.clone()
         };
+        let panic = self.config.outlier.panics(available.len(), instances.len());
+        let routable: Arc<[InstanceId]> = if panic {
+            instances
+                .iter()
+                .filter(|(_, s)| !s.availability.is_unreachable())
+                .map(|(id, _)| *id)
+                .collect()
+        } else {
+            available.clone()
+        };
+        if panic != old.panic {
+            if panic {
+                self.counters.panics.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(endpoint = %self.endpoint, available = available.len(), discovered = instances.len(), "panic mode: too few instances available; routing over every instance not known to be unreachable");
+            } else {
+                tracing::info!(endpoint = %self.endpoint, available = available.len(), "panic mode over");
+            }
+        }
         let version = old.version + 1;
         self.current.store(Arc::new(Snapshot {
             version,
             instances,
             available: available.clone(),
+            routable,
+            panic,
         }));
         if available_changed {
             self.available_tx.send_replace(available);
@@ -329,7 +588,7 @@ impl Client {
 
     fn probe_result(&self, id: InstanceId, registration: u64, result: Result<(), String>) -> bool {
         let mut readmitted = false;
-        self.write(|instances, probes| {
+        self.write(|instances, tasks| {
             let Some(state) = instances.get_mut(&id) else {
                 return;
             };
@@ -339,7 +598,8 @@ impl Client {
             match (&result, &mut state.availability) {
                 (Ok(()), Availability::Down { .. }) => {
                     state.availability = Availability::Available;
-                    probes.remove(&id);
+                    state.health.readmitted(Instant::now());
+                    tasks.remove(&id);
                     readmitted = true;
                     self.counters
                         .readmitted_by_probe
@@ -354,7 +614,7 @@ impl Client {
         });
         match result {
             Ok(()) if readmitted => {
-                tracing::info!(endpoint = %self.endpoint, instance = %id, "instance healthy again; available");
+                tracing::info!(endpoint = %self.endpoint, instance = %id, "instance healthy again; available on probation");
             }
             Err(e) => {
                 tracing::debug!(endpoint = %self.endpoint, instance = %id, error = %e, "health probe failed");
@@ -363,15 +623,62 @@ impl Client {
         }
         readmitted
     }
+
+    /// Ends the hold of an instance discovery removed (grace over, or it did not answer).
+    fn end_hold(&self, id: InstanceId, registration: u64, why: &str) {
+        let mut removed = false;
+        self.write(|instances, tasks| {
+            if instances
+                .get(&id)
+                .is_some_and(|s| s.held_until.is_some() && s.info.registration == registration)
+            {
+                instances.remove(&id);
+                tasks.remove(&id);
+                removed = true;
+            }
+        });
+        if removed {
+            tracing::info!(endpoint = %self.endpoint, instance = %id, why, "held instance removed");
+        }
+    }
+
+    /// One round of active health checks over the available instances, concurrently.
+    async fn check_available(self: &Arc<Self>) {
+        let snap = self.current.load_full();
+        let mut handles = Vec::new();
+        for (&id, s) in &snap.instances {
+            if s.availability != Availability::Available {
+                continue;
+            }
+            let (me, info, health) = (self.clone(), s.info.clone(), s.health.clone());
+            let held = s.held_until.is_some();
+            handles.push(tokio::spawn(async move {
+                match me.health.check(&info).await {
+                    Ok(()) => health.passed_check(),
+                    Err(e) if held => me.end_hold(id, info.registration, &e),
+                    Err(e) => {
+                        if health.failed_check(&me.config.outlier) {
+                            let reason = format!("health check failed: {e}");
+                            me.eject(id, &reason, DownKind::Unhealthy);
+                        }
+                    }
+                }
+            }));
+        }
+        for h in handles {
+            let _ = h.await;
+        }
+    }
 }
 
-/// Probes a reported-down instance until it is healthy, re-registered or gone.
-async fn probe(client: Weak<Client>, id: InstanceId, registration: u64) {
+/// Probes an ejected instance, after its ejection time, until it is healthy,
+/// re-registered or gone.
+async fn probe(client: Weak<Client>, id: InstanceId, registration: u64, ejected_for: Duration) {
     let Some(mut delay) = client.upgrade().map(|c| c.config.probe_initial) else {
         return;
     };
+    tokio::time::sleep(ejected_for).await;
     loop {
-        tokio::time::sleep(delay).await;
         let Some(c) = client.upgrade() else { return };
         let Some(info) = c.still_down(id, registration) else {
             return;
@@ -380,7 +687,42 @@ async fn probe(client: Weak<Client>, id: InstanceId, registration: u64) {
         if c.probe_result(id, registration, result) {
             return;
         }
-        delay = (delay * 2).min(c.config.probe_max);
+        drop(c);
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(
+            client
+                .upgrade()
+                .map_or(Duration::from_secs(30), |c| c.config.probe_max),
+        );
+    }
+}
+
+/// Holds an instance that discovery removed while it served: one health probe now (a
+/// worker that does not answer leaves at once), then removal when the grace ends.
+async fn hold(client: Weak<Client>, id: InstanceId, registration: u64, grace: Duration) {
+    let Some(c) = client.upgrade() else { return };
+    let Some(info) = c.instance(id) else { return };
+    if let Err(e) = c.health.check(&info).await {
+        c.end_hold(id, registration, &format!("does not answer: {e}"));
+        return;
+    }
+    drop(c);
+    tokio::time::sleep(grace).await;
+    if let Some(c) = client.upgrade() {
+        c.end_hold(id, registration, "grace period over");
+    }
+}
+
+/// Checks every available instance each `every`, so that a hung worker leaves before
+/// requests time out on it. Ends with the client.
+async fn active_checks(client: Weak<Client>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let Some(c) = client.upgrade() else { return };
+        c.check_available().await;
     }
 }
 

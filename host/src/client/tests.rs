@@ -40,12 +40,25 @@ fn ids(v: &[u64]) -> Vec<InstanceId> {
     v.iter().map(|&i| InstanceId(i)).collect()
 }
 
+/// The rules of the tests below: ejections of any share, no active health checks, a
+/// first ejection of 0.5 s, discovery believed at once (the tests that need otherwise
+/// say so).
+fn config() -> ClientConfig {
+    ClientConfig {
+        outlier: OutlierConfig {
+            max_ejection_share: 1.0,
+            panic_threshold: 0.0,
+            base_ejection: Duration::from_millis(500),
+            health_interval: None,
+            discovery_grace: Duration::ZERO,
+            ..OutlierConfig::default()
+        },
+        ..ClientConfig::default()
+    }
+}
+
 fn client(health: Arc<Scripted>) -> Arc<Client> {
-    Client::new(
-        EndpointPath::for_model("m"),
-        ClientConfig::default(),
-        health,
-    )
+    Client::new(EndpointPath::for_model("m"), config(), health)
 }
 
 #[tokio::test(start_paused = true)]
@@ -230,6 +243,10 @@ fn concurrent_reports_and_updates_never_tear_and_match_a_sequential_model() {
         ClientConfig {
             probe_initial: Duration::from_secs(3600),
             probe_max: Duration::from_secs(3600),
+            outlier: OutlierConfig {
+                base_ejection: Duration::from_secs(3600),
+                ..config().outlier
+            },
         },
         health,
     );
@@ -288,7 +305,9 @@ fn concurrent_reports_and_updates_never_tear_and_match_a_sequential_model() {
                                 c.apply(DiscoveryUpdate::Insert(info(*id, *reg)))
                             }
                             Op::Remove(id) => c.apply(DiscoveryUpdate::Remove(InstanceId(*id))),
-                            Op::Down(id) => c.report_down_at(InstanceId(*id), "test").1,
+                            Op::Down(id) => {
+                                c.eject(InstanceId(*id), "test", DownKind::Unreachable).1
+                            }
                         };
                         log.lock().push((version, op));
                     }
@@ -320,4 +339,197 @@ fn concurrent_reports_and_updates_never_tear_and_match_a_sequential_model() {
         .map(|(id, _)| *id)
         .collect();
     assert_eq!(**c.subscribe().borrow(), *ids(&available));
+}
+
+fn capped(share: f64, panic: f64) -> ClientConfig {
+    let mut c = config();
+    c.outlier.max_ejection_share = share;
+    c.outlier.panic_threshold = panic;
+    c
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_more_than_the_share_is_ejected_and_panic_mode_skips_only_the_unreachable() {
+    let c = Client::new(
+        EndpointPath::for_model("m"),
+        capped(0.5, 0.5),
+        Arc::new(Scripted::default()),
+    );
+    c.apply(DiscoveryUpdate::Reset(
+        (1..=4).map(|i| info(i, 1)).collect(),
+    ));
+    assert!(c.report_instance_down(InstanceId(1), "refused"));
+    for _ in 0..3 {
+        c.record_failure(InstanceId(2), "500");
+    }
+    // Two of four are out: the third ejection is refused, and counted.
+    for _ in 0..3 {
+        assert!(!c.record_failure(InstanceId(3), "500"));
+    }
+    assert!(!c.report_instance_down(InstanceId(4), "refused"));
+    assert_eq!(*c.available(), *ids(&[3, 4]));
+    assert_eq!(c.counters().ejections_refused.load(Ordering::Relaxed), 2);
+    assert!(!c.snapshot().panic);
+
+    // With every instance allowed out, panic mode routes over the failing ones but not
+    // over the one that cannot be reached.
+    let c = Client::new(
+        EndpointPath::for_model("m"),
+        capped(1.0, 0.5),
+        Arc::new(Scripted::default()),
+    );
+    c.apply(DiscoveryUpdate::Reset(
+        (1..=4).map(|i| info(i, 1)).collect(),
+    ));
+    c.report_instance_down(InstanceId(1), "refused");
+    for id in [2, 3] {
+        for _ in 0..3 {
+            c.record_failure(InstanceId(id), "500");
+        }
+    }
+    let snap = c.snapshot();
+    assert!(snap.panic);
+    assert_eq!(*snap.available, *ids(&[4]));
+    assert_eq!(*snap.routable, *ids(&[2, 3, 4]));
+    assert_eq!(c.counters().panics.load(Ordering::Relaxed), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_success_breaks_a_run_and_a_failure_on_probation_ejects_for_longer() {
+    let health = Arc::new(Scripted::default());
+    health.healthy.store(true, Ordering::SeqCst);
+    let c = client(health.clone());
+    c.apply(DiscoveryUpdate::Reset(vec![info(1, 1), info(2, 1)]));
+    let one = InstanceId(1);
+    c.record_failure(one, "500");
+    c.record_failure(one, "500");
+    c.record_success(one);
+    c.record_failure(one, "500");
+    c.record_failure(one, "500");
+    assert_eq!(*c.available(), *ids(&[1, 2]), "no run of three yet");
+    assert!(c.record_failure(one, "500"));
+    assert_eq!(*c.available(), *ids(&[2]));
+
+    // Out for 0.5 s, then the probe passes: back on probation.
+    let mut rx = c.subscribe();
+    rx.wait_for(|a| a.contains(&one)).await.unwrap();
+    let snap = c.snapshot();
+    assert!(snap.instances[&one].health.on_probation());
+    // One failure on probation ejects again, for twice as long.
+    assert!(c.record_failure(one, "500 again"));
+    match &c.snapshot().instances[&one].availability {
+        Availability::Down {
+            ejected_for, kind, ..
+        } => {
+            assert_eq!(*ejected_for, Duration::from_secs(1));
+            assert_eq!(*kind, DownKind::Failing);
+        }
+        other => panic!("{other:?}"),
+    }
+    let out = tokio::time::Instant::now();
+    rx.wait_for(|a| a.contains(&one)).await.unwrap();
+    assert!(out.elapsed() >= Duration::from_secs(1));
+    // A success ends the probation.
+    c.record_success(one);
+    assert!(!c.snapshot().instances[&one].health.on_probation());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_busy_instance_is_skipped_for_its_retry_after_and_stays_available() {
+    let c = client(Arc::default());
+    c.apply(DiscoveryUpdate::Reset(vec![info(1, 1), info(2, 1)]));
+    let now = tokio::time::Instant::now().into_std();
+    assert_eq!(
+        c.report_busy(InstanceId(1), Some(Duration::from_secs(2))),
+        Duration::from_secs(2)
+    );
+    assert_eq!(*c.available(), *ids(&[1, 2]));
+    let busy = c.busy(now);
+    assert_eq!(busy.len(), 1);
+    assert_eq!(busy[0].0, InstanceId(1));
+    assert!(c.busy(now + Duration::from_secs(3)).is_empty());
+    // A Retry-After beyond the cap is capped.
+    assert_eq!(
+        c.report_busy(InstanceId(2), Some(Duration::from_secs(3600))),
+        c.config().outlier.busy_max
+    );
+    assert_eq!(c.counters().reported_down.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn discovery_removing_serving_instances_holds_them_until_grace_or_failure() {
+    let health = Arc::new(Scripted::default());
+    health.healthy.store(true, Ordering::SeqCst);
+    let mut cfg = config();
+    cfg.outlier.discovery_grace = Duration::from_secs(30);
+    let c = Client::new(EndpointPath::for_model("m"), cfg, health.clone());
+    c.apply(DiscoveryUpdate::Reset(vec![
+        info(1, 1),
+        info(2, 1),
+        info(3, 1),
+    ]));
+    c.report_instance_down(InstanceId(3), "refused");
+    // A mass lease expiry: every key deleted at once.
+    c.apply(DiscoveryUpdate::Reset(vec![]));
+    let snap = c.snapshot();
+    assert_eq!(*snap.available, *ids(&[1, 2]), "serving instances are held");
+    assert!(
+        !snap.instances.contains_key(&InstanceId(3)),
+        "a down one leaves"
+    );
+    assert_eq!(c.counters().held_removals.load(Ordering::Relaxed), 2);
+
+    // Instance 1 registers again (a new lease): no longer held. Instance 2 fails: gone.
+    c.apply(DiscoveryUpdate::Insert(info(1, 2)));
+    assert!(c.snapshot().instances[&InstanceId(1)].held_until.is_none());
+    c.report_instance_down(InstanceId(2), "refused");
+    assert_eq!(*c.available(), *ids(&[1]));
+    assert!(!c.snapshot().instances.contains_key(&InstanceId(2)));
+
+    // A held instance leaves when the grace ends, and at once when it deregisters.
+    c.apply(DiscoveryUpdate::Insert(info(4, 1)));
+    c.apply(DiscoveryUpdate::Insert(info(5, 1)));
+    c.apply(DiscoveryUpdate::Remove(InstanceId(4)));
+    assert_eq!(*c.available(), *ids(&[1, 4, 5]));
+    c.apply(DiscoveryUpdate::Leave(InstanceId(5)));
+    assert_eq!(*c.available(), *ids(&[1, 4]));
+    tokio::time::sleep(Duration::from_secs(31)).await;
+    assert_eq!(*c.available(), *ids(&[1]));
+
+    // A removed instance that does not answer its probe leaves at once.
+    health.healthy.store(false, Ordering::SeqCst);
+    c.apply(DiscoveryUpdate::Insert(info(6, 1)));
+    c.apply(DiscoveryUpdate::Remove(InstanceId(6)));
+    let mut rx = c.subscribe();
+    rx.wait_for(|a| !a.contains(&InstanceId(6))).await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn active_health_checks_eject_a_hung_instance_and_readmit_it_when_it_answers() {
+    let health = Arc::new(Scripted::default());
+    health.healthy.store(true, Ordering::SeqCst);
+    let mut cfg = capped(0.5, 0.0);
+    cfg.outlier.health_interval = Some(Duration::from_secs(1));
+    let c = Client::new(EndpointPath::for_model("m"), cfg, health.clone());
+    c.apply(DiscoveryUpdate::Reset(vec![info(1, 1), info(2, 1)]));
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    assert_eq!(*c.available(), *ids(&[1, 2]));
+    health.healthy.store(false, Ordering::SeqCst);
+    let mut rx = c.subscribe();
+    // Both fail their checks; the share cap keeps one of them in.
+    rx.wait_for(|a| a.len() == 1).await.unwrap();
+    assert!(matches!(
+        c.snapshot()
+            .instances
+            .values()
+            .find(|s| s.availability != Availability::Available)
+            .unwrap()
+            .availability,
+        Availability::Down {
+            kind: DownKind::Unhealthy,
+            ..
+        }
+    ));
+    health.healthy.store(true, Ordering::SeqCst);
+    rx.wait_for(|a| a.len() == 2).await.unwrap();
 }

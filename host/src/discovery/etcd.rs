@@ -62,7 +62,8 @@ impl EtcdConfig {
 }
 
 /// Parses one key-value pair under an endpoint prefix.
-pub(crate) fn parse_kv(kv: &KeyValue) -> Result<InstanceInfo, DiscoveryError> {
+/// The instance under `kv`, and whether it is draining (about to deregister).
+pub(crate) fn parse_kv(kv: &KeyValue) -> Result<(InstanceInfo, bool), DiscoveryError> {
     let key_text = String::from_utf8_lossy(kv.key());
     let key: InstanceKey = key_text.parse()?;
     let record: InstanceRecord =
@@ -76,7 +77,8 @@ pub(crate) fn parse_kv(kv: &KeyValue) -> Result<InstanceInfo, DiscoveryError> {
     } else {
         kv.create_revision()
     } as u64;
-    record.into_info(&key, registration)
+    let draining = record.draining;
+    Ok((record.into_info(&key, registration)?, draining))
 }
 
 /// Lists every registered instance under `root` (all endpoints).
@@ -92,7 +94,7 @@ pub async fn list_all(
     let (mut ok, mut bad) = (Vec::new(), Vec::new());
     for kv in resp.kvs() {
         match parse_kv(kv) {
-            Ok(info) => ok.push(info),
+            Ok((info, _)) => ok.push(info),
             Err(e) => bad.push(e),
         }
     }
@@ -154,9 +156,11 @@ async fn list_and_watch(
         .map_err(|e| config.error(e))?;
     let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
     let mut set = Vec::new();
+    let mut leaving = Vec::new();
     for kv in resp.kvs() {
         match parse_kv(kv) {
-            Ok(info) => set.push(info),
+            Ok((info, false)) => set.push(info),
+            Ok((info, true)) => leaving.push(info.id),
             Err(e) => tracing::warn!(error = %e, "skipping a malformed instance entry"),
         }
     }
@@ -174,6 +178,11 @@ async fn list_and_watch(
     tracing::debug!(endpoint = %endpoint, instances = set.len(), revision, "listed instances; watching");
     if tx.send(DiscoveryUpdate::Reset(set)).is_err() {
         return Ok(());
+    }
+    for id in leaving {
+        if tx.send(DiscoveryUpdate::Leave(id)).is_err() {
+            return Ok(());
+        }
     }
     // Connected and listed: the next failure starts backing off from the beginning.
     *delay = config.backoff_initial;
@@ -193,7 +202,8 @@ async fn list_and_watch(
             let Some(kv) = event.kv() else { continue };
             let update = match event.event_type() {
                 EventType::Put => match parse_kv(kv) {
-                    Ok(info) => DiscoveryUpdate::Insert(info),
+                    Ok((info, false)) => DiscoveryUpdate::Insert(info),
+                    Ok((info, true)) => DiscoveryUpdate::Leave(info.id),
                     Err(e) => {
                         tracing::warn!(error = %e, "skipping a malformed instance entry");
                         continue;

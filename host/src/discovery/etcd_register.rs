@@ -1,6 +1,8 @@
 //! Registering a worker instance in etcd: grant a lease, put the instance's key bound to
 //! it, keep it alive at TTL/3, register again if the lease is lost, revoke it on a
-//! graceful stop (so the instance disappears at once instead of after the TTL).
+//! graceful stop (so the instance disappears at once instead of after the TTL). Before
+//! revoking, the record is rewritten with `draining: true`: a deletion alone looks the
+//! same as a lease that expired, which routers do not believe at once.
 
 use std::time::Duration;
 
@@ -34,8 +36,14 @@ impl Registration {
             id: info.id,
         }
         .to_string();
-        let value =
-            serde_json::to_string(&InstanceRecord::from_info(info)).expect("records serialise");
+        let record = InstanceRecord::from_info(info);
+        let value = serde_json::to_string(&record).expect("records serialise");
+        let draining = serde_json::to_string(&InstanceRecord {
+            draining: true,
+            ..record
+        })
+        .expect("records serialise");
+        let values = (value, draining);
         let ttl = ttl.max(Duration::from_secs(2));
         let (stop_tx, mut stop_rx) = oneshot::channel();
         let (lease_tx, lease_rx) = watch::channel(None);
@@ -43,7 +51,7 @@ impl Registration {
         let task = tokio::spawn(async move {
             let mut delay = config.backoff_initial;
             loop {
-                match session(&config, &task_key, &value, ttl, &mut stop_rx, &lease_tx).await {
+                match session(&config, &task_key, &values, ttl, &mut stop_rx, &lease_tx).await {
                     Ok(SessionEnd::Stopped) => return,
                     Ok(SessionEnd::LeaseLost) => {
                         tracing::warn!(key = %task_key, "registration lease lost; registering again");
@@ -58,7 +66,9 @@ impl Registration {
                     _ = tokio::time::sleep(delay) => {}
                     _ = &mut stop_rx => return,
                 }
-                delay = (delay * 2).min(config.backoff_max);
+                // A worker without a registration gets no traffic once its old lease
+                // expires: retry at least once a second, so it is back as soon as etcd is.
+                delay = (delay * 2).min(config.backoff_max.min(Duration::from_secs(1)));
             }
         });
         Registration {
@@ -111,7 +121,7 @@ impl Drop for Registration {
 async fn session(
     config: &EtcdConfig,
     key: &str,
-    value: &str,
+    (value, draining): &(String, String),
     ttl: Duration,
     stop: &mut oneshot::Receiver<()>,
     lease_tx: &watch::Sender<Option<i64>>,
@@ -122,9 +132,13 @@ async fn session(
         .await
         .map_err(|e| config.error(e))?
         .id();
-    etcd.put(key, value, Some(PutOptions::new().with_lease(lease)))
-        .await
-        .map_err(|e| config.error(e))?;
+    etcd.put(
+        key,
+        value.as_str(),
+        Some(PutOptions::new().with_lease(lease)),
+    )
+    .await
+    .map_err(|e| config.error(e))?;
     lease_tx.send_replace(Some(lease));
     tracing::info!(key, lease, ttl = ?ttl, "registered");
     let (mut keeper, mut responses) = etcd
@@ -135,6 +149,10 @@ async fn session(
     loop {
         tokio::select! {
             _ = &mut *stop => {
+                let marked = etcd.put(key, draining.as_str(), Some(PutOptions::new().with_lease(lease)));
+                if tokio::time::timeout(config.timeout, marked).await.is_err() {
+                    tracing::warn!(key, "could not mark the registration draining");
+                }
                 let revoked = tokio::time::timeout(config.timeout, etcd.lease_revoke(lease)).await;
                 lease_tx.send_replace(None);
                 match revoked {

@@ -61,6 +61,10 @@ pub struct InstanceRecord {
     /// Health endpoint path.
     #[serde(default = "default_health_path")]
     pub health_path: String,
+    /// The worker is stopping: written just before a graceful deregistration, so that
+    /// routers tell it from a lease that expired.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub draining: bool,
 }
 
 fn default_health_path() -> String {
@@ -77,6 +81,7 @@ impl InstanceRecord {
             block_size: info.block_size,
             events_url: info.events_url.clone(),
             health_path: info.health_path.clone(),
+            draining: false,
         }
     }
 
@@ -123,8 +128,11 @@ pub enum DiscoveryUpdate {
     Reset(Vec<InstanceInfo>),
     /// An instance appeared or its record changed.
     Insert(InstanceInfo),
-    /// An instance is gone.
+    /// Discovery no longer lists an instance (e.g. its lease expired): it may still be
+    /// serving.
     Remove(InstanceId),
+    /// An instance deregistered gracefully: it is gone.
+    Leave(InstanceId),
 }
 
 /// Discovery failures. None of them is fatal: sources retry and keep the last set.

@@ -181,9 +181,10 @@ fn instances_json(r: &KvRouter) -> Value {
             let load = r.load_of(*id);
             let (available, down) = match &st.availability {
                 Availability::Available => (true, Value::Null),
-                Availability::Down { since, reason, failed_probes } => {
-                    (false, json!({"since": secs(*since), "reason": reason, "failed_probes": failed_probes}))
-                }
+                Availability::Down { since, reason, failed_probes, kind, ejected_for } => (
+                    false,
+                    json!({"since": secs(*since), "reason": reason, "failed_probes": failed_probes, "kind": format!("{kind:?}").to_lowercase(), "ejected_for_secs": ejected_for.as_secs_f64()}),
+                ),
             };
             json!({
                 "id": id.to_string(),
@@ -192,6 +193,10 @@ fn instances_json(r: &KvRouter) -> Value {
                 "events": st.info.events_url.is_some(),
                 "available": available,
                 "down": down,
+                "probation": st.health.on_probation(),
+                "ejections": st.health.ejections(),
+                "consecutive_failures": st.health.consecutive_failures(),
+                "held_until": st.held_until.map(secs),
                 "in_flight": load.in_flight,
                 "active_blocks": load.active_blocks,
                 "pending_prefill_tokens": load.pending_prefill_tokens,
@@ -200,7 +205,7 @@ fn instances_json(r: &KvRouter) -> Value {
             })
         })
         .collect();
-    json!({"endpoint": r.endpoint().to_string(), "instances": list})
+    json!({"endpoint": r.endpoint().to_string(), "panic": snap.panic, "instances": list})
 }
 
 fn endpoint_json(r: &KvRouter) -> Value {

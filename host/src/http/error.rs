@@ -21,6 +21,13 @@ pub enum ApiError {
     /// No endpoint serves the model.
     #[error("the model `{0}` does not exist")]
     UnknownModel(String),
+    /// The model is known but has no instance right now.
+    #[error("the model `{0}` has no instance right now")]
+    ModelUnavailable(String),
+    /// The router itself is at a limit (connections, requests in flight, file
+    /// descriptors).
+    #[error("the router is overloaded: {0}")]
+    Overloaded(String),
     /// Routing failed (no instance, or the policy refused).
     #[error(transparent)]
     Route(#[from] RouteError),
@@ -51,10 +58,28 @@ impl ApiError {
             ApiError::BadRequest(_) | ApiError::Refused(_) => StatusCode::BAD_REQUEST,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnknownModel(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::Route(_) | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Route(_)
+            | ApiError::ShuttingDown
+            | ApiError::ModelUnavailable(_)
+            | ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ApiError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+        }
+    }
+
+    /// When a client should try again, for the answers that mean "not now".
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        use std::time::Duration;
+        match self {
+            ApiError::Route(RouteError::Busy { retry_after, .. }) => {
+                Some(Duration::from_secs_f64(retry_after.as_secs_f64().ceil()))
+            }
+            ApiError::Route(RouteError::NoInstances { .. })
+            | ApiError::ModelUnavailable(_)
+            | ApiError::Overloaded(_)
+            | ApiError::ShuttingDown => Some(Duration::from_secs(1)),
+            _ => None,
         }
     }
 
@@ -68,9 +93,13 @@ impl ApiError {
                 Some("model"),
                 Some("model_not_found"),
             ),
-            ApiError::Route(RouteError::NoInstances { .. }) => {
+            ApiError::Route(RouteError::NoInstances { .. }) | ApiError::ModelUnavailable(_) => {
                 ("server_error", None, Some("no_available_worker"))
             }
+            ApiError::Route(RouteError::Busy { .. }) => {
+                ("server_error", None, Some("workers_busy"))
+            }
+            ApiError::Overloaded(_) => ("server_error", None, Some("router_overloaded")),
             ApiError::Route(RouteError::Rejected(_)) => {
                 ("server_error", None, Some("rejected_by_policy"))
             }
@@ -86,6 +115,9 @@ impl ApiError {
             .header("content-type", "application/json");
         if matches!(self, ApiError::Unauthorized(_)) {
             builder = builder.header("www-authenticate", "Bearer");
+        }
+        if let Some(after) = self.retry_after() {
+            builder = builder.header("retry-after", after.as_secs().max(1));
         }
         builder
             .body(

@@ -26,6 +26,20 @@ pub struct Metrics {
     pub prompt_tokens: AtomicU64,
     /// Cached prompt tokens, from `usage.prompt_tokens_details.cached_tokens`.
     pub cached_tokens: AtomicU64,
+    /// Attempts that found the worker busy (429/503).
+    pub busy: AtomicU64,
+    /// Requests that failed on two workers and were treated as their own fault.
+    pub poison: AtomicU64,
+    /// Streams ended because the worker went silent for the idle timeout.
+    pub stalls: AtomicU64,
+    /// Attempts that failed because the router itself ran out of a resource.
+    pub local_failures: AtomicU64,
+    /// Requests answered 503 because `max_in_flight` were already in flight.
+    pub shed: AtomicU64,
+    /// Failed `accept` calls (e.g. out of file descriptors).
+    pub accept_errors: AtomicU64,
+    /// Connections refused at the connection limit.
+    pub refused_connections: AtomicU64,
     /// Failed upstream attempts per instance.
     pub failures_by_instance:
         parking_lot::Mutex<std::collections::BTreeMap<crate::ids::InstanceId, u64>>,
@@ -75,6 +89,41 @@ impl Metrics {
                 &self.stream_errors,
             ),
             (
+                "switchyard_busy_answers_total",
+                "attempts a worker answered 429 or 503 (skipped for its Retry-After, not ejected)",
+                &self.busy,
+            ),
+            (
+                "switchyard_poison_requests_total",
+                "requests that failed on two workers, treated as their own fault",
+                &self.poison,
+            ),
+            (
+                "switchyard_stream_stalls_total",
+                "streams ended because the worker was silent for the idle timeout",
+                &self.stalls,
+            ),
+            (
+                "switchyard_local_failures_total",
+                "attempts that failed because the router ran out of a resource (not blamed on the worker)",
+                &self.local_failures,
+            ),
+            (
+                "switchyard_shed_requests_total",
+                "requests answered 503 at the in-flight limit",
+                &self.shed,
+            ),
+            (
+                "switchyard_accept_errors_total",
+                "failed accepts on the listening socket",
+                &self.accept_errors,
+            ),
+            (
+                "switchyard_refused_connections_total",
+                "client connections refused at the connection limit",
+                &self.refused_connections,
+            ),
+            (
                 "switchyard_prompt_tokens_total",
                 "prompt tokens reported by workers",
                 &self.prompt_tokens,
@@ -107,6 +156,10 @@ impl Metrics {
         let _ = writeln!(s, "# TYPE switchyard_policy_call_seconds_sum counter");
         let _ = writeln!(s, "# TYPE switchyard_policy_calls_total counter");
         let _ = writeln!(s, "# TYPE switchyard_instance_down_reports_total counter");
+        let _ = writeln!(s, "# TYPE switchyard_ejections_total counter");
+        let _ = writeln!(s, "# TYPE switchyard_ejections_refused_total counter");
+        let _ = writeln!(s, "# TYPE switchyard_held_removals_total counter");
+        let _ = writeln!(s, "# TYPE switchyard_panic_mode gauge");
         let _ = writeln!(s, "# TYPE switchyard_instance_available gauge");
         let _ = writeln!(s, "# TYPE switchyard_instance_in_flight gauge");
         for r in routers {
@@ -142,7 +195,35 @@ impl Metrics {
                 s,
                 "switchyard_instance_down_reports_total{{endpoint=\"{ep}\"}} {down}"
             );
-            for (id, state) in &r.client().snapshot().instances {
+            let counters = r.client().counters();
+            for (kind, c) in [
+                ("unreachable", &counters.ejected_unreachable),
+                ("failing", &counters.ejected_failing),
+                ("unhealthy", &counters.ejected_unhealthy),
+            ] {
+                let _ = writeln!(
+                    s,
+                    "switchyard_ejections_total{{endpoint=\"{ep}\",kind=\"{kind}\"}} {}",
+                    c.load(Ordering::Relaxed)
+                );
+            }
+            let _ = writeln!(
+                s,
+                "switchyard_ejections_refused_total{{endpoint=\"{ep}\"}} {}",
+                counters.ejections_refused.load(Ordering::Relaxed)
+            );
+            let _ = writeln!(
+                s,
+                "switchyard_held_removals_total{{endpoint=\"{ep}\"}} {}",
+                counters.held_removals.load(Ordering::Relaxed)
+            );
+            let snapshot = r.client().snapshot();
+            let _ = writeln!(
+                s,
+                "switchyard_panic_mode{{endpoint=\"{ep}\"}} {}",
+                u8::from(snapshot.panic)
+            );
+            for (id, state) in &snapshot.instances {
                 let up = u8::from(state.availability == Availability::Available);
                 let _ = writeln!(
                     s,

@@ -21,7 +21,7 @@ pub mod proxy;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -58,6 +58,11 @@ pub trait Fleet: Send + Sync + 'static {
     fn models(&self) -> Vec<(String, EndpointPath)>;
     /// True once discovery has answered.
     fn discovered(&self) -> bool;
+    /// True when `model` was served recently but has no router now (its instances are
+    /// gone): such requests get 503, not 404.
+    fn model_known(&self, _model: &str) -> bool {
+        false
+    }
 }
 
 /// Limits and behaviour of the front door.
@@ -71,8 +76,20 @@ pub struct GatewayConfig {
     pub max_attempts: usize,
     /// Timeout for connecting to a worker.
     pub connect_timeout: Duration,
-    /// Timeout for a worker's response head and first body bytes.
+    /// Timeout for a streaming response's head and first body bytes (its first token).
     pub first_byte_timeout: Duration,
+    /// Timeout for a non-streaming response, which arrives whole at the end of the
+    /// generation. Exceeding it gives the client 504 and is not retried.
+    pub request_timeout: Duration,
+    /// Longest silence between two chunks of a response that has started.
+    pub stream_idle_timeout: Duration,
+    /// How long a client connection may take to send a request head, and stay idle
+    /// between requests (one timer in hyper: it restarts when the connection goes idle).
+    pub client_idle_timeout: Duration,
+    /// Most client connections open at once; more are answered 503 and closed.
+    pub max_connections: usize,
+    /// Most completion requests in flight at once; more are answered 503.
+    pub max_in_flight: usize,
     /// The admin API's bearer token; `None` disables the admin API.
     pub admin_token: Option<String>,
     /// Report failing workers down (the product); `false` only retries elsewhere and
@@ -88,6 +105,11 @@ impl Default for GatewayConfig {
             max_attempts: 3,
             connect_timeout: Duration::from_millis(1000),
             first_byte_timeout: Duration::from_secs(120),
+            request_timeout: Duration::from_secs(600),
+            stream_idle_timeout: Duration::from_secs(60),
+            client_idle_timeout: Duration::from_secs(30),
+            max_connections: 4096,
+            max_in_flight: 2048,
             admin_token: None,
             availability: true,
         }
@@ -102,6 +124,8 @@ pub struct Gateway {
     pub(crate) http: HttpClient<HttpConnector, Full<Bytes>>,
     pub(crate) metrics: Metrics,
     draining: AtomicBool,
+    /// Completion requests in flight (bounded by `max_in_flight`).
+    in_flight: Arc<AtomicUsize>,
 }
 
 impl Gateway {
@@ -114,8 +138,12 @@ impl Gateway {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(config.connect_timeout));
+        // Idle upstream connections are closed after 3 s: below the 5 s keep-alive of
+        // uvicorn (vLLM, SGLang), so the router is not the one to reuse a connection the
+        // worker is closing.
         let http = HttpClient::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_idle_timeout(Duration::from_secs(3))
+            .pool_timer(hyper_util::rt::TokioTimer::new())
             .pool_max_idle_per_host(256)
             .build(connector);
         Arc::new(Gateway {
@@ -125,6 +153,7 @@ impl Gateway {
             http,
             metrics: Metrics::default(),
             draining: AtomicBool::new(false),
+            in_flight: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -137,10 +166,10 @@ impl Gateway {
         let path = req.uri().path().to_string();
         let response = match (req.method(), path.as_str()) {
             (&Method::POST, "/v1/chat/completions") => {
-                proxy::completion(&self, crate::openai::Api::Chat, req).await
+                self.admit(crate::openai::Api::Chat, req).await
             }
             (&Method::POST, "/v1/completions") => {
-                proxy::completion(&self, crate::openai::Api::Completions, req).await
+                self.admit(crate::openai::Api::Completions, req).await
             }
             (&Method::GET, "/v1/models") => Ok(self.models()),
             (&Method::GET, "/health") => {
@@ -160,6 +189,28 @@ impl Gateway {
             self.metrics.count_status(response.status().as_u16());
         }
         response
+    }
+
+    /// A completion request, if the router has room for it; the slot is held until the
+    /// response body ends (streams included).
+    async fn admit(
+        self: &Arc<Self>,
+        api: crate::openai::Api,
+        req: Request<Incoming>,
+    ) -> Result<Response<Body>, ApiError> {
+        let Some(slot) = Slot::take(&self.in_flight, self.config.max_in_flight) else {
+            self.metrics.shed.fetch_add(1, Ordering::Relaxed);
+            return Err(ApiError::Overloaded(format!(
+                "{} requests in flight",
+                self.config.max_in_flight
+            )));
+        };
+        let response = proxy::completion(self, api, req).await?;
+        let (parts, body) = response.into_parts();
+        Ok(Response::from_parts(
+            parts,
+            Guarded { body, _slot: slot }.boxed(),
+        ))
     }
 
     fn models(&self) -> Response<Body> {
@@ -235,21 +286,46 @@ pub async fn run(
 ) {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
+    let connections = Arc::new(AtomicUsize::new(0));
+    let mut accept_backoff = Duration::from_millis(5);
     loop {
         tokio::select! {
             accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
+                let stream = match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        // EMFILE and friends: back off instead of spinning; the pending
+                        // connections wait in the backlog.
+                        gateway.metrics.accept_errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(error = %e, retry_in = ?accept_backoff, "accept failed");
+                        tokio::select! {
+                            _ = tokio::time::sleep(accept_backoff) => {}
+                            _ = &mut shutdown => break,
+                        }
+                        accept_backoff = (accept_backoff * 2).min(Duration::from_secs(1));
+                        continue;
+                    }
+                };
+                accept_backoff = Duration::from_millis(5);
                 let _ = stream.set_nodelay(true);
+                let Some(slot) = Slot::take(&connections, gateway.config.max_connections) else {
+                    gateway.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);
+                    tokio::spawn(refuse_connection(stream));
+                    continue;
+                };
                 let gw = gateway.clone();
                 let service = service_fn(move |req| {
                     let gw = gw.clone();
                     async move { Ok::<_, Infallible>(gw.handle(req).await) }
                 });
                 let conn = http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(gateway.config.client_idle_timeout)
                     .max_buf_size(gateway.config.max_header_bytes.max(8192))
                     .serve_connection(TokioIo::new(stream), service);
                 let conn = graceful.watch(conn);
                 tokio::spawn(async move {
+                    let _slot = slot;
                     let _ = conn.await;
                 });
             }
@@ -265,4 +341,71 @@ pub async fn run(
     {
         tracing::warn!("open requests did not finish within the grace period");
     }
+}
+
+/// One unit of a bounded count, given back when dropped.
+struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Slot(count.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A response body that holds an in-flight slot until it ends or is dropped.
+struct Guarded {
+    body: Body,
+    _slot: Slot,
+}
+
+impl hyper::body::Body for Guarded {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, std::io::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// Answers a connection over the limit with 503 and closes it.
+async fn refuse_connection(mut stream: tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let body = crate::openai::error_body(
+        "the router is at its connection limit",
+        "server_error",
+        None,
+        Some("router_overloaded"),
+    );
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let write = async {
+        stream.write_all(head.as_bytes()).await?;
+        stream.write_all(body.as_bytes()).await?;
+        stream.shutdown().await
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
 }

@@ -1,26 +1,37 @@
 //! The proxy: route a completion request, forward it to the chosen worker, pass the
 //! response through unchanged (streaming included), and fail over.
 //!
-//! A worker that cannot be reached, times out, answers 5xx, or breaks its response before
-//! the first body byte is reported down on the shared Client (unless availability
-//! tracking is off) and the request is routed again over the remaining workers, up to
-//! `max_attempts`; the client sees one response. Once bytes have reached the client, an
-//! upstream failure ends the stream (with an SSE error event for event streams) and is
-//! counted. The request's load booking is released whenever the response ends, fails,
-//! or the client goes away.
+//! Each failed attempt is classified (see ARCHITECTURE.md, "Failover"):
+//! - unreachable (refused, reset, connect timeout): the worker is ejected at once and the
+//!   request tried elsewhere; a connection the worker closed before answering is retried
+//!   once on a fresh connection first, and the router's own resource exhaustion (out of
+//!   file descriptors or ports) is never blamed on a worker;
+//! - 429 or 503: the worker is busy: skipped for its `Retry-After`, never ejected;
+//! - another 5xx, or no first byte of a stream within the first-byte timeout: tried
+//!   elsewhere; the failure is counted against the worker only once another worker has
+//!   served the request, and a request that failed on two workers is the request's fault
+//!   (poison): it is not retried further, counts against no one, and the client gets the
+//!   worker's own answer;
+//! - a non-streaming request that exceeds the request timeout gets 504 and is not
+//!   retried (it would take as long elsewhere); the worker is counted only if its health
+//!   check fails too.
+//! Once bytes have reached the client, an upstream failure or a stall longer than the
+//! idle timeout ends the stream (with an SSE error event for event streams). The load
+//! booking is released on every path: end, failure, retry, stall, client gone.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited, StreamBody};
 use hyper::body::{Frame, Incoming};
-use hyper::header::{ACCEPT, AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
+use hyper::header::{ACCEPT, AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use hyper::{Request, Response, StatusCode};
 use tokio::sync::mpsc;
 
 use super::{ApiError, Body, Gateway};
+use crate::client::Client;
 use crate::ids::{InstanceId, RequestId};
 use crate::openai::{self, Api, Prompt};
 use crate::router::{KvRouter, RouteError};
@@ -38,22 +49,36 @@ impl Drop for Booking {
     }
 }
 
+/// A worker's own answer, kept to pass on to the client.
+type Answer = (hyper::http::response::Parts, Bytes);
+
 /// Why one attempt failed before the first byte reached the client.
 #[derive(Debug)]
 enum Failure {
-    Connect(String),
+    /// Refused, reset, connect timeout, or the response broke before its first byte.
+    Unreachable(String),
+    /// The worker closed the connection before answering (e.g. an idle keep-alive
+    /// connection it had just closed); worth one retry on a fresh connection.
+    Closed(String),
+    /// The router itself is out of a resource (file descriptors, ports).
+    Local(String),
+    /// No answer within the timeout.
     Timeout(String),
-    Status(StatusCode),
-    Body(String),
+    /// 429 or 503: busy, with the worker's `Retry-After`.
+    Busy(Answer, Option<Duration>),
+    /// Another 5xx.
+    Status(Answer),
 }
 
 impl Failure {
     fn reason(&self) -> String {
         match self {
-            Failure::Connect(e) => format!("unreachable: {e}"),
+            Failure::Unreachable(e) => format!("unreachable: {e}"),
+            Failure::Closed(e) => format!("connection closed before an answer: {e}"),
+            Failure::Local(e) => format!("the router is out of resources: {e}"),
             Failure::Timeout(e) => format!("timed out: {e}"),
-            Failure::Status(s) => format!("answered {s}"),
-            Failure::Body(e) => format!("response failed before its first byte: {e}"),
+            Failure::Busy((p, _), _) => format!("busy: answered {}", p.status),
+            Failure::Status((p, _)) => format!("answered {}", p.status),
         }
     }
 }
@@ -61,8 +86,24 @@ impl Failure {
 enum Forwarded {
     /// A 2xx head and its first data frame (or none: an empty body).
     Ok(hyper::http::response::Parts, Option<Bytes>, Incoming),
-    /// A 4xx: the worker refused the request itself; passed through.
-    ClientError(hyper::http::response::Parts, Bytes),
+    /// A 4xx other than 429: the worker refused the request itself; passed through.
+    ClientError(Answer),
+}
+
+/// What the request has done so far, across attempts.
+#[derive(Default)]
+struct Attempts {
+    /// Workers not to try again for this request.
+    exclude: Vec<InstanceId>,
+    /// 5xx answers and timeouts, counted against their workers only if another worker
+    /// then serves the request.
+    pending: Vec<(InstanceId, String)>,
+    /// The last worker answer worth passing on (a 5xx or a busy answer).
+    answer: Option<Answer>,
+    /// The last failure.
+    last: Option<Failure>,
+    /// Fresh-connection retries used (one per request).
+    reconnects: u32,
 }
 
 pub(crate) async fn completion(
@@ -90,10 +131,13 @@ pub(crate) async fn completion(
         }
     };
     let parsed = openai::parse(api, &body).map_err(ApiError::BadRequest)?;
-    let router = gw
-        .fleet
-        .router_for_model(&parsed.model)
-        .ok_or_else(|| ApiError::UnknownModel(parsed.model.clone()))?;
+    let router = gw.fleet.router_for_model(&parsed.model).ok_or_else(|| {
+        if gw.fleet.model_known(&parsed.model) {
+            ApiError::ModelUnavailable(parsed.model.clone())
+        } else {
+            ApiError::UnknownModel(parsed.model.clone())
+        }
+    })?;
     let tokens = match &parsed.prompt {
         Prompt::Tokens(t) => Ok(t.clone()),
         Prompt::Text(t) => gw.tokenizer.encode(t),
@@ -111,84 +155,214 @@ pub(crate) async fn completion(
         .map(|u| xxhash_rust::xxh3::xxh3_64(u.as_bytes()));
     let hashes = router.hasher().hashes(&tokens);
     let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
+    // A stream's first bytes come at its first token; a plain answer's only at its end.
+    let limit = if parsed.stream {
+        gw.config.first_byte_timeout
+    } else {
+        gw.config.request_timeout
+    };
+    let client = router.client().clone();
 
-    let mut exclude: Vec<InstanceId> = Vec::new();
-    let mut last: Option<Failure> = None;
-    for attempt in 0..gw.config.max_attempts.max(1) {
+    let mut a = Attempts::default();
+    let mut attempt = 0;
+    while attempt < gw.config.max_attempts.max(1) {
         let routed = match router.route_blocks(
             prompt_tokens,
             &hashes,
             session_key,
-            &exclude,
+            &a.exclude,
             Instant::now(),
         ) {
             Ok(r) => r,
             Err(e @ RouteError::Rejected(_)) => return Err(e.into()),
-            Err(e) => return Err(upstream_error(last, e)),
+            Err(e) => return give_up(gw, &client, a, Some(e)),
         };
         if attempt > 0 {
             gw.metrics.retries.fetch_add(1, Ordering::Relaxed);
         }
+        attempt += 1;
         let booking = Booking {
             router: router.clone(),
             request: routed.request,
         };
-        let Some(instance) = router.client().instance(routed.worker) else {
-            exclude.push(routed.worker);
+        let worker = routed.worker;
+        let Some(instance) = client.instance(worker) else {
+            a.exclude.push(worker);
             continue;
         };
-        match forward(
+        let sent = forward(
             gw,
             &instance.url,
             &path,
             accept.as_ref(),
             auth.as_ref(),
             body.clone(),
+            limit,
         )
-        .await
-        {
+        .await;
+        let failure = match sent {
             Ok(Forwarded::Ok(parts, first, rest)) => {
                 router.prefill_done(routed.request);
-                return Ok(stream_through(gw.clone(), parts, first, rest, booking));
-            }
-            Ok(Forwarded::ClientError(parts, bytes)) => {
-                return Ok(Response::from_parts(
-                    parts,
-                    Full::new(bytes).map_err(|e| match e {}).boxed(),
-                ));
-            }
-            Err(failure) => {
-                gw.metrics.upstream_failures.fetch_add(1, Ordering::Relaxed);
-                *gw.metrics
-                    .failures_by_instance
-                    .lock()
-                    .entry(routed.worker)
-                    .or_insert(0) += 1;
-                let reason = failure.reason();
-                tracing::warn!(endpoint = %router.endpoint(), instance = %routed.worker, url = %instance.url, reason, attempt, "upstream attempt failed");
-                if gw.config.availability {
-                    router.client().report_instance_down(routed.worker, &reason);
+                client.record_success(worker);
+                // Served here: the earlier 5xx answers were those workers' own faults.
+                for (w, reason) in a.pending.drain(..) {
+                    client.record_failure(w, &reason);
                 }
-                exclude.push(routed.worker);
-                last = Some(failure);
+                let relay = Relay {
+                    gw: gw.clone(),
+                    client: client.clone(),
+                    worker,
+                    _booking: booking,
+                };
+                return Ok(relay.stream(parts, first, rest));
             }
+            Ok(Forwarded::ClientError((parts, bytes))) => {
+                // The request's own fault, so any earlier 5xx most likely was too.
+                client.record_success(worker);
+                return Ok(answer((parts, bytes)));
+            }
+            Err(f) => f,
+        };
+        drop(booking);
+        let reason = failure.reason();
+        tracing::warn!(endpoint = %router.endpoint(), instance = %worker, url = %instance.url, reason, attempt, "upstream attempt failed");
+        if !matches!(failure, Failure::Busy(..) | Failure::Local(_)) {
+            gw.metrics.upstream_failures.fetch_add(1, Ordering::Relaxed);
+            *gw.metrics
+                .failures_by_instance
+                .lock()
+                .entry(worker)
+                .or_insert(0) += 1;
+        }
+        match &failure {
+            Failure::Local(e) => {
+                gw.metrics.local_failures.fetch_add(1, Ordering::Relaxed);
+                return Err(ApiError::Overloaded(format!(
+                    "the router cannot open a connection to a worker: {e}"
+                )));
+            }
+            Failure::Closed(_) if a.reconnects == 0 => {
+                // Once, on a fresh connection, to the same worker, uncounted.
+                a.reconnects += 1;
+                attempt -= 1;
+                continue;
+            }
+            Failure::Closed(_) | Failure::Unreachable(_) => {
+                if gw.config.availability {
+                    client.report_instance_down(worker, &reason);
+                }
+            }
+            Failure::Busy(ans, retry_after) => {
+                let skip = client.report_busy(worker, *retry_after);
+                gw.metrics.busy.fetch_add(1, Ordering::Relaxed);
+                let mut ans = (ans.0.clone(), ans.1.clone());
+                set_retry_after(&mut ans.0.headers, skip);
+                a.answer = Some(ans);
+            }
+            Failure::Status(ans) => {
+                a.answer = Some((ans.0.clone(), ans.1.clone()));
+                a.pending.push((worker, reason.clone()));
+            }
+            Failure::Timeout(_) if !parsed.stream => {
+                // Not retried: it would take as long elsewhere. Counted against the
+                // worker only if it is silent.
+                let c = client.clone();
+                tokio::spawn(async move { c.check_now(worker, &reason).await });
+                return Err(ApiError::UpstreamTimeout(format!(
+                    "no answer within the request timeout of {limit:?}"
+                )));
+            }
+            Failure::Timeout(_) => a.pending.push((worker, reason.clone())),
+        }
+        a.exclude.push(worker);
+        a.last = Some(failure);
+        let failed_workers = a.pending.len();
+        if failed_workers >= 2 {
+            // Failed on two workers: the request's fault. Eject no one, stop here.
+            gw.metrics.poison.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(endpoint = %router.endpoint(), workers = failed_workers, "request failed on several workers; treated as its own fault (poison), not retried");
+            a.pending.clear();
+            return give_up(gw, &client, a, None);
         }
     }
-    Err(match last {
-        Some(Failure::Timeout(e)) => ApiError::UpstreamTimeout(e),
-        Some(f) => ApiError::Upstream(f.reason()),
-        None => ApiError::Upstream("no attempt was made".into()),
-    })
+    give_up(gw, &client, a, None)
 }
 
-/// The error after routing ran out of workers: the last upstream failure if there was
-/// one (502/504), else the routing error itself (503).
-fn upstream_error(last: Option<Failure>, e: RouteError) -> ApiError {
-    match last {
-        None => e.into(),
-        Some(Failure::Timeout(t)) => ApiError::UpstreamTimeout(format!("{t}; and then {e}")),
-        Some(f) => ApiError::Upstream(format!("{}; and then {e}", f.reason())),
+/// The answer when no attempt succeeded: the worker's own answer if there is one (a
+/// 5xx or busy answer), else the routing error (503) or the last failure (502/504).
+/// A single pending 5xx with no worker left to confirm it counts against its worker.
+fn give_up(
+    gw: &Gateway,
+    client: &Client,
+    a: Attempts,
+    route: Option<RouteError>,
+) -> Result<Response<Body>, ApiError> {
+    for (w, reason) in &a.pending {
+        client.record_failure(*w, reason);
     }
+    let _ = gw;
+    if let Some(ans) = a.answer {
+        return Ok(answer(ans));
+    }
+    match (a.last, route) {
+        (None, Some(e)) => Err(e.into()),
+        (Some(Failure::Timeout(t)), Some(e)) => {
+            Err(ApiError::UpstreamTimeout(format!("{t}; and then {e}")))
+        }
+        (Some(f), Some(e)) => Err(ApiError::Upstream(format!("{}; and then {e}", f.reason()))),
+        (Some(Failure::Timeout(t)), None) => Err(ApiError::UpstreamTimeout(t)),
+        (Some(f), None) => Err(ApiError::Upstream(f.reason())),
+        (None, None) => Err(ApiError::Upstream("no attempt was made".into())),
+    }
+}
+
+fn answer((parts, bytes): Answer) -> Response<Body> {
+    Response::from_parts(parts, Full::new(bytes).map_err(|e| match e {}).boxed())
+}
+
+fn set_retry_after(headers: &mut hyper::HeaderMap, d: Duration) {
+    let secs = d.as_secs_f64().ceil().max(1.0) as u64;
+    headers.insert(RETRY_AFTER, HeaderValue::from(secs));
+}
+
+/// A `Retry-After` in seconds (the HTTP-date form is not used by inference servers).
+fn retry_after(headers: &hyper::HeaderMap) -> Option<Duration> {
+    let v = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
+    v.parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s >= 0.0)
+        .map(Duration::from_secs_f64)
+}
+
+/// Classifies a failed upstream request.
+fn classify(e: &hyper_util::client::legacy::Error) -> Failure {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    let mut closed = false;
+    while let Some(err) = source {
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && let Some(code) = io.raw_os_error()
+            && is_local_exhaustion(code)
+        {
+            return Failure::Local(io.to_string());
+        }
+        if let Some(h) = err.downcast_ref::<hyper::Error>()
+            && (h.is_incomplete_message() || h.is_canceled())
+        {
+            closed = true;
+        }
+        source = err.source();
+    }
+    if closed && !e.is_connect() {
+        Failure::Closed(format!("{e:?}"))
+    } else {
+        Failure::Unreachable(format!("{e:?}"))
+    }
+}
+
+/// Errors that mean this process ran out of something, not that the peer failed:
+/// EMFILE, ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL (Linux numbers).
+fn is_local_exhaustion(code: i32) -> bool {
+    matches!(code, 24 | 23 | 105 | 12 | 99)
 }
 
 async fn forward(
@@ -198,10 +372,11 @@ async fn forward(
     accept: Option<&HeaderValue>,
     auth: Option<&HeaderValue>,
     body: Bytes,
+    limit: Duration,
 ) -> Result<Forwarded, Failure> {
     let uri: hyper::Uri = format!("{base}{path}")
         .parse()
-        .map_err(|e| Failure::Connect(format!("bad worker URL: {e}")))?;
+        .map_err(|e| Failure::Unreachable(format!("bad worker URL: {e}")))?;
     let mut req = Request::post(uri).header(CONTENT_TYPE, "application/json");
     if let Some(a) = accept {
         req = req.header(ACCEPT, a);
@@ -211,26 +386,36 @@ async fn forward(
     }
     let req = req
         .body(Full::new(body))
-        .map_err(|e| Failure::Connect(e.to_string()))?;
-    let limit = gw.config.first_byte_timeout;
+        .map_err(|e| Failure::Unreachable(e.to_string()))?;
     let started = Instant::now();
     let response = match tokio::time::timeout(limit, gw.http.request(req)).await {
         Err(_) => return Err(Failure::Timeout(format!("no response within {limit:?}"))),
-        Ok(Err(e)) => return Err(Failure::Connect(format!("{e:?}"))),
+        Ok(Err(e)) => return Err(classify(&e)),
         Ok(Ok(r)) => r,
     };
     let (parts, mut body) = response.into_parts();
-    if parts.status.is_server_error() {
-        return Err(Failure::Status(parts.status));
-    }
-    if !parts.status.is_success() {
-        let bytes = tokio::time::timeout(limit, Limited::new(body, 1 << 20).collect())
+    let status = parts.status;
+    if !status.is_success() {
+        let left = limit
+            .saturating_sub(started.elapsed())
+            .max(Duration::from_secs(1));
+        let bytes = tokio::time::timeout(left, Limited::new(body, 1 << 20).collect())
             .await
             .ok()
             .and_then(Result::ok)
             .map(|b| b.to_bytes())
             .unwrap_or_default();
-        return Ok(Forwarded::ClientError(parts, bytes));
+        let mut parts = parts;
+        parts.headers.remove(hyper::header::CONTENT_LENGTH);
+        parts.headers.remove(hyper::header::TRANSFER_ENCODING);
+        if status == StatusCode::TOO_MANY_REQUESTS || status == StatusCode::SERVICE_UNAVAILABLE {
+            let after = retry_after(&parts.headers);
+            return Err(Failure::Busy((parts, bytes), after));
+        }
+        if status.is_server_error() {
+            return Err(Failure::Status((parts, bytes)));
+        }
+        return Ok(Forwarded::ClientError((parts, bytes)));
     }
     // Wait for the first body bytes before answering the client, so that a worker that
     // fails now can still be failed over.
@@ -239,7 +424,11 @@ async fn forward(
         match tokio::time::timeout(left, body.frame()).await {
             Err(_) => return Err(Failure::Timeout(format!("no body within {limit:?}"))),
             Ok(None) => return Ok(Forwarded::Ok(parts, None, body)),
-            Ok(Some(Err(e))) => return Err(Failure::Body(e.to_string())),
+            Ok(Some(Err(e))) => {
+                return Err(Failure::Unreachable(format!(
+                    "response broke before its first byte: {e}"
+                )));
+            }
             Ok(Some(Ok(frame))) => {
                 if let Ok(data) = frame.into_data()
                     && !data.is_empty()
@@ -251,81 +440,103 @@ async fn forward(
     }
 }
 
-/// Passes the rest of the worker's response through, byte for byte.
-fn stream_through(
+/// The relay of one response that has started: where to report a stall, and the load
+/// booking it releases when it ends, however it ends.
+struct Relay {
     gw: Arc<Gateway>,
-    mut parts: hyper::http::response::Parts,
-    first: Option<Bytes>,
-    mut upstream: Incoming,
-    booking: Booking,
-) -> Response<Body> {
-    let is_sse = parts
-        .headers
-        .get(CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
-    // The body is re-framed; its length may be unknown now.
-    parts.headers.remove(hyper::header::CONTENT_LENGTH);
-    parts.headers.remove(hyper::header::TRANSFER_ENCODING);
-    if is_sse && !parts.headers.contains_key(CACHE_CONTROL) {
-        parts
+    client: Arc<Client>,
+    worker: InstanceId,
+    _booking: Booking,
+}
+
+impl Relay {
+    /// Passes the rest of the worker's response through, byte for byte. Ends early, with
+    /// an error event on event streams, when the worker breaks the stream or is silent
+    /// for longer than the idle timeout (the worker is then counted as failing); stops
+    /// reading from the worker as soon as the client is gone.
+    fn stream(
+        self,
+        mut parts: hyper::http::response::Parts,
+        first: Option<Bytes>,
+        mut upstream: Incoming,
+    ) -> Response<Body> {
+        let is_sse = parts
             .headers
-            .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    }
-    let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(32);
-    tokio::spawn(async move {
-        // Dropped on every exit: end, upstream error, client gone.
-        let _booking = booking;
-        let mut tail: Vec<u8> = Vec::new();
-        if let Some(first) = first {
-            note_usage_tail(&mut tail, &first);
-            if tx.send(Ok(Frame::data(first))).await.is_err() {
-                return;
-            }
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        // The body is re-framed; its length may be unknown now.
+        parts.headers.remove(hyper::header::CONTENT_LENGTH);
+        parts.headers.remove(hyper::header::TRANSFER_ENCODING);
+        if is_sse && !parts.headers.contains_key(CACHE_CONTROL) {
+            parts
+                .headers
+                .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         }
-        loop {
-            match upstream.frame().await {
-                None => break,
-                Some(Ok(frame)) => {
-                    let Ok(data) = frame.into_data() else {
-                        continue;
-                    };
-                    note_usage_tail(&mut tail, &data);
-                    if tx.send(Ok(Frame::data(data))).await.is_err() {
-                        return; // the client went away; dropping `upstream` tells the worker
-                    }
-                }
-                Some(Err(e)) => {
-                    gw.metrics.stream_errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(error = %e, "upstream stream broke after it started");
-                    if is_sse {
-                        let event = format!(
-                            "data: {}\n\n",
-                            serde_json::json!({"error": {"message": format!("the worker's stream broke: {e}"), "type": "server_error", "param": null, "code": "upstream_stream_error"}})
-                        );
-                        let _ = tx.send(Ok(Frame::data(Bytes::from(event)))).await;
-                    } else {
-                        let _ = tx
-                            .send(Err(std::io::Error::other(format!("upstream failed: {e}"))))
-                            .await;
-                    }
+        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(32);
+        let idle = self.gw.config.stream_idle_timeout;
+        tokio::spawn(async move {
+            // `self` holds the booking: released on every exit below.
+            let mut tail: Vec<u8> = Vec::new();
+            if let Some(first) = first {
+                note_usage_tail(&mut tail, &first);
+                if tx.send(Ok(Frame::data(first))).await.is_err() {
                     return;
                 }
             }
-        }
-        if let Some((prompt, cached)) = openai::scan_usage(&tail) {
-            gw.metrics
-                .prompt_tokens
-                .fetch_add(prompt, Ordering::Relaxed);
-            gw.metrics
-                .cached_tokens
-                .fetch_add(cached, Ordering::Relaxed);
-        }
-    });
-    Response::from_parts(
-        parts,
-        StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed(),
-    )
+            loop {
+                let next = tokio::select! {
+                    next = tokio::time::timeout(idle, upstream.frame()) => next,
+                    // The client went away: dropping `upstream` tells the worker.
+                    _ = tx.closed() => return,
+                };
+                let broke = match next {
+                    Ok(None) => break,
+                    Ok(Some(Ok(frame))) => {
+                        let Ok(data) = frame.into_data() else {
+                            continue;
+                        };
+                        note_usage_tail(&mut tail, &data);
+                        if tx.send(Ok(Frame::data(data))).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    Ok(Some(Err(e))) => format!("the worker's stream broke: {e}"),
+                    Err(_) => {
+                        let why = format!("the worker sent nothing for {idle:?}");
+                        self.client.record_failure(self.worker, &why);
+                        self.gw.metrics.stalls.fetch_add(1, Ordering::Relaxed);
+                        why
+                    }
+                };
+                self.gw
+                    .metrics
+                    .stream_errors
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(instance = %self.worker, error = %broke, "upstream stream ended early");
+                if is_sse {
+                    let event = format!(
+                        "data: {}\n\n",
+                        serde_json::json!({"error": {"message": broke, "type": "server_error", "param": null, "code": "upstream_stream_error"}})
+                    );
+                    let _ = tx.send(Ok(Frame::data(Bytes::from(event)))).await;
+                } else {
+                    let _ = tx.send(Err(std::io::Error::other(broke))).await;
+                }
+                return;
+            }
+            if let Some((prompt, cached)) = openai::scan_usage(&tail) {
+                let m = &self.gw.metrics;
+                m.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
+                m.cached_tokens.fetch_add(cached, Ordering::Relaxed);
+            }
+        });
+        Response::from_parts(
+            parts,
+            StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed(),
+        )
+    }
 }
 
 /// Keeps the last 4 KiB of a response: `usage` comes at its end.

@@ -82,6 +82,14 @@ pub enum RouteError {
         /// Instances excluded by the caller.
         excluded: usize,
     },
+    /// Every remaining instance asked for a pause (429/503 with `Retry-After`).
+    #[error("every available instance of endpoint {endpoint} is busy; retry after {}s", .retry_after.as_secs().max(1))]
+    Busy {
+        /// The endpoint.
+        endpoint: String,
+        /// The shortest pause left.
+        retry_after: Duration,
+    },
     /// The policy refused the request.
     #[error("the routing policy rejected the request: {}", .0.reason)]
     Rejected(Rejection),
@@ -213,8 +221,27 @@ impl KvRouter {
         exclude: &[InstanceId],
         now: Instant,
     ) -> Result<Routed, RouteError> {
-        let (candidates, overlaps) = self.candidates(hashes, exclude);
+        let busy = self.client.busy(now);
+        let (candidates, overlaps) = if busy.is_empty() {
+            self.candidates(hashes, exclude)
+        } else {
+            let mut skip = exclude.to_vec();
+            skip.extend(busy.iter().map(|(id, _)| *id));
+            self.candidates(hashes, &skip)
+        };
         if candidates.is_empty() {
+            let routable = self.client.routable();
+            if let Some(retry_after) = busy
+                .iter()
+                .filter(|(id, _)| routable.contains(id) && !exclude.contains(id))
+                .map(|(_, left)| *left)
+                .min()
+            {
+                return Err(RouteError::Busy {
+                    endpoint: self.endpoint.to_string(),
+                    retry_after,
+                });
+            }
             return Err(RouteError::NoInstances {
                 endpoint: self.endpoint.to_string(),
                 excluded: exclude.len(),
@@ -268,15 +295,16 @@ impl KvRouter {
         })
     }
 
-    /// The candidates for a request with these block hashes: every available instance
-    /// not in `exclude`, ascending, with its overlap and load; and the overlaps found
-    /// (sorted by worker).
+    /// The candidates for a request with these block hashes: every routable instance
+    /// (available, or in panic mode every one not known to be unreachable) not in
+    /// `exclude`, ascending, with its overlap and load; and the overlaps found (sorted by
+    /// worker).
     pub fn candidates(
         &self,
         hashes: &[BlockHash],
         exclude: &[InstanceId],
     ) -> (Candidates, Vec<(InstanceId, u32)>) {
-        let available = self.client.available();
+        let available = self.client.routable();
         let mut overlaps = Vec::new();
         self.index
             .read()

@@ -7,7 +7,7 @@
 //! | `GET /health` | 200 when serving; 503 while a fault is active |
 //! | `GET /v1/kv_events` | the KV event stream (`docs/kv-events.md`) |
 //! | `GET /stats` | the engine's step accounting |
-//! | `POST /admin/fault` | `{"fault": "crash" \| "hang" \| "refuse" \| "error" \| "cut_stream" \| "none", "after": N}` |
+//! | `POST /admin/fault` | a [`FaultConfig`] as JSON: `{"fault": "crash" \| "hang" \| "refuse" \| "error" \| "status" \| "stall" \| "cut_stream" \| "none", "after": N, "status": 503, "retry_after_secs": 2, "marker": "POISON", "health_lies": true, "first_token_delay_ms": 500, "idle_close_ms": 1000}` (all but `fault` optional) |
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -55,16 +55,41 @@ pub enum Fault {
     Error,
     /// Cut streaming responses half-way.
     CutStream,
+    /// Answer every completion with `status` (default 500), with `Retry-After` when
+    /// `retry_after_secs` is set (e.g. 503 or 429: load shedding).
+    Status,
+    /// Send the first chunk of a stream, then nothing (a non-streaming request hangs);
+    /// health still answers 200.
+    Stall,
 }
 
-/// A fault and when it starts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+/// A fault and when it starts, plus faults that apply to some requests or connections.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct FaultConfig {
     /// The fault.
     pub fault: Fault,
     /// It starts after this many completion requests were served.
     #[serde(default)]
     pub after: u64,
+    /// The status of [`Fault::Status`] and of marked prompts [default: 500].
+    #[serde(default)]
+    pub status: Option<u16>,
+    /// A `Retry-After` (seconds) on those answers.
+    #[serde(default)]
+    pub retry_after_secs: Option<u64>,
+    /// Prompts containing this text are answered `status` (a "poison" request), whatever
+    /// the fault.
+    #[serde(default)]
+    pub marker: Option<String>,
+    /// `/health` answers 200 whatever the fault.
+    #[serde(default)]
+    pub health_lies: bool,
+    /// Every completion waits this long before it starts (a slow first token).
+    #[serde(default)]
+    pub first_token_delay_ms: u64,
+    /// Keep-alive connections idle this long are closed (as uvicorn does after 5 s).
+    #[serde(default)]
+    pub idle_close_ms: Option<u64>,
 }
 
 impl FaultConfig {
@@ -72,7 +97,33 @@ impl FaultConfig {
     pub const NONE: FaultConfig = FaultConfig {
         fault: Fault::None,
         after: 0,
+        status: None,
+        retry_after_secs: None,
+        marker: None,
+        health_lies: false,
+        first_token_delay_ms: 0,
+        idle_close_ms: None,
     };
+
+    /// The answer of [`Fault::Status`] and of marked prompts.
+    fn status_answer(&self, message: &str) -> Response<Body> {
+        let status = self
+            .status
+            .and_then(|s| StatusCode::from_u16(s).ok())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut r = error(
+            status,
+            message,
+            "server_error",
+            None,
+            Some("injected_fault"),
+        );
+        if let Some(secs) = self.retry_after_secs {
+            r.headers_mut()
+                .insert(hyper::header::RETRY_AFTER, secs.into());
+        }
+        r
+    }
 }
 
 /// One mock worker.
@@ -102,14 +153,15 @@ struct Shared {
 
 impl Shared {
     /// The fault in force for the next request, counting it.
-    fn fault_for_request(&self) -> Fault {
+    fn fault_for_request(&self) -> (Fault, FaultConfig) {
         let n = self.served.fetch_add(1, Ordering::SeqCst);
-        let f = *self.fault.lock();
-        if n >= f.after { f.fault } else { Fault::None }
+        let f = self.fault.lock().clone();
+        let fault = if n >= f.after { f.fault } else { Fault::None };
+        (fault, f)
     }
 
     fn active_fault(&self) -> Fault {
-        let f = *self.fault.lock();
+        let f = self.fault.lock();
         if self.served.load(Ordering::SeqCst) >= f.after {
             f.fault
         } else {
@@ -245,12 +297,18 @@ async fn accept_loop(
                 let Ok((stream, _)) = accepted else { continue };
                 let _ = stream.set_nodelay(true);
                 let shared = shared.clone();
+                let idle_close = shared.fault.lock().idle_close_ms.map(Duration::from_millis);
                 tokio::spawn(async move {
                     let service = service_fn(move |req| {
                         let shared = shared.clone();
                         async move { Ok::<_, Infallible>(route(shared, req).await) }
                     });
-                    let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+                    let mut builder = http1::Builder::new();
+                    if let Some(idle) = idle_close {
+                        // hyper's header timer also runs while a connection is idle.
+                        builder.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(idle);
+                    }
+                    let _ = builder.serve_connection(TokioIo::new(stream), service).await;
                 });
             }
             _ = refuse.changed() => {}
@@ -294,7 +352,10 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
             json!({"object": "list", "data": [{"id": shared.model, "object": "model", "created": 0, "owned_by": "switchyard-mock"}]}),
         ),
         (&Method::GET, "/health") => match shared.active_fault() {
-            Fault::None | Fault::CutStream => {
+            _ if shared.fault.lock().health_lies => {
+                json_response(StatusCode::OK, json!({"status": "ok"}))
+            }
+            Fault::None | Fault::CutStream | Fault::Stall => {
                 json_response(StatusCode::OK, json!({"status": "ok"}))
             }
             Fault::Hang => std::future::pending().await,
@@ -323,11 +384,9 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
             };
             match serde_json::from_slice::<FaultConfig>(&body) {
                 Ok(f) => {
+                    let answer = json!({"fault": format!("{:?}", f.fault), "after": f.after});
                     shared.set_fault(f);
-                    json_response(
-                        StatusCode::OK,
-                        json!({"fault": format!("{:?}", f.fault), "after": f.after}),
-                    )
+                    json_response(StatusCode::OK, answer)
                 }
                 Err(e) => error(
                     StatusCode::BAD_REQUEST,
@@ -446,8 +505,17 @@ async fn completion(shared: Arc<Shared>, api: Api, req: Request<Incoming>) -> Re
             Some("model_not_found"),
         );
     }
-    let fault = shared.fault_for_request();
+    let (fault, faults) = shared.fault_for_request();
     shared.update_refuse();
+    if let Some(marker) = faults.marker.as_deref()
+        && !marker.is_empty()
+        && body.windows(marker.len()).any(|w| w == marker.as_bytes())
+    {
+        return faults.status_answer("injected fault: this prompt fails on every worker");
+    }
+    if faults.first_token_delay_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(faults.first_token_delay_ms)).await;
+    }
     match fault {
         Fault::Crash => {
             tracing::error!("fault injection: crashing");
@@ -463,7 +531,9 @@ async fn completion(shared: Arc<Shared>, api: Api, req: Request<Incoming>) -> Re
                 Some("injected_fault"),
             );
         }
-        Fault::None | Fault::CutStream => {}
+        Fault::Status => return faults.status_answer("injected fault"),
+        Fault::Stall if !parsed.stream => return std::future::pending().await,
+        Fault::None | Fault::CutStream | Fault::Stall => {}
     }
     let tokens = match &parsed.prompt {
         Prompt::Tokens(t) => Ok(t.clone()),
@@ -582,6 +652,11 @@ async fn completion(shared: Arc<Shared>, api: Api, req: Request<Incoming>) -> Re
         while let Some(o) = out.recv().await {
             let bytes = match o {
                 Output::Token(i) => {
+                    if fault == Fault::Stall && n >= 1 {
+                        // Silent, with the connection open, until the client leaves.
+                        tx.closed().await;
+                        return;
+                    }
                     if fault == Fault::CutStream && n >= max_tokens / 2 {
                         let _ = tx
                             .send(Err(std::io::Error::other("injected fault: stream cut")))
