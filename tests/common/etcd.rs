@@ -108,6 +108,16 @@ impl Etcd {
         }
     }
 
+    /// Sends a signal (`STOP` freezes it, `CONT` resumes it).
+    pub fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("etcd is running").id();
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{sig}"), &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
     /// Starts it again on the same ports and data.
     pub fn restart(&mut self) {
         self.stop();

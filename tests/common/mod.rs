@@ -8,6 +8,7 @@ pub mod events;
 pub mod health;
 pub mod http;
 pub mod procs;
+pub mod router;
 
 /// The `.wasm` of a guest built by the host's build script, by artifact name.
 pub fn guest(name: &str) -> PathBuf {

@@ -389,21 +389,34 @@ impl hyper::body::Body for Guarded {
     }
 }
 
-/// Answers a connection over the limit with 503 and closes it.
+/// Answers a connection over the limit with 503 and closes it. The request head is read
+/// first (briefly): closing a socket with unread data would reset the connection and
+/// lose the answer.
 async fn refuse_connection(mut stream: tokio::net::TcpStream) {
-    use tokio::io::AsyncWriteExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    let _ = tokio::time::timeout(Duration::from_millis(200), async {
+        while head.len() < 64 << 10 && !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
     let body = crate::openai::error_body(
         "the router is at its connection limit",
         "server_error",
         None,
         Some("router_overloaded"),
     );
-    let head = format!(
+    let answer = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
         body.len()
     );
     let write = async {
-        stream.write_all(head.as_bytes()).await?;
+        stream.write_all(answer.as_bytes()).await?;
         stream.write_all(body.as_bytes()).await?;
         stream.shutdown().await
     };

@@ -474,9 +474,17 @@ impl Relay {
                 .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         }
         let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(32);
-        let idle = self.gw.config.stream_idle_timeout;
+        let Relay {
+            gw,
+            client,
+            worker,
+            _booking: booking,
+        } = self;
+        let idle = gw.config.stream_idle_timeout;
         tokio::spawn(async move {
-            // `self` holds the booking: released on every exit below.
+            // Moved in by name (a closure captures only the fields it uses): released on
+            // every exit below.
+            let _booking = booking;
             let mut tail: Vec<u8> = Vec::new();
             if let Some(first) = first {
                 note_usage_tail(&mut tail, &first);
@@ -505,16 +513,13 @@ impl Relay {
                     Ok(Some(Err(e))) => format!("the worker's stream broke: {e}"),
                     Err(_) => {
                         let why = format!("the worker sent nothing for {idle:?}");
-                        self.client.record_failure(self.worker, &why);
-                        self.gw.metrics.stalls.fetch_add(1, Ordering::Relaxed);
+                        client.record_failure(worker, &why);
+                        gw.metrics.stalls.fetch_add(1, Ordering::Relaxed);
                         why
                     }
                 };
-                self.gw
-                    .metrics
-                    .stream_errors
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(instance = %self.worker, error = %broke, "upstream stream ended early");
+                gw.metrics.stream_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(instance = %worker, error = %broke, "upstream stream ended early");
                 if is_sse {
                     let event = format!(
                         "data: {}\n\n",
@@ -527,7 +532,7 @@ impl Relay {
                 return;
             }
             if let Some((prompt, cached)) = openai::scan_usage(&tail) {
-                let m = &self.gw.metrics;
+                let m = &gw.metrics;
                 m.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
                 m.cached_tokens.fetch_add(cached, Ordering::Relaxed);
             }

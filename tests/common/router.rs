@@ -1,0 +1,75 @@
+//! Reading a running router's state from the outside: admin API and metrics.
+
+use std::time::{Duration, Instant};
+
+use hyper::{Method, StatusCode};
+use serde_json::Value;
+
+use super::http::{self, HttpClient};
+
+pub const TOKEN: &str = "test-admin-token";
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// Polls until `f` holds (bounded): waiting on state another process changes.
+pub async fn eventually<F: std::future::Future<Output = bool>>(
+    what: &str,
+    mut f: impl FnMut() -> F,
+) {
+    let deadline = Instant::now() + PATIENCE;
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The endpoint's instances from the admin API (`{"panic": .., "instances": [..]}`).
+pub async fn instances(c: &HttpClient, router: &str) -> Value {
+    let (status, _, body) = http::send(
+        c,
+        Method::GET,
+        &format!("{router}/admin/endpoints/default/mock/generate/instances"),
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+        "",
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    serde_json::from_slice(&body).unwrap()
+}
+
+/// How many instances are available.
+pub async fn available(c: &HttpClient, router: &str) -> usize {
+    instances(c, router).await["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["available"] == true)
+        .count()
+}
+
+/// The instance whose URL is `url`.
+pub async fn instance(c: &HttpClient, router: &str, url: &str) -> Value {
+    instances(c, router).await["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["url"] == url)
+        .cloned()
+        .unwrap_or_else(|| panic!("no instance {url}"))
+}
+
+/// The sum of the samples of metric `name` whose labels contain `labels` (e.g.
+/// `kind="failing"`), from `/metrics`.
+pub async fn metric(c: &HttpClient, router: &str, name: &str, labels: &str) -> f64 {
+    let (_, body) = http::get(c, &format!("{router}/metrics")).await;
+    String::from_utf8_lossy(&body)
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (n, rest) = series.split_once('{').unwrap_or((series, ""));
+            (n == name && rest.contains(labels)).then(|| value.parse::<f64>().ok())?
+        })
+        .sum()
+}

@@ -1,0 +1,585 @@
+//! Faults that must not become outages, end to end: real mock-worker processes with
+//! injected faults, a real router process, real HTTP (and a real etcd where discovery is
+//! the subject).
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::etcd::Etcd;
+use common::http::{self, HttpClient, post_json};
+use common::procs::{Proc, mock_worker, serve};
+use common::router::{PATIENCE, TOKEN, available, eventually, instance, instances, metric};
+use hyper::{Method, StatusCode};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn chat(text: &str, max_tokens: u32, stream: bool) -> Value {
+    json!({"model": "mock", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": stream})
+}
+
+/// `n` mock workers started with `flags(i)`, and a router over them with `extra` flags.
+async fn fleet(
+    n: usize,
+    flags: impl Fn(usize) -> Vec<&'static str>,
+    extra: &[&str],
+) -> (Vec<(Proc, String)>, Proc, String) {
+    let mut workers = Vec::new();
+    for i in 0..n {
+        let mut f = vec!["--speedup", "100"];
+        f.extend(flags(i));
+        workers.push(mock_worker(&f).await);
+    }
+    let mut args = vec!["--model", "mock", "--admin-token", TOKEN];
+    for (_, url) in &workers {
+        args.extend(["--worker", url.as_str()]);
+    }
+    args.extend_from_slice(extra);
+    let (router, url) = serve(&args).await;
+    (workers, router, url)
+}
+
+async fn complete(
+    c: &HttpClient,
+    url: &str,
+    body: &Value,
+) -> (StatusCode, hyper::HeaderMap, String) {
+    let (s, h, b) = http::send(
+        c,
+        Method::POST,
+        &format!("{url}/v1/chat/completions"),
+        &[("content-type", "application/json")],
+        body.to_string(),
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    (s, h, String::from_utf8_lossy(&b).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_requests_fail_alone_with_the_engines_message_and_eject_no_one() {
+    let (_workers, _router, url) = fleet(
+        4,
+        |_| vec!["--fault-marker", "POISON"],
+        &["--health-check-interval-ms", "0"],
+    )
+    .await;
+    let c = http::client();
+    let (ok, poison_ok, failed) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(parking_lot::Mutex::new(Vec::new())),
+    );
+    // 120 requests over 6 clients; every tenth carries the marker.
+    let mut tasks = Vec::new();
+    for t in 0..6u32 {
+        let (c, url, ok, poison_ok, failed) = (
+            c.clone(),
+            url.clone(),
+            ok.clone(),
+            poison_ok.clone(),
+            failed.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            for i in 0..20u32 {
+                let poison = (t * 20 + i) % 10 == 0;
+                let text = format!(
+                    "client {t} request {i} {}",
+                    if poison { "POISON" } else { "" }
+                );
+                let (s, _, body) = complete(&c, &url, &chat(&text, 2, false)).await;
+                match (poison, s) {
+                    (false, StatusCode::OK) => {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    (true, StatusCode::INTERNAL_SERVER_ERROR)
+                        if body.contains("this prompt fails on every worker") =>
+                    {
+                        poison_ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => failed.lock().push(format!("poison={poison} {s}: {body}")),
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let failed = failed.lock().clone();
+    assert!(failed.is_empty(), "{failed:?}");
+    assert_eq!(ok.load(Ordering::Relaxed), 108);
+    assert_eq!(poison_ok.load(Ordering::Relaxed), 12);
+    assert_eq!(
+        available(&c, &url).await,
+        4,
+        "a poison request ejected a worker"
+    );
+    assert_eq!(
+        metric(&c, &url, "switchyard_poison_requests_total", "").await,
+        12.0
+    );
+    assert_eq!(
+        metric(&c, &url, "switchyard_ejections_total", "").await,
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_workers_are_skipped_for_their_retry_after_and_never_ejected() {
+    // One of two sheds load with 503 and Retry-After: 5.
+    let (workers, _router, url) = fleet(
+        2,
+        |i| {
+            if i == 0 {
+                vec![
+                    "--fault",
+                    "status",
+                    "--fault-status",
+                    "503",
+                    "--fault-retry-after-secs",
+                    "5",
+                ]
+            } else {
+                vec![]
+            }
+        },
+        &["--health-check-interval-ms", "0"],
+    )
+    .await;
+    let c = http::client();
+    let started = Instant::now();
+    for i in 0..30 {
+        let (s, _, body) = complete(&c, &url, &chat(&format!("question {i}"), 1, false)).await;
+        assert_eq!(s, StatusCode::OK, "{body}");
+    }
+    let busy = metric(&c, &url, "switchyard_busy_answers_total", "").await;
+    // Skipped for 5 s after each busy answer.
+    let windows = (started.elapsed().as_secs_f64() / 5.0).ceil();
+    assert!(
+        busy >= 1.0 && busy <= windows,
+        "{busy} busy answers in {windows} windows"
+    );
+    let shedding = instance(&c, &url, &workers[0].1).await;
+    assert_eq!(shedding["available"], true, "{shedding}");
+    assert_eq!(
+        metric(&c, &url, "switchyard_ejections_total", "").await,
+        0.0
+    );
+
+    // Every worker answers 429: the client gets the worker's own 429 with Retry-After,
+    // then 503 with Retry-After while both are skipped; nobody is ejected.
+    let (_w, _r, url) = fleet(
+        2,
+        |_| {
+            vec![
+                "--fault",
+                "status",
+                "--fault-status",
+                "429",
+                "--fault-retry-after-secs",
+                "30",
+            ]
+        },
+        &["--health-check-interval-ms", "0"],
+    )
+    .await;
+    let (s, h, body) = complete(&c, &url, &chat("hello", 1, false)).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    assert_eq!(h["retry-after"], "30");
+    let (s, h, body) = complete(&c, &url, &chat("hello again", 1, false)).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(body.contains("workers_busy"), "{body}");
+    let after: u64 = h["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=30).contains(&after), "{after}");
+    assert_eq!(available(&c, &url).await, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_three_of_four_workers_failing_half_stay_in_and_the_healthy_one_serves() {
+    let (_workers, _router, url) = fleet(
+        4,
+        |i| {
+            if i < 3 {
+                vec!["--fault", "error"]
+            } else {
+                vec![]
+            }
+        },
+        &["--base-ejection-ms", "60000"],
+    )
+    .await;
+    let c = http::client();
+    let mut results = Vec::new();
+    for i in 0..60 {
+        let (s, _, _) = complete(&c, &url, &chat(&format!("request {i}"), 1, false)).await;
+        results.push(s);
+        let n = available(&c, &url).await;
+        assert!(n >= 2, "only {n} of 4 available after request {i}");
+    }
+    // Once two of the failing workers are out, every request lands on the healthy one
+    // (directly, or after one failed attempt on the third).
+    assert!(
+        results[30..].iter().all(|s| *s == StatusCode::OK),
+        "{results:?}"
+    );
+    assert!(metric(&c, &url, "switchyard_ejections_refused_total", "").await >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_stalls_ends_with_an_error_event_and_releases_its_booking() {
+    let (_workers, _router, url) = fleet(
+        1,
+        |_| vec!["--fault", "stall"],
+        &[
+            "--stream-idle-timeout-secs",
+            "1",
+            "--health-check-interval-ms",
+            "0",
+        ],
+    )
+    .await;
+    let c = http::client();
+    let (s, _, body) = complete(&c, &url, &chat("hello", 50, true)).await;
+    assert_eq!(s, StatusCode::OK);
+    let events = http::sse_events(body.as_bytes());
+    assert!(events.len() >= 2, "{events:?}");
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "upstream_stream_error", "{last}");
+    assert!(
+        last["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("sent nothing")
+    );
+    eventually("the booking released", || async {
+        metric(&c, &url, "switchyard_instance_in_flight", "").await == 0.0
+    })
+    .await;
+    assert_eq!(
+        metric(&c, &url, "switchyard_stream_stalls_total", "").await,
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_stream_releases_its_booking() {
+    // The worker stalls after the first chunk and the idle timeout is a minute: only the
+    // client's leaving can release the booking in time.
+    let (_workers, _router, url) = fleet(
+        1,
+        |_| vec!["--fault", "stall"],
+        &["--health-check-interval-ms", "0"],
+    )
+    .await;
+    let c = http::client();
+    let addr = url.trim_start_matches("http://").to_string();
+    let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let body = chat("hello", 50, true).to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(body.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("data: ") {
+        let n = tokio::time::timeout(PATIENCE, conn.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "closed before the first chunk");
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(
+        metric(&c, &url, "switchyard_instance_in_flight", "").await,
+        1.0
+    );
+    drop(conn);
+    eventually("the booking released after the client left", || async {
+        metric(&c, &url, "switchyard_instance_in_flight", "").await == 0.0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generation_longer_than_the_first_byte_timeout_succeeds() {
+    // 100 tokens at 20 ms each (no speedup): a 2 s answer behind a 1 s first-byte timeout.
+    let (worker, wurl) = mock_worker(&["--decode-base-us", "20000"]).await;
+    let (_router, url) = serve(&[
+        "--worker",
+        &wurl,
+        "--model",
+        "mock",
+        "--first-byte-timeout-secs",
+        "1",
+        "--admin-token",
+        TOKEN,
+    ])
+    .await;
+    let c = http::client();
+    let (s, _, body) = complete(&c, &url, &chat("write a long story", 100, false)).await;
+    assert_eq!(s, StatusCode::OK, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 100);
+    assert_eq!(available(&c, &url).await, 1);
+    drop(worker);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_health_lies_is_ejected_for_longer_each_time() {
+    let (workers, _router, url) = fleet(
+        2,
+        |i| {
+            if i == 0 {
+                vec!["--fault", "error", "--health-lies"]
+            } else {
+                vec![]
+            }
+        },
+        &[
+            "--base-ejection-ms",
+            "200",
+            "--health-check-interval-ms",
+            "0",
+        ],
+    )
+    .await;
+    let c = http::client();
+    let liar = workers[0].1.clone();
+    let mut lengths = Vec::new();
+    let deadline = Instant::now() + PATIENCE;
+    let mut i = 0;
+    while lengths.len() < 3 {
+        assert!(Instant::now() < deadline, "ejections so far: {lengths:?}");
+        i += 1;
+        let (s, _, body) = complete(&c, &url, &chat(&format!("q {i}"), 1, false)).await;
+        assert_eq!(s, StatusCode::OK, "{body}");
+        let state = instance(&c, &url, &liar).await;
+        if let Some(d) = state["down"]["ejected_for_secs"].as_f64()
+            && lengths.last() != Some(&d)
+        {
+            lengths.push(d);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        lengths.windows(2).all(|w| w[1] > w[0]),
+        "ejections did not grow: {lengths:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_whose_workers_are_all_gone_answers_503_until_one_returns() {
+    let etcd = Etcd::start();
+    let (w, _) = mock_worker(&["--etcd", &etcd.url(), "--speedup", "100"]).await;
+    let (_router, url) = serve(&["--etcd", &etcd.url(), "--admin-token", TOKEN]).await;
+    let c = http::client();
+    let (s, _, body) = complete(&c, &url, &chat("hi", 1, false)).await;
+    assert_eq!(s, StatusCode::OK, "{body}");
+    // A graceful stop deregisters the worker at once.
+    w.terminate();
+    eventually("the model to lose its worker", || async {
+        let (s, _, _) = complete(&c, &url, &chat("hi", 1, false)).await;
+        s == StatusCode::SERVICE_UNAVAILABLE
+    })
+    .await;
+    let (s, h, body) = complete(&c, &url, &chat("hi", 1, false)).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(h.contains_key("retry-after"));
+    assert!(body.contains("no_available_worker"), "{body}");
+    let (_w2, _) = mock_worker(&["--etcd", &etcd.url(), "--speedup", "100"]).await;
+    eventually("a new worker to serve the model", || async {
+        complete(&c, &url, &chat("hi", 1, false)).await.0 == StatusCode::OK
+    })
+    .await;
+    // A model never seen is still 404.
+    let (s, _, _) = post_json(
+        &c,
+        &format!("{url}/v1/chat/completions"),
+        &json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_loris_clients_do_not_stop_others_and_are_cut_off() {
+    let (_workers, _router, url) = fleet(1, |_| vec![], &["--client-idle-timeout-secs", "1"]).await;
+    let addr = url.trim_start_matches("http://").to_string();
+    let mut slow = Vec::new();
+    for _ in 0..50 {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+            .await
+            .unwrap();
+        slow.push(s);
+    }
+    let c = http::client();
+    let (s, _, body) = complete(&c, &url, &chat("hello", 1, false)).await;
+    assert_eq!(s, StatusCode::OK, "{body}");
+    // Each slow connection is closed by the router once its head is overdue.
+    for mut s in slow {
+        let mut buf = [0u8; 512];
+        let closed = tokio::time::timeout(PATIENCE, async {
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(closed.is_ok(), "a slow connection was never closed");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_and_requests_over_the_limits_get_503_with_retry_after() {
+    let (_workers, _router, url) = fleet(
+        1,
+        |_| vec!["--fault", "stall"],
+        &[
+            "--max-in-flight",
+            "2",
+            "--max-connections",
+            "4",
+            "--health-check-interval-ms",
+            "0",
+        ],
+    )
+    .await;
+    let addr = url.trim_start_matches("http://").to_string();
+    // Two streams that never end fill the in-flight limit.
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let (s, head) = open_stream(&addr).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        open.push(s);
+    }
+    let c = http::client();
+    let (s, h, body) = complete(&c, &url, &chat("one more", 1, false)).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(body.contains("router_overloaded"), "{body}");
+    assert_eq!(h["retry-after"], "1");
+    // Connections beyond the cap are answered 503 and closed.
+    let mut extra = Vec::new();
+    let mut refused = 0;
+    for _ in 0..4 {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; 1024];
+        let n = tokio::time::timeout(PATIENCE, s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        if String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 503") {
+            refused += 1;
+        }
+        extra.push(s);
+    }
+    assert!(refused >= 1, "no connection was refused at the limit");
+    assert!(metric(&c, &url, "switchyard_refused_connections_total", "").await >= 1.0);
+    // Both limits give their room back when the clients leave.
+    drop(open);
+    drop(extra);
+    eventually("room for a stream again", || async {
+        open_stream(&addr).await.1.starts_with("HTTP/1.1 200")
+    })
+    .await;
+}
+
+/// Opens a streaming completion on a connection of its own; returns the connection and
+/// the first bytes of the answer.
+async fn open_stream(addr: &str) -> (tokio::net::TcpStream, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let body = chat("hang", 50, true).to_string();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(PATIENCE, s.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap_or(0);
+    let head = String::from_utf8_lossy(&buf[..n]).into_owned();
+    (s, head)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_etcd_and_a_mass_deregistration_lose_no_request() {
+    let etcd = Etcd::start();
+    let mut workers = Vec::new();
+    for _ in 0..3 {
+        workers.push(mock_worker(&["--etcd", &etcd.url(), "--speedup", "100", "--ttl", "2"]).await);
+    }
+    let (_router, url) = serve(&["--etcd", &etcd.url(), "--admin-token", TOKEN]).await;
+    let c = http::client();
+    eventually("three workers", || async { available(&c, &url).await == 3 }).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let failures = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let served = Arc::new(AtomicU64::new(0));
+    let load = {
+        let (c, url, stop, failures, served) = (
+            c.clone(),
+            url.clone(),
+            stop.clone(),
+            failures.clone(),
+            served.clone(),
+        );
+        tokio::spawn(async move {
+            // Bounded: at most 5,000 requests.
+            for i in 0..5000 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let (s, _, body) = complete(&c, &url, &chat(&format!("q {i}"), 1, false)).await;
+                if s == StatusCode::OK {
+                    served.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    failures.lock().push(format!("{s}: {body}"));
+                }
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Frozen past every lease's TTL.
+    etcd.signal("STOP");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    etcd.signal("CONT");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Then every registration disappears at once (a mass lease expiry, a bad deploy):
+    // the workers still answer, so they keep serving for the grace period.
+    let mut e = etcd_client::Client::connect([etcd.url()], None)
+        .await
+        .unwrap();
+    e.delete(
+        "switchyard/instances/",
+        Some(etcd_client::DeleteOptions::new().with_prefix()),
+    )
+    .await
+    .unwrap();
+    eventually("the removals held", || async {
+        metric(&c, &url, "switchyard_held_removals_total", "").await == 3.0
+    })
+    .await;
+    assert_eq!(available(&c, &url).await, 3);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    load.await.unwrap();
+    let failures = failures.lock().clone();
+    assert!(
+        failures.is_empty(),
+        "{} failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+    assert!(served.load(Ordering::Relaxed) > 50);
+}
