@@ -131,6 +131,11 @@ pub struct ServeArgs {
     /// Longest `Retry-After` honoured from a busy worker, seconds [default: 60].
     #[arg(long, env = "SWITCHYARD_MAX_RETRY_AFTER_SECS")]
     pub max_retry_after_secs: Option<u64>,
+    /// Classify failures (busy, poison, runs of 5xx, ejection share) [default: true];
+    /// `false` is a benchmark baseline that ejects a worker at its first failure of any
+    /// kind, with no share limit, no health checks and no hold on discovery removals.
+    #[arg(long, env = "SWITCHYARD_OUTLIER_DETECTION")]
+    pub outlier_detection: Option<bool>,
     /// Health endpoint path of the static workers [default: /health].
     #[arg(long, env = "SWITCHYARD_HEALTH_PATH")]
     pub health_path: Option<String>,
@@ -175,6 +180,7 @@ pub struct FileConfig {
     health_check_interval_ms: Option<u64>,
     discovery_grace_secs: Option<u64>,
     max_retry_after_secs: Option<u64>,
+    outlier_detection: Option<bool>,
     health_path: Option<String>,
     /// `[endpoints."namespace/component/endpoint"]` tables.
     #[serde(default)]
@@ -380,6 +386,10 @@ impl ServeArgs {
                 .or(file.max_in_flight)
                 .unwrap_or(defaults.max_in_flight)
                 .max(1),
+            outlier_detection: self
+                .outlier_detection
+                .or(file.outlier_detection)
+                .unwrap_or(true),
             ..defaults
         };
         let od = OutlierConfig::default();
@@ -423,6 +433,21 @@ impl ServeArgs {
                 .or(file.max_retry_after_secs)
                 .map_or(od.busy_max, Duration::from_secs),
             ..od
+        };
+        let outlier = if gateway.outlier_detection {
+            outlier
+        } else {
+            OutlierConfig {
+                consecutive_failures: 1,
+                max_ejection_share: 1.0,
+                panic_threshold: 0.0,
+                // Probed 0.5 s after the failure, as before outlier detection.
+                base_ejection: Duration::from_millis(500),
+                max_ejection: Duration::from_millis(500),
+                health_interval: None,
+                discovery_grace: Duration::ZERO,
+                ..outlier
+            }
         };
         let runtime_defaults = RuntimeConfig::default();
         let runtime = RuntimeConfig {

@@ -95,6 +95,10 @@ pub struct GatewayConfig {
     /// Report failing workers down (the product); `false` only retries elsewhere and
     /// keeps routing to every discovered worker (a baseline for benchmarks).
     pub availability: bool,
+    /// Classify failures (busy, poison, runs of 5xx; the product); `false` ejects a
+    /// worker at its first failure of any kind, the rule before outlier detection (a
+    /// baseline for benchmarks).
+    pub outlier_detection: bool,
 }
 
 impl Default for GatewayConfig {
@@ -112,6 +116,7 @@ impl Default for GatewayConfig {
             max_in_flight: 2048,
             admin_token: None,
             availability: true,
+            outlier_detection: true,
         }
     }
 }

@@ -234,6 +234,15 @@ pub(crate) async fn completion(
                 .entry(worker)
                 .or_insert(0) += 1;
         }
+        if !gw.config.outlier_detection {
+            // The baseline: every failure ejects at once, and the request moves on.
+            if gw.config.availability {
+                client.report_instance_down(worker, &reason);
+            }
+            a.exclude.push(worker);
+            a.last = Some(failure);
+            continue;
+        }
         match &failure {
             Failure::Local(e) => {
                 gw.metrics.local_failures.fetch_add(1, Ordering::Relaxed);
