@@ -36,7 +36,7 @@ enum Command {
     /// its lease alive until stopped (Ctrl-C / SIGTERM revoke it at once).
     Register(RegisterArgs),
     /// Run the router: OpenAI-compatible HTTP in front of discovered workers.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Start a few mock workers and the router in this process, on embedded defaults: no
     /// etcd, no files. Prints the URL and a request to try.
     Demo {

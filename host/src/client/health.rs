@@ -11,11 +11,41 @@ use hyper_util::rt::TokioExecutor;
 
 use crate::discovery::InstanceInfo;
 
-/// Decides whether an instance is healthy again.
+/// Why a health check did not pass.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HealthError {
+    /// The instance did not answer, or answered that it is unhealthy.
+    #[error("{0}")]
+    Unhealthy(String),
+    /// The check could not be made because this process is out of a resource (file
+    /// descriptors, ports): no verdict on the instance.
+    #[error("no verdict, the router is out of resources: {0}")]
+    Local(String),
+}
+
+/// Decides whether an instance is healthy.
 #[async_trait::async_trait]
 pub trait HealthCheck: Send + Sync + 'static {
     /// `Ok` when the instance can take traffic; `Err` says why not.
-    async fn check(&self, instance: &InstanceInfo) -> Result<(), String>;
+    async fn check(&self, instance: &InstanceInfo) -> Result<(), HealthError>;
+}
+
+/// If `e` (or an error it wraps) says this process ran out of something rather than
+/// that the peer failed — EMFILE, ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL (Linux
+/// numbers) — what it says.
+pub fn local_exhaustion(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut source = Some(e);
+    while let Some(err) = source {
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && io
+                .raw_os_error()
+                .is_some_and(|code| matches!(code, 24 | 23 | 105 | 12 | 99))
+        {
+            return Some(io.to_string());
+        }
+        source = err.source();
+    }
+    None
 }
 
 /// `GET {url}{health_path}`; any 2xx within the timeout is healthy. A 404, 405 or 501
@@ -42,20 +72,28 @@ impl HttpHealthCheck {
 
 #[async_trait::async_trait]
 impl HealthCheck for HttpHealthCheck {
-    async fn check(&self, instance: &InstanceInfo) -> Result<(), String> {
+    async fn check(&self, instance: &InstanceInfo) -> Result<(), HealthError> {
         let url = format!("{}{}", instance.url, instance.health_path);
         let uri: hyper::Uri = url
             .parse()
-            .map_err(|e| format!("bad health URL {url}: {e}"))?;
+            .map_err(|e| HealthError::Unhealthy(format!("bad health URL {url}: {e}")))?;
         let response = tokio::time::timeout(self.timeout, self.http.get(uri))
             .await
-            .map_err(|_| format!("GET {url} timed out after {:?}", self.timeout))?
-            .map_err(|e| format!("GET {url}: {e}"))?;
+            .map_err(|_| {
+                HealthError::Unhealthy(format!("GET {url} timed out after {:?}", self.timeout))
+            })?
+            .map_err(|e| match local_exhaustion(&e) {
+                Some(why) => HealthError::Local(why),
+                None => HealthError::Unhealthy(format!("GET {url}: {e}")),
+            })?;
         let status = response.status();
         if status.is_success() || matches!(status.as_u16(), 404 | 405 | 501) {
             Ok(())
         } else {
-            Err(format!("GET {url}: {}", response.status()))
+            Err(HealthError::Unhealthy(format!(
+                "GET {url}: {}",
+                response.status()
+            )))
         }
     }
 }

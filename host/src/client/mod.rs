@@ -40,7 +40,7 @@ use tokio::sync::watch;
 
 use crate::discovery::{DiscoveryUpdate, EndpointPath, InstanceInfo};
 use crate::ids::InstanceId;
-pub use health::{HealthCheck, HttpHealthCheck};
+pub use health::{HealthCheck, HealthError, HttpHealthCheck, local_exhaustion};
 pub use outlier::{DownKind, InstanceHealth, OutlierConfig};
 pub use registry::ClientRegistry;
 
@@ -298,7 +298,7 @@ impl Client {
         let Some(info) = self.instance(id) else {
             return;
         };
-        if let Err(e) = self.health.check(&info).await {
+        if let Err(HealthError::Unhealthy(e)) = self.health.check(&info).await {
             self.record_failure(id, &format!("{reason}; and its health check failed: {e}"));
         }
     }
@@ -655,8 +655,13 @@ impl Client {
             handles.push(tokio::spawn(async move {
                 match me.health.check(&info).await {
                     Ok(()) => health.passed_check(),
-                    Err(e) if held => me.end_hold(id, info.registration, &e),
-                    Err(e) => {
+                    Err(HealthError::Local(e)) => {
+                        tracing::warn!(instance = %id, error = %e, "health check not made");
+                    }
+                    Err(HealthError::Unhealthy(e)) if held => {
+                        me.end_hold(id, info.registration, &e)
+                    }
+                    Err(HealthError::Unhealthy(e)) => {
                         if health.failed_check(&me.config.outlier) {
                             let reason = format!("health check failed: {e}");
                             me.eject(id, &reason, DownKind::Unhealthy);
@@ -683,8 +688,15 @@ async fn probe(client: Weak<Client>, id: InstanceId, registration: u64, ejected_
         let Some(info) = c.still_down(id, registration) else {
             return;
         };
-        let result = c.health.check(&info).await;
-        if c.probe_result(id, registration, result) {
+        let result = match c.health.check(&info).await {
+            Ok(()) => Some(Ok(())),
+            Err(HealthError::Unhealthy(e)) => Some(Err(e)),
+            // No verdict: the router itself is out of resources.
+            Err(HealthError::Local(_)) => None,
+        };
+        if let Some(result) = result
+            && c.probe_result(id, registration, result)
+        {
             return;
         }
         drop(c);
@@ -702,7 +714,7 @@ async fn probe(client: Weak<Client>, id: InstanceId, registration: u64, ejected_
 async fn hold(client: Weak<Client>, id: InstanceId, registration: u64, grace: Duration) {
     let Some(c) = client.upgrade() else { return };
     let Some(info) = c.instance(id) else { return };
-    if let Err(e) = c.health.check(&info).await {
+    if let Err(HealthError::Unhealthy(e)) = c.health.check(&info).await {
         c.end_hold(id, registration, &format!("does not answer: {e}"));
         return;
     }

@@ -13,12 +13,12 @@ struct Scripted {
 
 #[async_trait::async_trait]
 impl HealthCheck for Scripted {
-    async fn check(&self, _: &InstanceInfo) -> Result<(), String> {
+    async fn check(&self, _: &InstanceInfo) -> Result<(), HealthError> {
         self.probes.fetch_add(1, Ordering::SeqCst);
         if self.healthy.load(Ordering::SeqCst) {
             Ok(())
         } else {
-            Err("503".into())
+            Err(HealthError::Unhealthy("503".into()))
         }
     }
 }

@@ -160,6 +160,7 @@ impl Metrics {
         let _ = writeln!(s, "# TYPE switchyard_ejections_refused_total counter");
         let _ = writeln!(s, "# TYPE switchyard_held_removals_total counter");
         let _ = writeln!(s, "# TYPE switchyard_panic_mode gauge");
+        let _ = writeln!(s, "# TYPE switchyard_expired_bookings_total counter");
         let _ = writeln!(s, "# TYPE switchyard_instance_available gauge");
         let _ = writeln!(s, "# TYPE switchyard_instance_in_flight gauge");
         for r in routers {
@@ -216,6 +217,11 @@ impl Metrics {
                 s,
                 "switchyard_held_removals_total{{endpoint=\"{ep}\"}} {}",
                 counters.held_removals.load(Ordering::Relaxed)
+            );
+            let _ = writeln!(
+                s,
+                "switchyard_expired_bookings_total{{endpoint=\"{ep}\"}} {}",
+                r.expired_bookings()
             );
             let snapshot = r.client().snapshot();
             let _ = writeln!(

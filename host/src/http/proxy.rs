@@ -15,6 +15,7 @@
 //! - a non-streaming request that exceeds the request timeout gets 504 and is not
 //!   retried (it would take as long elsewhere); the worker is counted only if its health
 //!   check fails too.
+//!
 //! Once bytes have reached the client, an upstream failure or a stall longer than the
 //! idle timeout ends the stream (with an SSE error event for event streams). The load
 //! booking is released on every path: end, failure, retry, stall, client gone.
@@ -31,7 +32,7 @@ use hyper::{Request, Response, StatusCode};
 use tokio::sync::mpsc;
 
 use super::{ApiError, Body, Gateway};
-use crate::client::Client;
+use crate::client::{Client, local_exhaustion};
 use crate::ids::{InstanceId, RequestId};
 use crate::openai::{self, Api, Prompt};
 use crate::router::{KvRouter, RouteError};
@@ -345,15 +346,12 @@ fn retry_after(headers: &hyper::HeaderMap) -> Option<Duration> {
 
 /// Classifies a failed upstream request.
 fn classify(e: &hyper_util::client::legacy::Error) -> Failure {
+    if let Some(why) = local_exhaustion(e) {
+        return Failure::Local(why);
+    }
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
     let mut closed = false;
     while let Some(err) = source {
-        if let Some(io) = err.downcast_ref::<std::io::Error>()
-            && let Some(code) = io.raw_os_error()
-            && is_local_exhaustion(code)
-        {
-            return Failure::Local(io.to_string());
-        }
         if let Some(h) = err.downcast_ref::<hyper::Error>()
             && (h.is_incomplete_message() || h.is_canceled())
         {
@@ -366,12 +364,6 @@ fn classify(e: &hyper_util::client::legacy::Error) -> Failure {
     } else {
         Failure::Unreachable(format!("{e:?}"))
     }
-}
-
-/// Errors that mean this process ran out of something, not that the peer failed:
-/// EMFILE, ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL (Linux numbers).
-fn is_local_exhaustion(code: i32) -> bool {
-    matches!(code, 24 | 23 | 105 | 12 | 99)
 }
 
 async fn forward(

@@ -145,6 +145,9 @@ pub struct KvRouter {
     /// Short critical sections only: read candidates' loads, book, release.
     load: Mutex<LoadTracker>,
     next_request: AtomicU64,
+    /// Bookings released by the hard expiry: every path of a request releases its own,
+    /// so each one here is a leak.
+    expired_bookings: AtomicU64,
     event_stats: subscriber::EventStats,
 }
 
@@ -164,6 +167,7 @@ impl KvRouter {
             index: RwLock::new(index),
             load: Mutex::new(LoadTracker::new()),
             next_request: AtomicU64::new(1),
+            expired_bookings: AtomicU64::new(0),
             event_stats: subscriber::EventStats::default(),
         }
     }
@@ -186,6 +190,11 @@ impl KvRouter {
     /// The block hasher (the same chain the workers use).
     pub fn hasher(&self) -> &BlockHasher {
         &self.hasher
+    }
+
+    /// Bookings the hard expiry released (leaks).
+    pub fn expired_bookings(&self) -> u64 {
+        self.expired_bookings.load(Ordering::Relaxed)
     }
 
     /// Counters of the KV event subscriptions.
@@ -274,10 +283,16 @@ impl KvRouter {
         let request = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
         let uncached = u64::from(prompt_tokens)
             .saturating_sub(u64::from(overlap_blocks) * u64::from(self.config.block_size));
-        {
+        let expired = {
             let mut load = self.load.lock();
-            load.maybe_expire(now, self.config.load_expiry);
+            let expired = load.maybe_expire(now, self.config.load_expiry);
             load.book(request, worker, hashes, uncached, now);
+            expired
+        };
+        if expired > 0 {
+            self.expired_bookings
+                .fetch_add(expired as u64, Ordering::Relaxed);
+            tracing::warn!(endpoint = %self.endpoint, expired, "load bookings leaked and were released by the hard expiry");
         }
         if self
             .client
