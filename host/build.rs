@@ -69,7 +69,36 @@ fn guest_target_dir(root: &Path) -> PathBuf {
     }
 }
 
+/// The policies compile for `wasm32-wasip2`, which `rust-toolchain.toml` lists; rustup
+/// installs listed targets only when it installs the toolchain, so a machine that already
+/// had the toolchain may lack it. Add it once, through rustup, with a clear message.
+fn ensure_target() {
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let sysroot = Command::new(&rustc)
+        .args(["--print", "sysroot"])
+        .output()
+        .ok()
+        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()));
+    let installed =
+        sysroot.is_some_and(|root| root.join("lib/rustlib").join(TARGET).join("lib").is_dir());
+    if installed {
+        return;
+    }
+    println!(
+        "cargo:warning=the {TARGET} target is missing; adding it with `rustup target add {TARGET}`"
+    );
+    let added = Command::new("rustup")
+        .args(["target", "add", TARGET])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        added,
+        "the policies need the {TARGET} target: run `rustup target add {TARGET}`"
+    );
+}
+
 fn build_guests(workspace: &Path, target_dir: &Path) {
+    ensure_target();
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(workspace)

@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use common::etcd::Etcd;
 use common::health::HealthServer;
-use etcd_client::PutOptions;
 use switchyard::client::{
     Availability, Client, ClientConfig, ClientRegistry, HttpHealthCheck, OutlierConfig,
 };
 use switchyard::discovery::etcd::{EtcdConfig, EtcdDiscovery};
+use switchyard::discovery::etcd_api::EtcdApi;
 use switchyard::discovery::etcd_register::Registration;
 use switchyard::discovery::{EndpointPath, InstanceInfo, InstanceKey, InstanceRecord};
 use switchyard::ids::InstanceId;
@@ -77,22 +77,26 @@ async fn wait_available(rx: &mut watch::Receiver<Arc<[InstanceId]>>, want: &[u64
     bounded(what, rx.wait_for(|a| **a == *want)).await.unwrap();
 }
 
+fn api(etcd: &Etcd) -> EtcdApi {
+    EtcdApi::new(&[etcd.url()], Duration::from_secs(5))
+}
+
 async fn put_record(etcd: &Etcd, info: &InstanceInfo) {
     let key = InstanceKey {
         root: "switchyard".into(),
         endpoint: info.endpoint.clone(),
         id: info.id,
     };
-    let mut c = etcd_client::Client::connect([etcd.url()], None)
+    api(etcd)
+        .put(
+            &key.to_string(),
+            serde_json::to_string(&InstanceRecord::from_info(info))
+                .unwrap()
+                .as_bytes(),
+            None,
+        )
         .await
         .unwrap();
-    c.put(
-        key.to_string(),
-        serde_json::to_string(&InstanceRecord::from_info(info)).unwrap(),
-        None::<PutOptions>,
-    )
-    .await
-    .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -275,15 +279,13 @@ async fn the_client_keeps_its_set_while_etcd_is_down_then_converges() {
     etcd.restart();
     // Changes made while the client was disconnected.
     put_record(&etcd, &info(3, "http://127.0.0.1:11")).await;
-    let mut c = etcd_client::Client::connect([etcd.url()], None)
-        .await
-        .unwrap();
+    let c = api(&etcd);
     let key1 = InstanceKey {
         root: "switchyard".into(),
         endpoint: endpoint(),
         id: InstanceId(1),
     };
-    c.delete(key1.to_string(), None).await.unwrap();
+    c.delete(&key1.to_string(), false).await.unwrap();
     wait_available(&mut rx, &[2, 3], "convergence after the restart").await;
 
     // And the watch is live again.
@@ -295,12 +297,14 @@ async fn the_client_keeps_its_set_while_etcd_is_down_then_converges() {
 async fn malformed_keys_and_values_are_skipped_and_the_watch_goes_on() {
     let etcd = Etcd::start();
     let prefix = endpoint().etcd_prefix("switchyard");
-    let mut c = etcd_client::Client::connect([etcd.url()], None)
+    let c = api(&etcd);
+    // Present at list time.
+    c.put(&format!("{prefix}not-hex"), b"{}", None)
         .await
         .unwrap();
-    // Present at list time.
-    c.put(format!("{prefix}not-hex"), "{}", None).await.unwrap();
-    c.put(format!("{prefix}a"), "not json", None).await.unwrap();
+    c.put(&format!("{prefix}a"), b"not json", None)
+        .await
+        .unwrap();
     put_record(&etcd, &info(1, "http://127.0.0.1:9")).await;
 
     let registry = registry(&etcd);
@@ -312,8 +316,8 @@ async fn malformed_keys_and_values_are_skipped_and_the_watch_goes_on() {
     let mut wrong_id = InstanceRecord::from_info(&info(2, "http://127.0.0.1:9"));
     wrong_id.instance_id = "ff".into();
     c.put(
-        format!("{prefix}2"),
-        serde_json::to_string(&wrong_id).unwrap(),
+        &format!("{prefix}2"),
+        serde_json::to_string(&wrong_id).unwrap().as_bytes(),
         None,
     )
     .await
@@ -321,16 +325,16 @@ async fn malformed_keys_and_values_are_skipped_and_the_watch_goes_on() {
     let mut bad_url = InstanceRecord::from_info(&info(3, "ftp://x"));
     bad_url.url = "ftp://x".into();
     c.put(
-        format!("{prefix}3"),
-        serde_json::to_string(&bad_url).unwrap(),
+        &format!("{prefix}3"),
+        serde_json::to_string(&bad_url).unwrap().as_bytes(),
         None,
     )
     .await
     .unwrap();
-    c.put(format!("{prefix}zz/extra"), "{}", None)
+    c.put(&format!("{prefix}zz/extra"), b"{}", None)
         .await
         .unwrap();
-    c.delete(format!("{prefix}not-hex"), None).await.unwrap();
+    c.delete(&format!("{prefix}not-hex"), false).await.unwrap();
     put_record(&etcd, &info(5, "http://127.0.0.1:9")).await;
     wait_available(&mut rx, &[1, 5], "the next valid instance").await;
     assert_eq!(client.snapshot().instances.len(), 2);

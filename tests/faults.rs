@@ -561,15 +561,10 @@ async fn a_frozen_etcd_and_a_mass_deregistration_lose_no_request() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     // Then every registration disappears at once (a mass lease expiry, a bad deploy):
     // the workers still answer, so they keep serving for the grace period.
-    let mut e = etcd_client::Client::connect([etcd.url()], None)
+    switchyard::discovery::etcd_api::EtcdApi::new(&[etcd.url()], Duration::from_secs(5))
+        .delete("switchyard/instances/", true)
         .await
         .unwrap();
-    e.delete(
-        "switchyard/instances/",
-        Some(etcd_client::DeleteOptions::new().with_prefix()),
-    )
-    .await
-    .unwrap();
     eventually("the removals held", || async {
         metric(&c, &url, "switchyard_held_removals_total", "").await >= 3.0
     })

@@ -83,10 +83,13 @@ impl Etcd {
                         .build()
                         .unwrap();
                     rt.block_on(async {
-                        let Ok(mut c) = etcd_client::Client::connect([url], None).await else {
-                            return false;
-                        };
-                        c.get("probe", None).await.is_ok()
+                        switchyard::discovery::etcd_api::EtcdApi::new(
+                            &[url],
+                            Duration::from_secs(2),
+                        )
+                        .status()
+                        .await
+                        .is_ok()
                     })
                 })
                 .join()

@@ -1,12 +1,14 @@
 //! etcd discovery: list an endpoint's prefix, then watch it from the listed revision + 1
 //! so no change is missed; on a broken watch or a lost connection, reconnect with
 //! backoff, re-list and reset. While etcd is unreachable nothing is sent, so the last
-//! known set stays in force.
+//! known set stays in force. An open watch is checked every `timeout` with a cheap call,
+//! so that a server that stopped answering (without closing the connection) is noticed.
 
 use std::time::Duration;
 
-use etcd_client::{Client as Etcd, ConnectOptions, EventType, GetOptions, KeyValue, WatchOptions};
 use tokio::sync::mpsc;
+
+use super::etcd_api::{EtcdApi, Event, Kv};
 
 use super::{
     Discovery, DiscoveryError, DiscoveryUpdate, EndpointPath, InstanceInfo, InstanceKey,
@@ -40,42 +42,26 @@ impl EtcdConfig {
         }
     }
 
-    pub(crate) fn error(&self, e: impl std::fmt::Display) -> DiscoveryError {
-        DiscoveryError::Etcd {
-            endpoints: self.endpoints.join(","),
-            why: e.to_string(),
-        }
-    }
-
-    /// Connects, with keep-alive pings so that a dead server breaks open watches.
-    pub async fn connect(&self) -> Result<Etcd, DiscoveryError> {
-        let options = ConnectOptions::new()
-            .with_connect_timeout(self.timeout)
-            .with_timeout(self.timeout)
-            .with_keep_alive(Duration::from_secs(1), self.timeout)
-            .with_keep_alive_while_idle(true);
-        tokio::time::timeout(self.timeout, Etcd::connect(&self.endpoints, Some(options)))
-            .await
-            .map_err(|_| self.error("connection timed out"))?
-            .map_err(|e| self.error(e))
+    /// A client of this etcd (no connection is made until the first call).
+    pub fn api(&self) -> EtcdApi {
+        EtcdApi::new(&self.endpoints, self.timeout)
     }
 }
 
-/// Parses one key-value pair under an endpoint prefix.
 /// The instance under `kv`, and whether it is draining (about to deregister).
-pub(crate) fn parse_kv(kv: &KeyValue) -> Result<(InstanceInfo, bool), DiscoveryError> {
-    let key_text = String::from_utf8_lossy(kv.key());
+pub(crate) fn parse_kv(kv: &Kv) -> Result<(InstanceInfo, bool), DiscoveryError> {
+    let key_text = String::from_utf8_lossy(&kv.key);
     let key: InstanceKey = key_text.parse()?;
     let record: InstanceRecord =
-        serde_json::from_slice(kv.value()).map_err(|e| DiscoveryError::BadValue {
+        serde_json::from_slice(&kv.value).map_err(|e| DiscoveryError::BadValue {
             key: key.to_string(),
             why: e.to_string(),
         })?;
     // A new lease (or, without one, a new create revision) is a new registration.
-    let registration = if kv.lease() != 0 {
-        kv.lease()
+    let registration = if kv.lease != 0 {
+        kv.lease
     } else {
-        kv.create_revision()
+        kv.create_revision
     } as u64;
     let draining = record.draining;
     Ok((record.into_info(&key, registration)?, draining))
@@ -85,14 +71,10 @@ pub(crate) fn parse_kv(kv: &KeyValue) -> Result<(InstanceInfo, bool), DiscoveryE
 pub async fn list_all(
     config: &EtcdConfig,
 ) -> Result<(Vec<InstanceInfo>, Vec<DiscoveryError>), DiscoveryError> {
-    let mut etcd = config.connect().await?;
     let prefix = format!("{}/instances/", config.root.trim_end_matches('/'));
-    let resp = etcd
-        .get(prefix, Some(GetOptions::new().with_prefix()))
-        .await
-        .map_err(|e| config.error(e))?;
+    let (kvs, _) = config.api().range_prefix(&prefix).await?;
     let (mut ok, mut bad) = (Vec::new(), Vec::new());
-    for kv in resp.kvs() {
+    for kv in &kvs {
         match parse_kv(kv) {
             Ok((info, _)) => ok.push(info),
             Err(e) => bad.push(e),
@@ -149,32 +131,18 @@ async fn list_and_watch(
     delay: &mut Duration,
 ) -> Result<(), DiscoveryError> {
     let prefix = endpoint.etcd_prefix(&config.root);
-    let mut etcd = config.connect().await?;
-    let resp = etcd
-        .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
-        .await
-        .map_err(|e| config.error(e))?;
-    let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
+    let api = config.api();
+    let (kvs, revision) = api.range_prefix(&prefix).await?;
     let mut set = Vec::new();
     let mut leaving = Vec::new();
-    for kv in resp.kvs() {
+    for kv in &kvs {
         match parse_kv(kv) {
             Ok((info, false)) => set.push(info),
             Ok((info, true)) => leaving.push(info.id),
             Err(e) => tracing::warn!(error = %e, "skipping a malformed instance entry"),
         }
     }
-    let mut stream = etcd
-        .watch(
-            prefix.as_str(),
-            Some(
-                WatchOptions::new()
-                    .with_prefix()
-                    .with_start_revision(revision + 1),
-            ),
-        )
-        .await
-        .map_err(|e| config.error(e))?;
+    let mut watch = api.watch_prefix(&prefix, revision + 1).await?;
     tracing::debug!(endpoint = %endpoint, instances = set.len(), revision, "listed instances; watching");
     if tx.send(DiscoveryUpdate::Reset(set)).is_err() {
         return Ok(());
@@ -186,22 +154,19 @@ async fn list_and_watch(
     }
     // Connected and listed: the next failure starts backing off from the beginning.
     *delay = config.backoff_initial;
+    let mut alive = tokio::time::interval(config.timeout);
+    alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let msg = stream.message().await.map_err(|e| config.error(e))?;
-        let Some(msg) = msg else {
-            return Err(config.error("watch stream ended"));
+        let events = tokio::select! {
+            events = watch.next() => events?,
+            _ = alive.tick() => {
+                api.status().await?;
+                continue;
+            }
         };
-        if msg.canceled() {
-            return Err(config.error(format!(
-                "watch canceled (compacted at {}): {}",
-                msg.compact_revision(),
-                msg.cancel_reason()
-            )));
-        }
-        for event in msg.events() {
-            let Some(kv) = event.kv() else { continue };
-            let update = match event.event_type() {
-                EventType::Put => match parse_kv(kv) {
+        for event in events {
+            let update = match event {
+                Event::Put(kv) => match parse_kv(&kv) {
                     Ok((info, false)) => DiscoveryUpdate::Insert(info),
                     Ok((info, true)) => DiscoveryUpdate::Leave(info.id),
                     Err(e) => {
@@ -209,14 +174,15 @@ async fn list_and_watch(
                         continue;
                     }
                 },
-                EventType::Delete => match String::from_utf8_lossy(kv.key()).parse::<InstanceKey>()
-                {
-                    Ok(key) => DiscoveryUpdate::Remove(key.id),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "skipping the deletion of a malformed key");
-                        continue;
+                Event::Delete(kv) => {
+                    match String::from_utf8_lossy(&kv.key).parse::<InstanceKey>() {
+                        Ok(key) => DiscoveryUpdate::Remove(key.id),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "skipping the deletion of a malformed key");
+                            continue;
+                        }
                     }
-                },
+                }
             };
             if tx.send(update).is_err() {
                 return Ok(());

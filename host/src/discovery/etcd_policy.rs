@@ -6,11 +6,11 @@
 //! request limit (1.5 MiB) bounds the policy size at about 1.1 MiB of `.wasm`.
 
 use base64::Engine as _;
-use etcd_client::{EventType, GetOptions, WatchOptions};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::etcd::EtcdConfig;
+use super::etcd_api::Event;
 use super::{DiscoveryError, EndpointPath};
 
 /// A policy stored in etcd.
@@ -67,10 +67,7 @@ pub async fn push(
 ) -> Result<String, DiscoveryError> {
     let key = format!("{}{endpoint}", prefix(&config.root));
     let value = serde_json::to_string(policy).expect("policies serialise");
-    let mut etcd = config.connect().await?;
-    etcd.put(key.as_str(), value, None)
-        .await
-        .map_err(|e| config.error(e))?;
+    config.api().put(&key, value.as_bytes(), None).await?;
     Ok(key)
 }
 
@@ -110,48 +107,42 @@ async fn cycle(
     seen: &mut i64,
     delay: &mut std::time::Duration,
 ) -> Result<(), DiscoveryError> {
-    let mut etcd = config.connect().await?;
-    let resp = etcd
-        .get(prefix(&config.root), Some(GetOptions::new().with_prefix()))
-        .await
-        .map_err(|e| config.error(e))?;
-    let revision = resp.header().map_or(0, |h| h.revision());
-    for kv in resp.kvs() {
-        if kv.mod_revision() <= *seen {
+    let api = config.api();
+    let (kvs, revision) = api.range_prefix(&prefix(&config.root)).await?;
+    for kv in &kvs {
+        if kv.mod_revision <= *seen {
             continue;
         }
-        match parse(kv.key(), kv.value(), &config.root) {
+        match parse(&kv.key, &kv.value, &config.root) {
             Ok((endpoint, policy)) => apply(endpoint, policy),
             Err(e) => tracing::warn!(error = %e, "skipping a malformed policy entry"),
         }
     }
     *seen = (*seen).max(revision);
-    let mut stream = etcd
-        .watch(
-            prefix(&config.root),
-            Some(
-                WatchOptions::new()
-                    .with_prefix()
-                    .with_start_revision(revision + 1),
-            ),
-        )
-        .await
-        .map_err(|e| config.error(e))?;
+    let mut watch = api
+        .watch_prefix(&prefix(&config.root), revision + 1)
+        .await?;
     *delay = config.backoff_initial;
+    let mut alive = tokio::time::interval(config.timeout);
+    alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let Some(msg) = stream.message().await.map_err(|e| config.error(e))? else {
-            return Err(config.error("policy watch ended"));
-        };
-        if msg.canceled() {
-            return Err(config.error(format!("policy watch canceled: {}", msg.cancel_reason())));
-        }
-        for event in msg.events() {
-            let Some(kv) = event.kv() else { continue };
-            *seen = (*seen).max(kv.mod_revision());
-            if event.event_type() != EventType::Put {
+        let events = tokio::select! {
+            events = watch.next() => events?,
+            _ = alive.tick() => {
+                api.status().await?;
                 continue;
             }
-            match parse(kv.key(), kv.value(), &config.root) {
+        };
+        for event in events {
+            let kv = match event {
+                Event::Put(kv) => kv,
+                Event::Delete(kv) => {
+                    *seen = (*seen).max(kv.mod_revision);
+                    continue;
+                }
+            };
+            *seen = (*seen).max(kv.mod_revision);
+            match parse(&kv.key, &kv.value, &config.root) {
                 Ok((endpoint, policy)) => apply(endpoint, policy),
                 Err(e) => tracing::warn!(error = %e, "skipping a malformed policy entry"),
             }

@@ -6,7 +6,6 @@
 
 use std::time::Duration;
 
-use etcd_client::PutOptions;
 use tokio::sync::{oneshot, watch};
 
 use super::etcd::EtcdConfig;
@@ -126,49 +125,28 @@ async fn session(
     stop: &mut oneshot::Receiver<()>,
     lease_tx: &watch::Sender<Option<i64>>,
 ) -> Result<SessionEnd, DiscoveryError> {
-    let mut etcd = config.connect().await?;
-    let lease = etcd
-        .lease_grant(ttl.as_secs() as i64, None)
-        .await
-        .map_err(|e| config.error(e))?
-        .id();
-    etcd.put(
-        key,
-        value.as_str(),
-        Some(PutOptions::new().with_lease(lease)),
-    )
-    .await
-    .map_err(|e| config.error(e))?;
+    let etcd = config.api();
+    let lease = etcd.lease_grant(ttl.as_secs() as i64).await?;
+    etcd.put(key, value.as_bytes(), Some(lease)).await?;
     lease_tx.send_replace(Some(lease));
     tracing::info!(key, lease, ttl = ?ttl, "registered");
-    let (mut keeper, mut responses) = etcd
-        .lease_keep_alive(lease)
-        .await
-        .map_err(|e| config.error(e))?;
     let mut tick = tokio::time::interval(ttl / 3);
     loop {
         tokio::select! {
             _ = &mut *stop => {
-                let marked = etcd.put(key, draining.as_str(), Some(PutOptions::new().with_lease(lease)));
-                if tokio::time::timeout(config.timeout, marked).await.is_err() {
+                if etcd.put(key, draining.as_bytes(), Some(lease)).await.is_err() {
                     tracing::warn!(key, "could not mark the registration draining");
                 }
-                let revoked = tokio::time::timeout(config.timeout, etcd.lease_revoke(lease)).await;
+                let revoked = etcd.lease_revoke(lease).await;
                 lease_tx.send_replace(None);
                 match revoked {
-                    Ok(Ok(_)) => tracing::info!(key, lease, "registration revoked"),
-                    _ => tracing::warn!(key, lease, "could not revoke the lease; the key expires with it"),
+                    Ok(()) => tracing::info!(key, lease, "registration revoked"),
+                    Err(_) => tracing::warn!(key, lease, "could not revoke the lease; the key expires with it"),
                 }
                 return Ok(SessionEnd::Stopped);
             }
             _ = tick.tick() => {
-                keeper.keep_alive().await.map_err(|e| config.error(e))?;
-                let resp = tokio::time::timeout(config.timeout, responses.message())
-                    .await
-                    .map_err(|_| config.error("lease keep-alive timed out"))?
-                    .map_err(|e| config.error(e))?
-                    .ok_or_else(|| config.error("lease keep-alive stream ended"))?;
-                if resp.ttl() <= 0 {
+                if etcd.lease_keep_alive(lease).await? <= 0 {
                     lease_tx.send_replace(None);
                     return Ok(SessionEnd::LeaseLost);
                 }

@@ -10,6 +10,7 @@
 //! Only `discovery/etcd*` knows etcd. Must not know: routing, policies, HTTP serving.
 
 pub mod etcd;
+pub mod etcd_api;
 pub mod etcd_policy;
 pub mod etcd_register;
 pub mod fixed;

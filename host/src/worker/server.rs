@@ -358,6 +358,10 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
             Fault::None | Fault::CutStream | Fault::Stall => {
                 json_response(StatusCode::OK, json!({"status": "ok"}))
             }
+            // Shedding load (429/503) is not being unhealthy.
+            Fault::Status if matches!(shared.fault.lock().status, Some(429 | 503)) => {
+                json_response(StatusCode::OK, json!({"status": "ok", "shedding": true}))
+            }
             Fault::Hang => std::future::pending().await,
             f => json_response(
                 StatusCode::SERVICE_UNAVAILABLE,

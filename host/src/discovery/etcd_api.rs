@@ -1,0 +1,427 @@
+//! The etcd v3 API through etcd's own JSON gateway (HTTP/1.1 on the client port, served
+//! by every etcd since 3.3 at `/v3/...`): range, put, delete, leases and watches.
+//!
+//! Why not gRPC: the gRPC client crates build their protocol code with `protoc` at compile
+//! time, which a machine with only Rust does not have; the gateway carries the same API
+//! as JSON (64-bit integers as decimal strings, bytes as base64) over the HTTP client the
+//! router already has. A watch is one long POST whose response is a stream of JSON
+//! objects, one per watch response.
+//!
+//! Only `discovery/etcd*` uses this module.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use base64::Engine as _;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client as HttpClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::DiscoveryError;
+
+/// Largest JSON answer read whole (a range over many instances and policies).
+const MAX_ANSWER: usize = 256 << 20;
+
+/// A key and its value as etcd stores them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kv {
+    /// The key.
+    pub key: Vec<u8>,
+    /// The value.
+    pub value: Vec<u8>,
+    /// Revision of the key's creation.
+    pub create_revision: i64,
+    /// Revision of its last change.
+    pub mod_revision: i64,
+    /// Its lease (0: none).
+    pub lease: i64,
+}
+
+/// A change seen by a watch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// The key was written.
+    Put(Kv),
+    /// The key was deleted (only `key` and `mod_revision` are set).
+    Delete(Kv),
+}
+
+/// An etcd cluster, reached at its client URLs (tried in turn).
+#[derive(Clone)]
+pub struct EtcdApi {
+    endpoints: Vec<String>,
+    http: HttpClient<HttpConnector, Full<Bytes>>,
+    timeout: Duration,
+    /// The endpoint to try first (the last one that answered).
+    current: std::sync::Arc<AtomicUsize>,
+}
+
+impl std::fmt::Debug for EtcdApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdApi")
+            .field("endpoints", &self.endpoints)
+            .finish()
+    }
+}
+
+fn b64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+fn unb64(text: Option<&str>) -> Result<Vec<u8>, String> {
+    text.map_or(Ok(Vec::new()), |t| {
+        base64::engine::general_purpose::STANDARD
+            .decode(t)
+            .map_err(|e| format!("bad base64 from etcd: {e}"))
+    })
+}
+
+/// A 64-bit integer as the gateway writes it (a decimal string; absent means 0).
+fn int(v: &Value) -> i64 {
+    match v {
+        Value::String(s) => s.parse().unwrap_or(0),
+        Value::Number(n) => n.as_i64().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// The end of the range of keys that start with `prefix` (etcd's "prefix" convention).
+pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
+}
+
+#[derive(Deserialize)]
+struct RawKv {
+    key: Option<String>,
+    value: Option<String>,
+    #[serde(default)]
+    create_revision: Value,
+    #[serde(default)]
+    mod_revision: Value,
+    #[serde(default)]
+    lease: Value,
+}
+
+impl RawKv {
+    fn into_kv(self) -> Result<Kv, String> {
+        Ok(Kv {
+            key: unb64(self.key.as_deref())?,
+            value: unb64(self.value.as_deref())?,
+            create_revision: int(&self.create_revision),
+            mod_revision: int(&self.mod_revision),
+            lease: int(&self.lease),
+        })
+    }
+}
+
+impl EtcdApi {
+    /// A client of the etcd at `endpoints` (`http://host:port`), giving each call
+    /// `timeout`.
+    pub fn new(endpoints: &[String], timeout: Duration) -> EtcdApi {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(timeout));
+        connector.set_nodelay(true);
+        EtcdApi {
+            endpoints: endpoints
+                .iter()
+                .map(|e| e.trim_end_matches('/').to_string())
+                .collect(),
+            http: HttpClient::builder(TokioExecutor::new()).build(connector),
+            timeout,
+            current: std::sync::Arc::default(),
+        }
+    }
+
+    fn error(&self, why: impl std::fmt::Display) -> DiscoveryError {
+        DiscoveryError::Etcd {
+            endpoints: self.endpoints.join(","),
+            why: why.to_string(),
+        }
+    }
+
+    /// Sends `body` to `path` on the first endpoint that answers; returns the answer's
+    /// head and body (not read).
+    async fn send(
+        &self,
+        path: &str,
+        body: &Value,
+    ) -> Result<hyper::Response<Incoming>, DiscoveryError> {
+        if self.endpoints.is_empty() {
+            return Err(self.error("no etcd endpoint configured"));
+        }
+        let body = Bytes::from(body.to_string());
+        let first = self.current.load(Ordering::Relaxed);
+        let mut last = String::new();
+        for i in 0..self.endpoints.len() {
+            let n = (first + i) % self.endpoints.len();
+            let uri = format!("{}{path}", self.endpoints[n]);
+            let req = hyper::Request::post(uri.as_str())
+                .header("content-type", "application/json")
+                .body(Full::new(body.clone()))
+                .map_err(|e| self.error(format!("bad etcd URL {uri}: {e}")))?;
+            match tokio::time::timeout(self.timeout, self.http.request(req)).await {
+                Ok(Ok(resp)) => {
+                    self.current.store(n, Ordering::Relaxed);
+                    return Ok(resp);
+                }
+                Ok(Err(e)) => last = format!("{uri}: {e}"),
+                Err(_) => last = format!("{uri}: no answer within {:?}", self.timeout),
+            }
+        }
+        Err(self.error(last))
+    }
+
+    /// One unary call: the answer's JSON, or the error etcd gave.
+    async fn call(&self, path: &str, body: Value) -> Result<Value, DiscoveryError> {
+        let resp = self.send(path, &body).await?;
+        let status = resp.status();
+        let bytes = tokio::time::timeout(
+            self.timeout,
+            Limited::new(resp.into_body(), MAX_ANSWER).collect(),
+        )
+        .await
+        .map_err(|_| self.error(format!("{path}: the answer did not finish in time")))?
+        .map_err(|e| self.error(format!("{path}: {e}")))?
+        .to_bytes();
+        let v: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| self.error(format!("{path}: not JSON ({e})")))?;
+        if !status.is_success() || v.get("error").is_some() {
+            let message = v
+                .get("message")
+                .or_else(|| v.get("error"))
+                .and_then(Value::as_str)
+                .unwrap_or("no message");
+            return Err(self.error(format!("{path}: {status}: {message}")));
+        }
+        Ok(v)
+    }
+
+    /// Every key under `prefix`, and the revision they were read at.
+    pub async fn range_prefix(&self, prefix: &str) -> Result<(Vec<Kv>, i64), DiscoveryError> {
+        let v = self
+            .call(
+                "/v3/kv/range",
+                json!({"key": b64(prefix.as_bytes()), "range_end": b64(&prefix_end(prefix.as_bytes()))}),
+            )
+            .await?;
+        let revision = int(&v["header"]["revision"]);
+        let kvs = match v.get("kvs") {
+            Some(list) => serde_json::from_value::<Vec<RawKv>>(list.clone())
+                .map_err(|e| self.error(format!("range: {e}")))?
+                .into_iter()
+                .map(RawKv::into_kv)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| self.error(e))?,
+            None => Vec::new(),
+        };
+        Ok((kvs, revision))
+    }
+
+    /// Writes `key`, bound to `lease` if given.
+    pub async fn put(
+        &self,
+        key: &str,
+        value: &[u8],
+        lease: Option<i64>,
+    ) -> Result<(), DiscoveryError> {
+        let mut body = json!({"key": b64(key.as_bytes()), "value": b64(value)});
+        if let Some(l) = lease {
+            body["lease"] = json!(l.to_string());
+        }
+        self.call("/v3/kv/put", body).await.map(|_| ())
+    }
+
+    /// Deletes `key`, or every key under it with `prefix`.
+    pub async fn delete(&self, key: &str, prefix: bool) -> Result<(), DiscoveryError> {
+        let mut body = json!({"key": b64(key.as_bytes())});
+        if prefix {
+            body["range_end"] = json!(b64(&prefix_end(key.as_bytes())));
+        }
+        self.call("/v3/kv/deleterange", body).await.map(|_| ())
+    }
+
+    /// A new lease of `ttl` seconds; returns its ID.
+    pub async fn lease_grant(&self, ttl: i64) -> Result<i64, DiscoveryError> {
+        let v = self
+            .call("/v3/lease/grant", json!({"TTL": ttl.to_string()}))
+            .await?;
+        match int(&v["ID"]) {
+            0 => Err(self.error("lease grant returned no ID")),
+            id => Ok(id),
+        }
+    }
+
+    /// Renews `lease`; returns its remaining TTL in seconds (0 or less: it is gone).
+    pub async fn lease_keep_alive(&self, lease: i64) -> Result<i64, DiscoveryError> {
+        let v = self
+            .call("/v3/lease/keepalive", json!({"ID": lease.to_string()}))
+            .await?;
+        Ok(int(&v["result"]["TTL"]))
+    }
+
+    /// Revokes `lease`: the keys bound to it are deleted at once.
+    pub async fn lease_revoke(&self, lease: i64) -> Result<(), DiscoveryError> {
+        self.call("/v3/lease/revoke", json!({"ID": lease.to_string()}))
+            .await
+            .map(|_| ())
+    }
+
+    /// Whether the cluster answers (a cheap call used to notice a dead server under an
+    /// open watch).
+    pub async fn status(&self) -> Result<(), DiscoveryError> {
+        self.call("/v3/maintenance/status", json!({}))
+            .await
+            .map(|_| ())
+    }
+
+    /// Watches every key under `prefix` from `start_revision`.
+    pub async fn watch_prefix(
+        &self,
+        prefix: &str,
+        start_revision: i64,
+    ) -> Result<Watch, DiscoveryError> {
+        let body = json!({"create_request": {
+            "key": b64(prefix.as_bytes()),
+            "range_end": b64(&prefix_end(prefix.as_bytes())),
+            "start_revision": start_revision.to_string(),
+        }});
+        let resp = self.send("/v3/watch", &body).await?;
+        if !resp.status().is_success() {
+            return Err(self.error(format!("watch: {}", resp.status())));
+        }
+        let mut watch = Watch {
+            body: resp.into_body(),
+            buf: Vec::new(),
+            api: self.clone(),
+        };
+        // The first answer confirms the watch was created.
+        let first = watch.message().await?;
+        if first["result"]["created"] != true {
+            return Err(self.error(format!("watch was not created: {first}")));
+        }
+        Ok(watch)
+    }
+}
+
+/// An open watch: a stream of JSON watch responses.
+pub struct Watch {
+    body: Incoming,
+    buf: Vec<u8>,
+    api: EtcdApi,
+}
+
+impl Watch {
+    /// The next JSON object of the stream.
+    async fn message(&mut self) -> Result<Value, DiscoveryError> {
+        loop {
+            // Objects are separated by newlines; skip blank lines.
+            if let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.buf.drain(..=end).collect();
+                let line = line.trim_ascii();
+                if line.is_empty() {
+                    continue;
+                }
+                return serde_json::from_slice(line)
+                    .map_err(|e| self.api.error(format!("watch: not JSON ({e})")));
+            }
+            if self.buf.len() > MAX_ANSWER {
+                return Err(self.api.error("watch: an answer is too large"));
+            }
+            match self.body.frame().await {
+                None => {
+                    if self.buf.trim_ascii().is_empty() {
+                        return Err(self.api.error("the watch stream ended"));
+                    }
+                    // A last object without a newline.
+                    let rest = std::mem::take(&mut self.buf);
+                    return serde_json::from_slice(rest.trim_ascii())
+                        .map_err(|e| self.api.error(format!("watch: not JSON ({e})")));
+                }
+                Some(Err(e)) => return Err(self.api.error(format!("watch: {e}"))),
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.buf.extend_from_slice(&data);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The events of the next watch response that has any. Ends with an error when the
+    /// watch is canceled (e.g. its start revision was compacted) or the stream breaks.
+    pub async fn next(&mut self) -> Result<Vec<Event>, DiscoveryError> {
+        loop {
+            let v = self.message().await?;
+            if let Some(e) = v.get("error") {
+                return Err(self.api.error(format!("watch: {e}")));
+            }
+            let result = &v["result"];
+            if result["canceled"] == true {
+                return Err(self.api.error(format!(
+                    "watch canceled (compacted at {}): {}",
+                    int(&result["compact_revision"]),
+                    result["cancel_reason"].as_str().unwrap_or("")
+                )));
+            }
+            let Some(events) = result.get("events").and_then(Value::as_array) else {
+                continue;
+            };
+            let mut out = Vec::with_capacity(events.len());
+            for e in events {
+                let kv: RawKv = serde_json::from_value(e["kv"].clone())
+                    .map_err(|err| self.api.error(format!("watch event: {err}")))?;
+                let kv = kv.into_kv().map_err(|err| self.api.error(err))?;
+                out.push(if e["type"] == "DELETE" {
+                    Event::Delete(kv)
+                } else {
+                    Event::Put(kv)
+                });
+            }
+            if !out.is_empty() {
+                return Ok(out);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prefix_range_ends_after_every_key_that_starts_with_it() {
+        assert_eq!(prefix_end(b"a/b/"), b"a/b0".to_vec());
+        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
+        assert_eq!(prefix_end(b"\xff\xff"), vec![0]);
+    }
+
+    #[test]
+    fn gateway_integers_and_bytes_are_decoded() {
+        let raw: RawKv = serde_json::from_value(json!({
+            "key": "Zm9vL2E=", "value": "YmFy", "create_revision": "2",
+            "mod_revision": "7", "lease": "2324035769577435655"
+        }))
+        .unwrap();
+        let kv = raw.into_kv().unwrap();
+        assert_eq!(kv.key, b"foo/a");
+        assert_eq!(kv.value, b"bar");
+        assert_eq!((kv.create_revision, kv.mod_revision), (2, 7));
+        assert_eq!(kv.lease, 2324035769577435655);
+        // Absent fields are zero or empty, as the gateway omits defaults.
+        let raw: RawKv = serde_json::from_value(json!({"key": "Zm9vL2E="})).unwrap();
+        let kv = raw.into_kv().unwrap();
+        assert_eq!((kv.value.len(), kv.lease, kv.mod_revision), (0, 0, 0));
+    }
+}
