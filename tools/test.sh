@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The test suite, with its own set-up: run from anywhere, as root or with sudo on a
+# Debian machine. Installs what the tests use and is missing, then runs every test.
+#
+#   etcd-server   (Debian)  the integration tests start a real etcd
+#   openai        (PyPI)    one test drives the router with the official Python client
+#   wasm32-wasip2 (rustup)  the policies' target (the build adds it too)
+#
+# Extra arguments go to `cargo test`, e.g. `tools/test.sh --test faults`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+if ! command -v etcd >/dev/null 2>&1; then
+    echo "installing etcd (Debian's etcd-server)"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -q
+    as_root apt-get install -y -q --no-install-recommends etcd-server
+fi
+etcd --version | head -n 1
+
+if ! python3 -c 'import openai' 2>/dev/null; then
+    echo "installing Python's openai package"
+    python3 -m pip install --quiet --disable-pip-version-check openai
+fi
+python3 -c 'import openai; print("openai", openai.__version__)'
+
+rustup target list --installed | grep -qx wasm32-wasip2 || rustup target add wasm32-wasip2
+
+cargo test --workspace "$@"
