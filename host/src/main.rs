@@ -95,12 +95,11 @@ impl EtcdArgs {
 struct ReplayArgs {
     /// The trace (JSON lines: timestamp, input_length, output_length, hash_ids).
     trace: PathBuf,
-    /// Policies to compare, each on fresh workers (built-in names or `.wasm` paths).
-    #[arg(
-        long = "policy",
-        value_delimiter = ',',
-        default_value = "kv-cost,round-robin,random"
-    )]
+    /// Policies to compare, each on fresh workers: built-in names or `.wasm` paths, each
+    /// optionally followed by `=` and its JSON configuration. Repeat the flag or separate
+    /// with commas (commas inside a JSON configuration are kept). `none` runs no policy
+    /// in process (only the `--router`s).
+    #[arg(long = "policy", default_value = "kv-cost,round-robin,random")]
     policies: Vec<String>,
     /// Mock workers.
     #[arg(long, default_value_t = 4)]
@@ -129,6 +128,16 @@ struct ReplayArgs {
     /// Cap on generated tokens per request.
     #[arg(long, default_value_t = 256)]
     max_output: u32,
+    /// Also replay through a router run as a process of its own, as `NAME=COMMAND`
+    /// (repeatable), on fresh mock workers after the policies. In COMMAND, `{port}` is the
+    /// port it must listen on at 127.0.0.1, `{workers}` the workers' URLs separated by
+    /// spaces, `{workers_comma}` by commas, `{worker_args}` `--worker URL` per worker.
+    /// Its CPU time and peak memory are reported; every run then sends text prompts.
+    #[arg(long = "router")]
+    routers: Vec<String>,
+    /// Where the external routers' output goes.
+    #[arg(long, default_value = "replay-logs")]
+    router_logs: PathBuf,
     /// Where to write the results as JSON.
     #[arg(long, default_value = "replay-results.json")]
     json: PathBuf,
@@ -474,7 +483,21 @@ async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.speedup > 0.0, "--speedup must be positive");
     let mut config = switchyard::replay::ReplayConfig::new(args.trace.clone());
     if !args.policies.is_empty() {
-        config.policies = args.policies;
+        config.policies = args
+            .policies
+            .iter()
+            .flat_map(|p| switchyard::replay::split_policies(p))
+            .filter(|p| p != "none")
+            .collect();
+    }
+    for spec in &args.routers {
+        config
+            .routers
+            .push(switchyard::replay::external::ExternalRouter::parse(spec).map_err(anyhow::Error::msg)?);
+    }
+    if !config.routers.is_empty() {
+        std::fs::create_dir_all(&args.router_logs)?;
+        config.logs = args.router_logs.clone();
     }
     config.workers = args.workers.max(1);
     config.engine.kv_blocks = args.kv_blocks;

@@ -187,6 +187,23 @@ impl LoadTracker {
             })
     }
 
+    /// How far `worker`'s in-flight requests extend a cached prefix of `hashes`: the
+    /// leading blocks from `from` on that some booked request on `worker` also has. A
+    /// request routed there is prefilled after them, so it finds these blocks cached even
+    /// though no KV event has said so yet (a burst of requests sharing a new prefix).
+    /// Hashes are chained, so a booked block at position `j` implies its whole prefix:
+    /// one lookup per block past `from`.
+    pub fn extend_overlap(&self, worker: InstanceId, hashes: &[BlockHash], from: u32) -> u32 {
+        let Some(w) = self.workers.get(&worker) else {
+            return from;
+        };
+        let mut n = from as usize;
+        while n < hashes.len() && w.blocks.contains_key(&hashes[n]) {
+            n += 1;
+        }
+        n as u32
+    }
+
     /// Requests currently booked.
     pub fn in_flight(&self) -> usize {
         self.requests.len()
@@ -222,6 +239,19 @@ mod tests {
             (3, 16, 1)
         );
         assert!(!t.finish(RequestId(1)), "double release is a no-op");
+    }
+
+    #[test]
+    fn booked_blocks_extend_a_cached_prefix() {
+        let now = Instant::now();
+        let mut t = LoadTracker::new();
+        t.book(RequestId(1), InstanceId(7), &b(&[1, 2, 3]), 48, now);
+        let prompt = b(&[1, 2, 3, 9]);
+        assert_eq!(t.extend_overlap(InstanceId(7), &prompt, 0), 3);
+        assert_eq!(t.extend_overlap(InstanceId(7), &prompt, 1), 3);
+        assert_eq!(t.extend_overlap(InstanceId(8), &prompt, 2), 2, "another worker");
+        t.finish(RequestId(1));
+        assert_eq!(t.extend_overlap(InstanceId(7), &prompt, 0), 0, "released");
     }
 
     #[test]

@@ -131,13 +131,23 @@ impl Candidates {
         }
     }
 
+    /// The index of candidate `id`.
+    pub fn position(&self, id: InstanceId) -> Option<usize> {
+        if self.ascending {
+            self.cols.worker_ids.binary_search(&id.0).ok()
+        } else {
+            self.cols.worker_ids.iter().position(|&w| w == id.0)
+        }
+    }
+
     /// True when `id` is one of the candidates.
     pub fn contains(&self, id: InstanceId) -> bool {
-        if self.ascending {
-            self.cols.worker_ids.binary_search(&id.0).is_ok()
-        } else {
-            self.cols.worker_ids.contains(&id.0)
-        }
+        self.position(id).is_some()
+    }
+
+    /// The overlap the candidates list gives `id`.
+    pub fn overlap_of(&self, id: InstanceId) -> Option<u32> {
+        self.position(id).map(|i| self.cols.overlap_blocks[i])
     }
 
     /// The candidates' IDs, in list order.
@@ -150,6 +160,8 @@ impl Candidates {
             overlap_blocks: &self.cols.overlap_blocks,
             active_blocks: &self.cols.active_blocks,
             pending_prefill_tokens: &self.cols.pending_prefill_tokens,
+            in_flight: &self.cols.in_flight,
+            kv_usage: &self.cols.kv_usage,
         }
     }
 }

@@ -3,6 +3,7 @@
 //! per policy on fresh workers, and reports TTFT, end-to-end latency, throughput and the
 //! prefix hit rate next to the trace's infinite-cache bound.
 
+pub mod external;
 pub mod report;
 pub mod trace;
 
@@ -19,7 +20,8 @@ use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
 
 use crate::local::{LocalFleet, LocalFleetConfig};
-use crate::worker::{EngineConfig, TimingModel};
+use crate::worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, TimingModel};
+use external::{ExternalRouter, ProcessCost, RouterProcess};
 use trace::TraceRequest;
 
 /// What to replay, against what.
@@ -42,6 +44,11 @@ pub struct ReplayConfig {
     pub duration: Duration,
     /// Cap on generated tokens per request.
     pub max_output: u32,
+    /// Routers run as processes of their own, after the policies, on fresh workers too.
+    /// With any of these, every run sends text prompts (which every router can match).
+    pub routers: Vec<ExternalRouter>,
+    /// Where the external routers' output goes (one `NAME.log` each).
+    pub logs: PathBuf,
 }
 
 impl ReplayConfig {
@@ -63,8 +70,34 @@ impl ReplayConfig {
             max_requests: 1000,
             duration: Duration::from_secs(300),
             max_output: 256,
+            routers: Vec::new(),
+            logs: std::env::temp_dir(),
         }
     }
+}
+
+/// Splits a comma-separated list of policy specs, keeping the commas inside a spec's
+/// JSON configuration (`kv-cost={"a":1,"b":2},round-robin` is two specs).
+pub fn split_policies(list: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let (mut depth, mut in_string, mut escaped, mut start) = (0i32, false, false, 0);
+    for (i, c) in list.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if in_string => escaped = true,
+            '"' => in_string = !in_string,
+            '{' | '[' if !in_string => depth += 1,
+            '}' | ']' if !in_string => depth -= 1,
+            ',' if !in_string && depth <= 0 => {
+                out.push(list[start..i].trim().to_string());
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(list[start..].trim().to_string());
+    out.retain(|s| !s.is_empty());
+    out
 }
 
 /// Hit-rate bounds of the replayed requests.
@@ -103,12 +136,31 @@ pub struct PolicyRun {
     pub outcomes: Vec<Outcome>,
     /// Simulated seconds from the first arrival to the last completion.
     pub span: f64,
+    /// The router process's cost (external routers only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub router: Option<ProcessCost>,
+}
+
+/// How prompts are sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Prompts {
+    /// Token ID arrays.
+    Tokens,
+    /// Text that tokenizes to the same lengths and prefixes.
+    Text,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Prompt {
+    Tokens(Vec<u32>),
+    Text(String),
 }
 
 #[derive(Serialize)]
 struct Body<'a> {
     model: &'a str,
-    prompt: &'a [u32],
+    prompt: Prompt,
     max_tokens: u32,
     stream: bool,
     stream_options: serde_json::Value,
@@ -127,6 +179,11 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
     };
     let count = reqs.len();
     let reqs = Arc::new(reqs);
+    let prompts = if config.routers.is_empty() {
+        Prompts::Tokens
+    } else {
+        Prompts::Text
+    };
     let mut runs = Vec::new();
     for policy in &config.policies {
         let mut engine = config.engine.clone();
@@ -145,11 +202,93 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
         .await
         .map_err(|e| e.to_string())?;
         fleet.ready().await?;
-        let run = replay_once(config, policy, &fleet.url, reqs.clone()).await;
+        let run = replay_once(config, policy, &fleet.url, reqs.clone(), prompts).await;
         fleet.stop().await;
         runs.push(run);
     }
+    for router in &config.routers {
+        runs.push(replay_external(config, router, reqs.clone()).await?);
+    }
     Ok((runs, bound, count))
+}
+
+/// One external router on fresh mock workers.
+async fn replay_external(
+    config: &ReplayConfig,
+    router: &ExternalRouter,
+    reqs: Arc<Vec<TraceRequest>>,
+) -> Result<PolicyRun, String> {
+    let mut engine = config.engine.clone();
+    engine.speedup = config.speedup;
+    let mut workers = Vec::new();
+    for _ in 0..config.workers.max(1) {
+        let worker = MockWorker::bind(
+            MockWorkerConfig {
+                model: "replay".into(),
+                engine: engine.clone(),
+                hash_seed: 0,
+                fault: FaultConfig::NONE,
+            },
+            "127.0.0.1:0".parse().expect("valid"),
+        )
+        .await
+        .map_err(|e| format!("cannot start a mock worker: {e}"))?;
+        workers.push(worker);
+    }
+    let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
+    let port = external::free_port()?;
+    let command = router.expand(port, &urls);
+    let log = config.logs.join(format!("{}.log", router.name.replace('/', "_")));
+    eprintln!("[{}] starting: {command} (output in {})", router.name, log.display());
+    let mut process = RouterProcess::start(&command, log)?;
+    let url = format!("http://127.0.0.1:{port}");
+    let ready = router_ready(&url, &mut process).await;
+    let result = match ready {
+        Ok(()) => {
+            let mut run = replay_once(config, &router.name, &url, reqs, Prompts::Text).await;
+            run.router = Some(process.cost());
+            Ok(run)
+        }
+        Err(e) => Err(format!("{}: {e}\n{}", router.name, process.log_tail())),
+    };
+    tokio::task::spawn_blocking(move || process.stop(Duration::from_secs(10)))
+        .await
+        .map_err(|e| e.to_string())?;
+    for w in workers {
+        w.shutdown().await;
+    }
+    result
+}
+
+/// Waits until a one-token completion through the router succeeds (the router is up and
+/// has found its workers healthy), for at most two minutes.
+async fn router_ready(url: &str, process: &mut RouterProcess) -> Result<(), String> {
+    let http: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut last = String::from("no answer");
+    while Instant::now() < deadline {
+        if let Some(status) = process.exited() {
+            return Err(format!("the router exited ({status})"));
+        }
+        let req = hyper::Request::post(format!("{url}/v1/completions"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(
+                br#"{"model":"replay","prompt":"ready","max_tokens":1}"#,
+            )))
+            .expect("valid request");
+        match tokio::time::timeout(Duration::from_secs(5), http.request(req)).await {
+            Ok(Ok(r)) if r.status().is_success() => {
+                let _ = r.into_body().collect().await;
+                return Ok(());
+            }
+            Ok(Ok(r)) => last = format!("answered {}", r.status()),
+            Ok(Err(e)) => last = e.to_string(),
+            Err(_) => last = "timed out".into(),
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    Err(format!("not ready after 120 s (last: {last})"))
 }
 
 async fn replay_once(
@@ -157,6 +296,7 @@ async fn replay_once(
     policy: &str,
     url: &str,
     reqs: Arc<Vec<TraceRequest>>,
+    prompts: Prompts,
 ) -> PolicyRun {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
@@ -192,10 +332,13 @@ async fn replay_once(
         let max_output = config.max_output;
         tasks.push(tokio::spawn(async move {
             let r = &reqs[i];
-            let tokens = trace::tokens(r);
+            let prompt = match prompts {
+                Prompts::Tokens => Prompt::Tokens(trace::tokens(r)),
+                Prompts::Text => Prompt::Text(trace::text(r)),
+            };
             let body = serde_json::to_vec(&Body {
                 model: "replay",
-                prompt: &tokens,
+                prompt,
                 max_tokens: r.output_length.clamp(1, max_output),
                 stream: true,
                 stream_options: serde_json::json!({"include_usage": true}),
@@ -230,6 +373,7 @@ async fn replay_once(
         policy: policy.to_string(),
         outcomes,
         span: last.as_secs_f64() * speedup,
+        router: None,
     }
 }
 
@@ -288,5 +432,24 @@ async fn one(
         prompt_tokens,
         cached_tokens,
         error: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_policies;
+
+    #[test]
+    fn policy_lists_split_on_commas_outside_json() {
+        assert_eq!(
+            split_policies(r#"kv-cost={"a":1,"b":[2,3]},round-robin, x.wasm={"s":"},{"}"#),
+            vec![
+                r#"kv-cost={"a":1,"b":[2,3]}"#,
+                "round-robin",
+                r#"x.wasm={"s":"},{"}"#
+            ]
+        );
+        assert_eq!(split_policies("kv-cost"), vec!["kv-cost"]);
+        assert!(split_policies(" , ").is_empty());
     }
 }

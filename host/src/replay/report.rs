@@ -74,17 +74,17 @@ pub fn table(runs: &[PolicyRun], bound: Bounds) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| policy | requests | failed | TTFT mean | p50 | p90 | p99 | E2E mean | p90 | throughput | hit rate | bound: fleet capacity | bound: infinite |"
+        "| policy | requests | failed | TTFT mean | p50 | p90 | p99 | E2E mean | p90 | throughput | hit rate | bound: fleet capacity | bound: infinite | router CPU | router peak RSS |"
     );
     let _ = writeln!(
         s,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     for r in runs {
         let m = summarise(r);
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {:.3} s | {:.3} s | {:.3} s | {:.3} s | {:.2} s | {:.2} s | {:.2} req/s | {:.1} % | {:.1} % | {:.1} % |",
+            "| {} | {} | {} | {:.3} s | {:.3} s | {:.3} s | {:.3} s | {:.2} s | {:.2} s | {:.2} req/s | {:.1} % | {:.1} % | {:.1} % | {} | {} |",
             r.policy,
             m.requests,
             m.failed,
@@ -97,7 +97,11 @@ pub fn table(runs: &[PolicyRun], bound: Bounds) -> String {
             m.throughput,
             m.hit_rate * 100.0,
             bound.capacity * 100.0,
-            bound.infinite * 100.0
+            bound.infinite * 100.0,
+            r.router
+                .map_or("in process".to_string(), |c| format!("{:.1} s", c.cpu_secs)),
+            r.router
+                .map_or("-".to_string(), |c| format!("{:.0} MiB", c.peak_rss_mib)),
         );
     }
     s
@@ -113,6 +117,7 @@ pub fn json(runs: &[PolicyRun], bound: Bounds) -> serde_json::Value {
                 "policy": r.policy, "requests": m.requests, "failed": m.failed,
                 "ttft_mean_s": m.ttft[0], "ttft_p50_s": m.ttft[1], "ttft_p90_s": m.ttft[2], "ttft_p99_s": m.ttft[3],
                 "e2e_mean_s": m.e2e[0], "e2e_p90_s": m.e2e[1], "throughput_rps": m.throughput, "hit_rate": m.hit_rate,
+                "router_cpu_s": r.router.map(|c| c.cpu_secs), "router_peak_rss_mib": r.router.map(|c| c.peak_rss_mib),
             })
         })
         .collect();

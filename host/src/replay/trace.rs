@@ -60,6 +60,35 @@ pub fn tokens(req: &TraceRequest) -> Vec<u32> {
     out
 }
 
+/// The prompt of `req` as text, for routers that match prefixes on text (the peers) as
+/// well as on tokens: each hash ID becomes the same 256 four-letter words, each followed
+/// by a space, wherever it appears. The builtin tokenizer reads a word and a space as one
+/// token each, so a block is 512 tokens and a request is `input_length` tokens, and
+/// requests sharing IDs share text and token prefixes alike.
+pub fn text(req: &TraceRequest) -> String {
+    const ALPHABET: &[u8; 36] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    let len = req.input_length as usize;
+    let mut out = String::with_capacity(len * 5 / 2 + 4);
+    let word = |seed: u64, out: &mut String| {
+        let bits = switchyard_cost_model::mix(seed);
+        for k in 0..4 {
+            out.push(ALPHABET[((bits >> (k * 8)) % 36) as usize] as char);
+        }
+    };
+    let seeds = req
+        .hash_ids
+        .iter()
+        .flat_map(|&id| (0..TRACE_BLOCK as u64 / 2).map(move |j| id.wrapping_mul(TRACE_BLOCK as u64) + j))
+        .chain((0..).map(|k: u64| u64::MAX - k));
+    for (i, seed) in seeds.take(len.div_ceil(2)).enumerate() {
+        word(seed, &mut out);
+        if 2 * i + 1 < len {
+            out.push(' ');
+        }
+    }
+    out
+}
+
 /// The share of prompt tokens an infinite cache could serve: each request's leading blocks
 /// that some earlier request already had.
 pub fn infinite_cache_bound(reqs: &[TraceRequest]) -> f64 {
@@ -125,6 +154,22 @@ mod tests {
             output_length: 1,
             hash_ids: ids.to_vec(),
         }
+    }
+
+    #[test]
+    fn text_prompts_are_as_long_as_the_trace_says_and_share_prefixes() {
+        let tokenizer = crate::tokens::Tokenizer::builtin();
+        let a = text(&req(&[1, 2, 3], 1301));
+        let b = text(&req(&[1, 2, 9], 1500));
+        let (ta, tb) = (
+            tokenizer.encode(&a).unwrap(),
+            tokenizer.encode(&b).unwrap(),
+        );
+        assert_eq!((ta.len(), tb.len()), (1301, 1500));
+        assert_eq!(ta[..1024], tb[..1024]);
+        assert_ne!(ta[1024..1300], tb[1024..1300]);
+        assert_eq!(a[..2560], b[..2560], "text prefixes match too");
+        assert_eq!(text(&req(&[], 5)).len(), 14, "padding when the IDs run out");
     }
 
     #[test]

@@ -231,7 +231,7 @@ impl KvRouter {
         now: Instant,
     ) -> Result<Routed, RouteError> {
         let busy = self.client.busy(now);
-        let (candidates, overlaps) = if busy.is_empty() {
+        let (candidates, _) = if busy.is_empty() {
             self.candidates(hashes, exclude)
         } else {
             let mut skip = exclude.to_vec();
@@ -277,9 +277,7 @@ impl KvRouter {
             }
         };
         debug_assert!(decision.decider == Decider::Fallback || candidates.contains(worker));
-        let overlap_blocks = overlaps
-            .binary_search_by_key(&worker, |(w, _)| *w)
-            .map_or(0, |i| overlaps[i].1);
+        let overlap_blocks = candidates.overlap_of(worker).unwrap_or(0);
         let request = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
         let uncached = u64::from(prompt_tokens)
             .saturating_sub(u64::from(overlap_blocks) * u64::from(self.config.block_size));
@@ -329,9 +327,10 @@ impl KvRouter {
         let load = self.load.lock();
         for &id in available.iter().filter(|id| !exclude.contains(id)) {
             let l = load.load(id);
-            let overlap = overlaps
+            let cached = overlaps
                 .binary_search_by_key(&id, |(w, _)| *w)
                 .map_or(0, |i| overlaps[i].1);
+            let overlap = load.extend_overlap(id, hashes, cached);
             candidates.push(CandidateRow {
                 id,
                 overlap_blocks: overlap,

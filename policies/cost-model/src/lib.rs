@@ -23,11 +23,22 @@ use serde::Deserialize;
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct KvCostConfig {
-    /// How much a block of prefill work costs relative to a block of decode memory.
+    /// How much a block of prefill work costs relative to the other terms.
     /// Higher values chase cache hits harder; `0` ignores the cache entirely.
     pub overlap_weight: f64,
     /// Softmax temperature; `0` picks the cheapest candidate deterministically.
     pub temperature: f64,
+    /// Prefill stalls every sequence decoding on the same worker: each uncached block
+    /// also costs this much per request already in flight there.
+    pub stall_weight: f64,
+    /// Cost of each request in flight on a worker, in blocks of prefill: the decode
+    /// slot it holds and the step time it adds for everyone else.
+    pub in_flight_weight: f64,
+    /// Cost per KV block held by in-flight requests (memory pressure).
+    pub active_weight: f64,
+    /// Cost of each uncached block on a worker whose cache is full, in blocks: what
+    /// placing it there evicts (scaled by the worker's reported KV usage).
+    pub eviction_weight: f64,
 }
 
 impl Default for KvCostConfig {
@@ -35,6 +46,10 @@ impl Default for KvCostConfig {
         KvCostConfig {
             overlap_weight: 1.0,
             temperature: 0.0,
+            stall_weight: 0.0,
+            in_flight_weight: 0.0,
+            active_weight: 1.0,
+            eviction_weight: 0.0,
         }
     }
 }
@@ -48,17 +63,19 @@ impl KvCostConfig {
         } else {
             serde_json::from_str(text).map_err(|e| format!("invalid kv-cost config: {e}"))?
         };
-        if !(config.overlap_weight.is_finite() && config.overlap_weight >= 0.0) {
-            return Err(format!(
-                "invalid kv-cost config: overlap_weight must be a finite number >= 0, got {}",
-                config.overlap_weight
-            ));
-        }
-        if !(config.temperature.is_finite() && config.temperature >= 0.0) {
-            return Err(format!(
-                "invalid kv-cost config: temperature must be a finite number >= 0, got {}",
-                config.temperature
-            ));
+        for (name, value) in [
+            ("overlap_weight", config.overlap_weight),
+            ("temperature", config.temperature),
+            ("stall_weight", config.stall_weight),
+            ("in_flight_weight", config.in_flight_weight),
+            ("active_weight", config.active_weight),
+            ("eviction_weight", config.eviction_weight),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(format!(
+                    "invalid kv-cost config: {name} must be a finite number >= 0, got {value}"
+                ));
+            }
         }
         Ok(config)
     }
@@ -84,6 +101,10 @@ pub struct CandidateView<'a> {
     pub active_blocks: &'a [u32],
     /// Prompt tokens waiting for prefill on each candidate.
     pub pending_prefill_tokens: &'a [u32],
+    /// Requests in flight on each candidate.
+    pub in_flight: &'a [u32],
+    /// Reported KV usage in [0, 1] of each candidate (negative: not reported).
+    pub kv_usage: &'a [f32],
 }
 
 impl CandidateView<'_> {
@@ -94,6 +115,8 @@ impl CandidateView<'_> {
             .len()
             .min(self.active_blocks.len())
             .min(self.pending_prefill_tokens.len())
+            .min(self.in_flight.len())
+            .min(self.kv_usage.len())
     }
 
     /// True when there is no candidate.
@@ -109,7 +132,7 @@ pub fn cost(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>, i:
 
 /// The per-request constants of the cost function, computed once per decision.
 struct Costs {
-    weight: f64,
+    config: KvCostConfig,
     blocks: f64,
     per_token: f64,
     prompt_blocks: u32,
@@ -118,7 +141,7 @@ struct Costs {
 impl Costs {
     fn new(config: &KvCostConfig, req: &RequestShape) -> Costs {
         Costs {
-            weight: config.overlap_weight,
+            config: *config,
             blocks: f64::from(req.prompt_blocks),
             per_token: 1.0 / f64::from(req.block_size.max(1)),
             prompt_blocks: req.prompt_blocks,
@@ -131,15 +154,22 @@ impl Costs {
             c.overlap_blocks[i],
             c.active_blocks[i],
             c.pending_prefill_tokens[i],
+            c.in_flight[i],
+            c.kv_usage[i],
         )
     }
 
     #[inline(always)]
-    fn cost(&self, overlap: u32, active: u32, pending: u32) -> f64 {
-        let cached = f64::from(overlap.min(self.prompt_blocks));
-        let prefill = f64::from(pending) * self.per_token + (self.blocks - cached);
-        let decode = f64::from(active) + self.blocks;
-        self.weight * prefill + decode
+    fn cost(&self, overlap: u32, active: u32, pending: u32, in_flight: u32, usage: f32) -> f64 {
+        let k = &self.config;
+        let uncached = self.blocks - f64::from(overlap.min(self.prompt_blocks));
+        let n = f64::from(in_flight);
+        let usage = f64::from(usage.clamp(0.0, 1.0));
+        let prefill = f64::from(pending) * self.per_token
+            + uncached * (1.0 + k.stall_weight * n + k.eviction_weight * usage);
+        k.overlap_weight * prefill
+            + k.in_flight_weight * n
+            + k.active_weight * (f64::from(active) + self.blocks)
     }
 }
 
@@ -164,9 +194,11 @@ pub fn choose(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>) 
     let rows = c.overlap_blocks[..n]
         .iter()
         .zip(&c.active_blocks[..n])
-        .zip(&c.pending_prefill_tokens[..n]);
-    for (i, ((&overlap, &active), &pending)) in rows.enumerate() {
-        let x = costs.cost(overlap, active, pending);
+        .zip(&c.pending_prefill_tokens[..n])
+        .zip(&c.in_flight[..n])
+        .zip(&c.kv_usage[..n]);
+    for (i, ((((&overlap, &active), &pending), &in_flight), &usage)) in rows.enumerate() {
+        let x = costs.cost(overlap, active, pending, in_flight, usage);
         if x < best {
             best = x;
             pick = i;
@@ -233,10 +265,14 @@ mod tests {
     use super::*;
 
     fn view<'a>(o: &'a [u32], a: &'a [u32], p: &'a [u32]) -> CandidateView<'a> {
+        const ZEROS: [u32; 8] = [0; 8];
+        const UNKNOWN: [f32; 8] = [-1.0; 8];
         CandidateView {
             overlap_blocks: o,
             active_blocks: a,
             pending_prefill_tokens: p,
+            in_flight: &ZEROS[..o.len()],
+            kv_usage: &UNKNOWN[..o.len()],
         }
     }
 
@@ -266,7 +302,7 @@ mod tests {
     fn zero_weight_ignores_the_cache() {
         let config = KvCostConfig {
             overlap_weight: 0.0,
-            temperature: 0.0,
+            ..KvCostConfig::default()
         };
         let req = RequestShape {
             prompt_blocks: 10,
@@ -298,8 +334,8 @@ mod tests {
     #[test]
     fn temperature_prefers_cheap_but_samples_others() {
         let config = KvCostConfig {
-            overlap_weight: 1.0,
             temperature: 0.5,
+            ..KvCostConfig::default()
         };
         let req = |seed| RequestShape {
             prompt_blocks: 8,

@@ -39,6 +39,8 @@ impl Guest for KvCost {
             overlap_blocks: &candidates.overlap_blocks,
             active_blocks: &candidates.active_blocks,
             pending_prefill_tokens: &candidates.pending_prefill_tokens,
+            in_flight: &candidates.in_flight,
+            kv_usage: &candidates.kv_usage,
         };
         match switchyard_cost_model::choose(&CONFIG.get(), &shape, &view) {
             Some(i) => Ok(candidates.worker_ids[i]),
