@@ -491,9 +491,10 @@ async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
             .collect();
     }
     for spec in &args.routers {
-        config
-            .routers
-            .push(switchyard::replay::external::ExternalRouter::parse(spec).map_err(anyhow::Error::msg)?);
+        config.routers.push(
+            switchyard::replay::external::ExternalRouter::parse(spec)
+                .map_err(anyhow::Error::msg)?,
+        );
     }
     if !config.routers.is_empty() {
         std::fs::create_dir_all(&args.router_logs)?;

@@ -249,7 +249,11 @@ mod tests {
         let prompt = b(&[1, 2, 3, 9]);
         assert_eq!(t.extend_overlap(InstanceId(7), &prompt, 0), 3);
         assert_eq!(t.extend_overlap(InstanceId(7), &prompt, 1), 3);
-        assert_eq!(t.extend_overlap(InstanceId(8), &prompt, 2), 2, "another worker");
+        assert_eq!(
+            t.extend_overlap(InstanceId(8), &prompt, 2),
+            2,
+            "another worker"
+        );
         t.finish(RequestId(1));
         assert_eq!(t.extend_overlap(InstanceId(7), &prompt, 0), 0, "released");
     }

@@ -149,7 +149,11 @@ fn group_cost(pgid: i32) -> ProcessCost {
         return cost;
     };
     for entry in dir.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
             continue;
         };
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
@@ -161,7 +165,11 @@ fn group_cost(pgid: i32) -> ProcessCost {
         };
         let f: Vec<&str> = rest.split_whitespace().collect();
         // rest[0] is field 3 (state): pgrp is field 5, utime..cstime fields 14..17.
-        let field = |n: usize| f.get(n - 3).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        let field = |n: usize| {
+            f.get(n - 3)
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
         if field(5) as i32 != pgid {
             continue;
         }
@@ -192,8 +200,10 @@ mod tests {
 
     #[test]
     fn specs_parse_and_placeholders_expand() {
-        let r = ExternalRouter::parse("peer = run --port {port} --urls {workers} {worker_args} {workers_comma}")
-            .unwrap();
+        let r = ExternalRouter::parse(
+            "peer = run --port {port} --urls {workers} {worker_args} {workers_comma}",
+        )
+        .unwrap();
         assert_eq!(r.name, "peer");
         let workers = ["http://a".to_string(), "http://b".to_string()];
         assert_eq!(

@@ -238,8 +238,14 @@ async fn replay_external(
     let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
     let port = external::free_port()?;
     let command = router.expand(port, &urls);
-    let log = config.logs.join(format!("{}.log", router.name.replace('/', "_")));
-    eprintln!("[{}] starting: {command} (output in {})", router.name, log.display());
+    let log = config
+        .logs
+        .join(format!("{}.log", router.name.replace('/', "_")));
+    eprintln!(
+        "[{}] starting: {command} (output in {})",
+        router.name,
+        log.display()
+    );
     let mut process = RouterProcess::start(&command, log)?;
     let url = format!("http://127.0.0.1:{port}");
     let ready = router_ready(&url, &mut process).await;

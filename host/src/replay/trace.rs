@@ -78,7 +78,9 @@ pub fn text(req: &TraceRequest) -> String {
     let seeds = req
         .hash_ids
         .iter()
-        .flat_map(|&id| (0..TRACE_BLOCK as u64 / 2).map(move |j| id.wrapping_mul(TRACE_BLOCK as u64) + j))
+        .flat_map(|&id| {
+            (0..TRACE_BLOCK as u64 / 2).map(move |j| id.wrapping_mul(TRACE_BLOCK as u64) + j)
+        })
         .chain((0..).map(|k: u64| u64::MAX - k));
     for (i, seed) in seeds.take(len.div_ceil(2)).enumerate() {
         word(seed, &mut out);
@@ -161,10 +163,7 @@ mod tests {
         let tokenizer = crate::tokens::Tokenizer::builtin();
         let a = text(&req(&[1, 2, 3], 1301));
         let b = text(&req(&[1, 2, 9], 1500));
-        let (ta, tb) = (
-            tokenizer.encode(&a).unwrap(),
-            tokenizer.encode(&b).unwrap(),
-        );
+        let (ta, tb) = (tokenizer.encode(&a).unwrap(), tokenizer.encode(&b).unwrap());
         assert_eq!((ta.len(), tb.len()), (1301, 1500));
         assert_eq!(ta[..1024], tb[..1024]);
         assert_ne!(ta[1024..1300], tb[1024..1300]);
