@@ -412,3 +412,93 @@ async fn workers_register_in_etcd_while_running_and_leave_on_a_graceful_stop() {
             .is_empty()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_endpoints_other_routers_probe_answer_with_the_workers_own_figures() {
+    let w = worker(4096).await;
+    let c = http::client();
+    let (status, body) = get(&c, &format!("{}/get_server_info", w.url())).await;
+    assert_eq!(status, StatusCode::OK);
+    let info: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(info["page_size"], 16, "{info}");
+    assert_eq!(info["max_total_num_tokens"], 4096 * 16, "{info}");
+    for path in [
+        "/server_info",
+        "/get_model_info",
+        "/model_info",
+        "/version",
+        "/v1/loads",
+    ] {
+        let (status, body) = get(&c, &format!("{}{path}", w.url())).await;
+        assert_eq!(status, StatusCode::OK, "{path}");
+        serde_json::from_slice::<Value>(&body).unwrap_or_else(|e| panic!("{path}: {e}"));
+    }
+
+    // /tokenize gives the very tokens the engine caches: the usage of a completion with
+    // the same prompt counts as many.
+    let prompt = long_prompt("tokens");
+    let (status, tok, _) = post_json(
+        &c,
+        &format!("{}/tokenize", w.url()),
+        &json!({"prompt": prompt}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{tok}");
+    let (_, done, _) = post_json(
+        &c,
+        &format!("{}/v1/completions", w.url()),
+        &json!({"model": "mock", "prompt": prompt, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(tok["count"], done["usage"]["prompt_tokens"], "{tok} {done}");
+    assert_eq!(
+        tok["tokens"].as_array().unwrap().len() as u64,
+        tok["count"].as_u64().unwrap()
+    );
+
+    // Chat render: the rendered prompt and its tokens; a render without messages is a 400.
+    let messages = json!([{"role": "user", "content": "hello there"}]);
+    let (status, r, _) = post_json(
+        &c,
+        &format!("{}/v1/chat/completions/render", w.url()),
+        &json!({"messages": messages}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{r}");
+    assert!(r["prompt"].as_str().unwrap().contains("hello there"), "{r}");
+    assert_eq!(
+        r["prompt_token_ids"].as_array().unwrap().len() as u64,
+        r["count"].as_u64().unwrap()
+    );
+    let (status, _, _) = post_json(
+        &c,
+        &format!("{}/v1/chat/completions/render", w.url()),
+        &json!({"prompt": "no messages"}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_route_reads_a_large_body_first_so_the_connection_stays_usable() {
+    let w = worker(4096).await;
+    let c = http::client();
+    let big = "x".repeat(60_000);
+    for round in 0..5 {
+        // Same pooled client: a connection closed under it would fail the next request.
+        let (status, _, body) = http::send(
+            &c,
+            Method::POST,
+            &format!("{}/v1/no-such-route", w.url()),
+            &[("content-type", "application/json")],
+            big.clone(),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert!(String::from_utf8_lossy(&body).contains("no such route"));
+        let (status, _) = get(&c, &format!("{}/health", w.url())).await;
+        assert_eq!(status, StatusCode::OK, "round {round}");
+    }
+}

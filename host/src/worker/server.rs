@@ -7,6 +7,10 @@
 //! | `GET /health` | 200 when serving; 503 while a fault is active |
 //! | `GET /v1/kv_events` | the KV event stream (`docs/kv-events.md`) |
 //! | `GET /stats` | the engine's step accounting |
+//! | `GET /get_server_info`, `/server_info` | model, KV block size (`page_size`, `block_size`), cache size, batch limit |
+//! | `GET /get_model_info`, `/model_info`, `/version` | what routers probe at start |
+//! | `GET /v1/loads`, `/get_load` | running and waiting requests, KV usage |
+//! | `POST /tokenize`, `POST /v1/chat/completions/render` | vLLM's: the worker's own token IDs for a prompt or chat |
 //! | `POST /admin/fault` | a [`FaultConfig`] as JSON: `{"fault": "crash" \| "hang" \| "refuse" \| "error" \| "status" \| "stall" \| "cut_stream" \| "none", "after": N, "status": 503, "retry_after_secs": 2, "marker": "POISON", "health_lies": true, "first_token_delay_ms": 500, "idle_close_ms": 1000}` (all but `fault` optional) |
 
 use std::convert::Infallible;
@@ -369,6 +373,33 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
             ),
         },
         (&Method::GET, "/v1/kv_events") => kv_events(&shared),
+        (&Method::GET, "/get_server_info" | "/server_info") => {
+            json_response(StatusCode::OK, server_info(&shared))
+        }
+        (&Method::GET, "/get_model_info" | "/model_info") => json_response(
+            StatusCode::OK,
+            json!({"model_path": shared.model, "tokenizer_path": null, "is_generation": true}),
+        ),
+        (&Method::GET, "/version") => json_response(
+            StatusCode::OK,
+            json!({"version": env!("CARGO_PKG_VERSION")}),
+        ),
+        (&Method::GET, "/v1/loads" | "/get_load") => {
+            let s = shared.engine.stats();
+            json_response(
+                StatusCode::OK,
+                json!({
+                    "num_reqs": s.running + s.waiting,
+                    "num_running_reqs": s.running,
+                    "num_waiting_reqs": s.waiting,
+                    "num_used_blocks": s.kv_used_blocks,
+                    "num_total_blocks": s.kv_total_blocks,
+                    "token_usage": if s.kv_total_blocks == 0 { 0.0 } else { s.kv_used_blocks as f64 / s.kv_total_blocks as f64 },
+                }),
+            )
+        }
+        (&Method::POST, "/tokenize") => tokenize(&shared, req, false).await,
+        (&Method::POST, "/v1/chat/completions/render") => tokenize(&shared, req, true).await,
         (&Method::GET, "/stats") => json_response(
             StatusCode::OK,
             serde_json::to_value(shared.engine.stats()).expect("stats serialise"),
@@ -401,13 +432,117 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
                 ),
             }
         }
-        _ => error(
-            StatusCode::NOT_FOUND,
-            "no such route",
+        _ => {
+            // Read the body before answering: a client that is still sending it would
+            // otherwise see its connection closed unannounced, and a pooled client's next
+            // request on it would fail.
+            let path = req.uri().path().to_string();
+            let drained = Limited::new(req.into_body(), MAX_BODY)
+                .collect()
+                .await
+                .is_ok();
+            let mut answer = error(
+                StatusCode::NOT_FOUND,
+                &format!("no such route: {path}"),
+                "invalid_request_error",
+                None,
+                Some("not_found"),
+            );
+            if !drained {
+                answer.headers_mut().insert(
+                    hyper::header::CONNECTION,
+                    hyper::header::HeaderValue::from_static("close"),
+                );
+            }
+            answer
+        }
+    }
+}
+
+/// What SGLang's `/get_server_info` and vLLM-style routers read: the model, the KV block
+/// size under the names each uses, the cache size and the batch limit.
+fn server_info(shared: &Shared) -> serde_json::Value {
+    let c = shared.engine.config();
+    json!({
+        "model_path": shared.model,
+        "served_model_name": shared.model,
+        "page_size": c.block_size,
+        "block_size": c.block_size,
+        "kv_block_size": c.block_size,
+        "max_total_num_tokens": c.kv_blocks as u64 * u64::from(c.block_size),
+        "max_running_requests": c.max_batch,
+        "tp_size": 1,
+        "dp_size": 1,
+        "version": env!("CARGO_PKG_VERSION"),
+    })
+}
+
+/// vLLM's `/tokenize` (a `prompt` or chat `messages`) and `/v1/chat/completions/render`
+/// (chat `messages`, answered with the rendered prompt and its tokens), with the same
+/// tokenizer and chat rendering the engine uses, so a router that asks gets exactly the
+/// worker's token IDs.
+async fn tokenize(shared: &Shared, req: Request<Incoming>, render: bool) -> Response<Body> {
+    let bad = |m: &str| {
+        error(
+            StatusCode::BAD_REQUEST,
+            m,
             "invalid_request_error",
             None,
-            Some("not_found"),
-        ),
+            None,
+        )
+    };
+    let Ok(body) = Limited::new(req.into_body(), MAX_BODY).collect().await else {
+        return error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request body too large",
+            "invalid_request_error",
+            None,
+            None,
+        );
+    };
+    let Ok(serde_json::Value::Object(mut obj)) = serde_json::from_slice(&body.to_bytes()) else {
+        return bad("request body must be a JSON object");
+    };
+    obj.entry("model")
+        .or_insert_with(|| serde_json::Value::String(shared.model.clone()));
+    let api = if obj.contains_key("messages") {
+        Api::Chat
+    } else {
+        Api::Completions
+    };
+    if render && api != Api::Chat {
+        return bad("`messages` is required");
+    }
+    let body = serde_json::Value::Object(obj).to_string();
+    let parsed = match openai::parse(api, body.as_bytes()) {
+        Ok(p) => p,
+        Err(e) => return bad(&e.message),
+    };
+    let (text, tokens) = match &parsed.prompt {
+        Prompt::Tokens(t) => (None, Ok(t.clone())),
+        Prompt::Text(t) => (Some(t.clone()), shared.tokenizer.encode(t)),
+        Prompt::Chat(m) => {
+            let text = render_chat(m);
+            let tokens = shared.tokenizer.encode(&text);
+            (Some(text), tokens)
+        }
+    };
+    let tokens = match tokens {
+        Ok(t) => t,
+        Err(e) => return bad(&e.to_string()),
+    };
+    let max_model_len =
+        shared.engine.config().kv_blocks as u64 * u64::from(shared.engine.config().block_size);
+    if render {
+        json_response(
+            StatusCode::OK,
+            json!({"prompt": text, "prompt_token_ids": tokens, "count": tokens.len()}),
+        )
+    } else {
+        json_response(
+            StatusCode::OK,
+            json!({"count": tokens.len(), "max_model_len": max_model_len, "tokens": tokens}),
+        )
     }
 }
 
