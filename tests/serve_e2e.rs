@@ -496,6 +496,27 @@ async fn streams_pass_through_byte_for_byte_and_bad_requests_get_the_documented_
         metric(&c, &url, "switchyard_cached_prompt_tokens_total").await,
         3.0
     );
+    // And the request was timed, in histograms with buckets (so a median can be read).
+    let (_, text) = get(&c, &format!("{url}/metrics")).await;
+    let text = String::from_utf8_lossy(&text);
+    for name in [
+        "switchyard_decision_seconds_count{",
+        "switchyard_policy_call_seconds_count{",
+        "switchyard_tokenize_seconds_count ",
+        "switchyard_time_to_first_byte_seconds_count{",
+        "switchyard_request_duration_seconds_count{",
+    ] {
+        let count = text
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok());
+        assert_eq!(count, Some(1.0), "{name}\n{text}");
+    }
+    assert!(
+        text.contains("switchyard_policy_call_seconds_bucket{le="),
+        "{text}"
+    );
 
     let completions = format!("{url}/v1/chat/completions");
     let cases: Vec<(Vec<u8>, StatusCode, &str)> = vec![

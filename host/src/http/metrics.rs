@@ -4,8 +4,135 @@
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
 use crate::client::Availability;
 use crate::router::KvRouter;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndpointLabel {
+    endpoint: String,
+}
+
+type ByEndpoint = Family<EndpointLabel, Histogram, fn() -> Histogram>;
+
+/// Latency histograms (prometheus-client), so that a live median and tail are visible,
+/// not only a mean.
+pub struct Timings {
+    registry: Registry,
+    decision: ByEndpoint,
+    policy_call: ByEndpoint,
+    tokenize: Histogram,
+    first_byte: ByEndpoint,
+    duration: ByEndpoint,
+}
+
+/// 1 µs to ~0.5 s, doubling.
+fn micro_buckets() -> Histogram {
+    Histogram::new(exponential_buckets(1e-6, 2.0, 20))
+}
+
+/// 1 ms to ~9 min, doubling.
+fn request_buckets() -> Histogram {
+    Histogram::new(exponential_buckets(1e-3, 2.0, 20))
+}
+
+impl Default for Timings {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("switchyard");
+        let decision = ByEndpoint::new_with_constructor(micro_buckets as fn() -> Histogram);
+        let policy_call = ByEndpoint::new_with_constructor(micro_buckets as fn() -> Histogram);
+        let tokenize = Histogram::new(exponential_buckets(1e-6, 2.0, 24));
+        let first_byte = ByEndpoint::new_with_constructor(request_buckets as fn() -> Histogram);
+        let duration = ByEndpoint::new_with_constructor(request_buckets as fn() -> Histogram);
+        registry.register(
+            "decision_seconds",
+            "Routing decisions: candidates, overlaps, the policy call and the booking",
+            decision.clone(),
+        );
+        registry.register(
+            "policy_call_seconds",
+            "The policy call alone (Wasm or the native fallback)",
+            policy_call.clone(),
+        );
+        registry.register(
+            "tokenize_seconds",
+            "Tokenizing a text or chat prompt",
+            tokenize.clone(),
+        );
+        registry.register(
+            "time_to_first_byte_seconds",
+            "From the request's arrival to the worker's first bytes (the first token of a stream)",
+            first_byte.clone(),
+        );
+        registry.register(
+            "request_duration_seconds",
+            "From the request's arrival to the end of a complete response",
+            duration.clone(),
+        );
+        Timings {
+            registry,
+            decision,
+            policy_call,
+            tokenize,
+            first_byte,
+            duration,
+        }
+    }
+}
+
+impl std::fmt::Debug for Timings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Timings")
+    }
+}
+
+fn label(endpoint: &str) -> EndpointLabel {
+    EndpointLabel {
+        endpoint: endpoint.to_string(),
+    }
+}
+
+impl Timings {
+    /// One routing decision and its policy call.
+    pub fn decision(&self, endpoint: &str, decision: Duration, policy: Duration) {
+        let l = label(endpoint);
+        self.decision
+            .get_or_create(&l)
+            .observe(decision.as_secs_f64());
+        self.policy_call
+            .get_or_create(&l)
+            .observe(policy.as_secs_f64());
+    }
+
+    /// One tokenization.
+    pub fn tokenize(&self, took: Duration) {
+        self.tokenize.observe(took.as_secs_f64());
+    }
+
+    /// A response's first bytes arrived.
+    pub fn first_byte(&self, endpoint: &str, after: Duration) {
+        self.first_byte
+            .get_or_create(&label(endpoint))
+            .observe(after.as_secs_f64());
+    }
+
+    /// A response ended complete.
+    pub fn request_duration(&self, endpoint: &str, took: Duration) {
+        self.duration
+            .get_or_create(&label(endpoint))
+            .observe(took.as_secs_f64());
+    }
+
+    fn render(&self, out: &mut String) {
+        let _ = prometheus_client::encoding::text::encode_registry(out, &self.registry);
+    }
+}
 
 /// The front door's own counters.
 #[derive(Debug, Default)]
@@ -40,6 +167,8 @@ pub struct Metrics {
     pub accept_errors: AtomicU64,
     /// Connections refused at the connection limit.
     pub refused_connections: AtomicU64,
+    /// Latency histograms.
+    pub timings: Timings,
     /// Failed upstream attempts per instance.
     pub failures_by_instance:
         parking_lot::Mutex<std::collections::BTreeMap<crate::ids::InstanceId, u64>>,
@@ -242,6 +371,7 @@ impl Metrics {
                 );
             }
         }
+        self.timings.render(&mut s);
         s
     }
 }

@@ -112,6 +112,7 @@ pub(crate) async fn completion(
     api: Api,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, ApiError> {
+    let request_started = Instant::now();
     let path = req.uri().path().to_string();
     let accept = req.headers().get(ACCEPT).cloned();
     let auth = req.headers().get(AUTHORIZATION).cloned();
@@ -139,12 +140,16 @@ pub(crate) async fn completion(
             ApiError::UnknownModel(parsed.model.clone())
         }
     })?;
+    let tokenize_started = Instant::now();
     let tokens = match &parsed.prompt {
         Prompt::Tokens(t) => Ok(t.clone()),
         Prompt::Text(t) => gw.tokenizer.encode(t),
         Prompt::Chat(m) => gw.tokenizer.encode(&render_chat(m)),
+    };
+    if !matches!(parsed.prompt, Prompt::Tokens(_)) {
+        gw.metrics.timings.tokenize(tokenize_started.elapsed());
     }
-    .map_err(|e| {
+    let tokens = tokens.map_err(|e| {
         ApiError::BadRequest(openai::BadRequest {
             message: e.to_string(),
             param: Some("prompt".into()),
@@ -163,6 +168,7 @@ pub(crate) async fn completion(
         gw.config.request_timeout
     };
     let client = router.client().clone();
+    let endpoint = router.endpoint().to_string();
 
     let mut a = Attempts::default();
     let mut attempt = 0;
@@ -174,7 +180,12 @@ pub(crate) async fn completion(
             &a.exclude,
             Instant::now(),
         ) {
-            Ok(r) => r,
+            Ok(r) => {
+                gw.metrics
+                    .timings
+                    .decision(&endpoint, r.decision_time, r.policy_time);
+                r
+            }
             Err(e @ RouteError::Rejected(_)) => return Err(e.into()),
             Err(e) => return give_up(gw, &client, a, Some(e)),
         };
@@ -203,6 +214,9 @@ pub(crate) async fn completion(
         .await;
         let failure = match sent {
             Ok(Forwarded::Ok(parts, first, rest)) => {
+                gw.metrics
+                    .timings
+                    .first_byte(&endpoint, request_started.elapsed());
                 router.prefill_done(routed.request);
                 client.record_success(worker);
                 // Served here: the earlier 5xx answers were those workers' own faults.
@@ -214,6 +228,8 @@ pub(crate) async fn completion(
                     client: client.clone(),
                     worker,
                     _booking: booking,
+                    started: request_started,
+                    endpoint: endpoint.clone(),
                 };
                 return Ok(relay.stream(parts, first, rest));
             }
@@ -448,6 +464,9 @@ struct Relay {
     client: Arc<Client>,
     worker: InstanceId,
     _booking: Booking,
+    /// When the request arrived, and its endpoint: a complete response is timed.
+    started: Instant,
+    endpoint: String,
 }
 
 impl Relay {
@@ -480,6 +499,8 @@ impl Relay {
             client,
             worker,
             _booking: booking,
+            started,
+            endpoint,
         } = self;
         let idle = gw.config.stream_idle_timeout;
         tokio::spawn(async move {
@@ -537,6 +558,9 @@ impl Relay {
                 m.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
                 m.cached_tokens.fetch_add(cached, Ordering::Relaxed);
             }
+            gw.metrics
+                .timings
+                .request_duration(&endpoint, started.elapsed());
         });
         Response::from_parts(
             parts,
@@ -545,10 +569,18 @@ impl Relay {
     }
 }
 
-/// Keeps the last 4 KiB of a response: `usage` comes at its end.
+/// Keeps at least the last 4 KiB of a response (`usage` comes at its end). Trimmed only
+/// once it passes 16 KiB, so a stream of small chunks moves memory once per ~12 KiB
+/// instead of once per chunk.
 fn note_usage_tail(tail: &mut Vec<u8>, bytes: &[u8]) {
+    const KEEP: usize = 4096;
+    if bytes.len() >= KEEP {
+        tail.clear();
+        tail.extend_from_slice(&bytes[bytes.len() - KEEP..]);
+        return;
+    }
     tail.extend_from_slice(bytes);
-    if tail.len() > 4096 {
-        tail.drain(..tail.len() - 4096);
+    if tail.len() > 4 * KEEP {
+        tail.drain(..tail.len() - KEEP);
     }
 }

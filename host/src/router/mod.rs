@@ -109,6 +109,10 @@ pub struct Routed {
     pub prompt_blocks: u32,
     /// How the policy decided.
     pub decision: Decision,
+    /// How long the whole decision took (candidates, overlaps, policy, booking).
+    pub decision_time: Duration,
+    /// How long the policy call itself took.
+    pub policy_time: Duration,
 }
 
 /// Exact caches of the workers with event streams, predicted caches of the others. A
@@ -230,6 +234,7 @@ impl KvRouter {
         exclude: &[InstanceId],
         now: Instant,
     ) -> Result<Routed, RouteError> {
+        let started = Instant::now();
         let busy = self.client.busy(now);
         let (candidates, _) = if busy.is_empty() {
             self.candidates(hashes, exclude)
@@ -265,7 +270,9 @@ impl KvRouter {
             seed: 0,
             sequence: 0,
         };
+        let policy_started = Instant::now();
         let decision = self.policy.decide(request, &candidates);
+        let policy_time = policy_started.elapsed();
         let worker = match &decision.outcome {
             DecisionOutcome::Chosen(id) => *id,
             DecisionOutcome::Rejected(r) => return Err(RouteError::Rejected(r.clone())),
@@ -305,6 +312,8 @@ impl KvRouter {
             overlap_blocks,
             prompt_blocks,
             decision,
+            decision_time: started.elapsed(),
+            policy_time,
         })
     }
 
