@@ -75,7 +75,24 @@ fn kv_cost_configuration_is_applied_and_validated() {
     let engine = engine();
     // With overlap_weight 0 the cache is ignored and the lighter worker wins.
     let h = handle(&engine, "kv-cost", r#"{"overlap_weight": 0}"#);
-    let candidates: Candidates = [row(1, 32, 6, 1), row(2, 0, 5, 1)].into_iter().collect();
+    let candidates: Candidates = [row(1, 32, 6, 2), row(2, 0, 5, 1)].into_iter().collect();
+    assert_eq!(
+        chosen(&h.decide(request(32, 1), &candidates).outcome),
+        InstanceId(2)
+    );
+    // The default chases the cache over one extra request in flight.
+    let h = handle(&engine, "kv-cost", "{}");
+    assert_eq!(
+        chosen(&h.decide(request(32, 1), &candidates).outcome),
+        InstanceId(1)
+    );
+    // The old memory-priced model is one configuration away: 500 blocks held lose.
+    let h = handle(
+        &engine,
+        "kv-cost",
+        r#"{"active_weight": 1, "in_flight_weight": 0, "stall_weight": 0, "eviction_weight": 0}"#,
+    );
+    let candidates: Candidates = [row(1, 4, 500, 1), row(2, 0, 0, 1)].into_iter().collect();
     assert_eq!(
         chosen(&h.decide(request(32, 1), &candidates).outcome),
         InstanceId(2)

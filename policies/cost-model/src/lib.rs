@@ -4,13 +4,28 @@
 //! the native fallback that decides whenever a policy fails. Both must agree exactly, so
 //! there is one implementation.
 //!
-//! For candidate `i` of a request with `P` full prompt blocks and block size `B`:
+//! For candidate `i` of a request with `P` full prompt blocks and block size `B`, with
+//! `u[i] = P - min(overlap_blocks[i], P)` the blocks it would have to prefill there, `n[i]`
+//! its requests in flight and `k[i]` its reported KV usage (0 when unknown):
 //!
 //! ```text
-//! prefill_blocks[i] = pending_prefill_tokens[i] / B + (P - min(overlap_blocks[i], P))
-//! decode_blocks[i]  = active_blocks[i] + P
-//! cost[i]           = overlap_weight * prefill_blocks[i] + decode_blocks[i]
+//! prefill[i] = pending_prefill_tokens[i] / B
+//!            + u[i] * (1 + stall_weight * n[i] + eviction_weight * k[i])
+//! cost[i]    = overlap_weight * prefill[i]
+//!            + in_flight_weight * n[i]
+//!            + active_weight * (active_blocks[i] + P)
 //! ```
+//!
+//! Everything is in blocks of prefill work. The first line is the request's own wait for
+//! its first token (the prefill queued ahead of it, then its own). An uncached block
+//! costs more than its compute: on a worker with `n` requests decoding it stalls each of
+//! them for that long (`stall_weight`), and on a worker whose cache is full it evicts a
+//! block some later request may have wanted (`eviction_weight`); together these keep a
+//! prefix on the worker that holds it, and send a new prefix where it disturbs least.
+//! Each request in flight costs a decode slot and step time (`in_flight_weight`), which
+//! is what balances load: a cached prefix wins unless its worker is clearly busier.
+//! `active_weight` prices the KV memory held by requests in flight; it is 0 by default,
+//! since blocks are a poor proxy for time (long prompts would dominate every decision).
 //!
 //! With `temperature == 0` the lowest cost wins and ties are broken uniformly by the
 //! request's seed. With `temperature > 0` the candidate is sampled with probability
@@ -46,10 +61,10 @@ impl Default for KvCostConfig {
         KvCostConfig {
             overlap_weight: 1.0,
             temperature: 0.0,
-            stall_weight: 0.0,
-            in_flight_weight: 0.0,
-            active_weight: 1.0,
-            eviction_weight: 0.0,
+            stall_weight: 0.25,
+            in_flight_weight: 20.0,
+            active_weight: 0.0,
+            eviction_weight: 4.0,
         }
     }
 }
@@ -294,8 +309,60 @@ mod tests {
             block_size: 16,
             seed: 7,
         };
-        let c = view(&[2, 0], &[100, 0], &[0, 0]);
+        let mut c = view(&[2, 0], &[0, 0], &[0, 0]);
+        c.in_flight = &[12, 0];
         assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(1));
+        // The same overlap on an idle worker wins.
+        c.in_flight = &[0, 0];
+        assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(0));
+    }
+
+    #[test]
+    fn a_long_cached_prefix_stays_put_until_its_worker_is_much_busier() {
+        let req = RequestShape {
+            prompt_blocks: 200,
+            block_size: 64,
+            seed: 7,
+        };
+        let mut c = view(&[200, 0], &[0, 0], &[0, 0]);
+        c.in_flight = &[8, 2];
+        assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(0));
+        // A deep prefill queue on the holder (the request would wait behind it) moves it.
+        c.pending_prefill_tokens = &[200 * 64 * 10, 0];
+        assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(1));
+    }
+
+    #[test]
+    fn a_new_prefix_goes_where_it_evicts_least() {
+        let req = RequestShape {
+            prompt_blocks: 50,
+            block_size: 64,
+            seed: 7,
+        };
+        let mut c = view(&[0, 0, 0], &[0, 0, 0], &[0, 0, 0]);
+        c.in_flight = &[1, 1, 1];
+        c.kv_usage = &[1.0, 0.2, 0.9];
+        assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(1));
+    }
+
+    #[test]
+    fn the_old_memory_model_is_still_one_config_away() {
+        let config = KvCostConfig::from_json(
+            r#"{"active_weight": 1, "in_flight_weight": 0, "stall_weight": 0, "eviction_weight": 0}"#,
+        )
+        .unwrap();
+        let req = RequestShape {
+            prompt_blocks: 10,
+            block_size: 16,
+            seed: 7,
+        };
+        let c = view(&[2, 0], &[100, 0], &[0, 0]);
+        assert_eq!(choose(&config, &req, &c), Some(1));
+        assert_eq!(
+            choose(&KvCostConfig::default(), &req, &c),
+            Some(0),
+            "blocks held no longer count"
+        );
     }
 
     #[test]
@@ -320,7 +387,8 @@ mod tests {
             block_size: 16,
             seed,
         };
-        let c = view(&[0, 0, 0, 9], &[0, 0, 0, 50], &[0, 0, 0, 0]);
+        let mut c = view(&[0, 0, 0, 9], &[0, 0, 0, 0], &[0, 0, 0, 0]);
+        c.in_flight = &[0, 0, 0, 50];
         let mut seen = [0u32; 4];
         for seed in 0..3000 {
             seen[choose(&KvCostConfig::default(), &req(seed), &c).unwrap()] += 1;
@@ -361,6 +429,11 @@ mod tests {
         );
         assert!(KvCostConfig::from_json(r#"{"temperature": -1}"#).is_err());
         assert!(KvCostConfig::from_json("[").is_err());
+        assert!(
+            KvCostConfig::from_json(r#"{"stall_weight": -0.5}"#)
+                .unwrap_err()
+                .contains("stall_weight")
+        );
     }
 
     #[test]
