@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# B7: Switchyard beside the routers people would otherwise pick, on one mock fleet and
+# one trace, in one run. Every router (Switchyard's own binary too) runs as a process of
+# its own in front of fresh mock workers, driven by the same replay client; the table
+# gives hit rate, TTFT, E2E, router CPU seconds and peak RSS.
+#
+#   tools/b7.sh TRACE.jsonl [more `switchyard replay` flags]
+#
+# The peers come from PyPI into a virtualenv outside the repository
+# ($SWITCHYARD_PEERS_VENV, default ~/.cache/switchyard/peers), installed on first use.
+# Defaults: the first 1,500 requests, 4 workers of 16,384 64-token blocks (1M tokens
+# each, so caches fill and evict), prefill 60 us/token, 20x speed.
+set -euo pipefail
+
+trace=${1:?usage: tools/b7.sh TRACE.jsonl [replay flags]}
+shift
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${SWITCHYARD_PEERS_VENV:-$HOME/.cache/switchyard/peers}
+
+if [ ! -x "$venv/bin/smg" ] || [ ! -x "$venv/bin/vllm-router" ] \
+    || ! "$venv/bin/python" -c 'import sglang_router' 2>/dev/null; then
+    echo "installing the peers into $venv" >&2
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet sglang-router==0.3.2 smg==1.13.0 vllm-router==0.1.17
+fi
+
+(cd "$root" && cargo build --release --quiet --bin switchyard)
+sy=$root/target/release/switchyard
+serve="$sy serve --listen 127.0.0.1:{port} {worker_args} --model replay --block-size 64 --kv-events true"
+
+exec "$sy" replay "$trace" \
+    --max-requests 1500 --workers 4 --kv-blocks 16384 --block-size 64 \
+    --prefill-us-per-token 60 --speedup 20 \
+    --policy none \
+    --router "switchyard kv-cost=$serve --policy kv-cost" \
+    --router "switchyard round-robin=$serve --policy round-robin" \
+    --router "sglang-router cache_aware=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware" \
+    --router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware" \
+    --router "vllm-router cache_aware=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware" \
+    --router-logs "${B7_LOGS:-b7-logs}" --json "${B7_JSON:-b7-results.json}" --chart "${B7_CHART:-b7-ttft.svg}" \
+    "$@"
