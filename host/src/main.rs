@@ -56,6 +56,10 @@ enum Command {
     /// Replay a Mooncake-format trace through the real router in front of mock workers,
     /// once per policy, and print TTFT, latency, throughput and prefix hit rate.
     Replay(ReplayArgs),
+    /// Write a synthetic multi-turn trace (Mooncake format) to stdout: conversations that
+    /// resend their history, shared system prompts, Poisson or bursty arrivals, short and
+    /// long messages mixed.
+    TraceGen(TraceGenArgs),
     /// Run simulated LLM workers (CPU only): OpenAI-compatible endpoints, a KV cache with
     /// prefix reuse and LRU eviction, continuous batching, a KV event stream, and fault
     /// injection.
@@ -89,6 +93,43 @@ impl EtcdArgs {
             ..EtcdConfig::new(self.endpoints.clone())
         }
     }
+}
+
+#[derive(Args)]
+struct TraceGenArgs {
+    /// Requests.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().requests)]
+    requests: usize,
+    /// Mean arrivals per second of trace time.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().rate)]
+    rate: f64,
+    /// Requests arriving at the same instant (1: Poisson arrivals).
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().burst)]
+    burst: usize,
+    /// Mean turns per conversation.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().turns)]
+    turns: f64,
+    /// Least seconds between two turns of a conversation.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().think_secs)]
+    think_secs: f64,
+    /// Distinct system prompts.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().system_prompts)]
+    system_prompts: usize,
+    /// Tokens per system prompt.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().system_tokens)]
+    system_tokens: u32,
+    /// Share of user messages that are long documents.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().long_fraction)]
+    long_fraction: f64,
+    /// Short messages: most tokens.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().short_tokens.1)]
+    short_max: u32,
+    /// Long messages: most tokens.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().long_tokens.1)]
+    long_max: u32,
+    /// Seed.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().seed)]
+    seed: u64,
 }
 
 #[derive(Args)]
@@ -312,6 +353,26 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Instances { etcd } => tokio_runtime()?.block_on(instances(etcd)),
         Command::MockWorker(args) => tokio_runtime()?.block_on(mock_worker(args)),
         Command::Replay(args) => tokio_runtime()?.block_on(replay(args)),
+        Command::TraceGen(a) => {
+            let defaults = switchyard::replay::synth::SynthConfig::default();
+            let config = switchyard::replay::synth::SynthConfig {
+                requests: a.requests,
+                rate: a.rate,
+                burst: a.burst,
+                turns: a.turns,
+                think_secs: a.think_secs,
+                system_prompts: a.system_prompts,
+                system_tokens: a.system_tokens,
+                long_fraction: a.long_fraction,
+                short_tokens: (defaults.short_tokens.0.min(a.short_max), a.short_max),
+                long_tokens: (defaults.long_tokens.0.min(a.long_max), a.long_max),
+                seed: a.seed,
+                ..defaults
+            };
+            let trace = switchyard::replay::synth::generate(&config);
+            print!("{}", switchyard::replay::synth::to_jsonl(&trace));
+            Ok(())
+        }
         Command::Serve(args) => {
             let config = args.resolve()?;
             tokio_runtime()?.block_on(async move {
@@ -529,6 +590,9 @@ async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     );
     println!();
     print!("{}", switchyard::replay::report::table(&runs, bound));
+    if let Some(live) = switchyard::replay::report::live_table(&runs) {
+        print!("\n{live}");
+    }
     std::fs::write(
         &args.json,
         serde_json::to_vec_pretty(&switchyard::replay::report::json(&runs, bound))?,

@@ -5,6 +5,7 @@
 
 pub mod external;
 pub mod report;
+pub mod synth;
 pub mod trace;
 
 use std::path::PathBuf;
@@ -21,7 +22,7 @@ use serde::Serialize;
 
 use crate::local::{LocalFleet, LocalFleetConfig};
 use crate::worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, TimingModel};
-use external::{ExternalRouter, ProcessCost, RouterProcess};
+use external::{ExternalRouter, LiveTimings, ProcessCost, RouterProcess};
 use trace::TraceRequest;
 
 /// What to replay, against what.
@@ -139,6 +140,9 @@ pub struct PolicyRun {
     /// The router process's cost (external routers only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub router: Option<ProcessCost>,
+    /// The router's own latency histograms, when it exposes Switchyard's `/metrics`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub live: Option<LiveTimings>,
 }
 
 /// How prompts are sent.
@@ -253,6 +257,15 @@ async fn replay_external(
         Ok(()) => {
             let mut run = replay_once(config, &router.name, &url, reqs, Prompts::Text).await;
             run.router = Some(process.cost());
+            if let Some(text) = scrape(&format!("{url}/metrics")).await {
+                let _ = std::fs::write(
+                    config
+                        .logs
+                        .join(format!("{}.metrics", router.name.replace('/', "_"))),
+                    &text,
+                );
+                run.live = LiveTimings::parse(&text);
+            }
             Ok(run)
         }
         Err(e) => Err(format!("{}: {e}\n{}", router.name, process.log_tail())),
@@ -264,6 +277,25 @@ async fn replay_external(
         w.shutdown().await;
     }
     result
+}
+
+/// The body of a GET that answers 200 within five seconds.
+async fn scrape(url: &str) -> Option<String> {
+    let http: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let req = hyper::Request::get(url)
+        .body(Full::new(Bytes::new()))
+        .ok()?;
+    let answer = tokio::time::timeout(Duration::from_secs(5), async {
+        let r = http.request(req).await.ok()?;
+        if !r.status().is_success() {
+            return None;
+        }
+        r.into_body().collect().await.ok().map(|b| b.to_bytes())
+    })
+    .await
+    .ok()??;
+    String::from_utf8(answer.to_vec()).ok()
 }
 
 /// Waits until a one-token completion through the router succeeds (the router is up and
@@ -380,6 +412,7 @@ async fn replay_once(
         outcomes,
         span: last.as_secs_f64() * speedup,
         router: None,
+        live: None,
     }
 }
 

@@ -98,13 +98,51 @@ pub fn table(runs: &[PolicyRun], bound: Bounds) -> String {
             m.hit_rate * 100.0,
             bound.capacity * 100.0,
             bound.infinite * 100.0,
-            r.router
-                .map_or("in process".to_string(), |c| format!("{:.1} s", c.cpu_secs)),
+            r.router.map_or("in process".to_string(), |c| format!(
+                "{:.1} s ({:.1} ms/req)",
+                c.cpu_secs,
+                1e3 * c.cpu_secs / m.requests.max(1) as f64
+            )),
             r.router
                 .map_or("-".to_string(), |c| format!("{:.0} MiB", c.peak_rss_mib)),
         );
     }
     s
+}
+
+/// The routers' own latency quantiles (from their `/metrics`), when any exposes them.
+pub fn live_table(runs: &[PolicyRun]) -> Option<String> {
+    let live: Vec<_> = runs
+        .iter()
+        .filter_map(|r| r.live.map(|l| (&r.policy, l)))
+        .collect();
+    if live.is_empty() {
+        return None;
+    }
+    let us = |s: f64| format!("{:.1} µs", s * 1e6);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| router (its /metrics) | decisions | decision p50 | p99 | policy call p50 | p99 | tokenize p50 | p99 |"
+    );
+    let _ = writeln!(
+        s,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
+    for (name, l) in live {
+        let _ = writeln!(
+            s,
+            "| {name} | {} | {} | {} | {} | {} | {} | {} |",
+            l.decisions,
+            us(l.decision[0]),
+            us(l.decision[1]),
+            us(l.policy_call[0]),
+            us(l.policy_call[1]),
+            us(l.tokenize[0]),
+            us(l.tokenize[1]),
+        );
+    }
+    Some(s)
 }
 
 /// Everything, as JSON.
