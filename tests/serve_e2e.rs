@@ -167,6 +167,38 @@ async fn a_shared_prefix_goes_to_the_same_worker_and_round_robin_spreads() {
         "the shared prefix was not reused: {cached} of {prompt} tokens cached"
     );
 
+    // A long conversation's second turn: the router reuses the tokens of the first
+    // turn's text instead of tokenizing the history again, and still finds the cache.
+    let history = "Appendix: revenue by region, costs by quarter, hiring by team. ".repeat(80);
+    let turn1 = json!({"model": "mock", "max_tokens": 2, "messages": [
+        {"role": "system", "content": history},
+        {"role": "user", "content": "Summarise the appendix."}]});
+    let (s, v, _) = post_json(&c, &format!("{url}/v1/chat/completions"), &turn1).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let hits_before = metric(&c, &url, "switchyard_token_prefix_hits_total").await;
+    eventually("the KV events of the first turn", || async {
+        let (_, again, _) = post_json(
+            &c,
+            &format!("{url}/v1/chat/completions"),
+            &json!({"model": "mock", "max_tokens": 2, "messages": [
+                {"role": "system", "content": history},
+                {"role": "user", "content": "Summarise the appendix."},
+                {"role": "assistant", "content": "Revenue grew."},
+                {"role": "user", "content": "And costs?"}]}),
+        )
+        .await;
+        let prompt = again["usage"]["prompt_tokens"].as_u64().unwrap_or(1);
+        let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        cached * 10 >= prompt * 8
+    })
+    .await;
+    assert!(
+        metric(&c, &url, "switchyard_token_prefix_hits_total").await > hits_before,
+        "the second turn was tokenized from the start"
+    );
+
     // Switch the endpoint to round-robin: six requests, two per worker.
     let (s, _, body) = http::send(
         &c,

@@ -186,7 +186,11 @@ impl Metrics {
     }
 
     /// Renders everything in the Prometheus text format.
-    pub fn render(&self, routers: &[std::sync::Arc<KvRouter>]) -> String {
+    pub fn render(
+        &self,
+        routers: &[std::sync::Arc<KvRouter>],
+        prefix: crate::tokens::prefix::PrefixStats,
+    ) -> String {
         let mut s = String::new();
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let _ = writeln!(s, "# TYPE switchyard_responses_total counter");
@@ -371,6 +375,30 @@ impl Metrics {
                 );
             }
         }
+        for (name, help, v) in [
+            (
+                "switchyard_token_prefix_hits_total",
+                "text prompts that reused the tokens of an earlier prompt's prefix",
+                prefix.hits,
+            ),
+            (
+                "switchyard_token_prefix_misses_total",
+                "long text prompts tokenized from the start",
+                prefix.misses,
+            ),
+            (
+                "switchyard_token_prefix_mismatches_total",
+                "audits that found reused tokens wrong (reuse is then off)",
+                prefix.mismatches,
+            ),
+        ] {
+            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        }
+        let _ = writeln!(
+            s,
+            "# HELP switchyard_token_prefix_cached_tokens tokens held for reuse\n# TYPE switchyard_token_prefix_cached_tokens gauge\nswitchyard_token_prefix_cached_tokens {}",
+            prefix.tokens
+        );
         self.timings.render(&mut s);
         s
     }

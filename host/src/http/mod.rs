@@ -39,7 +39,8 @@ use tokio::net::TcpListener;
 
 use crate::discovery::EndpointPath;
 use crate::router::KvRouter;
-use crate::tokens::Tokenizer;
+use crate::tokens::prefix::DEFAULT_BUDGET_TOKENS;
+use crate::tokens::{PrefixTokenizer, Tokenizer};
 pub use error::ApiError;
 pub use metrics::Metrics;
 
@@ -125,7 +126,7 @@ impl Default for GatewayConfig {
 pub struct Gateway {
     pub(crate) config: GatewayConfig,
     pub(crate) fleet: Arc<dyn Fleet>,
-    pub(crate) tokenizer: Arc<Tokenizer>,
+    pub(crate) tokenizer: Arc<PrefixTokenizer>,
     pub(crate) http: HttpClient<HttpConnector, Full<Bytes>>,
     pub(crate) metrics: Metrics,
     draining: AtomicBool,
@@ -154,7 +155,7 @@ impl Gateway {
         Arc::new(Gateway {
             config,
             fleet,
-            tokenizer,
+            tokenizer: Arc::new(PrefixTokenizer::new(tokenizer, DEFAULT_BUDGET_TOKENS)),
             http,
             metrics: Metrics::default(),
             draining: AtomicBool::new(false),
@@ -184,7 +185,8 @@ impl Gateway {
             (&Method::GET, "/metrics") => Ok(text_response(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",
-                self.metrics.render(&self.fleet.routers()),
+                self.metrics
+                    .render(&self.fleet.routers(), self.tokenizer.stats()),
             )),
             (_, p) if p.starts_with("/admin/") => admin::handle(&self, req).await,
             (m, p) => Err(ApiError::NotFound(format!("{m} {p}"))),

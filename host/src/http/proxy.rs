@@ -36,7 +36,7 @@ use crate::client::{Client, local_exhaustion};
 use crate::ids::{InstanceId, RequestId};
 use crate::openai::{self, Api, Prompt};
 use crate::router::{KvRouter, RouteError};
-use crate::tokens::render_chat;
+use crate::tokens::{TokenizerError, render_chat};
 
 /// Releases a request's load booking when dropped.
 struct Booking {
@@ -107,6 +107,30 @@ struct Attempts {
     reconnects: u32,
 }
 
+/// Texts longer than this are tokenized on a blocking thread, off the async workers.
+const BLOCKING_TOKENIZE_BYTES: usize = 8 << 10;
+
+/// The prompt's token IDs (text reuses a conversation's earlier tokens, see
+/// [`PrefixTokenizer`](crate::tokens::PrefixTokenizer)).
+async fn tokenize(gw: &Arc<Gateway>, prompt: &Prompt) -> Result<Vec<u32>, TokenizerError> {
+    let text = match prompt {
+        Prompt::Tokens(t) => return Ok(t.clone()),
+        Prompt::Text(t) => t.clone(),
+        Prompt::Chat(m) => render_chat(m),
+    };
+    let started = Instant::now();
+    let tokens = if text.len() > BLOCKING_TOKENIZE_BYTES {
+        let tokenizer = gw.tokenizer.clone();
+        tokio::task::spawn_blocking(move || tokenizer.encode(&text))
+            .await
+            .unwrap_or_else(|e| Err(TokenizerError::from_panic(e)))
+    } else {
+        gw.tokenizer.encode(&text)
+    };
+    gw.metrics.timings.tokenize(started.elapsed());
+    tokens
+}
+
 pub(crate) async fn completion(
     gw: &Arc<Gateway>,
     api: Api,
@@ -140,15 +164,7 @@ pub(crate) async fn completion(
             ApiError::UnknownModel(parsed.model.clone())
         }
     })?;
-    let tokenize_started = Instant::now();
-    let tokens = match &parsed.prompt {
-        Prompt::Tokens(t) => Ok(t.clone()),
-        Prompt::Text(t) => gw.tokenizer.encode(t),
-        Prompt::Chat(m) => gw.tokenizer.encode(&render_chat(m)),
-    };
-    if !matches!(parsed.prompt, Prompt::Tokens(_)) {
-        gw.metrics.timings.tokenize(tokenize_started.elapsed());
-    }
+    let tokens = tokenize(gw, &parsed.prompt).await;
     let tokens = tokens.map_err(|e| {
         ApiError::BadRequest(openai::BadRequest {
             message: e.to_string(),

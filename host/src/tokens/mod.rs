@@ -10,6 +10,10 @@
 //!
 //! Chat messages are rendered into one prompt with ChatML markers, see [`render_chat`].
 
+pub mod prefix;
+
+pub use prefix::PrefixTokenizer;
+
 use std::path::Path;
 
 /// Vocabulary size of the built-in tokenizer.
@@ -36,6 +40,13 @@ impl std::fmt::Debug for Tokenizer {
 #[derive(Debug, thiserror::Error)]
 #[error("tokenizer: {0}")]
 pub struct TokenizerError(String);
+
+impl TokenizerError {
+    /// A tokenization task that did not finish.
+    pub fn from_panic(e: tokio::task::JoinError) -> TokenizerError {
+        TokenizerError(format!("tokenization failed: {e}"))
+    }
+}
 
 impl Tokenizer {
     /// The built-in tokenizer.

@@ -1,0 +1,395 @@
+//! Tokenizing a prompt once per conversation instead of once per turn.
+//!
+//! A multi-turn chat resends its whole history with every turn, so most of each prompt's
+//! text was tokenized before. [`PrefixTokenizer`] cuts a text at *cut points* that depend
+//! only on the text before them (the first whitespace after every [`CHUNK`] bytes since the
+//! previous cut), remembers the tokens of each request's longest cut prefix under a hash
+//! of that prefix, and on the next turn tokenizes only what follows the longest
+//! remembered prefix. Two texts that share a prefix share its cut points, so the next
+//! turn of a conversation finds the previous turn's entry.
+//!
+//! Concatenating the tokens of the pieces equals tokenizing the whole only when the
+//! tokenizer never merges across a cut. That holds for the built-in tokenizer (a
+//! whitespace run always starts a token) and for the usual BPE pre-tokenizers, but not
+//! for every `tokenizer.json`, so the discipline is:
+//! - at construction, sample texts are tokenized both ways; any difference turns the
+//!   cache off for good (logged once);
+//! - while serving, one cache hit in [`AUDIT_EVERY`] is also tokenized whole and
+//!   compared; a difference turns the cache off (logged, counted) and that request uses
+//!   the whole-text tokens;
+//! - the cache holds at most a budget of tokens, and evicts the oldest entries first.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use super::{Tokenizer, TokenizerError};
+
+/// Bytes between cut points, at least (a cut waits for the next whitespace).
+pub const CHUNK: usize = 2048;
+
+/// One cache hit in this many is checked against tokenizing the whole text.
+pub const AUDIT_EVERY: u64 = 256;
+
+/// Default budget: 8 M tokens (32 MiB of token IDs).
+pub const DEFAULT_BUDGET_TOKENS: usize = 8 << 20;
+
+/// A tokenizer that reuses the tokens of text prefixes it has seen.
+pub struct PrefixTokenizer {
+    tokenizer: Arc<Tokenizer>,
+    cache: Mutex<Cache>,
+    enabled: AtomicBool,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    mismatches: AtomicU64,
+}
+
+impl std::fmt::Debug for PrefixTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefixTokenizer")
+            .field("enabled", &self.enabled())
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// What the cache did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixStats {
+    /// Texts whose prefix was found.
+    pub hits: u64,
+    /// Texts tokenized from the start.
+    pub misses: u64,
+    /// Audits that found the pieces' tokens different from the whole's (the cache is
+    /// then off).
+    pub mismatches: u64,
+    /// Tokens held.
+    pub tokens: usize,
+}
+
+#[derive(Default)]
+struct Cache {
+    /// Prefix hash → (prefix length in bytes, its tokens).
+    entries: HashMap<u64, (usize, Arc<[u32]>)>,
+    /// Insertion order, for eviction.
+    order: VecDeque<u64>,
+    tokens: usize,
+    budget: usize,
+}
+
+impl Cache {
+    fn get(&self, hash: u64, len: usize) -> Option<Arc<[u32]>> {
+        self.entries
+            .get(&hash)
+            .filter(|(l, _)| *l == len)
+            .map(|(_, t)| t.clone())
+    }
+
+    fn insert(&mut self, hash: u64, len: usize, tokens: Arc<[u32]>) {
+        if tokens.len() > self.budget || self.entries.contains_key(&hash) {
+            return;
+        }
+        while self.tokens + tokens.len() > self.budget {
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
+            if let Some((_, t)) = self.entries.remove(&old) {
+                self.tokens -= t.len();
+            }
+        }
+        self.tokens += tokens.len();
+        self.entries.insert(hash, (len, tokens));
+        self.order.push_back(hash);
+    }
+}
+
+/// The cut points of `text`: byte offsets, each the start of a whitespace run at least
+/// [`CHUNK`] bytes after the previous cut, and short of the end.
+fn cuts(text: &str) -> Vec<usize> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::new();
+    let mut i = CHUNK;
+    while i < bytes.len() {
+        // ASCII whitespace after a non-whitespace byte (never inside a UTF-8 sequence).
+        if bytes[i].is_ascii_whitespace() && !bytes[i - 1].is_ascii_whitespace() {
+            out.push(i);
+            i += CHUNK;
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+impl PrefixTokenizer {
+    /// Wraps `tokenizer` with a cache of at most `budget_tokens` tokens (0: no cache).
+    pub fn new(tokenizer: Arc<Tokenizer>, budget_tokens: usize) -> PrefixTokenizer {
+        let t = Self::unchecked(tokenizer, budget_tokens);
+        if t.enabled() && !t.cuts_are_exact() {
+            tracing::warn!(
+                "this tokenizer merges tokens across whitespace: prompts are tokenized whole, \
+                 without reusing a conversation's earlier tokens"
+            );
+            t.enabled.store(false, Ordering::Relaxed);
+        }
+        t
+    }
+
+    fn unchecked(tokenizer: Arc<Tokenizer>, budget_tokens: usize) -> PrefixTokenizer {
+        PrefixTokenizer {
+            tokenizer,
+            cache: Mutex::new(Cache {
+                budget: budget_tokens,
+                ..Cache::default()
+            }),
+            enabled: AtomicBool::new(budget_tokens > 0),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            mismatches: AtomicU64::new(0),
+        }
+    }
+
+    /// The tokenizer underneath.
+    pub fn inner(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Whether prefixes are reused.
+    pub fn enabled(&self) -> bool {
+        self.enabled.load(Ordering::Relaxed)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> PrefixStats {
+        PrefixStats {
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            mismatches: self.mismatches.load(Ordering::Relaxed),
+            tokens: self.cache.lock().map_or(0, |c| c.tokens),
+        }
+    }
+
+    /// Whether cutting sample texts (prose, code, chat turns, odd spacing, non-ASCII)
+    /// gives the same tokens as tokenizing them whole.
+    fn cuts_are_exact(&self) -> bool {
+        let words = [
+            "The",
+            "router",
+            "keeps",
+            "each",
+            "conversation",
+            "on",
+            "the",
+            "worker",
+            "that",
+            "holds",
+            "its",
+            "cache,",
+            "fn",
+            "main()",
+            "{",
+            "}",
+            "x+=1;",
+            "café",
+            "日本語",
+            "1234",
+            "<|im_end|>",
+            "<|im_start|>user",
+            "🙂",
+            "'s",
+            "--flag",
+            "don't",
+        ];
+        let gaps = [" ", "  ", "\n", "\n\n", "\t", " \n ", "   "];
+        (0..4).all(|sample| {
+            let mut text = String::new();
+            let mut k = sample * 7;
+            while text.len() < 3 * CHUNK + 100 {
+                text.push_str(words[k % words.len()]);
+                text.push_str(gaps[(k / 3 + sample) % gaps.len()]);
+                k += 1;
+            }
+            let whole = self.tokenizer.encode(&text);
+            let pieces = self.encode_pieces(&text, 0, &cuts(&text));
+            matches!((whole, pieces), (Ok(w), Ok(p)) if w == p)
+        })
+    }
+
+    fn encode_pieces(
+        &self,
+        text: &str,
+        from: usize,
+        cuts: &[usize],
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let mut out = Vec::new();
+        let mut start = from;
+        for &c in cuts.iter().filter(|&&c| c > from).chain([&text.len()]) {
+            out.extend(self.tokenizer.encode(&text[start..c])?);
+            start = c;
+        }
+        Ok(out)
+    }
+
+    /// Token IDs of `text`, reusing a remembered prefix where there is one.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        if !self.enabled() || text.len() <= CHUNK {
+            return self.tokenizer.encode(text);
+        }
+        let cuts = cuts(text);
+        let Some(&longest) = cuts.last() else {
+            return self.tokenizer.encode(text);
+        };
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut hashes = Vec::with_capacity(cuts.len());
+        let mut start = 0;
+        for &c in &cuts {
+            hasher.update(&text.as_bytes()[start..c]);
+            hashes.push(hasher.digest());
+            start = c;
+        }
+        let found = {
+            let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            (0..cuts.len())
+                .rev()
+                .find_map(|j| cache.get(hashes[j], cuts[j]).map(|t| (j, t)))
+        };
+        let (from, mut tokens) = match &found {
+            Some((j, t)) => (cuts[*j], t.to_vec()),
+            None => (0, Vec::new()),
+        };
+        // The pieces up to the longest cut, remembered for the next turn; then the rest.
+        tokens.extend(self.encode_pieces(&text[..longest], from, &cuts)?);
+        if found.as_ref().is_none_or(|(j, _)| *j + 1 < cuts.len()) {
+            let entry: Arc<[u32]> = tokens.as_slice().into();
+            self.cache.lock().unwrap_or_else(|e| e.into_inner()).insert(
+                hashes[cuts.len() - 1],
+                longest,
+                entry,
+            );
+        }
+        tokens.extend(self.tokenizer.encode(&text[longest..])?);
+        if found.is_none() {
+            self.misses.fetch_add(1, Ordering::Relaxed);
+            return Ok(tokens);
+        }
+        let hit = self.hits.fetch_add(1, Ordering::Relaxed) + 1;
+        if hit.is_multiple_of(AUDIT_EVERY) {
+            let whole = self.tokenizer.encode(text)?;
+            if whole != tokens {
+                self.mismatches.fetch_add(1, Ordering::Relaxed);
+                self.enabled.store(false, Ordering::Relaxed);
+                tracing::warn!(
+                    "a prompt cut into pieces tokenized differently from the whole: \
+                     reusing earlier tokens is now off"
+                );
+                return Ok(whole);
+            }
+        }
+        Ok(tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A conversation's prompt after `turns` turns: a long system prompt, then turns.
+    fn conversation(turns: usize) -> String {
+        let mut s = String::from("<|im_start|>system\n");
+        for i in 0..400 {
+            s.push_str(&format!("Rule {i}: answer briefly and cite sources. "));
+        }
+        s.push_str("<|im_end|>\n");
+        for t in 0..turns {
+            s.push_str(&format!(
+                "<|im_start|>user\nQuestion {t}: {}<|im_end|>\n<|im_start|>assistant\nAnswer {t}: {}<|im_end|>\n",
+                "why is the sky blue? ".repeat(30),
+                "Rayleigh scattering of sunlight. ".repeat(40)
+            ));
+        }
+        s.push_str("<|im_start|>assistant\n");
+        s
+    }
+
+    #[test]
+    fn later_turns_reuse_earlier_tokens_and_match_whole_tokenization() {
+        let plain = Arc::new(Tokenizer::builtin());
+        let t = PrefixTokenizer::new(plain.clone(), DEFAULT_BUDGET_TOKENS);
+        assert!(t.enabled(), "the built-in tokenizer cuts exactly");
+        for turns in 0..6 {
+            let text = conversation(turns);
+            assert_eq!(t.encode(&text).unwrap(), plain.encode(&text).unwrap());
+        }
+        let s = t.stats();
+        assert_eq!((s.hits, s.misses, s.mismatches), (5, 1, 0), "{s:?}");
+        assert!(s.tokens > 0);
+        // A different conversation shares nothing.
+        let other = conversation(2).replace("Rule 0:", "Law 0:");
+        assert_eq!(t.encode(&other).unwrap(), plain.encode(&other).unwrap());
+        assert_eq!(t.stats().misses, 2);
+    }
+
+    #[test]
+    fn cut_points_depend_only_on_the_text_before_them() {
+        let short = conversation(1);
+        let long = conversation(3);
+        let (a, b) = (cuts(&short), cuts(&long));
+        let shared = a.iter().take_while(|&&c| c < short.len() - 100).count();
+        assert!(shared > 2, "{a:?}");
+        assert_eq!(a[..shared], b[..shared]);
+        assert!(a.windows(2).all(|w| w[1] - w[0] >= CHUNK));
+        assert!(cuts("short text").is_empty());
+    }
+
+    #[test]
+    fn the_budget_bounds_what_is_held() {
+        let plain = Arc::new(Tokenizer::builtin());
+        let one = plain.encode(&conversation(1)).unwrap().len();
+        let t = PrefixTokenizer::new(plain.clone(), one * 2);
+        for i in 0..10 {
+            let text = conversation(1).replace("Rule 0:", &format!("Variant {i}:"));
+            t.encode(&text).unwrap();
+            assert!(t.stats().tokens <= one * 2, "{:?}", t.stats());
+        }
+        assert!(t.stats().tokens > 0);
+        let off = PrefixTokenizer::new(plain, 0);
+        assert!(!off.enabled());
+        off.encode(&conversation(2)).unwrap();
+        assert_eq!(off.stats(), PrefixStats::default());
+    }
+
+    #[test]
+    fn a_tokenizer_that_merges_across_whitespace_turns_the_cache_off() {
+        // Whitespace-free word pieces: "a b" is one token, "a" + " b" are two.
+        let json = r#"{
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": {"a": 0, " ": 1, "a ": 2, "b": 3, " a": 4},
+                      "merges": [["a", " "], [" ", "a"]]}
+        }"#;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, json).unwrap();
+        let merging = Arc::new(Tokenizer::from_file(&path).unwrap());
+        let text = "a ".repeat(3000);
+        let whole = merging.encode(&text).unwrap();
+        let t = PrefixTokenizer::new(merging.clone(), DEFAULT_BUDGET_TOKENS);
+        assert!(!t.enabled(), "the construction check saw the merge");
+        assert_eq!(t.encode(&text).unwrap(), whole);
+
+        // Had the check missed it, the audit catches it within AUDIT_EVERY hits, answers
+        // that request with the whole text's tokens, and turns the cache off.
+        let t = PrefixTokenizer::unchecked(merging, DEFAULT_BUDGET_TOKENS);
+        assert_ne!(t.encode(&text).unwrap(), whole, "cut tokens differ");
+        for _ in 1..AUDIT_EVERY {
+            assert_ne!(t.encode(&text).unwrap(), whole);
+        }
+        assert_eq!(t.encode(&text).unwrap(), whole, "the audited hit");
+        assert!(!t.enabled());
+        assert_eq!(t.stats().mismatches, 1);
+        assert_eq!(t.encode(&text).unwrap(), whole);
+    }
+}
