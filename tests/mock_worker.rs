@@ -25,6 +25,7 @@ fn config(kv_blocks: usize) -> MockWorkerConfig {
         },
         hash_seed: 0,
         fault: FaultConfig::NONE,
+        tokenizer: None,
     }
 }
 
@@ -501,4 +502,81 @@ async fn an_unknown_route_reads_a_large_body_first_so_the_connection_stays_usabl
         let (status, _) = get(&c, &format!("{}/health", w.url())).await;
         assert_eq!(status, StatusCode::OK, "round {round}");
     }
+}
+
+/// A word-level `tokenizer.json`: a few words, everything else `[UNK]`.
+fn word_tokenizer(dir: &std::path::Path) -> String {
+    let json = r#"{
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "unk_token": "[UNK]",
+                  "vocab": {"[UNK]": 0, "the": 1, "report": 2, "covers": 3, "revenue": 4, "costs": 5, "question": 6}}
+    }"#;
+    let path = dir.join("tokenizer.json");
+    std::fs::write(&path, json).unwrap();
+    path.to_string_lossy().into_owned()
+}
+
+/// Sends 40 prompts sharing a long prefix through `router`; returns the tokens the worker
+/// reported cached and the router's count of cache hits it did not predict.
+async fn shared_prefix_traffic(c: &HttpClient, router: &str) -> (u64, f64) {
+    let prefix = "the report covers revenue and costs ".repeat(20);
+    let mut cached = 0;
+    for i in 0..40 {
+        let (s, v, _) = post_json(
+            c,
+            &format!("{router}/v1/completions"),
+            &json!({"model": "mock", "prompt": format!("{prefix} question {i}"), "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        cached += v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        // Let the worker's KV events reach the router before the next request.
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    let unpredicted =
+        common::router::metric(c, router, "switchyard_unpredicted_cache_hits_total", "").await;
+    (cached, unpredicted)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_tokenizing_unlike_its_workers_says_so_and_the_same_tokenizer_fixes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = word_tokenizer(dir.path());
+    let c = http::client();
+    // Workers cut prompts with the model's tokenizer.json; the first router does not.
+    let (_w1, worker1) = common::procs::mock_worker(&["--tokenizer", &tokenizer]).await;
+    let (_r1, blind) = common::procs::serve(&[
+        "--worker",
+        &worker1,
+        "--model",
+        "mock",
+        "--kv-events",
+        "true",
+    ])
+    .await;
+    let (cached, unpredicted) = shared_prefix_traffic(&c, &blind).await;
+    assert!(cached > 0, "the worker reuses its cache");
+    assert!(
+        unpredicted >= f64::from(switchyard::router::UNPREDICTED_STREAK),
+        "{unpredicted} unpredicted cache hits"
+    );
+    // Given the workers' tokenizer, the router predicts what the worker finds.
+    let (_w2, worker2) = common::procs::mock_worker(&["--tokenizer", &tokenizer]).await;
+    let (_r2, seeing) = common::procs::serve(&[
+        "--worker",
+        &worker2,
+        "--model",
+        "mock",
+        "--kv-events",
+        "true",
+        "--tokenizer",
+        &tokenizer,
+    ])
+    .await;
+    let (cached, unpredicted) = shared_prefix_traffic(&c, &seeing).await;
+    assert!(cached > 0);
+    assert_eq!(unpredicted, 0.0);
 }

@@ -9,7 +9,8 @@
 # The peers come from PyPI into a virtualenv outside the repository
 # ($SWITCHYARD_PEERS_VENV, default ~/.cache/switchyard/peers), installed on first use.
 # Defaults: the first 1,500 requests, 4 workers of 16,384 64-token blocks (1M tokens
-# each, so caches fill and evict), prefill 60 us/token, 20x speed.
+# each, so caches fill and evict), prefill 60 us/token, 20x speed; B7_REQUESTS,
+# B7_WORKERS and B7_KV_BLOCKS change the first three.
 set -euo pipefail
 
 trace=${1:?usage: tools/b7.sh TRACE.jsonl [replay flags]}
@@ -29,7 +30,8 @@ sy=$root/target/release/switchyard
 serve="$sy serve --listen 127.0.0.1:{port} {worker_args} --model replay --block-size 64 --kv-events true"
 
 exec "$sy" replay "$trace" \
-    --max-requests 1500 --workers 4 --kv-blocks 16384 --block-size 64 \
+    --max-requests "${B7_REQUESTS:-1500}" --workers "${B7_WORKERS:-4}" \
+    --kv-blocks "${B7_KV_BLOCKS:-16384}" --block-size 64 \
     --prefill-us-per-token 60 --speedup 20 \
     --policy none \
     --router "switchyard kv-cost=$serve --policy kv-cost" \

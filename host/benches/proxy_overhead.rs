@@ -30,6 +30,7 @@ fn main() {
                 engine: EngineConfig { block_size: 16, kv_blocks: 1 << 16, max_batch: 256, speedup: 1.0, timing: zero },
                 hash_seed: 0,
                 fault: FaultConfig::NONE,
+                tokenizer: None,
             },
             "127.0.0.1:0".parse().unwrap(),
         )

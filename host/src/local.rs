@@ -63,6 +63,7 @@ impl LocalFleet {
                 engine: config.engine.clone(),
                 hash_seed: 0,
                 fault: FaultConfig::NONE,
+                tokenizer: None,
             };
             workers.push(
                 MockWorker::bind(worker_config, "127.0.0.1:0".parse().expect("valid")).await?,

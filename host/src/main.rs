@@ -198,6 +198,10 @@ struct MockWorkerArgs {
     /// The model name served.
     #[arg(long, default_value = "mock-model")]
     model: String,
+    /// Hugging Face `tokenizer.json` for prompts [default: the built-in tokenizer]: the
+    /// same file as the router's, so both cut prompts into the same blocks.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: u32,
@@ -460,6 +464,12 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
         args.block_size >= 1 && args.kv_blocks >= 1 && args.max_batch >= 1,
         "sizes must be at least 1"
     );
+    let tokenizer = match &args.tokenizer {
+        Some(path) => Some(std::sync::Arc::new(
+            switchyard::tokens::Tokenizer::from_file(path).map_err(anyhow::Error::msg)?,
+        )),
+        None => None,
+    };
     let config = MockWorkerConfig {
         model: args.model.clone(),
         engine: EngineConfig {
@@ -484,6 +494,7 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
             first_token_delay_ms: args.first_token_delay_ms,
             idle_close_ms: args.idle_close_ms,
         },
+        tokenizer,
     };
     let endpoint = args
         .endpoint

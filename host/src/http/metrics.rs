@@ -294,6 +294,10 @@ impl Metrics {
         let _ = writeln!(s, "# TYPE switchyard_held_removals_total counter");
         let _ = writeln!(s, "# TYPE switchyard_panic_mode gauge");
         let _ = writeln!(s, "# TYPE switchyard_expired_bookings_total counter");
+        let _ = writeln!(
+            s,
+            "# HELP switchyard_unpredicted_cache_hits_total responses whose worker reported a cached prefix the router predicted nowhere (many: tokenization differs)\n# TYPE switchyard_unpredicted_cache_hits_total counter"
+        );
         let _ = writeln!(s, "# TYPE switchyard_instance_available gauge");
         let _ = writeln!(s, "# TYPE switchyard_instance_in_flight gauge");
         for r in routers {
@@ -355,6 +359,11 @@ impl Metrics {
                 s,
                 "switchyard_expired_bookings_total{{endpoint=\"{ep}\"}} {}",
                 r.expired_bookings()
+            );
+            let _ = writeln!(
+                s,
+                "switchyard_unpredicted_cache_hits_total{{endpoint=\"{ep}\"}} {}",
+                r.unpredicted_cache_hits()
             );
             let snapshot = r.client().snapshot();
             let _ = writeln!(

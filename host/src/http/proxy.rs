@@ -246,6 +246,7 @@ pub(crate) async fn completion(
                     _booking: booking,
                     started: request_started,
                     endpoint: endpoint.clone(),
+                    predicted_blocks: routed.overlap_blocks,
                 };
                 return Ok(relay.stream(parts, first, rest));
             }
@@ -483,6 +484,8 @@ struct Relay {
     /// When the request arrived, and its endpoint: a complete response is timed.
     started: Instant,
     endpoint: String,
+    /// The prompt blocks the router saw cached on this worker when routing.
+    predicted_blocks: u32,
 }
 
 impl Relay {
@@ -517,12 +520,13 @@ impl Relay {
             _booking: booking,
             started,
             endpoint,
+            predicted_blocks,
         } = self;
         let idle = gw.config.stream_idle_timeout;
         tokio::spawn(async move {
             // Moved in by name (a closure captures only the fields it uses): released on
             // every exit below.
-            let _booking = booking;
+            let booking = booking;
             let mut tail: Vec<u8> = Vec::new();
             if let Some(first) = first {
                 note_usage_tail(&mut tail, &first);
@@ -573,6 +577,7 @@ impl Relay {
                 let m = &gw.metrics;
                 m.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
                 m.cached_tokens.fetch_add(cached, Ordering::Relaxed);
+                booking.router.note_cache_report(predicted_blocks, cached);
             }
             gw.metrics
                 .timings

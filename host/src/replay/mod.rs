@@ -232,6 +232,7 @@ async fn replay_external(
                 engine: engine.clone(),
                 hash_seed: 0,
                 fault: FaultConfig::NONE,
+                tokenizer: None,
             },
             "127.0.0.1:0".parse().expect("valid"),
         )

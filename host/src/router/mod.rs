@@ -153,6 +153,27 @@ pub struct KvRouter {
     /// so each one here is a leak.
     expired_bookings: AtomicU64,
     event_stats: subscriber::EventStats,
+    cache_reports: CacheReports,
+}
+
+/// Responses in a row whose worker reported a cached prefix that the router predicted
+/// nowhere, before the router says its tokenization must differ from the workers'.
+pub const UNPREDICTED_STREAK: u32 = 32;
+
+/// The warning about it is repeated at most this often.
+const UNPREDICTED_WARNING_EVERY: Duration = Duration::from_secs(600);
+
+/// What the workers say they had cached, against what the router predicted: a router
+/// whose tokenizer or chat template differs from the workers' hashes other blocks than
+/// theirs, so its index never matches a prompt, and KV-aware routing is blind without
+/// any error. That shows as workers reporting cached prefixes the router never predicted.
+#[derive(Debug, Default)]
+struct CacheReports {
+    /// Such responses in a row (a predicted hit resets it).
+    streak: std::sync::atomic::AtomicU32,
+    /// Such responses in all.
+    unpredicted: AtomicU64,
+    last_warning: Mutex<Option<Instant>>,
 }
 
 impl KvRouter {
@@ -172,6 +193,7 @@ impl KvRouter {
             load: Mutex::new(LoadTracker::new()),
             next_request: AtomicU64::new(1),
             expired_bookings: AtomicU64::new(0),
+            cache_reports: CacheReports::default(),
             event_stats: subscriber::EventStats::default(),
         }
     }
@@ -194,6 +216,44 @@ impl KvRouter {
     /// The block hasher (the same chain the workers use).
     pub fn hasher(&self) -> &BlockHasher {
         &self.hasher
+    }
+
+    /// A worker answered: `predicted_blocks` is the overlap the router saw for it when
+    /// routing, `cached_tokens` what the worker reports it found cached (`usage`).
+    /// Logs a warning (at most every 10 minutes) after [`UNPREDICTED_STREAK`] responses
+    /// in a row with a cached prefix of two blocks or more that was predicted nowhere.
+    pub fn note_cache_report(&self, predicted_blocks: u32, cached_tokens: u64) {
+        let r = &self.cache_reports;
+        let block = u64::from(self.config.block_size.max(1));
+        if predicted_blocks > 0 && cached_tokens > 0 {
+            r.streak.store(0, Ordering::Relaxed);
+            return;
+        }
+        if predicted_blocks > 0 || cached_tokens < 2 * block {
+            return;
+        }
+        r.unpredicted.fetch_add(1, Ordering::Relaxed);
+        if r.streak.fetch_add(1, Ordering::Relaxed) + 1 < UNPREDICTED_STREAK {
+            return;
+        }
+        r.streak.store(0, Ordering::Relaxed);
+        let mut last = r.last_warning.lock();
+        if last.is_none_or(|t| t.elapsed() >= UNPREDICTED_WARNING_EVERY) {
+            *last = Some(Instant::now());
+            tracing::warn!(
+                endpoint = %self.endpoint,
+                responses = UNPREDICTED_STREAK,
+                "workers keep reporting cached prefixes the router predicted nowhere: its \
+                 tokenization (tokenizer.json, chat template) or block size evidently differs \
+                 from the workers', so KV-aware routing sees no cache; give the router the \
+                 workers' tokenizer (--tokenizer) and block size"
+            );
+        }
+    }
+
+    /// Responses whose worker reported a cached prefix the router predicted nowhere.
+    pub fn unpredicted_cache_hits(&self) -> u64 {
+        self.cache_reports.unpredicted.load(Ordering::Relaxed)
     }
 
     /// Bookings the hard expiry released (leaks).

@@ -141,12 +141,14 @@ pub struct MockWorkerConfig {
     pub hash_seed: u64,
     /// Injected fault.
     pub fault: FaultConfig,
+    /// The tokenizer for text and chat prompts (`None`: the built-in one).
+    pub tokenizer: Option<Arc<Tokenizer>>,
 }
 
 struct Shared {
     model: String,
     engine: Arc<Engine>,
-    tokenizer: Tokenizer,
+    tokenizer: Arc<Tokenizer>,
     hasher: BlockHasher,
     fault: Mutex<FaultConfig>,
     /// Completion requests received.
@@ -201,7 +203,9 @@ impl MockWorker {
             model: config.model,
             hasher: BlockHasher::new(config.engine.block_size, config.hash_seed),
             engine: Engine::start(config.engine),
-            tokenizer: Tokenizer::builtin(),
+            tokenizer: config
+                .tokenizer
+                .unwrap_or_else(|| Arc::new(Tokenizer::builtin())),
             fault: Mutex::new(config.fault),
             served: AtomicU64::new(0),
             refuse,
