@@ -60,6 +60,10 @@ pub struct ServeArgs {
     /// Hugging Face `tokenizer.json` [default: the built-in tokenizer].
     #[arg(long, env = "SWITCHYARD_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,
+    /// Tokens of earlier prompts kept so that a conversation's next turn tokenizes only
+    /// its new text; 0 tokenizes every prompt whole [default: 8388608].
+    #[arg(long, env = "SWITCHYARD_TOKENIZER_CACHE_TOKENS")]
+    pub tokenizer_cache_tokens: Option<usize>,
     /// Largest request body, bytes [default: 16777216].
     #[arg(long, env = "SWITCHYARD_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
@@ -123,6 +127,15 @@ pub struct ServeArgs {
     /// [default: 5000].
     #[arg(long, env = "SWITCHYARD_HEALTH_CHECK_INTERVAL_MS")]
     pub health_check_interval_ms: Option<u64>,
+    /// Workers without a KV event stream: how long a predicted cache entry (from the
+    /// router's own decisions) lives, seconds [default: 120]. Shorter when workers'
+    /// caches turn over faster.
+    #[arg(long, env = "SWITCHYARD_PREDICTION_TTL_SECS")]
+    pub prediction_ttl_secs: Option<f64>,
+    /// Workers without a KV event stream: most (worker, block) predictions kept
+    /// [default: 1048576].
+    #[arg(long, env = "SWITCHYARD_PREDICTION_MAX_BLOCKS")]
+    pub prediction_max_blocks: Option<usize>,
     /// How long a worker that discovery removed while it was serving keeps serving
     /// (unless it fails or deregisters), seconds; 0 believes discovery at once
     /// [default: 60].
@@ -159,6 +172,7 @@ pub struct FileConfig {
     watch: Option<bool>,
     admin_token: Option<String>,
     tokenizer: Option<PathBuf>,
+    tokenizer_cache_tokens: Option<usize>,
     max_body_bytes: Option<usize>,
     max_attempts: Option<usize>,
     connect_timeout_ms: Option<u64>,
@@ -178,6 +192,8 @@ pub struct FileConfig {
     base_ejection_ms: Option<u64>,
     max_ejection_secs: Option<u64>,
     health_check_interval_ms: Option<u64>,
+    prediction_ttl_secs: Option<f64>,
+    prediction_max_blocks: Option<usize>,
     discovery_grace_secs: Option<u64>,
     max_retry_after_secs: Option<u64>,
     outlier_detection: Option<bool>,
@@ -239,6 +255,8 @@ pub struct ServeConfig {
     pub watch: bool,
     /// Tokenizer file, if not built-in.
     pub tokenizer: Option<PathBuf>,
+    /// Budget of the tokenizer's prefix cache, tokens (0: off).
+    pub tokenizer_cache_tokens: usize,
     /// The front door.
     pub gateway: GatewayConfig,
     /// The policy runtime.
@@ -247,6 +265,8 @@ pub struct ServeConfig {
     pub client: ClientConfig,
     /// Shutdown grace period.
     pub shutdown_grace: Duration,
+    /// Predicted caches of workers without an event stream.
+    pub approximate: crate::router::Approximate,
 }
 
 /// A configuration problem, said plainly.
@@ -449,6 +469,21 @@ impl ServeArgs {
                 ..outlier
             }
         };
+        let approx_defaults = crate::router::Approximate::default();
+        let prediction_ttl = self.prediction_ttl_secs.or(file.prediction_ttl_secs);
+        if prediction_ttl.is_some_and(|t| !(t.is_finite() && t > 0.0)) {
+            return Err(ConfigError(
+                "prediction_ttl_secs must be a positive number of seconds".into(),
+            ));
+        }
+        let approximate = crate::router::Approximate {
+            ttl: prediction_ttl.map_or(approx_defaults.ttl, Duration::from_secs_f64),
+            max_blocks: self
+                .prediction_max_blocks
+                .or(file.prediction_max_blocks)
+                .unwrap_or(approx_defaults.max_blocks)
+                .max(1),
+        };
         let runtime_defaults = RuntimeConfig::default();
         let runtime = RuntimeConfig {
             call_budget: self
@@ -471,6 +506,10 @@ impl ServeArgs {
             endpoint_policies,
             watch: self.watch.or(file.watch).unwrap_or(false),
             tokenizer: self.tokenizer.or(file.tokenizer),
+            tokenizer_cache_tokens: self
+                .tokenizer_cache_tokens
+                .or(file.tokenizer_cache_tokens)
+                .unwrap_or(crate::tokens::prefix::DEFAULT_BUDGET_TOKENS),
             gateway,
             runtime,
             client: ClientConfig {
@@ -482,6 +521,7 @@ impl ServeArgs {
                     .or(file.shutdown_grace_secs)
                     .unwrap_or(30),
             ),
+            approximate,
         })
     }
 }
@@ -527,6 +567,37 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn prediction_lifetime_and_size_come_from_flags_or_the_file() {
+        let f = file(
+            "workers = [\"http://x:1\"]\nprediction_ttl_secs = 6.5\nprediction_max_blocks = 5000\n",
+        );
+        let c = ServeArgs {
+            config: Some(f.path().into()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(c.approximate.ttl, Duration::from_millis(6500));
+        assert_eq!(c.approximate.max_blocks, 5000);
+        let c = ServeArgs {
+            config: Some(f.path().into()),
+            prediction_ttl_secs: Some(30.0),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(c.approximate.ttl, Duration::from_secs(30));
+        let err = ServeArgs {
+            config: Some(f.path().into()),
+            prediction_ttl_secs: Some(0.0),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(err.to_string().contains("prediction_ttl_secs"), "{err}");
     }
 
     #[test]

@@ -30,6 +30,12 @@ pub struct LocalFleetConfig {
     pub listen: SocketAddr,
     /// Admin token, if the admin API is wanted.
     pub admin_token: Option<String>,
+    /// The router reads the workers' KV events (false: approximate mode).
+    pub kv_events: bool,
+    /// Approximate mode's prediction lifetime [default: the router's].
+    pub prediction_ttl_secs: Option<f64>,
+    /// The workers' and the router's `tokenizer.json` [default: the built-in one].
+    pub tokenizer: Option<std::path::PathBuf>,
 }
 
 /// A running local fleet.
@@ -51,11 +57,20 @@ pub enum LocalFleetError {
     /// The router's configuration was refused.
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
+    /// The tokenizer could not be loaded.
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokens::TokenizerError),
 }
 
 impl LocalFleet {
     /// Starts the workers, then the router in front of them.
     pub async fn start(config: LocalFleetConfig) -> Result<LocalFleet, LocalFleetError> {
+        let tokenizer = match &config.tokenizer {
+            Some(path) => Some(std::sync::Arc::new(crate::tokens::Tokenizer::from_file(
+                path,
+            )?)),
+            None => None,
+        };
         let mut workers = Vec::new();
         for _ in 0..config.workers.max(1) {
             let worker_config = MockWorkerConfig {
@@ -63,7 +78,7 @@ impl LocalFleet {
                 engine: config.engine.clone(),
                 hash_seed: 0,
                 fault: FaultConfig::NONE,
-                tokenizer: None,
+                tokenizer: tokenizer.clone(),
             };
             workers.push(
                 MockWorker::bind(worker_config, "127.0.0.1:0".parse().expect("valid")).await?,
@@ -74,7 +89,9 @@ impl LocalFleet {
             workers: workers.iter().map(MockWorker::url).collect(),
             model: Some(config.model.clone()),
             block_size: Some(config.engine.block_size),
-            kv_events: Some(true),
+            kv_events: Some(config.kv_events),
+            prediction_ttl_secs: config.prediction_ttl_secs,
+            tokenizer: config.tokenizer.clone(),
             policy: Some(config.policy.clone()),
             policy_config: Some(config.policy_config.clone()),
             admin_token: config.admin_token.clone(),

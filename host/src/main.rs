@@ -163,6 +163,15 @@ struct ReplayArgs {
     /// Replay at most this many requests.
     #[arg(long, default_value_t = 1000)]
     max_requests: usize,
+    /// The in-process router reads the workers' KV events; `false` runs it in approximate
+    /// mode (caches predicted from its own decisions, predictions living 120 s of
+    /// simulated time).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    kv_events: bool,
+    /// The mock workers' `tokenizer.json` (and the in-process router's; give external
+    /// routers the same file in their command) [default: the built-in tokenizer].
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     /// Stop sending after this many seconds per policy.
     #[arg(long, default_value_t = 300)]
     duration: u64,
@@ -573,6 +582,8 @@ async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         config.logs = args.router_logs.clone();
     }
     config.workers = args.workers.max(1);
+    config.kv_events = args.kv_events;
+    config.tokenizer = args.tokenizer.clone();
     config.engine.kv_blocks = args.kv_blocks;
     config.engine.block_size = args.block_size.max(1);
     config.engine.max_batch = args.max_batch.max(1);
@@ -638,6 +649,9 @@ async fn demo(
         policy_config: "{}".into(),
         availability: true,
         listen,
+        kv_events: true,
+        prediction_ttl_secs: None,
+        tokenizer: None,
         admin_token: Some(token.into()),
     })
     .await

@@ -28,7 +28,7 @@ use crate::ids::InstanceId;
 use crate::policy::{PolicyEngine, PolicyError, PolicyHandle, PolicySource};
 use crate::router::subscriber::{self, SubscriberConfig};
 use crate::router::{KvRouter, KvRouterConfig};
-use crate::tokens::Tokenizer;
+use crate::tokens::{PrefixTokenizer, Tokenizer};
 
 /// How long a model whose instances are all gone is answered 503 rather than 404.
 const GONE_MODEL_GRACE: Duration = Duration::from_secs(600);
@@ -55,6 +55,7 @@ pub struct ServeFleet {
     /// Created once per endpoint; never removed (an endpoint that loses all instances
     /// keeps its router, which answers 503).
     routers: Mutex<HashMap<EndpointPath, Arc<KvRouter>>>,
+    approximate: crate::router::Approximate,
 }
 
 impl ServeFleet {
@@ -81,7 +82,10 @@ impl ServeFleet {
         let router = Arc::new(KvRouter::new(
             client,
             handle,
-            KvRouterConfig::new(entry.block_size),
+            KvRouterConfig {
+                approximate: self.approximate,
+                ..KvRouterConfig::new(entry.block_size)
+            },
         ));
         subscriber::spawn(&router, SubscriberConfig::default());
         tracing::info!(endpoint = %entry.endpoint, policy = %spec.spec, block_size = entry.block_size, "endpoint ready");
@@ -241,6 +245,10 @@ pub async fn serve(
         Some(path) => Tokenizer::from_file(path)?,
         None => Tokenizer::builtin(),
     });
+    let tokenizer = Arc::new(PrefixTokenizer::new(
+        tokenizer,
+        config.tokenizer_cache_tokens,
+    ));
     let (discovery, static_set): (Arc<dyn Discovery>, Option<Vec<InstanceInfo>>) =
         match &config.discovery {
             DiscoveryConfig::Etcd(etcd) => (Arc::new(EtcdDiscovery::new(etcd.clone())), None),
@@ -268,6 +276,7 @@ pub async fn serve(
         gone: Mutex::new(HashMap::new()),
         discovered: AtomicBool::new(false),
         routers: Mutex::new(HashMap::new()),
+        approximate: config.approximate,
     });
     let mut background = Vec::new();
     match (&config.discovery, static_set) {

@@ -39,8 +39,7 @@ use tokio::net::TcpListener;
 
 use crate::discovery::EndpointPath;
 use crate::router::KvRouter;
-use crate::tokens::prefix::DEFAULT_BUDGET_TOKENS;
-use crate::tokens::{PrefixTokenizer, Tokenizer};
+use crate::tokens::PrefixTokenizer;
 pub use error::ApiError;
 pub use metrics::Metrics;
 
@@ -139,7 +138,7 @@ impl Gateway {
     pub fn new(
         config: GatewayConfig,
         fleet: Arc<dyn Fleet>,
-        tokenizer: Arc<Tokenizer>,
+        tokenizer: Arc<PrefixTokenizer>,
     ) -> Arc<Gateway> {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
@@ -155,7 +154,7 @@ impl Gateway {
         Arc::new(Gateway {
             config,
             fleet,
-            tokenizer: Arc::new(PrefixTokenizer::new(tokenizer, DEFAULT_BUDGET_TOKENS)),
+            tokenizer,
             http,
             metrics: Metrics::default(),
             draining: AtomicBool::new(false),

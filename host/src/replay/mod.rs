@@ -50,6 +50,11 @@ pub struct ReplayConfig {
     pub routers: Vec<ExternalRouter>,
     /// Where the external routers' output goes (one `NAME.log` each).
     pub logs: PathBuf,
+    /// The router reads the workers' KV events (false: it predicts their caches from its
+    /// own decisions, with the prediction lifetime scaled down by `speedup`).
+    pub kv_events: bool,
+    /// The mock workers' (and the in-process router's) `tokenizer.json`.
+    pub tokenizer: Option<PathBuf>,
 }
 
 impl ReplayConfig {
@@ -73,6 +78,8 @@ impl ReplayConfig {
             max_output: 256,
             routers: Vec::new(),
             logs: std::env::temp_dir(),
+            kv_events: true,
+            tokenizer: None,
         }
     }
 }
@@ -202,6 +209,13 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
             availability: true,
             listen: "127.0.0.1:0".parse().expect("valid"),
             admin_token: None,
+            kv_events: config.kv_events,
+            tokenizer: config.tokenizer.clone(),
+            // Predictions live as long in the workers' simulated time as they would
+            // live in real time.
+            prediction_ttl_secs: Some(
+                crate::router::Approximate::default().ttl.as_secs_f64() / config.speedup,
+            ),
         })
         .await
         .map_err(|e| e.to_string())?;
@@ -224,6 +238,12 @@ async fn replay_external(
 ) -> Result<PolicyRun, String> {
     let mut engine = config.engine.clone();
     engine.speedup = config.speedup;
+    let tokenizer = match &config.tokenizer {
+        Some(path) => Some(Arc::new(
+            crate::tokens::Tokenizer::from_file(path).map_err(|e| e.to_string())?,
+        )),
+        None => None,
+    };
     let mut workers = Vec::new();
     for _ in 0..config.workers.max(1) {
         let worker = MockWorker::bind(
@@ -232,7 +252,7 @@ async fn replay_external(
                 engine: engine.clone(),
                 hash_seed: 0,
                 fault: FaultConfig::NONE,
-                tokenizer: None,
+                tokenizer: tokenizer.clone(),
             },
             "127.0.0.1:0".parse().expect("valid"),
         )

@@ -17,7 +17,8 @@
 //! - while serving, one cache hit in [`AUDIT_EVERY`] is also tokenized whole and
 //!   compared; a difference turns the cache off (logged, counted) and that request uses
 //!   the whole-text tokens;
-//! - the cache holds at most a budget of tokens, and evicts the oldest entries first.
+//! - the cache holds at most a budget of tokens, and evicts the oldest entries first; an
+//!   entry that a longer one extends is dropped, so a conversation holds one entry.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -86,6 +87,13 @@ impl Cache {
             .map(|(_, t)| t.clone())
     }
 
+    fn remove(&mut self, hash: u64) {
+        // Its place in `order` is skipped when reached.
+        if let Some((_, t)) = self.entries.remove(&hash) {
+            self.tokens -= t.len();
+        }
+    }
+
     fn insert(&mut self, hash: u64, len: usize, tokens: Arc<[u32]>) {
         if tokens.len() > self.budget || self.entries.contains_key(&hash) {
             return;
@@ -101,6 +109,11 @@ impl Cache {
         self.tokens += tokens.len();
         self.entries.insert(hash, (len, tokens));
         self.order.push_back(hash);
+        // Removed entries leave their hash in `order`: bounded by compacting.
+        if self.order.len() > 2 * self.entries.len() + 1024 {
+            let entries = &self.entries;
+            self.order.retain(|h| entries.contains_key(h));
+        }
     }
 }
 
@@ -262,11 +275,13 @@ impl PrefixTokenizer {
         tokens.extend(self.encode_pieces(&text[..longest], from, &cuts)?);
         if found.as_ref().is_none_or(|(j, _)| *j + 1 < cuts.len()) {
             let entry: Arc<[u32]> = tokens.as_slice().into();
-            self.cache.lock().unwrap_or_else(|e| e.into_inner()).insert(
-                hashes[cuts.len() - 1],
-                longest,
-                entry,
-            );
+            let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            // The conversation moved on: its next turn will find this longer entry, so the
+            // one it extends goes (one entry per conversation, not one per turn).
+            if let Some((j, _)) = &found {
+                cache.remove(hashes[*j]);
+            }
+            cache.insert(hashes[cuts.len() - 1], longest, entry);
         }
         tokens.extend(self.tokenizer.encode(&text[longest..])?);
         if found.is_none() {
@@ -323,7 +338,12 @@ mod tests {
         }
         let s = t.stats();
         assert_eq!((s.hits, s.misses, s.mismatches), (5, 1, 0), "{s:?}");
+        // One entry per conversation: the latest turn's prefix only.
         assert!(s.tokens > 0);
+        assert!(
+            s.tokens <= plain.encode(&conversation(5)).unwrap().len(),
+            "{s:?}"
+        );
         // A different conversation shares nothing.
         let other = conversation(2).replace("Rule 0:", "Law 0:");
         assert_eq!(t.encode(&other).unwrap(), plain.encode(&other).unwrap());

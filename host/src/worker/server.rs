@@ -39,7 +39,8 @@ use crate::ids::InstanceId;
 use crate::kv::events::KvEvent;
 use crate::kv::hash::BlockHasher;
 use crate::openai::{self, Api, Prompt};
-use crate::tokens::{Tokenizer, render_chat};
+use crate::tokens::prefix::DEFAULT_BUDGET_TOKENS;
+use crate::tokens::{PrefixTokenizer, Tokenizer, render_chat};
 
 type Body = BoxBody<Bytes, std::io::Error>;
 
@@ -148,7 +149,9 @@ pub struct MockWorkerConfig {
 struct Shared {
     model: String,
     engine: Arc<Engine>,
-    tokenizer: Arc<Tokenizer>,
+    /// The engine's tokenizer, reusing a conversation's earlier tokens (the simulated
+    /// engine's own CPU time is not what it models, and benchmarks share the cores).
+    tokenizer: PrefixTokenizer,
     hasher: BlockHasher,
     fault: Mutex<FaultConfig>,
     /// Completion requests received.
@@ -203,9 +206,12 @@ impl MockWorker {
             model: config.model,
             hasher: BlockHasher::new(config.engine.block_size, config.hash_seed),
             engine: Engine::start(config.engine),
-            tokenizer: config
-                .tokenizer
-                .unwrap_or_else(|| Arc::new(Tokenizer::builtin())),
+            tokenizer: PrefixTokenizer::new(
+                config
+                    .tokenizer
+                    .unwrap_or_else(|| Arc::new(Tokenizer::builtin())),
+                DEFAULT_BUDGET_TOKENS,
+            ),
             fault: Mutex::new(config.fault),
             served: AtomicU64::new(0),
             refuse,

@@ -64,7 +64,7 @@ impl Default for KvCostConfig {
             stall_weight: 0.25,
             in_flight_weight: 20.0,
             active_weight: 0.0,
-            eviction_weight: 4.0,
+            eviction_weight: 10.0,
         }
     }
 }
