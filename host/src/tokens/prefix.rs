@@ -3,8 +3,8 @@
 //! A multi-turn chat resends its whole history with every turn, so most of each prompt's
 //! text was tokenized before. [`PrefixTokenizer`] cuts a text at *cut points* that depend
 //! only on the text before them (the first whitespace after every [`CHUNK`] bytes since the
-//! previous cut), remembers the tokens of each request's longest cut prefix under a hash
-//! of that prefix, and on the next turn tokenizes only what follows the longest
+//! previous cut), remembers the tokens of each request's two longest cut prefixes under a
+//! hash of each prefix, and on the next turn tokenizes only what follows the longest
 //! remembered prefix. Two texts that share a prefix share its cut points, so the next
 //! turn of a conversation finds the previous turn's entry.
 //!
@@ -17,8 +17,9 @@
 //! - while serving, one cache hit in [`AUDIT_EVERY`] is also tokenized whole and
 //!   compared; a difference turns the cache off (logged, counted) and that request uses
 //!   the whole-text tokens;
-//! - the cache holds at most a budget of tokens, and evicts the oldest entries first; an
-//!   entry that a longer one extends is dropped, so a conversation holds one entry.
+//! - the cache holds at most a budget of tokens, and evicts the oldest entries first; a
+//!   request keeps its last two cuts (so an edited tail still finds the one before) and
+//!   drops the entry it extended, so a conversation holds two entries.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -71,43 +72,45 @@ pub struct PrefixStats {
 
 #[derive(Default)]
 struct Cache {
-    /// Prefix hash → (prefix length in bytes, its tokens).
-    entries: HashMap<u64, (usize, Arc<[u32]>)>,
+    /// Prefix hash → (prefix length in bytes, tokens of a longer or equal prefix, how
+    /// many of them are this prefix's). A conversation's two entries share one
+    /// allocation.
+    entries: HashMap<u64, (usize, Arc<[u32]>, usize)>,
     /// Insertion order, for eviction.
     order: VecDeque<u64>,
+    /// Tokens counted against the budget (shared allocations counted per entry).
     tokens: usize,
     budget: usize,
 }
 
 impl Cache {
-    fn get(&self, hash: u64, len: usize) -> Option<Arc<[u32]>> {
+    fn get(&self, hash: u64, len: usize) -> Option<(Arc<[u32]>, usize)> {
         self.entries
             .get(&hash)
-            .filter(|(l, _)| *l == len)
-            .map(|(_, t)| t.clone())
+            .filter(|(l, _, _)| *l == len)
+            .map(|(_, t, n)| (t.clone(), *n))
     }
 
     fn remove(&mut self, hash: u64) {
         // Its place in `order` is skipped when reached.
-        if let Some((_, t)) = self.entries.remove(&hash) {
-            self.tokens -= t.len();
+        if let Some((_, _, n)) = self.entries.remove(&hash) {
+            self.tokens -= n;
         }
     }
 
-    fn insert(&mut self, hash: u64, len: usize, tokens: Arc<[u32]>) {
-        if tokens.len() > self.budget || self.entries.contains_key(&hash) {
+    fn insert(&mut self, hash: u64, len: usize, tokens: Arc<[u32]>, n: usize) {
+        self.remove(hash);
+        if n > self.budget {
             return;
         }
-        while self.tokens + tokens.len() > self.budget {
+        while self.tokens + n > self.budget {
             let Some(old) = self.order.pop_front() else {
                 break;
             };
-            if let Some((_, t)) = self.entries.remove(&old) {
-                self.tokens -= t.len();
-            }
+            self.remove(old);
         }
-        self.tokens += tokens.len();
-        self.entries.insert(hash, (len, tokens));
+        self.tokens += n;
+        self.entries.insert(hash, (len, tokens, n));
         self.order.push_back(hash);
         // Removed entries leave their hash in `order`: bounded by compacting.
         if self.order.len() > 2 * self.entries.len() + 1024 {
@@ -267,21 +270,46 @@ impl PrefixTokenizer {
                 .rev()
                 .find_map(|j| cache.get(hashes[j], cuts[j]).map(|t| (j, t)))
         };
-        let (from, mut tokens) = match &found {
-            Some((j, t)) => (cuts[*j], t.to_vec()),
+        let (first, mut tokens) = match &found {
+            Some((j, (t, n))) => (j + 1, t[..*n].to_vec()),
             None => (0, Vec::new()),
         };
-        // The pieces up to the longest cut, remembered for the next turn; then the rest.
-        tokens.extend(self.encode_pieces(&text[..longest], from, &cuts)?);
-        if found.as_ref().is_none_or(|(j, _)| *j + 1 < cuts.len()) {
-            let entry: Arc<[u32]> = tokens.as_slice().into();
+        // The pieces up to the longest cut, counting the tokens at each cut.
+        let mut at_cut = vec![0; cuts.len()];
+        if let Some((j, (_, n))) = &found {
+            at_cut[*j] = *n;
+        }
+        for k in first..cuts.len() {
+            let start = if k == 0 { 0 } else { cuts[k - 1] };
+            tokens.extend(self.tokenizer.encode(&text[start..cuts[k]])?);
+            at_cut[k] = tokens.len();
+        }
+        // Remember the longest cut and the one before it (the next turn finds one of them
+        // even if this text's last few KiB change, as when an answer is regenerated);
+        // the entry they extend goes, so a conversation holds two entries, not one per
+        // turn.
+        let last = cuts.len() - 1;
+        if found.as_ref().is_none_or(|(j, _)| *j < last) {
+            let shared: Arc<[u32]> = tokens.as_slice().into();
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            // The conversation moved on: its next turn will find this longer entry, so the
-            // one it extends goes (one entry per conversation, not one per turn).
+            // The entries this one extends: the one found and the cut before it (the
+            // earlier turn's pair).
             if let Some((j, _)) = &found {
-                cache.remove(hashes[*j]);
+                // Not the two just inserted below (indices `last - 1` and `last`).
+                let end = (*j + 1).min(last.saturating_sub(1));
+                for &h in hashes.get(j.saturating_sub(1)..end).unwrap_or_default() {
+                    cache.remove(h);
+                }
             }
-            cache.insert(hashes[cuts.len() - 1], longest, entry);
+            if last > 0 {
+                cache.insert(
+                    hashes[last - 1],
+                    cuts[last - 1],
+                    shared.clone(),
+                    at_cut[last - 1],
+                );
+            }
+            cache.insert(hashes[last], longest, shared, at_cut[last]);
         }
         tokens.extend(self.tokenizer.encode(&text[longest..])?);
         if found.is_none() {
@@ -338,16 +366,37 @@ mod tests {
         }
         let s = t.stats();
         assert_eq!((s.hits, s.misses, s.mismatches), (5, 1, 0), "{s:?}");
-        // One entry per conversation: the latest turn's prefix only.
+        // A conversation holds two entries (its last two cuts), not one per turn.
         assert!(s.tokens > 0);
         assert!(
-            s.tokens <= plain.encode(&conversation(5)).unwrap().len(),
+            s.tokens <= 2 * plain.encode(&conversation(5)).unwrap().len(),
             "{s:?}"
         );
         // A different conversation shares nothing.
         let other = conversation(2).replace("Rule 0:", "Law 0:");
         assert_eq!(t.encode(&other).unwrap(), plain.encode(&other).unwrap());
         assert_eq!(t.stats().misses, 2);
+    }
+
+    #[test]
+    fn an_edited_tail_still_reuses_the_prefix_before_it() {
+        let plain = Arc::new(Tokenizer::builtin());
+        let t = PrefixTokenizer::new(plain.clone(), DEFAULT_BUDGET_TOKENS);
+        let first = conversation(3);
+        t.encode(&first).unwrap();
+        // The last 1,500 bytes are replaced (a regenerated answer), then the chat goes on.
+        let edited = format!(
+            "{}{}",
+            &first[..first.len() - 1500],
+            "A different answer, longer than the first one. ".repeat(80)
+        );
+        assert_eq!(t.encode(&edited).unwrap(), plain.encode(&edited).unwrap());
+        assert_eq!(
+            (t.stats().hits, t.stats().misses),
+            (1, 1),
+            "{:?}",
+            t.stats()
+        );
     }
 
     #[test]
