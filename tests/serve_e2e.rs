@@ -5,16 +5,14 @@ mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::etcd::Etcd;
 use common::http::{self, HttpClient, get, post_json, sse_events};
 use common::procs::{mock_worker, serve};
+use common::router::{PATIENCE, TOKEN, eventually, instance, metric};
 use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
-
-const TOKEN: &str = "test-admin-token";
-const PATIENCE: Duration = Duration::from_secs(30);
 
 fn auth() -> String {
     format!("Bearer {TOKEN}")
@@ -33,24 +31,6 @@ async fn admin_get(c: &HttpClient, url: &str) -> Value {
     .unwrap();
     assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
     serde_json::from_slice(&body).unwrap()
-}
-
-async fn instances(c: &HttpClient, router: &str) -> Vec<Value> {
-    let v = admin_get(
-        c,
-        &format!("{router}/admin/endpoints/default/mock/generate/instances"),
-    )
-    .await;
-    v["instances"].as_array().unwrap().clone()
-}
-
-/// Polls until `f` holds (bounded): waiting on state another process changes.
-async fn eventually<F: std::future::Future<Output = bool>>(what: &str, mut f: impl FnMut() -> F) {
-    let deadline = Instant::now() + PATIENCE;
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 async fn wait_available(c: &HttpClient, router: &str, n: usize) {
@@ -88,17 +68,6 @@ async fn worker_finished(c: &HttpClient, worker: &str) -> u64 {
 
 fn chat(text: &str, max_tokens: u32) -> Value {
     json!({"model": "mock", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens})
-}
-
-async fn metric(c: &HttpClient, router: &str, name: &str) -> f64 {
-    let (_, body) = get(c, &format!("{router}/metrics")).await;
-    String::from_utf8_lossy(&body)
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix(name)
-                .and_then(|rest| rest.trim().parse().ok())
-        })
-        .unwrap_or(0.0)
 }
 
 /// A real etcd, `n` mock-worker processes registered in it, and a router process; waits
@@ -146,8 +115,9 @@ async fn a_shared_prefix_goes_to_the_same_worker_and_round_robin_spreads() {
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     // Wait until the router has seen the worker's KV events for that prompt.
     eventually("the KV events of the first request", || async {
-        instances(&c, &url)
-            .await
+        common::router::instances(&c, &url).await["instances"]
+            .as_array()
+            .unwrap()
             .iter()
             .any(|i| i["cached_blocks"].as_u64().unwrap_or(0) > 0)
     })
@@ -175,7 +145,7 @@ async fn a_shared_prefix_goes_to_the_same_worker_and_round_robin_spreads() {
         {"role": "user", "content": "Summarise the appendix."}]});
     let (s, v, _) = post_json(&c, &format!("{url}/v1/chat/completions"), &turn1).await;
     assert_eq!(s, StatusCode::OK, "{v}");
-    let hits_before = metric(&c, &url, "switchyard_token_prefix_hits_total").await;
+    let hits_before = metric(&c, &url, "switchyard_token_prefix_hits_total", "").await;
     eventually("the KV events of the first turn", || async {
         let (_, again, _) = post_json(
             &c,
@@ -195,7 +165,7 @@ async fn a_shared_prefix_goes_to_the_same_worker_and_round_robin_spreads() {
     })
     .await;
     assert!(
-        metric(&c, &url, "switchyard_token_prefix_hits_total").await > hits_before,
+        metric(&c, &url, "switchyard_token_prefix_hits_total", "").await > hits_before,
         "the second turn was tokenized from the start"
     );
 
@@ -305,27 +275,26 @@ async fn killing_a_worker_under_load_fails_no_client_request() {
     let mut fleet = etcd_fleet(4, "50").await;
     let (url, c) = (fleet.url.clone(), fleet.c.clone());
     let dead_url = fleet.workers[0].1.clone();
-    let dead_id = instances(&c, &url)
-        .await
-        .iter()
-        .find(|i| i["url"] == dead_url.as_str())
-        .map(|i| i["id"].as_str().unwrap().to_string())
-        .unwrap();
+    let dead_id = instance(&c, &url, &dead_url).await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
 
     let stop = Arc::new(AtomicBool::new(false));
     let clients = load(url.clone(), 6, stop.clone());
     tokio::time::sleep(Duration::from_millis(800)).await;
     fleet.workers[0].0.kill();
-    let failures = format!("switchyard_instance_upstream_failures_total{{instance=\"{dead_id}\"}}");
+    let failures = "switchyard_instance_upstream_failures_total";
+    let dead = format!("instance=\"{dead_id}\"");
     eventually("the first failure on the dead worker", || async {
-        metric(&c, &url, &failures).await >= 1.0
+        metric(&c, &url, failures, &dead).await >= 1.0
     })
     .await;
-    let first = metric(&c, &url, &failures).await;
+    let first = metric(&c, &url, failures, &dead).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     stop.store(true, Ordering::Relaxed);
     let (ok, failed, errors) = clients.await.unwrap();
-    let after = metric(&c, &url, &failures).await;
+    let after = metric(&c, &url, failures, &dead).await;
     assert_eq!(failed, 0, "client requests failed: {errors:?}");
     assert!(ok > 50, "only {ok} requests completed");
     assert!(
@@ -333,11 +302,7 @@ async fn killing_a_worker_under_load_fails_no_client_request() {
         "{} requests reached the dead worker after its first failure",
         after - first
     );
-    let down = instances(&c, &url)
-        .await
-        .into_iter()
-        .find(|i| i["id"] == dead_id.as_str())
-        .unwrap();
+    let down = instance(&c, &url, &dead_url).await;
     assert_eq!(down["available"], false, "{down}");
 }
 
@@ -525,7 +490,7 @@ async fn streams_pass_through_byte_for_byte_and_bad_requests_get_the_documented_
     assert_eq!(bytes, chunks.concat(), "the stream was altered");
     // The usage in the stream reached the metrics.
     assert_eq!(
-        metric(&c, &url, "switchyard_cached_prompt_tokens_total").await,
+        metric(&c, &url, "switchyard_cached_prompt_tokens_total", "").await,
         3.0
     );
     // And the request was timed, in histograms with buckets (so a median can be read).
@@ -774,7 +739,7 @@ async fn a_stream_broken_after_it_started_ends_with_an_error_event_and_is_counte
         "some tokens arrived first"
     );
     assert_eq!(
-        metric(&c, &url, "switchyard_stream_errors_total").await,
+        metric(&c, &url, "switchyard_stream_errors_total", "").await,
         1.0
     );
 }

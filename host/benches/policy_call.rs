@@ -28,6 +28,18 @@ fn candidates(n: u64) -> Candidates {
         .collect()
 }
 
+/// A 1,024-token prompt.
+fn request() -> Request {
+    Request {
+        prompt_tokens: 1024,
+        prompt_blocks: 64,
+        block_size: 16,
+        session_key: None,
+        seed: 1,
+        sequence: 0,
+    }
+}
+
 fn bench(c: &mut Criterion) {
     let engine = PolicyEngine::new(RuntimeConfig::default()).expect("engine");
     let kv_cost = engine.load_spec("kv-cost", "{}").expect("kv-cost");
@@ -36,14 +48,7 @@ fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("choose");
     for n in [8u64, 64, 1024] {
         let cands = candidates(n);
-        let mut req = Request {
-            prompt_tokens: 1024,
-            prompt_blocks: 64,
-            block_size: 16,
-            session_key: None,
-            seed: 1,
-            sequence: 0,
-        };
+        let mut req = request();
         group.bench_with_input(BenchmarkId::new("wasm-kv-cost", n), &cands, |b, cands| {
             b.iter(|| {
                 req.seed = req.seed.wrapping_add(1);
@@ -92,14 +97,7 @@ fn bench(c: &mut Criterion) {
     println!("| policy | candidates | p50 | p99 |\n| --- | ---: | ---: | ---: |");
     for n in [4u64, 64] {
         let cands = candidates(n);
-        let req = Request {
-            prompt_tokens: 1024,
-            prompt_blocks: 64,
-            block_size: 16,
-            session_key: None,
-            seed: 1,
-            sequence: 0,
-        };
+        let req = request();
         for (name, policy) in [
             ("wasm kv-cost", &kv_cost),
             ("wasm round-robin", &round_robin),

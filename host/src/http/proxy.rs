@@ -203,7 +203,7 @@ pub(crate) async fn completion(
                 r
             }
             Err(e @ RouteError::Rejected(_)) => return Err(e.into()),
-            Err(e) => return give_up(gw, &client, a, Some(e)),
+            Err(e) => return give_up(&client, a, Some(e)),
         };
         if attempt > 0 {
             gw.metrics.retries.fetch_add(1, Ordering::Relaxed);
@@ -325,17 +325,16 @@ pub(crate) async fn completion(
             gw.metrics.poison.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(endpoint = %router.endpoint(), workers = failed_workers, "request failed on several workers; treated as its own fault (poison), not retried");
             a.pending.clear();
-            return give_up(gw, &client, a, None);
+            return give_up(&client, a, None);
         }
     }
-    give_up(gw, &client, a, None)
+    give_up(&client, a, None)
 }
 
 /// The answer when no attempt succeeded: the worker's own answer if there is one (a
 /// 5xx or busy answer), else the routing error (503) or the last failure (502/504).
 /// A single pending 5xx with no worker left to confirm it counts against its worker.
 fn give_up(
-    gw: &Gateway,
     client: &Client,
     a: Attempts,
     route: Option<RouteError>,
@@ -343,7 +342,6 @@ fn give_up(
     for (w, reason) in &a.pending {
         client.record_failure(*w, reason);
     }
-    let _ = gw;
     if let Some(ans) = a.answer {
         return Ok(answer(ans));
     }

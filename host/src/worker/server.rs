@@ -487,6 +487,20 @@ fn server_info(shared: &Shared) -> serde_json::Value {
     })
 }
 
+/// A request's body, or the 413 answer when it exceeds `MAX_BODY`.
+async fn read_body(req: Request<Incoming>) -> Result<Bytes, Response<Body>> {
+    match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(_) => Err(error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request body too large",
+            "invalid_request_error",
+            None,
+            None,
+        )),
+    }
+}
+
 /// vLLM's `/tokenize` (a `prompt` or chat `messages`) and `/v1/chat/completions/render`
 /// (chat `messages`, answered with the rendered prompt and its tokens), with the same
 /// tokenizer and chat rendering the engine uses, so a router that asks gets exactly the
@@ -501,16 +515,11 @@ async fn tokenize(shared: &Shared, req: Request<Incoming>, render: bool) -> Resp
             None,
         )
     };
-    let Ok(body) = Limited::new(req.into_body(), MAX_BODY).collect().await else {
-        return error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "request body too large",
-            "invalid_request_error",
-            None,
-            None,
-        );
+    let body = match read_body(req).await {
+        Ok(b) => b,
+        Err(too_large) => return too_large,
     };
-    let Ok(serde_json::Value::Object(mut obj)) = serde_json::from_slice(&body.to_bytes()) else {
+    let Ok(serde_json::Value::Object(mut obj)) = serde_json::from_slice(&body) else {
         return bad("request body must be a JSON object");
     };
     obj.entry("model")
@@ -618,17 +627,9 @@ fn filler(i: u32) -> &'static str {
 const MAX_BODY: usize = 32 << 20;
 
 async fn completion(shared: Arc<Shared>, api: Api, req: Request<Incoming>) -> Response<Body> {
-    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(_) => {
-            return error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "request body too large",
-                "invalid_request_error",
-                None,
-                None,
-            );
-        }
+    let body = match read_body(req).await {
+        Ok(b) => b,
+        Err(too_large) => return too_large,
     };
     let parsed = match openai::parse(api, &body) {
         Ok(p) => p,
