@@ -85,3 +85,100 @@ fn replay_compares_policies_and_writes_json_and_a_chart() {
     let svg = std::fs::read_to_string(&chart).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("kv-cost") && svg.contains("<polyline"));
 }
+
+/// A small real client in Python that speaks the `--client` contract: reads `{trace}`,
+/// sends each request to `{url}` as a streaming text completion at its (rescaled) time,
+/// and writes aiperf-style records to `{out}/profile_export.jsonl`.
+const CLIENT: &str = r#"
+import json, sys, time, urllib.request
+url, trace, out = sys.argv[1], sys.argv[2], sys.argv[3]
+reqs = [json.loads(l) for l in open(trace) if l.strip()]
+t0 = time.time()
+with open(out + "/profile_export.jsonl", "w") as f:
+    for r in reqs:
+        time.sleep(max(0.0, t0 + r["timestamp"] / 1000 - time.time()))
+        words = " ".join("w%d" % (h % 97) for h in r["hash_ids"] for _ in range(64))
+        body = json.dumps({"model": "replay", "prompt": words, "max_tokens": r["output_length"],
+                           "stream": True, "stream_options": {"include_usage": True}}).encode()
+        start = time.time_ns()
+        req = urllib.request.Request(url + "/v1/completions", body, {"content-type": "application/json"})
+        first, usage = None, {}
+        with urllib.request.urlopen(req) as resp:
+            for line in resp:
+                first = first or time.time_ns()
+                if line.startswith(b"data: {"):
+                    usage = json.loads(line[6:]).get("usage") or usage
+        end = time.time_ns()
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        f.write(json.dumps({"metadata": {"benchmark_phase": "profiling", "request_start_ns": start,
+                                         "request_end_ns": end, "was_cancelled": False},
+                            "metrics": {"time_to_first_token": {"value": (first - start) / 1e6},
+                                        "request_latency": {"value": (end - start) / 1e6},
+                                        "usage_prompt_tokens": {"value": usage.get("prompt_tokens", 0)},
+                                        "usage_prompt_cache_read_tokens": {"value": cached}}}) + "\n")
+"#;
+
+#[test]
+fn another_program_can_be_the_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.jsonl");
+    // Four requests sharing a two-block prefix, one second apart in trace time.
+    let lines: Vec<String> = (0..4u64)
+        .map(|i| {
+            format!(
+                r#"{{"timestamp": {}, "input_length": 1400, "output_length": 4, "hash_ids": [1, 2, {}]}}"#,
+                i * 1000,
+                10 + i
+            )
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n")).unwrap();
+    let client = dir.path().join("client.py");
+    std::fs::write(&client, CLIENT).unwrap();
+    let logs = dir.path().join("logs");
+    let json = dir.path().join("out.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(["replay", trace.to_str().unwrap(), "--policy", "kv-cost"])
+        .args(["--speedup", "20", "--workers", "2"])
+        .args([
+            "--client",
+            &format!("python3 {} {{url}} {{trace}} {{out}}", client.display()),
+        ])
+        .args(["--router-logs", logs.to_str().unwrap()])
+        .args(["--json", json.to_str().unwrap()])
+        .args(["--chart", dir.path().join("c.svg").to_str().unwrap()])
+        .env(
+            "SWITCHYARD_POLICY_CACHE",
+            std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("policy-cache"),
+        )
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("| kv-cost | 4 | 0 |"), "{stdout}");
+    // The client got the trace at the replay's speed: 1 s of trace time is 50 ms.
+    let sent = std::fs::read_to_string(logs.join("kv-cost.client-trace.jsonl")).unwrap();
+    assert!(
+        sent.lines().nth(1).unwrap().contains(r#""timestamp":50"#),
+        "{sent}"
+    );
+    // Its records became the run's outcomes: the later requests found the shared prefix.
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let outcomes = v["runs"][0]["outcomes"].as_array().unwrap();
+    assert_eq!(outcomes.len(), 4);
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| o["ok"] == true && o["ttft"].as_f64().unwrap() > 0.0)
+    );
+    assert!(
+        outcomes[1..]
+            .iter()
+            .any(|o| o["cached_tokens"].as_u64().unwrap() > 0),
+        "{outcomes:?}"
+    );
+}

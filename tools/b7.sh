@@ -10,7 +10,8 @@
 # ($SWITCHYARD_PEERS_VENV, default ~/.cache/switchyard/peers), installed on first use.
 # Defaults: the first 1,500 requests, 4 workers of 16,384 64-token blocks (1M tokens
 # each, so caches fill and evict), prefill 60 us/token, 20x speed; B7_REQUESTS,
-# B7_WORKERS and B7_KV_BLOCKS change the first three.
+# B7_WORKERS, B7_KV_BLOCKS and B7_SPEEDUP change them. B7_CLIENT=aiperf drives every
+# router with aiperf instead of the replay's own client.
 set -euo pipefail
 
 trace=${1:?usage: tools/b7.sh TRACE.jsonl [replay flags]}
@@ -25,6 +26,24 @@ if [ ! -x "$venv/bin/smg" ] || [ ! -x "$venv/bin/vllm-router" ] \
     "$venv/bin/pip" install --quiet sglang-router==0.3.2 smg==1.13.0 vllm-router==0.1.17
 fi
 
+# B7_CLIENT=aiperf: NVIDIA's aiperf sends the requests instead of the replay's own
+# client. It needs a Hugging Face tokenizer to write prompts and cannot download one
+# here, so a byte-level BPE is made locally (tools/bpe-tokenizer.sh) and laid out as a
+# cached hub model, read offline.
+client=()
+if [ "${B7_CLIENT:-}" = aiperf ]; then
+    "$venv/bin/python" -c 'import aiperf' 2>/dev/null \
+        || "$venv/bin/pip" install --quiet aiperf==0.13.0
+    snap=$venv/hf/hub/models--local--bpe/snapshots/0000000000000000000000000000000000000000
+    if [ ! -f "$snap/tokenizer.json" ]; then
+        mkdir -p "$snap" "$venv/hf/hub/models--local--bpe/refs"
+        SWITCHYARD_PEERS_VENV=$venv "$root/tools/bpe-tokenizer.sh" "$snap/tokenizer.json"
+        echo '{"tokenizer_class": "PreTrainedTokenizerFast"}' > "$snap/tokenizer_config.json"
+        printf 0000000000000000000000000000000000000000 > "$venv/hf/hub/models--local--bpe/refs/main"
+    fi
+    client=(--client "HF_HOME=$venv/hf HF_HUB_OFFLINE=1 $venv/bin/aiperf profile --model {model} --url {url} --endpoint-type completions --streaming --input-file {trace} --custom-dataset-type mooncake_trace --fixed-schedule --tokenizer local/bpe --use-server-token-count --artifact-dir {out}")
+fi
+
 (cd "$root" && cargo build --release --quiet --bin switchyard)
 sy=$root/target/release/switchyard
 serve="$sy serve --listen 127.0.0.1:{port} {worker_args} --model replay --block-size 64 --kv-events true"
@@ -32,7 +51,7 @@ serve="$sy serve --listen 127.0.0.1:{port} {worker_args} --model replay --block-
 exec "$sy" replay "$trace" \
     --max-requests "${B7_REQUESTS:-1500}" --workers "${B7_WORKERS:-4}" \
     --kv-blocks "${B7_KV_BLOCKS:-16384}" --block-size 64 \
-    --prefill-us-per-token 60 --speedup 20 \
+    --prefill-us-per-token 60 --speedup "${B7_SPEEDUP:-20}" \
     --policy none \
     --router "switchyard kv-cost=$serve --policy kv-cost" \
     --router "switchyard round-robin=$serve --policy round-robin" \
@@ -40,4 +59,4 @@ exec "$sy" replay "$trace" \
     --router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware" \
     --router "vllm-router cache_aware=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware" \
     --router-logs "${B7_LOGS:-b7-logs}" --json "${B7_JSON:-b7-results.json}" --chart "${B7_CHART:-b7-ttft.svg}" \
-    "$@"
+    "${client[@]}" "$@"

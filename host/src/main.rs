@@ -168,6 +168,14 @@ struct ReplayArgs {
     /// simulated time).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     kv_events: bool,
+    /// Another program as the client, a shell command: `{url}` (the router), `{trace}`
+    /// (the requests, timestamps divided by the speedup), `{out}` (a directory where it
+    /// must leave aiperf's `profile_export.jsonl`), `{model}`. E.g. `aiperf profile
+    /// --url {url} --model {model} --endpoint-type completions --streaming --input-file
+    /// {trace} --custom-dataset-type mooncake_trace --fixed-schedule --artifact-dir {out}
+    /// --tokenizer ...`. Its files go to `--router-logs`.
+    #[arg(long)]
+    client: Option<String>,
     /// The mock workers' `tokenizer.json` (and the in-process router's; give external
     /// routers the same file in their command) [default: the built-in tokenizer].
     #[arg(long)]
@@ -577,7 +585,8 @@ async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
                 .map_err(anyhow::Error::msg)?,
         );
     }
-    if !config.routers.is_empty() {
+    config.client = args.client.clone();
+    if !config.routers.is_empty() || config.client.is_some() {
         std::fs::create_dir_all(&args.router_logs)?;
         config.logs = args.router_logs.clone();
     }

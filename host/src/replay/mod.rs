@@ -3,6 +3,7 @@
 //! per policy on fresh workers, and reports TTFT, end-to-end latency, throughput and the
 //! prefix hit rate next to the trace's infinite-cache bound.
 
+pub mod client;
 pub mod external;
 pub mod report;
 pub mod synth;
@@ -55,6 +56,8 @@ pub struct ReplayConfig {
     pub kv_events: bool,
     /// The mock workers' (and the in-process router's) `tokenizer.json`.
     pub tokenizer: Option<PathBuf>,
+    /// Another program as the client (see [`client`]); `None`: the replay's own.
+    pub client: Option<String>,
 }
 
 impl ReplayConfig {
@@ -80,6 +83,7 @@ impl ReplayConfig {
             logs: std::env::temp_dir(),
             kv_events: true,
             tokenizer: None,
+            client: None,
         }
     }
 }
@@ -220,9 +224,9 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
         .await
         .map_err(|e| e.to_string())?;
         fleet.ready().await?;
-        let run = replay_once(config, policy, &fleet.url, reqs.clone(), prompts).await;
+        let run = drive(config, policy, &fleet.url, reqs.clone(), prompts).await;
         fleet.stop().await;
-        runs.push(run);
+        runs.push(run?);
     }
     for router in &config.routers {
         runs.push(replay_external(config, router, reqs.clone()).await?);
@@ -275,20 +279,22 @@ async fn replay_external(
     let url = format!("http://127.0.0.1:{port}");
     let ready = router_ready(&url, &mut process).await;
     let result = match ready {
-        Ok(()) => {
-            let mut run = replay_once(config, &router.name, &url, reqs, Prompts::Text).await;
-            run.router = Some(process.cost());
-            if let Some(text) = scrape(&format!("{url}/metrics")).await {
-                let _ = std::fs::write(
-                    config
-                        .logs
-                        .join(format!("{}.metrics", router.name.replace('/', "_"))),
-                    &text,
-                );
-                run.live = LiveTimings::parse(&text);
+        Ok(()) => match drive(config, &router.name, &url, reqs, Prompts::Text).await {
+            Ok(mut run) => {
+                run.router = Some(process.cost());
+                if let Some(text) = scrape(&format!("{url}/metrics")).await {
+                    let _ = std::fs::write(
+                        config
+                            .logs
+                            .join(format!("{}.metrics", router.name.replace('/', "_"))),
+                        &text,
+                    );
+                    run.live = LiveTimings::parse(&text);
+                }
+                Ok(run)
             }
-            Ok(run)
-        }
+            Err(e) => Err(format!("{}: {e}", router.name)),
+        },
         Err(e) => Err(format!("{}: {e}\n{}", router.name, process.log_tail())),
     };
     tokio::task::spawn_blocking(move || process.stop(Duration::from_secs(10)))
@@ -298,6 +304,20 @@ async fn replay_external(
         w.shutdown().await;
     }
     result
+}
+
+/// One run's requests, by the replay's own client or by the configured one.
+async fn drive(
+    config: &ReplayConfig,
+    name: &str,
+    url: &str,
+    reqs: Arc<Vec<TraceRequest>>,
+    prompts: Prompts,
+) -> Result<PolicyRun, String> {
+    match &config.client {
+        Some(template) => client::run(config, template, name, url, &reqs).await,
+        None => Ok(replay_once(config, name, url, reqs, prompts).await),
+    }
 }
 
 /// The body of a GET that answers 200 within five seconds.
