@@ -25,11 +25,10 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Frame, Incoming};
 use hyper::header::{ACCEPT, AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use hyper::{Request, Response, StatusCode};
-use tokio::sync::mpsc;
 
 use super::{ApiError, Body, Gateway};
 use crate::client::{Client, local_exhaustion};
@@ -243,7 +242,7 @@ pub(crate) async fn completion(
                     gw: gw.clone(),
                     client: client.clone(),
                     worker,
-                    _booking: booking,
+                    booking,
                     started: request_started,
                     endpoint: endpoint.clone(),
                     predicted_blocks: routed.overlap_blocks,
@@ -478,7 +477,9 @@ struct Relay {
     gw: Arc<Gateway>,
     client: Arc<Client>,
     worker: InstanceId,
-    _booking: Booking,
+    /// Released when the relay is dropped: at the end, on a break, or when the client
+    /// leaves.
+    booking: Booking,
     /// When the request arrived, and its endpoint: a complete response is timed.
     started: Instant,
     endpoint: String,
@@ -495,7 +496,7 @@ impl Relay {
         self,
         mut parts: hyper::http::response::Parts,
         first: Option<Bytes>,
-        mut upstream: Incoming,
+        upstream: Incoming,
     ) -> Response<Body> {
         let is_sse = parts
             .headers
@@ -510,81 +511,133 @@ impl Relay {
                 .headers
                 .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         }
-        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(32);
-        let Relay {
-            gw,
-            client,
-            worker,
-            _booking: booking,
-            started,
-            endpoint,
-            predicted_blocks,
-        } = self;
-        let idle = gw.config.stream_idle_timeout;
-        tokio::spawn(async move {
-            // Moved in by name (a closure captures only the fields it uses): released on
-            // every exit below.
-            let booking = booking;
-            let mut tail: Vec<u8> = Vec::new();
-            if let Some(first) = first {
-                note_usage_tail(&mut tail, &first);
-                if tx.send(Ok(Frame::data(first))).await.is_err() {
-                    return;
+        let idle = self.gw.config.stream_idle_timeout;
+        let body = RelayBody {
+            relay: self,
+            first,
+            upstream,
+            idle,
+            timer: Box::pin(tokio::time::sleep(idle)),
+            is_sse,
+            tail: Vec::new(),
+            done: false,
+        };
+        Response::from_parts(parts, body.boxed())
+    }
+}
+
+/// The relayed body: polls the worker's body directly from the client's connection (no
+/// task or channel between them, so a chunk costs one poll, not two wake-ups). Dropped
+/// when the client is gone, which drops the worker's body (the worker sees the close)
+/// and the load booking.
+struct RelayBody {
+    relay: Relay,
+    first: Option<Bytes>,
+    upstream: Incoming,
+    idle: Duration,
+    /// Fires when the worker has been silent for `idle`; reset by each chunk.
+    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
+    is_sse: bool,
+    tail: Vec<u8>,
+    done: bool,
+}
+
+impl RelayBody {
+    fn data(&mut self, data: Bytes) -> Frame<Bytes> {
+        note_usage_tail(&mut self.tail, &data);
+        self.timer
+            .as_mut()
+            .reset(tokio::time::Instant::now() + self.idle);
+        Frame::data(data)
+    }
+
+    /// The stream ended complete.
+    fn finish(&mut self) {
+        let r = &self.relay;
+        if let Some((prompt, cached)) = openai::scan_usage(&self.tail) {
+            let m = &r.gw.metrics;
+            m.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
+            m.cached_tokens.fetch_add(cached, Ordering::Relaxed);
+            r.booking
+                .router
+                .note_cache_report(r.predicted_blocks, cached);
+        }
+        r.gw.metrics
+            .timings
+            .request_duration(&r.endpoint, r.started.elapsed());
+    }
+
+    /// The stream broke or stalled: an error event on event streams, an error otherwise.
+    fn broke(&mut self, why: String) -> Result<Frame<Bytes>, std::io::Error> {
+        self.relay
+            .gw
+            .metrics
+            .stream_errors
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(instance = %self.relay.worker, error = %why, "upstream stream ended early");
+        if self.is_sse {
+            let event = format!(
+                "data: {}\n\n",
+                serde_json::json!({"error": {"message": why, "type": "server_error", "param": null, "code": "upstream_stream_error"}})
+            );
+            Ok(Frame::data(Bytes::from(event)))
+        } else {
+            Err(std::io::Error::other(why))
+        }
+    }
+}
+
+impl hyper::body::Body for RelayBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if let Some(first) = this.first.take() {
+            return Poll::Ready(Some(Ok(this.data(first))));
+        }
+        loop {
+            match std::pin::Pin::new(&mut this.upstream).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data() {
+                        return Poll::Ready(Some(Ok(this.data(data))));
+                    }
+                }
+                Poll::Ready(None) => {
+                    this.done = true;
+                    this.finish();
+                    return Poll::Ready(None);
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    this.done = true;
+                    return Poll::Ready(Some(
+                        this.broke(format!("the worker's stream broke: {e}")),
+                    ));
+                }
+                Poll::Pending => {
+                    if this.timer.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    this.done = true;
+                    let why = format!("the worker sent nothing for {:?}", this.idle);
+                    let r = &this.relay;
+                    r.client.record_failure(r.worker, &why);
+                    r.gw.metrics.stalls.fetch_add(1, Ordering::Relaxed);
+                    return Poll::Ready(Some(this.broke(why)));
                 }
             }
-            loop {
-                let next = tokio::select! {
-                    next = tokio::time::timeout(idle, upstream.frame()) => next,
-                    // The client went away: dropping `upstream` tells the worker.
-                    _ = tx.closed() => return,
-                };
-                let broke = match next {
-                    Ok(None) => break,
-                    Ok(Some(Ok(frame))) => {
-                        let Ok(data) = frame.into_data() else {
-                            continue;
-                        };
-                        note_usage_tail(&mut tail, &data);
-                        if tx.send(Ok(Frame::data(data))).await.is_err() {
-                            return;
-                        }
-                        continue;
-                    }
-                    Ok(Some(Err(e))) => format!("the worker's stream broke: {e}"),
-                    Err(_) => {
-                        let why = format!("the worker sent nothing for {idle:?}");
-                        client.record_failure(worker, &why);
-                        gw.metrics.stalls.fetch_add(1, Ordering::Relaxed);
-                        why
-                    }
-                };
-                gw.metrics.stream_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(instance = %worker, error = %broke, "upstream stream ended early");
-                if is_sse {
-                    let event = format!(
-                        "data: {}\n\n",
-                        serde_json::json!({"error": {"message": broke, "type": "server_error", "param": null, "code": "upstream_stream_error"}})
-                    );
-                    let _ = tx.send(Ok(Frame::data(Bytes::from(event)))).await;
-                } else {
-                    let _ = tx.send(Err(std::io::Error::other(broke))).await;
-                }
-                return;
-            }
-            if let Some((prompt, cached)) = openai::scan_usage(&tail) {
-                let m = &gw.metrics;
-                m.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
-                m.cached_tokens.fetch_add(cached, Ordering::Relaxed);
-                booking.router.note_cache_report(predicted_blocks, cached);
-            }
-            gw.metrics
-                .timings
-                .request_duration(&endpoint, started.elapsed());
-        });
-        Response::from_parts(
-            parts,
-            StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed(),
-        )
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
     }
 }
 
