@@ -2,6 +2,24 @@
 
 use std::process::Command;
 
+/// Runs a `switchyard replay` command to success; its standard output.
+fn run(mut replay: Command) -> String {
+    let out = replay
+        .env(
+            "SWITCHYARD_POLICY_CACHE",
+            std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("policy-cache"),
+        )
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 #[test]
 fn replay_compares_policies_and_writes_json_and_a_chart() {
     let dir = tempfile::tempdir().unwrap();
@@ -22,7 +40,8 @@ fn replay_compares_policies_and_writes_json_and_a_chart() {
     std::fs::write(&trace, lines.join("\n")).unwrap();
     let json = dir.path().join("out.json");
     let chart = dir.path().join("ttft.svg");
-    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+    let mut replay = Command::new(env!("CARGO_BIN_EXE_switchyard"));
+    replay
         .args([
             "replay",
             trace.to_str().unwrap(),
@@ -40,19 +59,8 @@ fn replay_compares_policies_and_writes_json_and_a_chart() {
             json.to_str().unwrap(),
             "--chart",
             chart.to_str().unwrap(),
-        ])
-        .env(
-            "SWITCHYARD_POLICY_CACHE",
-            std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("policy-cache"),
-        )
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+        ]);
+    let stdout = run(replay);
     assert!(stdout.contains("| kv-cost | 30 | 0 |"), "{stdout}");
     assert!(stdout.contains("| round-robin | 30 | 0 |"), "{stdout}");
 
@@ -137,7 +145,8 @@ fn another_program_can_be_the_client() {
     std::fs::write(&client, CLIENT).unwrap();
     let logs = dir.path().join("logs");
     let json = dir.path().join("out.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+    let mut replay = Command::new(env!("CARGO_BIN_EXE_switchyard"));
+    replay
         .args(["replay", trace.to_str().unwrap(), "--policy", "kv-cost"])
         .args(["--speedup", "20", "--workers", "2"])
         .args([
@@ -146,19 +155,8 @@ fn another_program_can_be_the_client() {
         ])
         .args(["--router-logs", logs.to_str().unwrap()])
         .args(["--json", json.to_str().unwrap()])
-        .args(["--chart", dir.path().join("c.svg").to_str().unwrap()])
-        .env(
-            "SWITCHYARD_POLICY_CACHE",
-            std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("policy-cache"),
-        )
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+        .args(["--chart", dir.path().join("c.svg").to_str().unwrap()]);
+    let stdout = run(replay);
     assert!(stdout.contains("| kv-cost | 4 | 0 |"), "{stdout}");
     // The client got the trace at the replay's speed: 1 s of trace time is 50 ms.
     let sent = std::fs::read_to_string(logs.join("kv-cost.client-trace.jsonl")).unwrap();
