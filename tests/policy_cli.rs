@@ -70,3 +70,35 @@ fn policy_builtin_lists_the_builtins() {
         "{out}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_compiles_policies_into_the_documented_cache() {
+    let cache = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", common::procs::free_port());
+    let wasm = common::guest("session_affinity");
+    let _router = common::procs::Proc(
+        Command::new(env!("CARGO_BIN_EXE_switchyard"))
+            .args([
+                "serve",
+                "--listen",
+                &listen,
+                "--worker",
+                "http://127.0.0.1:9",
+            ])
+            .args(["--policy", wasm.to_str().unwrap()])
+            .env("SWITCHYARD_POLICY_CACHE", cache.path())
+            .env("SWITCHYARD_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // It listens once its policies are loaded (compiled, or read from the cache).
+    common::procs::wait_ok(&format!("http://{listen}/health")).await;
+    let entries = std::fs::read_dir(cache.path()).unwrap().count();
+    assert!(
+        entries > 0,
+        "nothing was cached in {}",
+        cache.path().display()
+    );
+}

@@ -85,6 +85,9 @@ pub struct ServeArgs {
     /// Memory cap of one policy instance, MiB [default: 64].
     #[arg(long, env = "SWITCHYARD_POLICY_MEMORY_MB")]
     pub policy_memory_mb: Option<usize>,
+    /// Where compiled policies are cached [default: ~/.cache/switchyard/policies].
+    #[arg(long, env = "SWITCHYARD_POLICY_CACHE")]
+    pub policy_cache: Option<PathBuf>,
     /// Report failing workers down at once [default: true]; `false` is a baseline that
     /// keeps routing to every discovered worker until discovery drops it.
     #[arg(long, env = "SWITCHYARD_AVAILABILITY")]
@@ -180,6 +183,7 @@ pub struct FileConfig {
     shutdown_grace_secs: Option<u64>,
     policy_budget_ms: Option<u64>,
     policy_memory_mb: Option<usize>,
+    policy_cache: Option<PathBuf>,
     availability: Option<bool>,
     request_timeout_secs: Option<u64>,
     stream_idle_timeout_secs: Option<u64>,
@@ -494,6 +498,10 @@ impl ServeArgs {
                 .policy_memory_mb
                 .or(file.policy_memory_mb)
                 .map_or(runtime_defaults.memory_cap, |mb| mb << 20),
+            cache_dir: self
+                .policy_cache
+                .or(file.policy_cache)
+                .or(runtime_defaults.cache_dir.clone()),
             ..runtime_defaults
         };
         Ok(ServeConfig {
@@ -567,6 +575,26 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn the_policy_cache_directory_comes_from_the_flag_or_the_file() {
+        let f = file("workers = [\"http://x:1\"]\npolicy_cache = \"/var/cache/sy\"\n");
+        let c = ServeArgs {
+            config: Some(f.path().into()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(c.runtime.cache_dir, Some(PathBuf::from("/var/cache/sy")));
+        let c = ServeArgs {
+            config: Some(f.path().into()),
+            policy_cache: Some("/tmp/other".into()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(c.runtime.cache_dir, Some(PathBuf::from("/tmp/other")));
     }
 
     #[test]
