@@ -35,6 +35,7 @@ fn main() {
                 "reads_host",
                 "bad_config",
                 "wrong_world",
+                "rounds_ids",
             ][..],
         ),
     ];

@@ -758,7 +758,7 @@ fn policy_check(spec: &str, config: &str, cache_dir: Option<PathBuf>) -> anyhow:
     );
     match outcome {
         CallOutcome::Chosen(id) => {
-            println!("canary:   chose worker {id} of a, b, c, d (synthetic)")
+            println!("canary:   chose worker {id} of four synthetic workers")
         }
         CallOutcome::Rejected(r) => println!("canary:   rejected ({:?}): {}", r.kind, r.reason),
     }

@@ -22,6 +22,7 @@ pub fn guest(name: &str) -> PathBuf {
         "reads_host" => env!("SWITCHYARD_READS_HOST_WASM"),
         "bad_config" => env!("SWITCHYARD_BAD_CONFIG_WASM"),
         "wrong_world" => env!("SWITCHYARD_WRONG_WORLD_WASM"),
+        "rounds_ids" => env!("SWITCHYARD_ROUNDS_IDS_WASM"),
         other => panic!("no test guest named {other}"),
     };
     PathBuf::from(path)

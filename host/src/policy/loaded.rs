@@ -267,13 +267,15 @@ impl LoadedPolicy {
     }
 }
 
-/// Four synthetic workers with varied overlap and load.
+/// Four synthetic workers with varied overlap and load. Their IDs are above 2^53, as
+/// etcd lease IDs often are, so a policy that passes IDs through a double (a JavaScript
+/// `Number`) answers a rounded ID that is not a candidate, and is refused.
 pub(crate) fn canary_candidates() -> Candidates {
     [
-        (0xa1, 0, 40, 0, 2),
-        (0xb2, 30, 10, 512, 1),
-        (0xc3, 62, 120, 0, 6),
-        (0xd4, 5, 0, 0, 0),
+        (0x0769_ba5e_0000_00a1, 0, 40, 0, 2),
+        (0x0769_ba5e_0000_00b2, 30, 10, 512, 1),
+        (0x0769_ba5e_0000_00c3, 62, 120, 0, 6),
+        (0x0769_ba5e_0000_00d4, 5, 0, 0, 0),
     ]
     .into_iter()
     .map(|(id, overlap, active, pending, in_flight)| CandidateRow {
