@@ -30,6 +30,8 @@ fn policy_check_prints_identity_and_a_sample_decision() {
     assert!(out.contains("policy:   session-affinity 0.1.0"), "{out}");
     assert!(out.contains("sha256:   "), "{out}");
     assert!(out.contains("canary:   chose worker"), "{out}");
+    // And timed as a serving router would call it, within the call budget.
+    assert!(out.contains("(budget 10ms)"), "{out}");
 }
 
 #[test]
@@ -58,6 +60,10 @@ fn policy_check_explains_what_is_wrong() {
             path.display()
         );
     }
+    // The same memory cap as `serve`: kv-cost's instance needs more than 1 MiB.
+    let (ok, out) = switchyard(&["policy", "check", "kv-cost", "--policy-memory-mb", "1"]);
+    assert!(!ok);
+    assert!(out.contains("growing memory"), "{out}");
     let (ok, out) = switchyard(&["policy", "check", "kv-cost", "--config", "{not json"]);
     assert!(!ok);
     assert!(out.contains("invalid kv-cost config"), "{out}");

@@ -320,6 +320,12 @@ enum PolicyCommand {
         /// Where compiled policies are cached (default: ~/.cache/switchyard/policies).
         #[arg(long, env = "SWITCHYARD_POLICY_CACHE")]
         cache_dir: Option<PathBuf>,
+        /// Time budget of one call, ms, as `serve` takes it [default: 10].
+        #[arg(long, env = "SWITCHYARD_POLICY_BUDGET_MS")]
+        policy_budget_ms: Option<u64>,
+        /// Memory cap of one instance, MiB, as `serve` takes it [default: 64].
+        #[arg(long, env = "SWITCHYARD_POLICY_MEMORY_MB")]
+        policy_memory_mb: Option<usize>,
     },
     /// List the built-in policies.
     Builtin,
@@ -369,7 +375,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             policy,
             config,
             cache_dir,
-        }) => policy_check(&policy, &config, cache_dir),
+            policy_budget_ms,
+            policy_memory_mb,
+        }) => {
+            let mut runtime = RuntimeConfig::default();
+            if cache_dir.is_some() {
+                runtime.cache_dir = cache_dir;
+            }
+            if let Some(ms) = policy_budget_ms {
+                runtime.call_budget = Duration::from_millis(ms);
+            }
+            if let Some(mb) = policy_memory_mb {
+                runtime.memory_cap = mb << 20;
+            }
+            policy_check(&policy, &config, runtime)
+        }
         Command::Register(args) => tokio_runtime()?.block_on(register(args)),
         Command::Instances { etcd } => tokio_runtime()?.block_on(instances(etcd)),
         Command::MockWorker(args) => tokio_runtime()?.block_on(mock_worker(args)),
@@ -738,11 +758,8 @@ async fn instances(etcd: EtcdArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn policy_check(spec: &str, config: &str, cache_dir: Option<PathBuf>) -> anyhow::Result<()> {
-    let mut runtime = RuntimeConfig::default();
-    if cache_dir.is_some() {
-        runtime.cache_dir = cache_dir;
-    }
+fn policy_check(spec: &str, config: &str, runtime: RuntimeConfig) -> anyhow::Result<()> {
+    let budget = runtime.call_budget;
     let engine = PolicyEngine::new(runtime)?;
     let loaded = engine.load_spec(spec, config)?;
     let outcome = loaded.canary()?;
@@ -762,6 +779,15 @@ fn policy_check(spec: &str, config: &str, cache_dir: Option<PathBuf>) -> anyhow:
         }
         CallOutcome::Rejected(r) => println!("canary:   rejected ({:?}): {}", r.kind, r.reason),
     }
+    // The canary ran within the generous load budget; a serving router allows a call
+    // only the call budget.
+    let took = loaded
+        .timed_call()
+        .map_err(|e| anyhow::anyhow!("a decision within the {budget:?} call budget failed: {e}"))?;
+    println!(
+        "call:     {:.1} µs (budget {budget:?})",
+        took.as_secs_f64() * 1e6
+    );
     println!("ok");
     Ok(())
 }

@@ -246,15 +246,7 @@ impl LoadedPolicy {
     /// candidate list, which must produce a candidate or a rejection within the load
     /// budget (generous, so that a busy host does not refuse a good policy).
     pub fn canary(&self) -> Result<CallOutcome, PolicyError> {
-        let candidates = canary_candidates();
-        let req = Request {
-            prompt_tokens: 1000,
-            prompt_blocks: 62,
-            block_size: 16,
-            session_key: Some(0x5eed),
-            seed: 0x00c0_ffee,
-            sequence: 0,
-        };
+        let (req, candidates) = (canary_request(), canary_candidates());
         let cfg = self.shared.engine.config();
         let budget = cfg.load_budget.max(cfg.call_budget);
         self.call_within(
@@ -264,6 +256,26 @@ impl LoadedPolicy {
             budget,
         )
         .map_err(|e| PolicyError::Canary(e.to_string()))
+    }
+
+    /// The canary's decision again, as a serving router would make it: within the call
+    /// budget (not the load budget). Its wall time, or why it failed.
+    pub fn timed_call(&self) -> Result<std::time::Duration, CallFailure> {
+        let (req, candidates) = (canary_request(), canary_candidates());
+        let started = std::time::Instant::now();
+        self.call(&req, &candidates)?;
+        Ok(started.elapsed())
+    }
+}
+
+fn canary_request() -> Request {
+    Request {
+        prompt_tokens: 1000,
+        prompt_blocks: 62,
+        block_size: 16,
+        session_key: Some(0x5eed),
+        seed: 0x00c0_ffee,
+        sequence: 0,
     }
 }
 
