@@ -36,6 +36,7 @@ fn main() {
                 "bad_config",
                 "wrong_world",
                 "rounds_ids",
+                "imports_http",
             ][..],
         ),
     ];

@@ -45,6 +45,11 @@ fn policy_check_explains_what_is_wrong() {
         (common::guest("bad_config"), "refused its configuration"),
         // IDs through a double: the canary's IDs are above 2^53, so they come back rounded.
         (common::guest("rounds_ids"), "which is not a candidate"),
+        // Named, and refused before it is compiled.
+        (
+            common::guest("imports_http"),
+            "imports `leaky:net/http@1.0.0`, which is not provided",
+        ),
         (std::path::PathBuf::from("Cargo.toml"), "magic bytes"),
         (
             std::path::PathBuf::from("/nonexistent/policy.wasm"),
@@ -60,6 +65,18 @@ fn policy_check_explains_what_is_wrong() {
             path.display()
         );
     }
+    // A refused import is found before compiling: nothing is cached for it.
+    let cache = tempfile::tempdir().unwrap();
+    let wasm = common::guest("imports_http");
+    let (ok, _) = switchyard(&[
+        "policy",
+        "check",
+        wasm.to_str().unwrap(),
+        "--cache-dir",
+        cache.path().to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    assert_eq!(std::fs::read_dir(cache.path()).map_or(0, |d| d.count()), 0);
     // The same memory cap as `serve`: kv-cost's instance needs more than 1 MiB.
     let (ok, out) = switchyard(&["policy", "check", "kv-cost", "--policy-memory-mb", "1"]);
     assert!(!ok);

@@ -171,6 +171,7 @@ impl PolicyEngine {
     ) -> Result<LoadedPolicy, PolicyError> {
         let started = Instant::now();
         check_component_header(bytes)?;
+        check_imports(bytes)?;
         let sha256 = cache::sha256_hex(bytes);
         let (component, cache) = self.compile(bytes, &sha256)?;
         let instance_pre = self.inner.linker.instantiate_pre(&component).map_err(|e| {
@@ -214,6 +215,63 @@ impl PolicyEngine {
         compiled.insert(sha256.to_string(), component.clone());
         Ok((component, outcome))
     }
+}
+
+/// The WASI 0.2 packages a policy may import (each one sandboxed, see `sandbox.rs`).
+const ALLOWED_IMPORTS: [&str; 6] = [
+    "wasi:cli/",
+    "wasi:clocks/",
+    "wasi:filesystem/",
+    "wasi:io/",
+    "wasi:random/",
+    "wasi:sockets/",
+];
+
+/// Refuses a component importing anything but sandboxed WASI 0.2 before it is compiled
+/// (so it is never compiled or cached), naming the import. Only the top-level
+/// component's imports count: nested components' imports are satisfied inside it. A
+/// component that cannot be parsed is left to the compiler's own message.
+fn check_imports(bytes: &[u8]) -> Result<(), PolicyError> {
+    use wasmparser::{Parser, Payload};
+    let mut depth = 0usize;
+    for payload in Parser::new(0).parse_all(bytes) {
+        let Ok(payload) = payload else {
+            return Ok(());
+        };
+        match payload {
+            Payload::Version { .. } => depth += 1,
+            Payload::End(_) => depth = depth.saturating_sub(1),
+            Payload::ComponentImportSection(reader) if depth == 1 => {
+                for import in reader {
+                    let Ok(import) = import else {
+                        return Ok(());
+                    };
+                    // Type imports (the contract's records, by `use`) carry no capability.
+                    if matches!(import.ty, wasmparser::ComponentTypeRef::Type(_)) {
+                        continue;
+                    }
+                    let name = format!(
+                        "{}{}",
+                        import.name.name,
+                        import.name.version_suffix.unwrap_or("")
+                    );
+                    let wasi_02 = ALLOWED_IMPORTS.iter().any(|p| name.starts_with(p))
+                        && name.contains("@0.2.");
+                    // The contract's own types interface (type definitions only).
+                    let contract = name.starts_with("switchyard:policy/");
+                    if !(wasi_02 || contract) {
+                        return Err(PolicyError::Instantiate(format!(
+                            "the policy imports `{name}`, which is not provided: a policy may \
+                             import only WASI 0.2 cli, clocks, filesystem, io, random and \
+                             sockets (all sandboxed)"
+                        )));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Refuses what is plainly not a component before the compiler sees it, with a hint.
