@@ -58,8 +58,12 @@ pub(crate) fn compile(
     {
         return Ok((component, CacheOutcome::Disk));
     }
+    // Compiled once: the artifact is both stored and loaded.
     let artifact = engine.precompile_component(bytes)?;
-    let component = Component::new(engine, bytes)?;
+    // SAFETY: `artifact` was produced just above by `precompile_component` of this same
+    // engine, which is exactly what `Component::deserialize` requires.
+    #[allow(unsafe_code)]
+    let component = unsafe { Component::deserialize(engine, &artifact) }?;
     if let Err(e) = store(dir, &path, &artifact) {
         tracing::warn!(path = %path.display(), error = %e, "cannot write the policy cache");
     }
