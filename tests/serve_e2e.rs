@@ -397,6 +397,50 @@ async fn a_hundred_policy_swaps_under_load_through_admin_and_etcd_fail_nothing()
     );
     assert_eq!(now["generation"].as_u64().unwrap(), generation);
 
+    // A policy larger than etcd takes in one request (2.5 MiB: the example with a custom
+    // section of padding) goes in chunks and is verified whole by the router.
+    let mut big = example.to_vec();
+    let padding = vec![b'x'; 5 << 19];
+    big.push(0); // custom section
+    let mut size = padding.len() + 2;
+    while size >= 0x80 {
+        big.push((size & 0x7f) as u8 | 0x80);
+        size >>= 7;
+    }
+    big.push(size as u8);
+    big.extend_from_slice(&[1, b'p']);
+    big.extend_from_slice(&padding);
+    let pushed = switchyard::discovery::etcd_policy::PushedPolicy::new(&big, "{}");
+    let big_sha = pushed.sha256.clone();
+    switchyard::discovery::etcd_policy::push(&config, &endpoint, &pushed)
+        .await
+        .unwrap();
+    eventually("the chunked policy", || async {
+        admin_get(&c, &policy_url).await["sha256"] == big_sha.as_str()
+    })
+    .await;
+    let blobs = |config: &switchyard::discovery::etcd::EtcdConfig| {
+        let api = config.api();
+        async move {
+            api.range_prefix("switchyard/policy-blobs/")
+                .await
+                .unwrap()
+                .0
+                .len()
+        }
+    };
+    assert_eq!(
+        blobs(&config).await,
+        4,
+        "2.5 MiB of .wasm is 3.3 MiB of base64"
+    );
+    // Once no entry refers to them, the next push deletes its chunks.
+    let pushed = switchyard::discovery::etcd_policy::PushedPolicy::new(kv, "{}");
+    switchyard::discovery::etcd_policy::push(&config, &endpoint, &pushed)
+        .await
+        .unwrap();
+    assert_eq!(blobs(&config).await, 0);
+
     stop.store(true, Ordering::Relaxed);
     let (ok, failed, errors) = clients.await.unwrap();
     assert_eq!(failed, 0, "{errors:?}");

@@ -2,8 +2,13 @@
 //! under `{root}/policies/{namespace}/{component}/{endpoint}`; every router replica
 //! watches that prefix and swaps the endpoint's policy (after its own validation).
 //!
-//! The value is JSON: `{"sha256", "config", "wasm_base64", "pushed_at"}`. etcd's default
-//! request limit (1.5 MiB) bounds the policy size at about 1.1 MiB of `.wasm`.
+//! The value is JSON: `{"sha256", "config", "wasm_base64", "pushed_at"}`. etcd refuses
+//! requests over 1.5 MiB by default, so a larger policy is stored in chunks, content
+//! addressed: its base64 text in pieces of at most [`CHUNK_BYTES`] under
+//! `{root}/policy-blobs/{sha256}/{i}`, written before the entry, which then carries
+//! `"chunks": N` and no inline bytes. A replica reads the chunks, and the sha256 check of
+//! [`PushedPolicy::wasm`] verifies the whole before anything loads it. Each push deletes
+//! the blobs no entry refers to any more, so they do not accumulate.
 
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
@@ -24,7 +29,17 @@ pub struct PushedPolicy {
     pub wasm_base64: String,
     /// Unix seconds when it was pushed.
     pub pushed_at: u64,
+    /// Stored in this many chunks beside the entry (0: inline in `wasm_base64`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub chunks: u32,
 }
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// Largest piece of a policy's base64 text stored in one etcd value.
+pub const CHUNK_BYTES: usize = 1 << 20;
 
 impl PushedPolicy {
     /// Wraps `wasm` and `config` for storage.
@@ -36,6 +51,7 @@ impl PushedPolicy {
             pushed_at: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            chunks: 0,
         }
     }
 
@@ -59,16 +75,88 @@ fn prefix(root: &str) -> String {
     format!("{}/policies/", root.trim_end_matches('/'))
 }
 
-/// Stores `policy` for `endpoint`; returns the key written.
+fn blobs(root: &str) -> String {
+    format!("{}/policy-blobs/", root.trim_end_matches('/'))
+}
+
+/// Stores `policy` for `endpoint` (in chunks when it is large); returns the key written.
 pub async fn push(
     config: &EtcdConfig,
     endpoint: &EndpointPath,
     policy: &PushedPolicy,
 ) -> Result<String, DiscoveryError> {
+    let api = config.api();
     let key = format!("{}{endpoint}", prefix(&config.root));
-    let value = serde_json::to_string(policy).expect("policies serialise");
-    config.api().put(&key, value.as_bytes(), None).await?;
+    let mut entry = policy.clone();
+    if entry.wasm_base64.len() > CHUNK_BYTES {
+        // Base64 is ASCII: any byte offset is a character boundary.
+        let pieces: Vec<&[u8]> = entry.wasm_base64.as_bytes().chunks(CHUNK_BYTES).collect();
+        for (i, piece) in pieces.iter().enumerate() {
+            let blob = format!("{}{}/{i:06}", blobs(&config.root), entry.sha256);
+            api.put(&blob, piece, None).await?;
+        }
+        entry.chunks = u32::try_from(pieces.len()).unwrap_or(u32::MAX);
+        entry.wasm_base64 = String::new();
+    }
+    let value = serde_json::to_string(&entry).expect("policies serialise");
+    api.put(&key, value.as_bytes(), None).await?;
+    collect_garbage(config).await?;
     Ok(key)
+}
+
+/// Deletes the chunks of policies no entry refers to.
+async fn collect_garbage(config: &EtcdConfig) -> Result<(), DiscoveryError> {
+    let api = config.api();
+    let (entries, _) = api.range_prefix(&prefix(&config.root)).await?;
+    let referenced: std::collections::HashSet<String> = entries
+        .iter()
+        .filter_map(|kv| serde_json::from_slice::<PushedPolicy>(&kv.value).ok())
+        .map(|p| p.sha256)
+        .collect();
+    let (stored, _) = api.range_prefix(&blobs(&config.root)).await?;
+    let mut unused: Vec<String> = stored
+        .iter()
+        .filter_map(|kv| {
+            let key = String::from_utf8_lossy(&kv.key);
+            let sha = key.strip_prefix(&blobs(&config.root))?.split('/').next()?;
+            (!referenced.contains(sha)).then(|| sha.to_string())
+        })
+        .collect();
+    unused.dedup();
+    for sha in unused {
+        api.delete(&format!("{}{sha}/", blobs(&config.root)), true)
+            .await?;
+    }
+    Ok(())
+}
+
+/// Fills in a chunked policy's bytes from its blobs (a missing or extra chunk leaves it
+/// unverifiable, and [`PushedPolicy::wasm`] refuses it).
+async fn resolve(config: &EtcdConfig, mut policy: PushedPolicy) -> Result<PushedPolicy, String> {
+    if policy.chunks == 0 {
+        return Ok(policy);
+    }
+    let (mut kvs, _) = config
+        .api()
+        .range_prefix(&format!("{}{}/", blobs(&config.root), policy.sha256))
+        .await
+        .map_err(|e| format!("cannot read the policy's chunks: {e}"))?;
+    if kvs.len() != policy.chunks as usize {
+        return Err(format!(
+            "policy {} has {} of its {} chunks",
+            policy.sha256,
+            kvs.len(),
+            policy.chunks
+        ));
+    }
+    kvs.sort_by(|a, b| a.key.cmp(&b.key));
+    let mut text = Vec::new();
+    for kv in &kvs {
+        text.extend_from_slice(&kv.value);
+    }
+    policy.wasm_base64 =
+        String::from_utf8(text).map_err(|_| "a policy chunk is not base64 text".to_string())?;
+    Ok(policy)
 }
 
 /// Calls `apply(endpoint, policy)` for every stored policy now and for every one pushed
@@ -101,6 +189,26 @@ fn parse(key: &[u8], value: &[u8], root: &str) -> Result<(EndpointPath, PushedPo
     Ok((endpoint, policy))
 }
 
+/// Parses an entry, reads its chunks if it has any, and applies it; logs what is wrong.
+async fn deliver(
+    config: &EtcdConfig,
+    apply: &(impl Fn(EndpointPath, PushedPolicy) + Send + Sync),
+    key: &[u8],
+    value: &[u8],
+) {
+    let parsed = match parse(key, value, &config.root) {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::warn!(error = %e, "skipping a malformed policy entry");
+            return;
+        }
+    };
+    match resolve(config, parsed.1).await {
+        Ok(policy) => apply(parsed.0, policy),
+        Err(e) => tracing::warn!(error = %e, "skipping a policy whose chunks cannot be read"),
+    }
+}
+
 async fn cycle(
     config: &EtcdConfig,
     apply: &(impl Fn(EndpointPath, PushedPolicy) + Send + Sync),
@@ -113,10 +221,7 @@ async fn cycle(
         if kv.mod_revision <= *seen {
             continue;
         }
-        match parse(&kv.key, &kv.value, &config.root) {
-            Ok((endpoint, policy)) => apply(endpoint, policy),
-            Err(e) => tracing::warn!(error = %e, "skipping a malformed policy entry"),
-        }
+        deliver(config, apply, &kv.key, &kv.value).await;
     }
     *seen = (*seen).max(revision);
     let mut watch = api
@@ -142,10 +247,7 @@ async fn cycle(
                 }
             };
             *seen = (*seen).max(kv.mod_revision);
-            match parse(&kv.key, &kv.value, &config.root) {
-                Ok((endpoint, policy)) => apply(endpoint, policy),
-                Err(e) => tracing::warn!(error = %e, "skipping a malformed policy entry"),
-            }
+            deliver(config, apply, &kv.key, &kv.value).await;
         }
     }
 }
