@@ -65,12 +65,7 @@ pub enum LocalFleetError {
 impl LocalFleet {
     /// Starts the workers, then the router in front of them.
     pub async fn start(config: LocalFleetConfig) -> Result<LocalFleet, LocalFleetError> {
-        let tokenizer = match &config.tokenizer {
-            Some(path) => Some(std::sync::Arc::new(crate::tokens::Tokenizer::from_file(
-                path,
-            )?)),
-            None => None,
-        };
+        let tokenizer = crate::tokens::Tokenizer::from_file_if_any(config.tokenizer.as_deref())?;
         let mut workers = Vec::new();
         for _ in 0..config.workers.max(1) {
             let worker_config = MockWorkerConfig {

@@ -501,12 +501,7 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
         args.block_size >= 1 && args.kv_blocks >= 1 && args.max_batch >= 1,
         "sizes must be at least 1"
     );
-    let tokenizer = match &args.tokenizer {
-        Some(path) => Some(std::sync::Arc::new(
-            switchyard::tokens::Tokenizer::from_file(path).map_err(anyhow::Error::msg)?,
-        )),
-        None => None,
-    };
+    let tokenizer = switchyard::tokens::Tokenizer::from_file_if_any(args.tokenizer.as_deref())?;
     let config = MockWorkerConfig {
         model: args.model.clone(),
         engine: EngineConfig {

@@ -210,10 +210,19 @@ impl EtcdApi {
 
     /// Every key under `prefix`, and the revision they were read at.
     pub async fn range_prefix(&self, prefix: &str) -> Result<(Vec<Kv>, i64), DiscoveryError> {
+        self.range(prefix, false).await
+    }
+
+    /// Every key under `prefix`, without their values (empty).
+    pub async fn keys_with_prefix(&self, prefix: &str) -> Result<Vec<Kv>, DiscoveryError> {
+        Ok(self.range(prefix, true).await?.0)
+    }
+
+    async fn range(&self, prefix: &str, keys_only: bool) -> Result<(Vec<Kv>, i64), DiscoveryError> {
         let v = self
             .call(
                 "/v3/kv/range",
-                json!({"key": b64(prefix.as_bytes()), "range_end": b64(&prefix_end(prefix.as_bytes()))}),
+                json!({"key": b64(prefix.as_bytes()), "range_end": b64(&prefix_end(prefix.as_bytes())), "keys_only": keys_only}),
             )
             .await?;
         let revision = int(&v["header"]["revision"]);

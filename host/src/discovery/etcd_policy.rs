@@ -113,7 +113,7 @@ async fn collect_garbage(config: &EtcdConfig) -> Result<(), DiscoveryError> {
         .filter_map(|kv| serde_json::from_slice::<PushedPolicy>(&kv.value).ok())
         .map(|p| p.sha256)
         .collect();
-    let (stored, _) = api.range_prefix(&blobs(&config.root)).await?;
+    let stored = api.keys_with_prefix(&blobs(&config.root)).await?;
     let mut unused: Vec<String> = stored
         .iter()
         .filter_map(|kv| {

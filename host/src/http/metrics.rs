@@ -57,7 +57,7 @@ impl Default for Timings {
         );
         registry.register(
             "policy_call_seconds",
-            "The policy call alone (Wasm or the native fallback)",
+            "The policy's own call alone (failed calls included, the native fallback not)",
             policy_call.clone(),
         );
         registry.register(
@@ -296,7 +296,7 @@ impl Metrics {
         let _ = writeln!(s, "# TYPE switchyard_expired_bookings_total counter");
         let _ = writeln!(
             s,
-            "# HELP switchyard_unpredicted_cache_hits_total responses whose worker reported a cached prefix the router predicted nowhere (many: tokenization differs)\n# TYPE switchyard_unpredicted_cache_hits_total counter"
+            "# HELP switchyard_unpredicted_cache_hits_total responses whose worker reported a cached prefix the router had not predicted on that worker (many: tokenization differs)\n# TYPE switchyard_unpredicted_cache_hits_total counter"
         );
         let _ = writeln!(s, "# TYPE switchyard_instance_available gauge");
         let _ = writeln!(s, "# TYPE switchyard_instance_in_flight gauge");

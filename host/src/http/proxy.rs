@@ -114,12 +114,13 @@ const BLOCKING_TOKENIZE_BYTES: usize = 8 << 10;
 async fn tokenize(gw: &Arc<Gateway>, prompt: &Prompt) -> Result<Vec<u32>, TokenizerError> {
     let text = match prompt {
         Prompt::Tokens(t) => return Ok(t.clone()),
-        Prompt::Text(t) => t.clone(),
-        Prompt::Chat(m) => render_chat(m),
+        Prompt::Text(t) => std::borrow::Cow::Borrowed(t.as_str()),
+        Prompt::Chat(m) => std::borrow::Cow::Owned(render_chat(m)),
     };
     let started = Instant::now();
     let tokens = if text.len() > BLOCKING_TOKENIZE_BYTES {
-        let tokenizer = gw.tokenizer.clone();
+        // Copied only to hand it to the blocking thread.
+        let (tokenizer, text) = (gw.tokenizer.clone(), text.into_owned());
         tokio::task::spawn_blocking(move || tokenizer.encode(&text))
             .await
             .unwrap_or_else(|e| Err(TokenizerError::from_panic(e)))
@@ -198,7 +199,7 @@ pub(crate) async fn completion(
             Ok(r) => {
                 gw.metrics
                     .timings
-                    .decision(&endpoint, r.decision_time, r.policy_time);
+                    .decision(&endpoint, r.decision_time, r.decision.call_time);
                 r
             }
             Err(e @ RouteError::Rejected(_)) => return Err(e.into()),

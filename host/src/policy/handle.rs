@@ -48,6 +48,8 @@ pub struct Decision {
     pub sequence: u64,
     /// Why the policy call failed, when the fallback decided.
     pub failure: Option<CallFailure>,
+    /// How long the policy's own call took (zero when there were no candidates).
+    pub call_time: std::time::Duration,
 }
 
 /// Counters and identity of the current policy, for the admin API and metrics.
@@ -172,14 +174,16 @@ impl PolicyHandle {
             generation: active.generation,
             sequence,
             failure: None,
+            call_time: std::time::Duration::ZERO,
         };
         if candidates.is_empty() {
             return decision;
         }
         let started = std::time::Instant::now();
         let result = active.policy.call(&req, candidates);
+        decision.call_time = started.elapsed();
         self.call_nanos
-            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            .fetch_add(decision.call_time.as_nanos() as u64, Ordering::Relaxed);
         self.calls.fetch_add(1, Ordering::Relaxed);
         match result {
             Ok(outcome) => {

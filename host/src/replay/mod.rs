@@ -242,12 +242,8 @@ async fn replay_external(
 ) -> Result<PolicyRun, String> {
     let mut engine = config.engine.clone();
     engine.speedup = config.speedup;
-    let tokenizer = match &config.tokenizer {
-        Some(path) => Some(Arc::new(
-            crate::tokens::Tokenizer::from_file(path).map_err(|e| e.to_string())?,
-        )),
-        None => None,
-    };
+    let tokenizer = crate::tokens::Tokenizer::from_file_if_any(config.tokenizer.as_deref())
+        .map_err(|e| e.to_string())?;
     let mut workers = Vec::new();
     for _ in 0..config.workers.max(1) {
         let worker = MockWorker::bind(

@@ -109,10 +109,9 @@ pub struct Routed {
     pub prompt_blocks: u32,
     /// How the policy decided.
     pub decision: Decision,
-    /// How long the whole decision took (candidates, overlaps, policy, booking).
+    /// How long the whole decision took (candidates, overlaps, policy, booking); the
+    /// policy's own call is `decision.call_time`.
     pub decision_time: Duration,
-    /// How long the policy call itself took.
-    pub policy_time: Duration,
 }
 
 /// Exact caches of the workers with event streams, predicted caches of the others. A
@@ -156,8 +155,8 @@ pub struct KvRouter {
     cache_reports: CacheReports,
 }
 
-/// Responses in a row whose worker reported a cached prefix that the router predicted
-/// nowhere, before the router says its tokenization must differ from the workers'.
+/// Responses in a row whose worker reported a cached prefix that the router had not
+/// predicted on that worker, before the router says its tokenization must differ from the workers'.
 pub const UNPREDICTED_STREAK: u32 = 32;
 
 /// The warning about it is repeated at most this often.
@@ -221,7 +220,7 @@ impl KvRouter {
     /// A worker answered: `predicted_blocks` is the overlap the router saw for it when
     /// routing, `cached_tokens` what the worker reports it found cached (`usage`).
     /// Logs a warning (at most every 10 minutes) after [`UNPREDICTED_STREAK`] responses
-    /// in a row with a cached prefix of two blocks or more that was predicted nowhere.
+    /// in a row with a cached prefix of two blocks or more that the router had not predicted on that worker.
     pub fn note_cache_report(&self, predicted_blocks: u32, cached_tokens: u64) {
         let r = &self.cache_reports;
         let block = u64::from(self.config.block_size.max(1));
@@ -243,7 +242,7 @@ impl KvRouter {
             tracing::warn!(
                 endpoint = %self.endpoint,
                 responses = UNPREDICTED_STREAK,
-                "workers keep reporting cached prefixes the router predicted nowhere: its \
+                "workers keep reporting cached prefixes the router had not predicted on them: its \
                  tokenization (tokenizer.json, chat template) or block size evidently differs \
                  from the workers', so KV-aware routing sees no cache; give the router the \
                  workers' tokenizer (--tokenizer) and block size"
@@ -251,7 +250,7 @@ impl KvRouter {
         }
     }
 
-    /// Responses whose worker reported a cached prefix the router predicted nowhere.
+    /// Responses whose worker reported a cached prefix the router had not predicted on that worker.
     pub fn unpredicted_cache_hits(&self) -> u64 {
         self.cache_reports.unpredicted.load(Ordering::Relaxed)
     }
@@ -330,9 +329,7 @@ impl KvRouter {
             seed: 0,
             sequence: 0,
         };
-        let policy_started = Instant::now();
         let decision = self.policy.decide(request, &candidates);
-        let policy_time = policy_started.elapsed();
         let worker = match &decision.outcome {
             DecisionOutcome::Chosen(id) => *id,
             DecisionOutcome::Rejected(r) => return Err(RouteError::Rejected(r.clone())),
@@ -373,7 +370,6 @@ impl KvRouter {
             prompt_blocks,
             decision,
             decision_time: started.elapsed(),
-            policy_time,
         })
     }
 

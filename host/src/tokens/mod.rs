@@ -61,6 +61,15 @@ impl Tokenizer {
             .map_err(|e| TokenizerError(format!("cannot load {}: {e}", path.display())))
     }
 
+    /// The `tokenizer.json` at `path`, shareable; `None` without a path (the caller's
+    /// default: the built-in one).
+    pub fn from_file_if_any(
+        path: Option<&Path>,
+    ) -> Result<Option<std::sync::Arc<Tokenizer>>, TokenizerError> {
+        path.map(|p| Tokenizer::from_file(p).map(std::sync::Arc::new))
+            .transpose()
+    }
+
     /// Token IDs of `text`.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         match self {

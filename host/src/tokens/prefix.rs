@@ -227,20 +227,16 @@ impl PrefixTokenizer {
                 k += 1;
             }
             let whole = self.tokenizer.encode(&text);
-            let pieces = self.encode_pieces(&text, 0, &cuts(&text));
+            let pieces = self.encode_pieces(&text, &cuts(&text));
             matches!((whole, pieces), (Ok(w), Ok(p)) if w == p)
         })
     }
 
-    fn encode_pieces(
-        &self,
-        text: &str,
-        from: usize,
-        cuts: &[usize],
-    ) -> Result<Vec<u32>, TokenizerError> {
+    /// `text` tokenized piece by piece, cut at `cuts`.
+    fn encode_pieces(&self, text: &str, cuts: &[usize]) -> Result<Vec<u32>, TokenizerError> {
         let mut out = Vec::new();
-        let mut start = from;
-        for &c in cuts.iter().filter(|&&c| c > from).chain([&text.len()]) {
+        let mut start = 0;
+        for &c in cuts.iter().chain([&text.len()]) {
             out.extend(self.tokenizer.encode(&text[start..c])?);
             start = c;
         }

@@ -447,10 +447,7 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
             // otherwise see its connection closed unannounced, and a pooled client's next
             // request on it would fail.
             let path = req.uri().path().to_string();
-            let drained = Limited::new(req.into_body(), MAX_BODY)
-                .collect()
-                .await
-                .is_ok();
+            let drained = read_body(req).await.is_ok();
             let mut answer = error(
                 StatusCode::NOT_FOUND,
                 &format!("no such route: {path}"),
