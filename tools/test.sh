@@ -3,6 +3,7 @@
 # Debian machine. Installs what the tests use and is missing, then runs every test.
 #
 #   etcd-server   (Debian)  the integration tests start a real etcd
+#   python3, pip  (Debian)  a test's client and a replay test's stand-in load generator
 #   openai        (PyPI)    one test drives the router with the official Python client
 #   wasm32-wasip2 (rustup)  the policies' target (the build adds it too)
 #
@@ -22,9 +23,17 @@ if ! command -v etcd >/dev/null 2>&1; then
 fi
 etcd --version | head -n 1
 
+if ! command -v python3 >/dev/null 2>&1 || ! python3 -m pip --version >/dev/null 2>&1; then
+    echo "installing Python 3 and pip (Debian)"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -q
+    as_root apt-get install -y -q --no-install-recommends python3 python3-pip
+fi
 if ! python3 -c 'import openai' 2>/dev/null; then
     echo "installing Python's openai package"
-    python3 -m pip install --quiet --disable-pip-version-check openai
+    # Debian marks its Python as externally managed; the tests need the package anyway.
+    python3 -m pip install --quiet --disable-pip-version-check openai \
+        || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages openai
 fi
 python3 -c 'import openai; print("openai", openai.__version__)'
 
