@@ -230,3 +230,23 @@ async fn no_available_instance_is_a_typed_error() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unpredicted_cache_hits_are_counted_and_warned_about_once_however_many() {
+    let (router, _client) = router(vec![instance(7, None)]);
+    let block = 16u64;
+    // Worst case: every response reports a cache the router did not predict.
+    for _ in 0..10_000 {
+        router.note_cache_report(0, 10 * block);
+    }
+    assert_eq!(router.unpredicted_cache_hits(), 10_000);
+    assert_eq!(
+        router.unpredicted_cache_warnings(),
+        1,
+        "rate-limited to one per 10 minutes"
+    );
+    // Small cached prefixes (under two blocks) and predicted hits are not evidence.
+    router.note_cache_report(0, block);
+    router.note_cache_report(3, 10 * block);
+    assert_eq!(router.unpredicted_cache_hits(), 10_000);
+}

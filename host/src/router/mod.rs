@@ -172,6 +172,8 @@ struct CacheReports {
     streak: std::sync::atomic::AtomicU32,
     /// Such responses in all.
     unpredicted: AtomicU64,
+    /// Warnings logged.
+    warnings: AtomicU64,
     last_warning: Mutex<Option<Instant>>,
 }
 
@@ -239,6 +241,7 @@ impl KvRouter {
         let mut last = r.last_warning.lock();
         if last.is_none_or(|t| t.elapsed() >= UNPREDICTED_WARNING_EVERY) {
             *last = Some(Instant::now());
+            r.warnings.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
                 endpoint = %self.endpoint,
                 responses = UNPREDICTED_STREAK,
@@ -253,6 +256,11 @@ impl KvRouter {
     /// Responses whose worker reported a cached prefix the router had not predicted on that worker.
     pub fn unpredicted_cache_hits(&self) -> u64 {
         self.cache_reports.unpredicted.load(Ordering::Relaxed)
+    }
+
+    /// Warnings logged about unpredicted cache hits (at most one per 10 minutes).
+    pub fn unpredicted_cache_warnings(&self) -> u64 {
+        self.cache_reports.warnings.load(Ordering::Relaxed)
     }
 
     /// Bookings the hard expiry released (leaks).
