@@ -7,9 +7,14 @@
 //! - [`approx`]: the same answer for workers that publish no KV events, predicted from
 //!   the router's own decisions (TTL and size bound).
 //! - [`load`]: per-worker active blocks, pending prefill tokens and in-flight requests.
-//! - [`events`]: the wire format of a worker's KV event stream.
+//! - [`events`]: the wire format of a worker's KV event stream (Switchyard's NDJSON).
+//! - [`engine_events`]: the msgpack batches vLLM and SGLang publish over ZMQ.
+//! - [`engine_view`]: one worker's engine-reported cache in the router's own hashes, with
+//!   the sequence discipline of the engines' streams.
 
 pub mod approx;
+pub mod engine_events;
+pub mod engine_view;
 pub mod events;
 pub mod hash;
 pub mod index;
