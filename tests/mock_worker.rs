@@ -26,6 +26,7 @@ fn config(kv_blocks: usize) -> MockWorkerConfig {
         hash_seed: 0,
         fault: FaultConfig::NONE,
         tokenizer: None,
+        zmq_events: None,
     }
 }
 

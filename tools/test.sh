@@ -5,6 +5,7 @@
 #   etcd-server   (Debian)  the integration tests start a real etcd
 #   python3, pip  (Debian)  a test's client and a replay test's stand-in load generator
 #   openai        (PyPI)    one test drives the router with the official Python client
+#   pyzmq, msgspec (PyPI)   an engine's KV event publisher, in the engines' own libraries
 #   wasm32-wasip2 (rustup)  the policies' target (the build adds it too)
 #
 # Extra arguments go to `cargo test`, e.g. `tools/test.sh --test faults`.
@@ -36,6 +37,12 @@ if ! python3 -c 'import openai' 2>/dev/null; then
         || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages openai
 fi
 python3 -c 'import openai; print("openai", openai.__version__)'
+if ! python3 -c 'import zmq, msgspec' 2>/dev/null; then
+    echo "installing Python's pyzmq and msgspec"
+    python3 -m pip install --quiet --disable-pip-version-check pyzmq msgspec \
+        || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages pyzmq msgspec
+fi
+python3 -c 'import zmq, msgspec; print("pyzmq", zmq.__version__, "libzmq", zmq.zmq_version(), "msgspec", msgspec.__version__)'
 
 rustup target list --installed | grep -qx wasm32-wasip2 || rustup target add wasm32-wasip2
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::client::{ClientConfig, OutlierConfig};
-use crate::discovery::EndpointPath;
+use crate::discovery::{EndpointPath, EngineEventSource};
 use crate::discovery::etcd::EtcdConfig;
 use crate::http::GatewayConfig;
 use crate::policy::RuntimeConfig;
@@ -31,7 +31,9 @@ pub struct ServeArgs {
     /// Root of Switchyard's keys in etcd [default: switchyard].
     #[arg(long, env = "SWITCHYARD_ETCD_ROOT")]
     pub etcd_root: Option<String>,
-    /// A static worker's base URL (repeatable); used when no etcd is given.
+    /// A static worker's base URL (repeatable); used when no etcd is given. Its engine's
+    /// ZMQ KV events go after `#`:
+    /// `http://10.0.0.7:8000#kv_events=tcp://10.0.0.7:5557&kv_replay=tcp://10.0.0.7:5558&topic=kv-events&dp=1`.
     #[arg(long = "worker", env = "SWITCHYARD_WORKERS", value_delimiter = ',')]
     pub workers: Vec<String>,
     /// The model the static workers serve [default: mock-model].
@@ -166,7 +168,7 @@ pub struct FileConfig {
     etcd: Vec<String>,
     etcd_root: Option<String>,
     #[serde(default)]
-    workers: Vec<String>,
+    workers: Vec<WorkerEntry>,
     model: Option<String>,
     kv_events: Option<bool>,
     block_size: Option<u32>,
@@ -224,6 +226,94 @@ pub struct PolicySpec {
     pub config: String,
 }
 
+/// A `workers` entry of the TOML file: a URL (with optional `#kv_events=…`) or a table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum WorkerEntry {
+    Url(String),
+    Table(WorkerTable),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WorkerTable {
+    url: String,
+    kv_events: Option<String>,
+    kv_replay: Option<String>,
+    #[serde(default)]
+    topic: String,
+    data_parallel_size: Option<u32>,
+}
+
+/// A static worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StaticWorker {
+    /// Base URL, without a trailing `/`.
+    pub url: String,
+    /// Its engine's ZMQ KV event publisher, if any.
+    pub engine_events: Option<EngineEventSource>,
+}
+
+impl StaticWorker {
+    /// Parses `URL` or `URL#kv_events=…&kv_replay=…&topic=…&dp=N`.
+    pub fn parse(s: &str) -> Result<StaticWorker, ConfigError> {
+        let (url, options) = s.split_once('#').unwrap_or((s, ""));
+        let mut table = WorkerTable {
+            url: url.to_string(),
+            kv_events: None,
+            kv_replay: None,
+            topic: String::new(),
+            data_parallel_size: None,
+        };
+        for kv in options.split('&').filter(|kv| !kv.is_empty()) {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            match k {
+                "kv_events" => table.kv_events = Some(v.to_string()),
+                "kv_replay" => table.kv_replay = Some(v.to_string()),
+                "topic" => table.topic = v.to_string(),
+                "dp" | "data_parallel_size" => {
+                    table.data_parallel_size = Some(v.parse().map_err(|_| {
+                        ConfigError(format!("worker `{s}`: dp=`{v}` is not a number"))
+                    })?)
+                }
+                _ => {
+                    return Err(ConfigError(format!(
+                        "worker `{s}`: unknown option `{k}` (known: kv_events, kv_replay, topic, dp)"
+                    )));
+                }
+            }
+        }
+        StaticWorker::from_table(table)
+    }
+
+    fn from_table(t: WorkerTable) -> Result<StaticWorker, ConfigError> {
+        let url = t.url.trim_end_matches('/').to_string();
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            return Err(ConfigError(format!("worker `{url}` is not an http(s) URL")));
+        }
+        let engine_events = match t.kv_events {
+            None if t.kv_replay.is_some() => {
+                return Err(ConfigError(format!(
+                    "worker `{url}`: kv_replay without kv_events"
+                )));
+            }
+            None => None,
+            Some(endpoint) => {
+                let src = EngineEventSource {
+                    endpoint,
+                    replay: t.kv_replay,
+                    topic: t.topic,
+                    data_parallel_size: t.data_parallel_size.unwrap_or(1),
+                };
+                src.validate()
+                    .map_err(|e| ConfigError(format!("worker `{url}`: {e}")))?;
+                Some(src)
+            }
+        };
+        Ok(StaticWorker { url, engine_events })
+    }
+}
+
 /// Where workers come from.
 #[derive(Debug, Clone)]
 pub enum DiscoveryConfig {
@@ -231,8 +321,8 @@ pub enum DiscoveryConfig {
     Etcd(EtcdConfig),
     /// A fixed list.
     Static {
-        /// Base URLs.
-        workers: Vec<String>,
+        /// The workers.
+        workers: Vec<StaticWorker>,
         /// Their model.
         model: String,
         /// Their block size.
@@ -295,10 +385,19 @@ impl ServeArgs {
         } else {
             self.etcd
         };
-        let workers = if self.workers.is_empty() {
+        let workers: Vec<StaticWorker> = if self.workers.is_empty() {
             file.workers
+                .into_iter()
+                .map(|w| match w {
+                    WorkerEntry::Url(u) => StaticWorker::parse(&u),
+                    WorkerEntry::Table(t) => StaticWorker::from_table(t),
+                })
+                .collect::<Result<_, _>>()?
         } else {
             self.workers
+                .iter()
+                .map(|w| StaticWorker::parse(w))
+                .collect::<Result<_, _>>()?
         };
         let discovery = match (etcd.is_empty(), workers.is_empty()) {
             (false, true) => DiscoveryConfig::Etcd(EtcdConfig {
@@ -309,16 +408,8 @@ impl ServeArgs {
                 ..EtcdConfig::new(etcd)
             }),
             (true, false) => {
-                for w in &workers {
-                    if !(w.starts_with("http://") || w.starts_with("https://")) {
-                        return Err(ConfigError(format!("worker `{w}` is not an http(s) URL")));
-                    }
-                }
                 DiscoveryConfig::Static {
-                    workers: workers
-                        .iter()
-                        .map(|w| w.trim_end_matches('/').to_string())
-                        .collect(),
+                    workers,
                     model: self
                         .model
                         .or(file.model)
@@ -570,7 +661,13 @@ mod tests {
         assert_eq!(c.endpoint_policies[&ep].config, r#"{"overlap_weight": 2}"#);
         match c.discovery {
             DiscoveryConfig::Static { workers, model, .. } => {
-                assert_eq!(workers, vec!["http://127.0.0.1:8001"]);
+                assert_eq!(
+                    workers,
+                    vec![StaticWorker {
+                        url: "http://127.0.0.1:8001".into(),
+                        engine_events: None
+                    }]
+                );
                 assert_eq!(model, "mock-model");
             }
             other => panic!("{other:?}"),
@@ -647,5 +744,44 @@ mod tests {
         .resolve()
         .unwrap_err();
         assert!(err.to_string().contains("not an http(s) URL"), "{err}");
+    }
+
+    #[test]
+    fn workers_name_their_engines_kv_event_sockets_on_the_command_line_or_in_the_file() {
+        let w = StaticWorker::parse(
+            "http://10.0.0.7:8000/#kv_events=tcp://10.0.0.7:5557&kv_replay=tcp://10.0.0.7:5558&topic=kv&dp=2",
+        )
+        .unwrap();
+        assert_eq!(w.url, "http://10.0.0.7:8000");
+        let src = w.engine_events.unwrap();
+        assert_eq!(src.endpoint, "tcp://10.0.0.7:5557");
+        assert_eq!(src.replay.as_deref(), Some("tcp://10.0.0.7:5558"));
+        assert_eq!((src.topic.as_str(), src.data_parallel_size), ("kv", 2));
+        for bad in [
+            "http://h:1#kv_events=tcp://*:5557",
+            "http://h:1#kv_events=ipc:///tmp/x",
+            "http://h:1#kv_replay=tcp://h:2",
+            "http://h:1#kv_events=tcp://h:2&dp=0",
+            "http://h:1#kv_event=tcp://h:2",
+        ] {
+            assert!(StaticWorker::parse(bad).is_err(), "{bad}");
+        }
+        let f = file(
+            "[[workers]]\nurl = \"http://a:8000\"\nkv_events = \"tcp://a:5557\"\n\n[[workers]]\nurl = \"http://b:8000\"\n",
+        );
+        let c = ServeArgs {
+            config: Some(f.path().into()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        let DiscoveryConfig::Static { workers, .. } = c.discovery else {
+            panic!()
+        };
+        assert_eq!(
+            workers[0].engine_events,
+            Some(EngineEventSource::new("tcp://a:5557"))
+        );
+        assert_eq!(workers[1].engine_events, None);
     }
 }

@@ -74,6 +74,7 @@ impl LocalFleet {
                 hash_seed: 0,
                 fault: FaultConfig::NONE,
                 tokenizer: tokenizer.clone(),
+                zmq_events: None,
             };
             workers.push(
                 MockWorker::bind(worker_config, "127.0.0.1:0".parse().expect("valid")).await?,

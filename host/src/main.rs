@@ -276,6 +276,14 @@ struct MockWorkerArgs {
     /// Close keep-alive connections idle this long, ms (uvicorn closes after 5 s).
     #[arg(long)]
     idle_close_ms: Option<u64>,
+    /// Also publish KV events in vLLM's ZMQ format: the PUB socket on this port and the
+    /// replay socket on the next (worker `i` of `--count` on `PORT + 2i`); registered
+    /// workers then advertise these sockets instead of the NDJSON stream.
+    #[arg(long)]
+    zmq_events: Option<u16>,
+    /// The topic of those events.
+    #[arg(long, default_value = "kv-events")]
+    zmq_topic: String,
 }
 
 #[derive(Args)]
@@ -297,9 +305,22 @@ struct RegisterArgs {
     /// The server's KV block size in tokens.
     #[arg(long, default_value_t = 16)]
     block_size: u32,
-    /// URL of the server's KV event stream, if it publishes one.
+    /// URL of the server's KV event stream (Switchyard's NDJSON), if it publishes one.
     #[arg(long)]
     events_url: Option<String>,
+    /// The engine's ZMQ KV event socket, e.g. tcp://10.0.0.7:5557 (vLLM's
+    /// `--kv-events-config` endpoint, SGLang's the same), if it publishes one.
+    #[arg(long)]
+    kv_events: Option<String>,
+    /// The engine's ZMQ replay socket, e.g. tcp://10.0.0.7:5558.
+    #[arg(long, requires = "kv_events")]
+    kv_replay: Option<String>,
+    /// The topic the engine publishes its KV events under.
+    #[arg(long, default_value = "", requires = "kv_events")]
+    kv_topic: String,
+    /// Data-parallel ranks of the engine (rank r publishes on the ports plus r).
+    #[arg(long, default_value_t = 1, requires = "kv_events")]
+    data_parallel_size: u32,
     /// Path of the server's health endpoint.
     #[arg(long, default_value = "/health")]
     health_path: String,
@@ -472,9 +493,18 @@ async fn register(args: RegisterArgs) -> anyhow::Result<()> {
         model: args.model,
         block_size: args.block_size,
         events_url: args.events_url,
+        engine_events: args.kv_events.map(|endpoint| switchyard::discovery::EngineEventSource {
+            endpoint,
+            replay: args.kv_replay,
+            topic: args.kv_topic,
+            data_parallel_size: args.data_parallel_size,
+        }),
         health_path: args.health_path,
         registration: 0,
     };
+    if let Some(src) = &info.engine_events {
+        src.validate().map_err(anyhow::Error::msg)?;
+    }
     anyhow::ensure!(
         info.url.starts_with("http://") || info.url.starts_with("https://"),
         "--url must be an http(s) URL, got {}",
@@ -527,6 +557,7 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
             idle_close_ms: args.idle_close_ms,
         },
         tokenizer,
+        zmq_events: None,
     };
     let endpoint = args
         .endpoint
@@ -541,7 +572,19 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
             .checked_add(i)
             .ok_or_else(|| anyhow::anyhow!("port overflow"))?;
         let addr = std::net::SocketAddr::new(args.listen.ip(), port);
-        let worker = MockWorker::bind(config.clone(), addr)
+        let mut config = config.clone();
+        if let Some(base) = args.zmq_events {
+            let port = |k: u16| {
+                base.checked_add(2 * i + k)
+                    .ok_or_else(|| anyhow::anyhow!("--zmq-events port overflow"))
+            };
+            config.zmq_events = Some(switchyard::worker::zmq::ZmqEventsConfig {
+                publish: std::net::SocketAddr::new(args.listen.ip(), port(0)?),
+                replay: Some(std::net::SocketAddr::new(args.listen.ip(), port(1)?)),
+                topic: args.zmq_topic.clone(),
+            });
+        }
+        let worker = MockWorker::bind(config, addr)
             .await
             .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
         let id = random_instance_id();
@@ -556,13 +599,18 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
             registrations.push(reg);
         }
         println!(
-            "mock worker {}/{}: {} model={} instance={id} kv_blocks={} block_size={}",
+            "mock worker {}/{}: {} model={} instance={id} kv_blocks={} block_size={}{}",
             i + 1,
             args.count,
             worker.url(),
             args.model,
             args.kv_blocks,
-            args.block_size
+            args.block_size,
+            worker.engine_events().map_or(String::new(), |e| format!(
+                " kv_events={} kv_replay={}",
+                e.endpoint,
+                e.replay.unwrap_or_default()
+            ))
         );
         workers.push(worker);
     }

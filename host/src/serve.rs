@@ -194,7 +194,7 @@ impl Fleet for ServeFleet {
 
 /// Static workers as instances (IDs derived from their URLs).
 pub fn static_instances(
-    workers: &[String],
+    workers: &[crate::config::StaticWorker],
     model: &str,
     block_size: u32,
     kv_events: bool,
@@ -202,13 +202,15 @@ pub fn static_instances(
 ) -> Vec<InstanceInfo> {
     workers
         .iter()
-        .map(|url| InstanceInfo {
-            id: InstanceId(xxhash_rust::xxh3::xxh3_64(url.as_bytes())),
+        .map(|w| InstanceInfo {
+            id: InstanceId(xxhash_rust::xxh3::xxh3_64(w.url.as_bytes())),
             endpoint: EndpointPath::for_model(model),
-            url: url.clone(),
+            url: w.url.clone(),
             model: model.to_string(),
             block_size,
-            events_url: kv_events.then(|| format!("{url}/v1/kv_events")),
+            events_url: (kv_events && w.engine_events.is_none())
+                .then(|| format!("{}/v1/kv_events", w.url)),
+            engine_events: w.engine_events.clone(),
             health_path: health_path.to_string(),
             registration: 1,
         })

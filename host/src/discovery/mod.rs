@@ -35,13 +35,84 @@ pub struct InstanceInfo {
     pub model: String,
     /// Tokens per KV block.
     pub block_size: u32,
-    /// Where its KV event stream is, if it publishes one.
+    /// Where its KV event stream is, if it publishes one (Switchyard's NDJSON).
     pub events_url: Option<String>,
+    /// Where its engine publishes KV events over ZMQ (vLLM, SGLang), if it does.
+    pub engine_events: Option<EngineEventSource>,
     /// Path of its health endpoint (probed to re-admit it after a failure).
     pub health_path: String,
     /// Identifies one registration (etcd: the lease); a different value for the same ID
     /// means the instance registered again.
     pub registration: u64,
+}
+
+/// Where a worker's engine publishes its KV events (vLLM's and SGLang's ZMQ publisher).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct EngineEventSource {
+    /// The PUB socket, e.g. `tcp://10.0.0.7:5557` (the router connects to it).
+    pub endpoint: String,
+    /// The replay (ROUTER) socket, e.g. `tcp://10.0.0.7:5558`, if the engine has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay: Option<String>,
+    /// The topic the engine publishes under (`""`: every topic).
+    #[serde(default)]
+    pub topic: String,
+    /// Data-parallel ranks: rank `r` publishes on the port of `endpoint` (and `replay`)
+    /// plus `r`.
+    #[serde(default = "one")]
+    pub data_parallel_size: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl EngineEventSource {
+    /// A source at `endpoint`, no replay, every topic, one rank.
+    pub fn new(endpoint: impl Into<String>) -> EngineEventSource {
+        EngineEventSource {
+            endpoint: endpoint.into(),
+            replay: None,
+            topic: String::new(),
+            data_parallel_size: 1,
+        }
+    }
+
+    /// Checks the endpoints (`tcp://HOST:PORT`) and the rank count.
+    pub fn validate(&self) -> Result<(), String> {
+        for e in std::iter::once(&self.endpoint).chain(self.replay.as_ref()) {
+            let Some(rest) = e.strip_prefix("tcp://") else {
+                return Err(format!("KV event endpoint `{e}` is not tcp://HOST:PORT"));
+            };
+            let port_ok = rest
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+            if !port_ok || rest.contains('*') {
+                return Err(format!(
+                    "KV event endpoint `{e}` must be tcp://HOST:PORT with a host the router can reach"
+                ));
+            }
+        }
+        if !(1..=256).contains(&self.data_parallel_size) {
+            return Err(format!(
+                "data_parallel_size {} is not in 1..=256",
+                self.data_parallel_size
+            ));
+        }
+        Ok(())
+    }
+
+    /// `endpoint` with its port moved up by `rank` (as the engines do for their
+    /// data-parallel ranks).
+    pub fn for_rank(endpoint: &str, rank: u32) -> String {
+        match endpoint.rsplit_once(':') {
+            Some((base, port)) => match port.parse::<u32>() {
+                Ok(p) => format!("{base}:{}", p + rank),
+                Err(_) => endpoint.to_string(),
+            },
+            None => endpoint.to_string(),
+        }
+    }
 }
 
 /// The JSON value stored under an instance's key. Unknown fields are ignored so that
@@ -59,6 +130,9 @@ pub struct InstanceRecord {
     /// KV event stream URL, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub events_url: Option<String>,
+    /// The engine's ZMQ KV event publisher, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<EngineEventSource>,
     /// Health endpoint path.
     #[serde(default = "default_health_path")]
     pub health_path: String,
@@ -81,6 +155,7 @@ impl InstanceRecord {
             model: info.model.clone(),
             block_size: info.block_size,
             events_url: info.events_url.clone(),
+            kv_events: info.engine_events.clone(),
             health_path: info.health_path.clone(),
             draining: false,
         }
@@ -109,6 +184,9 @@ impl InstanceRecord {
         if self.block_size == 0 {
             return Err(bad("block_size is 0".into()));
         }
+        if let Some(src) = &self.kv_events {
+            src.validate().map_err(bad)?;
+        }
         Ok(InstanceInfo {
             id,
             endpoint: key.endpoint.clone(),
@@ -116,6 +194,7 @@ impl InstanceRecord {
             model: self.model,
             block_size: self.block_size,
             events_url: self.events_url,
+            engine_events: self.kv_events,
             health_path: self.health_path,
             registration,
         })

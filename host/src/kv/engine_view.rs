@@ -18,8 +18,11 @@
 //! - **Incomplete views**: a gap nobody could fill drops what the rank was known to hold
 //!   (keeping stale blocks would promise hits that are gone) and marks the view
 //!   incomplete; the router then blends its own predictions in for the worker. The view
-//!   is complete again once the rank has stored, since the gap, as many blocks as it held
-//!   at its peak (its cache has turned over), or cleared its cache, or restarted.
+//!   is complete again once the rank has stored, since the gap, as many blocks as its
+//!   cache holds (its peak before the gap, or the worker's reported cache size if larger):
+//!   its cache has turned over. A clear or a restart completes it too. A router that
+//!   joined mid-stream without a replay socket knows neither size: only the worker's
+//!   reported cache size, a clear or a restart make its view exact.
 
 use std::collections::HashMap;
 
@@ -95,10 +98,10 @@ struct Rank {
     /// Entries held now.
     held: usize,
     peak: usize,
-    /// While incomplete: blocks still to be stored before the view counts as complete.
-    refill_left: Option<usize>,
+    /// Since a lost gap: (blocks held at the rank's peak before it, blocks stored since).
+    gap: Option<(usize, usize)>,
     /// The rank's stream has been followed from its start, or from a gap (then
-    /// `refill_left` says how much is missing).
+    /// `gap` says how much is missing).
     synced: bool,
 }
 
@@ -148,8 +151,22 @@ impl EngineView {
         (0..self.expected_ranks).all(|r| {
             self.ranks
                 .get(&r)
-                .is_some_and(|r| r.synced && r.refill_left.is_none())
+                .is_some_and(|r| r.synced && self.refilled(r))
         })
+    }
+
+    /// Whether `r` has stored, since its lost gap, as many blocks as its cache holds (its
+    /// peak before the gap, or the worker's cache size when known and larger). With
+    /// neither known (a router that joined mid-stream), only a clear or a restart
+    /// completes it.
+    fn refilled(&self, r: &Rank) -> bool {
+        match r.gap {
+            None => true,
+            Some((peak, stored)) => {
+                let target = peak.max(self.capacity_hint);
+                target > 0 && stored >= target
+            }
+        }
     }
 
     /// The worker's cache size in blocks, when known (from its load reports): a rank that
@@ -170,6 +187,11 @@ impl EngineView {
     /// Blocks the worker holds (distinct router hashes over all ranks).
     pub fn held(&self) -> usize {
         self.refs.len()
+    }
+
+    /// The last sequence number applied for `rank`.
+    pub fn last_seq(&self, rank: u32) -> Option<u64> {
+        self.ranks.get(&rank).and_then(|r| r.last).map(|(s, _)| s)
     }
 
     /// Checks a batch's sequence number against `rank`'s last.
@@ -195,7 +217,7 @@ impl EngineView {
         r.map.clear();
         r.last = None;
         r.peak = 0;
-        r.refill_left = None;
+        r.gap = None;
         r.synced = false;
         ops
     }
@@ -205,9 +227,8 @@ impl EngineView {
     pub fn lost_gap(&mut self, rank: u32, seq: u64) -> Vec<IndexOp> {
         self.counts.lost_gaps += 1;
         let ops = self.drop_rank_blocks(rank);
-        let target = self.capacity_hint;
         let r = self.ranks.entry(rank).or_default();
-        r.refill_left = Some(r.peak.max(target).max(1));
+        r.gap = Some((r.peak, 0));
         r.synced = true;
         r.last = seq.checked_sub(1).map(|s| (s, f64::NEG_INFINITY));
         ops
@@ -271,7 +292,7 @@ impl EngineView {
                     ops.extend(self.drop_rank_blocks(rank));
                     let r = self.ranks.entry(rank).or_default();
                     r.map.clear();
-                    r.refill_left = None;
+                    r.gap = None;
                     r.synced = true;
                 }
                 EngineEvent::Unknown(_) => self.counts.unknown_type += 1,
@@ -309,10 +330,9 @@ impl EngineView {
             // Runaway stream: start over rather than grow.
             let mut dropped = self.drop_rank_blocks(rank);
             ops.append(&mut dropped);
-            let target = self.capacity_hint;
             let r = self.ranks.get_mut(&rank).expect("checked");
             r.map.clear();
-            r.refill_left = Some(r.peak.max(target).max(1));
+            r.gap = Some((r.peak, 0));
             self.counts.lost_gaps += 1;
         }
         let r = self.ranks.entry(rank).or_default();
@@ -365,11 +385,8 @@ impl EngineView {
             }
         }
         r.peak = r.peak.max(r.held);
-        if let Some(left) = r.refill_left.as_mut() {
-            *left = left.saturating_sub(s.hashes.len());
-            if *left == 0 {
-                r.refill_left = None;
-            }
+        if let Some((_, stored)) = r.gap.as_mut() {
+            *stored += s.hashes.len();
         }
         if !added.is_empty() {
             ops.push(IndexOp::Stored(added));

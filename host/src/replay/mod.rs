@@ -253,6 +253,7 @@ async fn replay_external(
                 hash_seed: 0,
                 fault: FaultConfig::NONE,
                 tokenizer: tokenizer.clone(),
+                zmq_events: None,
             },
             "127.0.0.1:0".parse().expect("valid"),
         )

@@ -5,6 +5,7 @@
 //!
 //! Must not know: wasmtime (it sees `PolicyHandle`), etcd, HTTP serving.
 
+pub mod engine_subscriber;
 pub mod subscriber;
 
 use std::sync::Arc;
@@ -17,6 +18,7 @@ use crate::client::Client;
 use crate::discovery::EndpointPath;
 use crate::ids::{BlockHash, InstanceId, RequestId};
 use crate::kv::approx::ApproxIndex;
+use crate::kv::engine_view::{IndexOp, ViewCounts};
 use crate::kv::events::KvEvent;
 use crate::kv::hash::BlockHasher;
 use crate::kv::index::OverlapIndex;
@@ -135,6 +137,30 @@ impl Index {
     }
 }
 
+/// Where the router's idea of a worker's cache comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheView {
+    /// The worker's own events, followed without a gap: exact.
+    Events,
+    /// Its events, but with a gap not yet refilled (or not yet in sync): the router
+    /// blends in its own predictions.
+    Incomplete,
+    /// No events: predicted from the router's own decisions.
+    Approximate,
+}
+
+/// A worker's event-fed view, as the subscriber last reported it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ViewStatus {
+    /// Every rank in sync, no unfilled gap.
+    pub complete: bool,
+    /// The engine view's counters (zero for the NDJSON stream).
+    pub counts: ViewCounts,
+    /// Batches that could not be decoded.
+    pub malformed: u64,
+}
+
 /// The KV-aware router of one endpoint.
 pub struct KvRouter {
     endpoint: EndpointPath,
@@ -153,6 +179,8 @@ pub struct KvRouter {
     expired_bookings: AtomicU64,
     event_stats: subscriber::EventStats,
     cache_reports: CacheReports,
+    /// Workers with an event-fed view, and its state; the others are approximate.
+    views: RwLock<std::collections::HashMap<InstanceId, ViewStatus>>,
 }
 
 /// Responses in a row whose worker reported a cached prefix that the router had not
@@ -196,6 +224,7 @@ impl KvRouter {
             expired_bookings: AtomicU64::new(0),
             cache_reports: CacheReports::default(),
             event_stats: subscriber::EventStats::default(),
+            views: RwLock::new(std::collections::HashMap::new()),
         }
     }
 
@@ -364,11 +393,7 @@ impl KvRouter {
                 .fetch_add(expired as u64, Ordering::Relaxed);
             tracing::warn!(endpoint = %self.endpoint, expired, "load bookings leaked and were released by the hard expiry");
         }
-        if self
-            .client
-            .instance(worker)
-            .is_some_and(|i| i.events_url.is_none())
-        {
+        if !self.is_exact(worker) {
             self.index.write().predicted.record(worker, hashes, now);
         }
         Ok(Routed {
@@ -396,6 +421,15 @@ impl KvRouter {
             .read()
             .overlaps(hashes, |w, n| overlaps.push((w, n)));
         overlaps.sort_unstable();
+        // A worker whose event view is incomplete may have predictions too: the longer wins.
+        overlaps.dedup_by(|later, kept| {
+            if later.0 == kept.0 {
+                kept.1 = kept.1.max(later.1);
+                true
+            } else {
+                false
+            }
+        });
         let mut candidates = Candidates::with_capacity(available.len());
         let load = self.load.lock();
         for &id in available.iter().filter(|id| !exclude.contains(id)) {
@@ -419,6 +453,7 @@ impl KvRouter {
     /// Applies a cache event as if `worker` had sent it (for benchmarks and tools that
     /// feed the index directly).
     pub fn apply_cache_event(&self, worker: InstanceId, event: &KvEvent) {
+        self.mark_snapshot(worker);
         self.apply_event(worker, event);
     }
 
@@ -448,8 +483,63 @@ impl KvRouter {
         self.index.read().worker_block_list(worker)
     }
 
+    /// Whether the router's view of `worker`'s cache is exact (event-fed, in sync).
+    pub fn is_exact(&self, worker: InstanceId) -> bool {
+        self.views.read().get(&worker).is_some_and(|v| v.complete)
+    }
+
+    /// Where the router's view of `worker`'s cache comes from.
+    pub fn cache_view(&self, worker: InstanceId) -> CacheView {
+        match self.views.read().get(&worker) {
+            Some(v) if v.complete => CacheView::Events,
+            Some(_) => CacheView::Incomplete,
+            None => CacheView::Approximate,
+        }
+    }
+
+    /// The state of `worker`'s event-fed view, if it has one.
+    pub fn view_status(&self, worker: InstanceId) -> Option<ViewStatus> {
+        self.views.read().get(&worker).copied()
+    }
+
+    /// Applies changes from `worker`'s engine events, and the view's new state. A view
+    /// that becomes complete drops the worker's predictions.
+    pub(crate) fn apply_engine_ops(&self, worker: InstanceId, ops: &[IndexOp], status: ViewStatus) {
+        let was_exact = self.is_exact(worker);
+        if !ops.is_empty() || (status.complete && !was_exact) {
+            let mut index = self.index.write();
+            for op in ops {
+                match op {
+                    IndexOp::Stored(b) => index.events.stored(worker, b),
+                    IndexOp::Removed(b) => index.events.removed(worker, b),
+                }
+            }
+            if status.complete && !was_exact {
+                index.predicted.remove_worker(worker);
+            }
+        }
+        self.views.write().insert(worker, status);
+    }
+
+    /// The worker's NDJSON stream delivered a snapshot: its view is exact.
+    fn mark_snapshot(&self, worker: InstanceId) {
+        if !self.is_exact(worker) {
+            self.index.write().predicted.remove_worker(worker);
+            self.views.write().insert(
+                worker,
+                ViewStatus {
+                    complete: true,
+                    ..ViewStatus::default()
+                },
+            );
+        }
+    }
+
     /// Applies one event from `worker`'s stream (the subscriber checks sequence numbers).
     pub(crate) fn apply_event(&self, worker: InstanceId, event: &KvEvent) {
+        if matches!(event, KvEvent::Snapshot { .. }) {
+            self.mark_snapshot(worker);
+        }
         let mut guard = self.index.write();
         let index = &mut guard.events;
         let hashes = |v: &[u64]| v.iter().map(|&h| BlockHash(h)).collect::<Vec<_>>();
@@ -474,6 +564,8 @@ impl KvRouter {
         let mut index = self.index.write();
         index.events.remove_worker(worker);
         index.predicted.remove_worker(worker);
+        drop(index);
+        self.views.write().remove(&worker);
         self.load.lock().forget_report(worker);
     }
 }

@@ -1,5 +1,6 @@
-//! KV event subscriptions: one per *available* worker that publishes an event stream,
-//! following the shared Client. Events are applied to the endpoint's index; a sequence
+//! KV event subscriptions, following the shared Client: one per *available* worker that
+//! serves Switchyard's NDJSON stream, and one per known worker whose engine publishes
+//! over ZMQ (`engine_subscriber`). Events are applied to the endpoint's index; a sequence
 //! gap resubscribes for a fresh snapshot; a broken or silent stream reconnects with
 //! backoff; malformed lines are counted and skipped; a worker that discovery removes has
 //! its blocks dropped.
@@ -65,7 +66,7 @@ pub fn spawn(router: &Arc<KvRouter>, config: SubscriberConfig) -> tokio::task::J
     let http: HttpClient<HttpConnector, Empty<Bytes>> =
         HttpClient::builder(TokioExecutor::new()).build(connector);
     tokio::spawn(async move {
-        let mut subs: HashMap<InstanceId, (String, tokio::task::AbortHandle)> = HashMap::new();
+        let mut subs: HashMap<InstanceId, (Source, tokio::task::AbortHandle)> = HashMap::new();
         let mut known: BTreeSet<InstanceId> = BTreeSet::new();
         loop {
             {
@@ -76,37 +77,51 @@ pub fn spawn(router: &Arc<KvRouter>, config: SubscriberConfig) -> tokio::task::J
                 }
                 known = snap.instances.keys().copied().collect();
                 let available: BTreeSet<InstanceId> = snap.available.iter().copied().collect();
-                subs.retain(|id, (url, task)| {
-                    let keep = available.contains(id)
-                        && snap
-                            .instances
-                            .get(id)
-                            .and_then(|s| s.info.events_url.as_ref())
-                            == Some(url);
+                let source_of = |id: &InstanceId| {
+                    snap.instances.get(id).and_then(|s| match &s.info.engine_events {
+                        Some(e) => Some(Source::Engine(e.clone())),
+                        None => s.info.events_url.clone().map(Source::Ndjson),
+                    })
+                };
+                subs.retain(|id, (source, task)| {
+                    // Engine sockets are followed while the worker is known at all: its
+                    // engine keeps publishing while its HTTP side is down, and what it
+                    // publishes meanwhile is still its cache.
+                    let wanted = match source {
+                        Source::Engine(_) => snap.instances.contains_key(id),
+                        Source::Ndjson(_) => available.contains(id),
+                    };
+                    let keep = wanted && source_of(id).as_ref() == Some(source);
                     if !keep {
                         task.abort();
                     }
                     keep
                 });
-                for id in &available {
-                    let Some(url) = snap
-                        .instances
-                        .get(id)
-                        .and_then(|s| s.info.events_url.clone())
-                    else {
+                for id in snap.instances.keys() {
+                    let Some(source) = source_of(id) else {
                         continue;
                     };
-                    if subs.contains_key(id) {
+                    if subs.contains_key(id)
+                        || (matches!(source, Source::Ndjson(_)) && !available.contains(id))
+                    {
                         continue;
                     }
-                    let task = tokio::spawn(follow(
-                        weak.clone(),
-                        *id,
-                        url.clone(),
-                        config.clone(),
-                        http.clone(),
-                    ));
-                    subs.insert(*id, (url, task.abort_handle()));
+                    let task = match &source {
+                        Source::Ndjson(url) => tokio::spawn(follow(
+                            weak.clone(),
+                            *id,
+                            url.clone(),
+                            config.clone(),
+                            http.clone(),
+                        )),
+                        Source::Engine(e) => tokio::spawn(super::engine_subscriber::follow(
+                            weak.clone(),
+                            *id,
+                            e.clone(),
+                            (config.backoff_initial, config.backoff_max),
+                        )),
+                    };
+                    subs.insert(*id, (source, task.abort_handle()));
                 }
             }
             if changes.changed().await.is_err() {
@@ -117,6 +132,15 @@ pub fn spawn(router: &Arc<KvRouter>, config: SubscriberConfig) -> tokio::task::J
             task.abort();
         }
     })
+}
+
+/// Where a worker's cache events come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Source {
+    /// Switchyard's NDJSON stream at this URL.
+    Ndjson(String),
+    /// The engine's ZMQ publisher.
+    Engine(crate::discovery::EngineEventSource),
 }
 
 enum End {

@@ -36,6 +36,49 @@ pub struct Lease {
     pub private: usize,
 }
 
+/// One change to the cache, as published: [`CacheEvent::to_wire`] is the NDJSON stream's
+/// form; the ZMQ publisher sends the tokens too, as vLLM does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// Blocks became cached.
+    Stored {
+        /// Sequence number.
+        seq: u64,
+        /// The block before the first one.
+        parent: Option<u64>,
+        /// Hashes, in prompt order.
+        blocks: Vec<u64>,
+        /// Their tokens (`blocks × block_size`; empty when the request gave none).
+        tokens: Vec<u32>,
+    },
+    /// Blocks were evicted.
+    Removed {
+        /// Sequence number.
+        seq: u64,
+        /// Hashes.
+        blocks: Vec<u64>,
+    },
+}
+
+impl CacheEvent {
+    /// The NDJSON event.
+    pub fn to_wire(&self) -> KvEvent {
+        match self {
+            CacheEvent::Stored {
+                seq, parent, blocks, ..
+            } => KvEvent::Stored {
+                seq: *seq,
+                parent: *parent,
+                blocks: blocks.clone(),
+            },
+            CacheEvent::Removed { seq, blocks } => KvEvent::Removed {
+                seq: *seq,
+                blocks: blocks.clone(),
+            },
+        }
+    }
+}
+
 /// A fixed-size KV cache.
 #[derive(Debug)]
 pub struct KvCache {
@@ -48,7 +91,7 @@ pub struct KvCache {
     private: usize,
     clock: u64,
     seq: u64,
-    events: Vec<KvEvent>,
+    events: Vec<CacheEvent>,
 }
 
 impl KvCache {
@@ -87,8 +130,14 @@ impl KvCache {
     /// Admits a request: pins its blocks that are cached, stores the others (evicting
     /// least recently used free blocks as needed) and reserves `private` blocks. Only the
     /// leading cached run counts as reused (`Lease::cached`): a block after a miss must
-    /// be recomputed anyway.
-    pub fn admit(&mut self, hashes: &[BlockHash], private: usize) -> Result<Lease, CacheFull> {
+    /// be recomputed anyway. `tokens` are the hashed blocks' tokens, published with the
+    /// stored blocks (empty: none published).
+    pub fn admit(
+        &mut self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        private: usize,
+    ) -> Result<Lease, CacheFull> {
         let cached = self.cached_prefix(hashes);
         let present: Vec<bool> = hashes.iter().map(|h| self.blocks.contains_key(h)).collect();
         let needed = present.iter().filter(|p| !**p).count() + private;
@@ -119,22 +168,30 @@ impl KvCache {
         }
         if !evicted.is_empty() {
             self.seq += 1;
-            self.events.push(KvEvent::Removed {
+            self.events.push(CacheEvent::Removed {
                 seq: self.seq,
                 blocks: evicted,
             });
         }
         // Store the missing blocks, one `stored` event per consecutive run.
+        let bs = self.block_size as usize;
+        let tokens = if tokens.len() == hashes.len() * bs {
+            tokens
+        } else {
+            &[]
+        };
         let mut run: Vec<u64> = Vec::new();
+        let mut run_start = 0;
         let mut parent: Option<u64> = None;
         for (i, (h, p)) in hashes.iter().zip(&present).enumerate() {
             if *p {
-                self.flush_stored(&mut run, parent);
+                self.flush_stored(&mut run, parent, tokens, run_start);
                 parent = Some(h.0);
                 continue;
             }
             if run.is_empty() {
                 parent = i.checked_sub(1).map(|j| hashes[j].0);
+                run_start = i;
             }
             self.clock += 1;
             self.blocks.insert(
@@ -146,7 +203,7 @@ impl KvCache {
             );
             run.push(h.0);
         }
-        self.flush_stored(&mut run, parent);
+        self.flush_stored(&mut run, parent, tokens, run_start);
         self.private += private;
         Ok(Lease {
             blocks: hashes.to_vec(),
@@ -155,13 +212,20 @@ impl KvCache {
         })
     }
 
-    fn flush_stored(&mut self, run: &mut Vec<u64>, parent: Option<u64>) {
+    fn flush_stored(&mut self, run: &mut Vec<u64>, parent: Option<u64>, tokens: &[u32], start: usize) {
         if !run.is_empty() {
             self.seq += 1;
-            self.events.push(KvEvent::Stored {
+            let bs = self.block_size as usize;
+            let tokens = if tokens.is_empty() {
+                Vec::new()
+            } else {
+                tokens[start * bs..(start + run.len()) * bs].to_vec()
+            };
+            self.events.push(CacheEvent::Stored {
                 seq: self.seq,
                 parent,
                 blocks: std::mem::take(run),
+                tokens,
             });
         }
     }
@@ -203,7 +267,7 @@ impl KvCache {
         }
         if !freed.is_empty() {
             self.seq += 1;
-            self.events.push(KvEvent::Removed {
+            self.events.push(CacheEvent::Removed {
                 seq: self.seq,
                 blocks: freed,
             });
@@ -222,7 +286,7 @@ impl KvCache {
     }
 
     /// Takes the events appended since the last call.
-    pub fn take_events(&mut self) -> Vec<KvEvent> {
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
         std::mem::take(&mut self.events)
     }
 
@@ -260,19 +324,39 @@ mod tests {
         assert_eq!(
             c.take_events(),
             vec![
-                KvEvent::Removed {
+                CacheEvent::Removed {
                     seq: 3,
                     blocks: vec![4, 3]
                 },
-                KvEvent::Stored {
+                CacheEvent::Stored {
                     seq: 4,
                     parent: None,
-                    blocks: vec![5]
+                    blocks: vec![5],
+                    tokens: vec![]
                 },
             ]
         );
         assert_eq!(c.cached_blocks(), h(&[1, 2, 5]));
         c.release(&d);
+    }
+
+    #[test]
+    fn stored_runs_carry_their_own_tokens() {
+        let mut c = KvCache::new(8, 2);
+        let first = c.admit(&h(&[1]), &[10, 11], 0).unwrap();
+        c.take_events();
+        // Block 1 is cached: the run stored is blocks 2..3, with parent 1.
+        c.admit(&h(&[1, 2, 3]), &[10, 11, 12, 13, 14, 15], 0).unwrap();
+        assert_eq!(
+            c.take_events(),
+            vec![CacheEvent::Stored {
+                seq: 2,
+                parent: Some(1),
+                blocks: vec![2, 3],
+                tokens: vec![12, 13, 14, 15],
+            }]
+        );
+        c.release(&first);
     }
 
     #[test]
@@ -321,6 +405,7 @@ mod tests {
                 prop_assert!(c.used() <= c.capacity());
                 if let Some((seq, set)) = &mut mirror {
                     for e in c.take_events() {
+                        let e = e.to_wire();
                         prop_assert_eq!(e.seq(), Some(*seq + 1));
                         *seq += 1;
                         match e {

@@ -25,6 +25,7 @@ use tokio::sync::{Notify, broadcast, mpsc};
 use super::cache::{KvCache, Lease};
 use crate::ids::BlockHash;
 use crate::kv::events::KvEvent;
+use super::cache::CacheEvent;
 
 /// Constants of the timing model, in microseconds of simulated time.
 ///
@@ -111,6 +112,8 @@ pub struct EngineStats {
 
 struct Waiting {
     blocks: Vec<BlockHash>,
+    /// The hashed blocks' tokens (published with stored blocks), or empty.
+    tokens: Vec<u32>,
     prompt_tokens: u32,
     max_tokens: u32,
     out: mpsc::UnboundedSender<Output>,
@@ -136,7 +139,7 @@ pub struct Engine {
     state: Mutex<State>,
     /// Shared with the scheduler task, which waits on it without keeping the engine alive.
     wake: Arc<Notify>,
-    events: broadcast::Sender<KvEvent>,
+    events: broadcast::Sender<CacheEvent>,
 }
 
 impl Engine {
@@ -167,16 +170,19 @@ impl Engine {
     }
 
     /// Queues a request; outputs arrive on the returned receiver. Dropping the receiver
-    /// cancels the request.
+    /// cancels the request. `tokens` are the tokens of `blocks` (published with them when
+    /// they are stored), or empty.
     pub fn submit(
         &self,
         blocks: Vec<BlockHash>,
+        tokens: Vec<u32>,
         prompt_tokens: u32,
         max_tokens: u32,
     ) -> mpsc::UnboundedReceiver<Output> {
         let (out, rx) = mpsc::unbounded_channel();
         self.state.lock().waiting.push_back(Waiting {
             blocks,
+            tokens,
             prompt_tokens,
             max_tokens,
             out,
@@ -186,7 +192,7 @@ impl Engine {
     }
 
     /// The cache snapshot and a receiver of every event after it, atomically.
-    pub fn subscribe(&self) -> (KvEvent, broadcast::Receiver<KvEvent>) {
+    pub fn subscribe(&self) -> (KvEvent, broadcast::Receiver<CacheEvent>) {
         let state = self.state.lock();
         (state.cache.snapshot(), self.events.subscribe())
     }
@@ -226,7 +232,7 @@ impl Engine {
             let hashed = w.blocks.len() as u32 * bs;
             let private =
                 (w.prompt_tokens.saturating_sub(hashed) + w.max_tokens).div_ceil(bs) as usize;
-            match s.cache.admit(&w.blocks, private) {
+            match s.cache.admit(&w.blocks, &w.tokens, private) {
                 Ok(lease) => {
                     let w = s.waiting.pop_front().expect("peeked");
                     let cached_tokens = lease.cached as u32 * bs;

@@ -6,10 +6,12 @@
 //! - [`cache`]: the KV cache (pure).
 //! - [`engine`]: the scheduler and timing model.
 //! - [`server`]: the OpenAI-compatible HTTP server, event stream and admin endpoints.
+//! - [`zmq`]: the KV events again, in vLLM's ZMQ format with its replay socket.
 
 pub mod cache;
 pub mod engine;
 pub mod server;
+pub mod zmq;
 
 pub use engine::{EngineConfig, EngineStats, TimingModel};
 pub use server::{Fault, FaultConfig, MockWorker, MockWorkerConfig};

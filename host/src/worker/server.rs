@@ -144,6 +144,9 @@ pub struct MockWorkerConfig {
     pub fault: FaultConfig,
     /// The tokenizer for text and chat prompts (`None`: the built-in one).
     pub tokenizer: Option<Arc<Tokenizer>>,
+    /// Publish KV events over ZMQ in vLLM's format too (the NDJSON stream at
+    /// `/v1/kv_events` is always served).
+    pub zmq_events: Option<super::zmq::ZmqEventsConfig>,
 }
 
 struct Shared {
@@ -158,6 +161,8 @@ struct Shared {
     served: AtomicU64,
     /// Tells the accept loop to stop accepting (true) or resume (false).
     refuse: watch::Sender<bool>,
+    /// The ZMQ KV event publisher, if any.
+    zmq: Option<(super::zmq::ZmqPublisher, String)>,
 }
 
 impl Shared {
@@ -202,10 +207,20 @@ impl MockWorker {
     pub fn start(config: MockWorkerConfig, listener: TcpListener) -> std::io::Result<MockWorker> {
         let addr = listener.local_addr()?;
         let (refuse, refuse_rx) = watch::channel(false);
+        let block_size = config.engine.block_size;
+        let engine = Engine::start(config.engine);
+        let zmq = match &config.zmq_events {
+            Some(z) => Some((
+                super::zmq::start(z, engine.subscribe().1, block_size)?,
+                z.topic.clone(),
+            )),
+            None => None,
+        };
         let shared = Arc::new(Shared {
             model: config.model,
-            hasher: BlockHasher::new(config.engine.block_size, config.hash_seed),
-            engine: Engine::start(config.engine),
+            hasher: BlockHasher::new(block_size, config.hash_seed),
+            engine,
+            zmq,
             tokenizer: PrefixTokenizer::new(
                 config
                     .tokenizer
@@ -256,10 +271,40 @@ impl MockWorker {
             url: self.url(),
             model: self.shared.model.clone(),
             block_size: self.shared.engine.config().block_size,
-            events_url: Some(format!("{}/v1/kv_events", self.url())),
+            events_url: self
+                .shared
+                .zmq
+                .is_none()
+                .then(|| format!("{}/v1/kv_events", self.url())),
+            engine_events: self.engine_events(),
             health_path: "/health".into(),
             registration: 0,
         }
+    }
+
+    /// Where the ZMQ KV events are published, if they are (an unspecified bind address
+    /// is given as this worker's HTTP host).
+    pub fn engine_events(&self) -> Option<crate::discovery::EngineEventSource> {
+        let (z, topic) = self.shared.zmq.as_ref()?;
+        let host = |a: SocketAddr| {
+            let ip = if a.ip().is_unspecified() {
+                self.addr.ip()
+            } else {
+                a.ip()
+            };
+            let ip = if ip.is_unspecified() {
+                std::net::IpAddr::from([127, 0, 0, 1])
+            } else {
+                ip
+            };
+            format!("tcp://{}", SocketAddr::new(ip, a.port()))
+        };
+        Some(crate::discovery::EngineEventSource {
+            endpoint: host(z.publish),
+            replay: z.replay.map(host),
+            topic: topic.clone(),
+            data_parallel_size: 1,
+        })
     }
 
     /// Injects (or clears, with [`Fault::None`]) a fault at run time.
@@ -579,7 +624,7 @@ fn kv_events(shared: &Arc<Shared>) -> Response<Body> {
         loop {
             let line = tokio::select! {
                 e = events.recv() => match e {
-                    Ok(e) => e.to_line(),
+                    Ok(e) => e.to_wire().to_line(),
                     // Lagged or closed: end the stream; the subscriber resubscribes and
                     // gets a fresh snapshot.
                     Err(_) => return,
@@ -710,9 +755,17 @@ async fn completion(shared: Arc<Shared>, api: Api, req: Request<Incoming>) -> Re
     };
     let prompt_tokens = tokens.len() as u32;
     let blocks = shared.hasher.hashes(&tokens);
+    // The ZMQ publisher sends stored blocks' tokens, as vLLM does.
+    let block_tokens = if shared.zmq.is_some() {
+        let mut t = tokens.to_vec();
+        t.truncate(blocks.len() * shared.hasher.block_size() as usize);
+        t
+    } else {
+        Vec::new()
+    };
     let mut out = shared
         .engine
-        .submit(blocks, prompt_tokens, parsed.max_tokens);
+        .submit(blocks, block_tokens, prompt_tokens, parsed.max_tokens);
     let cached_tokens = match out.recv().await {
         Some(Output::Admitted { cached_tokens }) => cached_tokens,
         Some(Output::TooLarge { needed }) => {

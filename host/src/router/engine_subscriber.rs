@@ -1,0 +1,298 @@
+//! Subscriptions to engines' own KV events over ZMQ (vLLM, SGLang; `kv::engine_events`):
+//! one SUB socket per worker and data-parallel rank, connected to the engine's PUB socket
+//! (the `zeromq` crate reconnects it by itself), feeding the worker's
+//! [`EngineView`]. A sequence gap is fetched from the engine's replay socket; what cannot
+//! be fetched makes the view incomplete (see `kv::engine_view`). On connecting, the
+//! replay socket is asked for everything the engine still buffers, so that a router
+//! started after its workers begins with their caches.
+
+use std::sync::Weak;
+use std::time::Duration;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use std::sync::Arc;
+use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use super::{KvRouter, ViewStatus};
+use crate::discovery::EngineEventSource;
+use crate::ids::InstanceId;
+use crate::kv::engine_events::{EngineBatch, decode_batch};
+use crate::kv::engine_view::{EngineView, IndexOp, SeqVerdict};
+
+/// Engine hashes kept per rank before a runaway stream is reset (far above any GPU
+/// cache: 4M blocks of 16 tokens is 64M tokens).
+pub const MAX_ENGINE_ENTRIES: usize = 4 << 20;
+
+/// How long a replay request may take, and most batches taken from one.
+pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+const REPLAY_MAX_BATCHES: usize = 100_000;
+
+/// Follows `worker`'s engine events until aborted (every rank in a task of its own, all
+/// aborted with this one).
+pub async fn follow(
+    router: Weak<KvRouter>,
+    worker: InstanceId,
+    source: EngineEventSource,
+    backoff: (Duration, Duration),
+) {
+    let Some(r) = router.upgrade() else { return };
+    let view = Arc::new(Mutex::new(EngineView::new(
+        r.config.block_size,
+        r.config.hash_seed,
+        MAX_ENGINE_ENTRIES,
+        source.data_parallel_size,
+    )));
+    // Not in sync yet: approximate until the first batches say otherwise.
+    r.apply_engine_ops(worker, &[], ViewStatus::default());
+    drop(r);
+    let mut ranks = tokio::task::JoinSet::new();
+    for rank in 0..source.data_parallel_size.max(1) {
+        let feed = Feed {
+            router: router.clone(),
+            worker,
+            rank,
+            endpoint: EngineEventSource::for_rank(&source.endpoint, rank),
+            replay: source
+                .replay
+                .as_ref()
+                .map(|r| EngineEventSource::for_rank(r, rank)),
+            topic: source.topic.clone(),
+            view: view.clone(),
+            malformed: 0,
+        };
+        ranks.spawn(feed.run(backoff));
+    }
+    while ranks.join_next().await.is_some() {}
+}
+
+struct Feed {
+    router: Weak<KvRouter>,
+    worker: InstanceId,
+    rank: u32,
+    endpoint: String,
+    replay: Option<String>,
+    topic: String,
+    view: Arc<Mutex<EngineView>>,
+    malformed: u64,
+}
+
+impl Feed {
+    async fn run(mut self, (initial, max): (Duration, Duration)) {
+        let mut delay = initial;
+        loop {
+            let mut options = SocketOptions::default();
+            options.connect_timeout(Duration::from_secs(5));
+            let mut sub = SubSocket::with_options(options);
+            let connected = async {
+                sub.subscribe(&self.topic).await?;
+                sub.connect(&self.endpoint).await
+            }
+            .await;
+            if let Err(e) = connected {
+                tracing::debug!(instance = %self.worker, endpoint = self.endpoint, error = %e, retry_in = ?delay, "cannot connect to the engine's KV events");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(max);
+                continue;
+            }
+            delay = initial;
+            tracing::info!(instance = %self.worker, endpoint = self.endpoint, rank = self.rank, "following the engine's KV events");
+            self.catch_up().await;
+            loop {
+                let msg = match sub.recv().await {
+                    Ok(m) => m,
+                    Err(e) => {
+                        tracing::debug!(instance = %self.worker, error = %e, "KV event socket error");
+                        break;
+                    }
+                };
+                let Some((seq, payload)) = frames(msg) else {
+                    self.count_malformed("a message is not [topic, seq, payload]");
+                    continue;
+                };
+                if !self.handle(seq, &payload, true).await {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Asks the replay socket for everything after the last applied batch.
+    async fn catch_up(&mut self) {
+        let Some(replay) = self.replay.clone() else {
+            return;
+        };
+        let from = self
+            .view
+            .lock()
+            .last_seq(self.rank)
+            .map_or(0, |s| s + 1);
+        match fetch_replay(&replay, from, None).await {
+            Ok(batches) if batches.is_empty() && from == 0 => {
+                // The engine has published nothing yet: its cache is empty.
+                let status = {
+                    let mut v = self.view.lock();
+                    v.synced_empty(self.rank);
+                    self.status(&v)
+                };
+                if let Some(r) = self.router.upgrade() {
+                    r.apply_engine_ops(self.worker, &[], status);
+                }
+            }
+            Ok(batches) => {
+                for (seq, payload) in batches {
+                    if !self.handle(seq, &payload, false).await {
+                        return;
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::debug!(instance = %self.worker, replay, error = e, "KV event replay failed");
+            }
+        }
+    }
+
+    fn count_malformed(&mut self, why: &str) {
+        self.malformed += 1;
+        let n = self.malformed;
+        if n <= 10 || n.is_multiple_of(1000) {
+            tracing::warn!(instance = %self.worker, rank = self.rank, why, malformed = n, "skipping a malformed KV event batch");
+        }
+    }
+
+    fn status(&self, view: &EngineView) -> ViewStatus {
+        ViewStatus {
+            complete: view.complete(),
+            counts: view.counts(),
+            malformed: self.malformed,
+        }
+    }
+
+    /// Handles one batch; `false` when the router is gone.
+    async fn handle(&mut self, seq: u64, payload: &[u8], may_replay: bool) -> bool {
+        let Some(router) = self.router.upgrade() else {
+            return false;
+        };
+        let batch = match decode_batch(payload) {
+            Ok(b) => b,
+            Err(e) => {
+                self.count_malformed(&e.to_string());
+                // Keep the sequence moving: an undecodable batch is not a gap.
+                EngineBatch {
+                    ts: f64::NEG_INFINITY,
+                    rank: None,
+                    events: Vec::new(),
+                }
+            }
+        };
+        let mut ops: Vec<IndexOp> = Vec::new();
+        let verdict = self.view.lock().check(self.rank, seq, batch.ts);
+        let verdict = match verdict {
+            SeqVerdict::Restart => {
+                tracing::info!(instance = %self.worker, rank = self.rank, seq, "engine restarted (KV event sequence started again); resyncing");
+                ops.extend(self.view.lock().restart(self.rank));
+                if seq == 0 {
+                    SeqVerdict::Apply
+                } else {
+                    SeqVerdict::Gap { from: 0, to: seq }
+                }
+            }
+            v => v,
+        };
+        match verdict {
+            SeqVerdict::Duplicate => {}
+            SeqVerdict::Apply | SeqVerdict::Restart => {
+                let mut v = self.view.lock();
+                ops.extend(v.apply(self.rank, seq, batch.ts, &batch.events));
+            }
+            SeqVerdict::Gap { from, to } => {
+                let missing = match (&self.replay, may_replay) {
+                    (Some(replay), true) => {
+                        fetch_replay(replay, from, Some(to)).await.unwrap_or_else(|e| {
+                            tracing::debug!(instance = %self.worker, error = e, "KV event replay failed");
+                            Vec::new()
+                        })
+                    }
+                    _ => Vec::new(),
+                };
+                let mut v = self.view.lock();
+                let mut filled = 0;
+                for (s, p) in &missing {
+                    let b = decode_batch(p).unwrap_or(EngineBatch {
+                        ts: f64::NEG_INFINITY,
+                        rank: None,
+                        events: Vec::new(),
+                    });
+                    if v.check(self.rank, *s, b.ts) == SeqVerdict::Apply {
+                        ops.extend(v.apply(self.rank, *s, b.ts, &b.events));
+                        filled += 1;
+                    }
+                }
+                if v.check(self.rank, seq, batch.ts) != SeqVerdict::Apply {
+                    tracing::info!(instance = %self.worker, rank = self.rank, from, to, filled, "KV event gap not filled by the replay socket; the view is incomplete until the cache turns over");
+                    ops.extend(v.lost_gap(self.rank, seq));
+                }
+                ops.extend(v.apply(self.rank, seq, batch.ts, &batch.events));
+            }
+        }
+        let capacity = router
+            .load_of(self.worker)
+            .reported
+            .map_or(0, |r| r.kv_total_blocks as usize);
+        let status = {
+            let mut v = self.view.lock();
+            v.set_capacity_hint(capacity);
+            self.status(&v)
+        };
+        router.apply_engine_ops(self.worker, &ops, status);
+        true
+    }
+}
+
+/// `[topic, seq, payload]` (or `[seq, payload]` from a publisher without topics).
+fn frames(msg: ZmqMessage) -> Option<(u64, Bytes)> {
+    let mut f = msg.into_vec();
+    let payload = f.pop()?;
+    let seq = f.pop()?;
+    let seq = <[u8; 8]>::try_from(&seq[..]).ok().map(u64::from_be_bytes)?;
+    Some((seq, payload))
+}
+
+/// Asks a replay socket for the batches from `from` (up to, not including, `to`).
+pub async fn fetch_replay(
+    endpoint: &str,
+    from: u64,
+    to: Option<u64>,
+) -> Result<Vec<(u64, Bytes)>, String> {
+    let mut options = SocketOptions::default();
+    options.connect_timeout(REPLAY_TIMEOUT);
+    let mut dealer = DealerSocket::with_options(options);
+    let deadline = tokio::time::Instant::now() + REPLAY_TIMEOUT;
+    tokio::time::timeout_at(deadline, dealer.connect(endpoint))
+        .await
+        .map_err(|_| "connect timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    let mut request = ZmqMessage::from(Bytes::new());
+    request.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
+    tokio::time::timeout_at(deadline, dealer.send(request))
+        .await
+        .map_err(|_| "send timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    loop {
+        let msg = tokio::time::timeout_at(deadline, dealer.recv())
+            .await
+            .map_err(|_| format!("timed out after {} batches", out.len()))?
+            .map_err(|e| e.to_string())?;
+        let Some((seq, payload)) = frames(msg) else {
+            return Err("a malformed replay message".into());
+        };
+        if seq == u64::MAX {
+            // -1 as a signed 8-byte integer: the end.
+            return Ok(out);
+        }
+        if to.is_none_or(|t| seq < t) && seq >= from && out.len() < REPLAY_MAX_BATCHES {
+            out.push((seq, payload));
+        }
+    }
+}

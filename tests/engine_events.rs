@@ -1,0 +1,303 @@
+//! The router following engines' own KV events over ZMQ: a publisher written from vLLM's
+//! and SGLang's format with their own libraries (`tests/fixtures/kv_publisher.py`: pyzmq
+//! and msgspec, random engine hashes) in every shape they publish, a real KvRouter and
+//! Client, and the subscriber a router runs.
+
+mod common;
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+
+use switchyard::client::{Client, ClientConfig, HttpHealthCheck, OutlierConfig};
+use switchyard::discovery::{DiscoveryUpdate, EndpointPath, EngineEventSource, InstanceInfo};
+use switchyard::ids::{BlockHash, InstanceId};
+use switchyard::kv::hash::BlockHasher;
+use switchyard::policy::{PolicyEngine, PolicyHandle};
+use switchyard::router::subscriber::{self, SubscriberConfig};
+use switchyard::router::{CacheView, KvRouter, KvRouterConfig};
+
+const PATIENCE: Duration = Duration::from_secs(30);
+const BLOCK: u32 = 16;
+const W: InstanceId = InstanceId(7);
+
+/// The Python publisher.
+struct Publisher {
+    _child: Child,
+    stdin: ChildStdin,
+    stdout: Lines<BufReader<ChildStdout>>,
+    pub_port: u16,
+    replay_port: u16,
+}
+
+impl Publisher {
+    async fn start(shape: &str) -> Publisher {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/kv_publisher.py");
+        let mut child = Command::new("python3")
+            .args([script, "--shape", shape, "--block-size", &BLOCK.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("python3 runs (tools/test.sh installs it, with pyzmq and msgspec)");
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+        let line = tokio::time::timeout(PATIENCE, stdout.next_line())
+            .await
+            .expect("the publisher starts")
+            .unwrap()
+            .expect("the publisher says ready (are pyzmq and msgspec installed?)");
+        let ports: Vec<u16> = line
+            .strip_prefix("ready ")
+            .unwrap_or_else(|| panic!("{line}"))
+            .split(' ')
+            .map(|p| p.parse().unwrap())
+            .collect();
+        Publisher {
+            _child: child,
+            stdin,
+            stdout,
+            pub_port: ports[0],
+            replay_port: ports[1],
+        }
+    }
+
+    /// Sends a command; returns the next sequence number.
+    async fn send(&mut self, cmd: serde_json::Value) -> u64 {
+        let mut line = cmd.to_string();
+        line.push('\n');
+        self.stdin.write_all(line.as_bytes()).await.unwrap();
+        let answer = tokio::time::timeout(PATIENCE, self.stdout.next_line())
+            .await
+            .expect("the publisher answers")
+            .unwrap()
+            .expect("the publisher is alive");
+        answer.strip_prefix("ok ").unwrap().parse().unwrap()
+    }
+
+    fn source(&self, replay: bool) -> EngineEventSource {
+        EngineEventSource {
+            endpoint: format!("tcp://127.0.0.1:{}", self.pub_port),
+            replay: replay.then(|| format!("tcp://127.0.0.1:{}", self.replay_port)),
+            topic: "kv-events".into(),
+            data_parallel_size: 1,
+        }
+    }
+}
+
+fn router(source: EngineEventSource) -> Arc<KvRouter> {
+    let client = Client::new(
+        EndpointPath::for_model("m"),
+        ClientConfig {
+            outlier: OutlierConfig {
+                health_interval: None,
+                ..OutlierConfig::default()
+            },
+            ..ClientConfig::default()
+        },
+        Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
+    );
+    client.apply(DiscoveryUpdate::Reset(vec![InstanceInfo {
+        id: W,
+        endpoint: EndpointPath::for_model("m"),
+        url: "http://127.0.0.1:9".into(),
+        model: "m".into(),
+        block_size: BLOCK,
+        events_url: None,
+        engine_events: Some(source),
+        health_path: "/health".into(),
+        registration: 1,
+    }]));
+    let engine = PolicyEngine::new(common::runtime()).unwrap();
+    let policy = Arc::new(
+        PolicyHandle::new(engine.clone(), engine.load_spec("kv-cost", "{}").unwrap()).unwrap(),
+    );
+    let router = Arc::new(KvRouter::new(client, policy, KvRouterConfig::new(BLOCK)));
+    subscriber::spawn(
+        &router,
+        SubscriberConfig {
+            backoff_initial: Duration::from_millis(20),
+            backoff_max: Duration::from_millis(200),
+            idle_timeout: Duration::from_secs(5),
+        },
+    );
+    router
+}
+
+async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + PATIENCE;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A prompt of `blocks` full blocks, distinct per `seed`.
+fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * BLOCK).map(|i| seed * 100_000 + i).collect()
+}
+
+fn hashes(tokens: &[u32]) -> Vec<BlockHash> {
+    BlockHasher::new(BLOCK, 0).hashes(tokens)
+}
+
+fn sorted(mut v: Vec<BlockHash>) -> Vec<BlockHash> {
+    v.sort_unstable();
+    v
+}
+
+/// Leading blocks of `tokens` the router finds on the worker.
+fn overlap(router: &KvRouter, tokens: &[u32]) -> u32 {
+    let (c, _) = router.candidates(&hashes(tokens), &[]);
+    c.overlap_of(W).unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_engine_shape_lands_in_the_index_in_the_routers_own_hashes() {
+    for shape in ["vllm-map", "vllm-array", "sglang"] {
+        let mut publisher = Publisher::start(shape).await;
+        let router = router(publisher.source(true));
+        eventually("the router in sync with an engine that published nothing", || {
+            router.cache_view(W) == CacheView::Events
+        })
+        .await;
+        let a = prompt(1, 4);
+        publisher.send(json!({"op": "stored", "tokens": a})).await;
+        eventually("the stored blocks", || overlap(&router, &a) == 4).await;
+        // A longer prompt sharing `a`: only its new blocks are published, chained to
+        // `a`'s last block by the engine's own hash.
+        let mut b = a.clone();
+        b.extend(prompt(2, 2));
+        publisher
+            .send(json!({"op": "stored", "tokens": b, "from_block": 4}))
+            .await;
+        eventually("the chained blocks", || overlap(&router, &b) == 6).await;
+        assert_eq!(router.cached_block_list(W), sorted(hashes(&b)), "{shape}");
+        publisher
+            .send(json!({"op": "removed", "tokens": b, "blocks": [5]}))
+            .await;
+        eventually("the removal", || overlap(&router, &b) == 5).await;
+        publisher.send(json!({"op": "unknown"})).await;
+        // A block size other than the endpoint's is reported, not applied.
+        let c = prompt(3, 2);
+        publisher
+            .send(json!({"op": "stored", "tokens": c, "block_size": 8}))
+            .await;
+        publisher.send(json!({"op": "cleared"})).await;
+        eventually("the clear", || router.cached_block_list(W).is_empty()).await;
+        let counts = router.view_status(W).unwrap().counts;
+        assert_eq!(counts.unknown_type, 1, "{shape}");
+        assert_eq!(counts.wrong_block_size, 1, "{shape}");
+        assert_eq!(overlap(&router, &c), 0, "{shape}");
+        assert_eq!(router.cache_view(W), CacheView::Events, "{shape}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_started_late_catches_up_from_the_replay_socket() {
+    let mut publisher = Publisher::start("vllm-map").await;
+    let a = prompt(1, 3);
+    publisher.send(json!({"op": "stored", "tokens": a})).await;
+    let router = router(publisher.source(true));
+    eventually("the replayed blocks", || overlap(&router, &a) == 3).await;
+    assert_eq!(router.cache_view(W), CacheView::Events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_is_filled_from_the_replay_socket() {
+    let mut publisher = Publisher::start("vllm-map").await;
+    let router = router(publisher.source(true));
+    eventually("in sync", || router.cache_view(W) == CacheView::Events).await;
+    let (a, b) = (prompt(1, 2), prompt(2, 2));
+    // `a`'s batch never reaches the subscriber; `b`'s arrives after the gap.
+    publisher
+        .send(json!({"op": "stored", "tokens": a, "live": false}))
+        .await;
+    publisher.send(json!({"op": "stored", "tokens": b})).await;
+    eventually("both prompts", || {
+        overlap(&router, &a) == 2 && overlap(&router, &b) == 2
+    })
+    .await;
+    let status = router.view_status(W).unwrap();
+    assert_eq!(status.counts.lost_gaps, 0);
+    assert!(status.complete);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_nobody_can_fill_makes_the_view_incomplete_until_the_cache_turns_over() {
+    let mut publisher = Publisher::start("vllm-map").await;
+    let router = router(publisher.source(true));
+    let a = prompt(1, 4);
+    publisher.send(json!({"op": "stored", "tokens": a})).await;
+    eventually("a", || overlap(&router, &a) == 4).await;
+    // A lost batch the replay buffer no longer holds.
+    publisher.send(json!({"op": "forget"})).await;
+    publisher
+        .send(json!({"op": "stored", "tokens": prompt(2, 1), "live": false}))
+        .await;
+    publisher.send(json!({"op": "forget"})).await;
+    let b = prompt(3, 2);
+    publisher.send(json!({"op": "stored", "tokens": b})).await;
+    eventually("the lost gap", || {
+        router.cache_view(W) == CacheView::Incomplete
+    })
+    .await;
+    // What the worker held before the gap may be gone: no longer promised. What came
+    // after is known.
+    assert_eq!(overlap(&router, &a), 0);
+    assert_eq!(overlap(&router, &b), 2);
+    assert_eq!(router.view_status(W).unwrap().counts.lost_gaps, 1);
+    // While incomplete, the router's own decisions are predictions for the worker.
+    let p = prompt(9, 3);
+    let routed = router.route(&p, None, &[]).unwrap();
+    router.finish(routed.request);
+    assert_eq!(overlap(&router, &p), 3, "predicted from the decision");
+    // The worker's cache turns over (as many blocks stored as it held at its peak).
+    publisher
+        .send(json!({"op": "stored", "tokens": prompt(4, 4)}))
+        .await;
+    eventually("complete again", || router.cache_view(W) == CacheView::Events).await;
+    assert_eq!(overlap(&router, &p), 0, "predictions dropped once exact");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_engine_is_resynced() {
+    let mut publisher = Publisher::start("sglang").await;
+    let router = router(publisher.source(true));
+    let (a, b, c) = (prompt(1, 2), prompt(2, 2), prompt(3, 3));
+    publisher.send(json!({"op": "stored", "tokens": a})).await;
+    publisher.send(json!({"op": "stored", "tokens": b})).await;
+    eventually("before", || overlap(&router, &b) == 2).await;
+    // A new engine process: sequence numbers from 0, new hashes, an empty cache.
+    publisher.send(json!({"op": "restart"})).await;
+    publisher.send(json!({"op": "stored", "tokens": c})).await;
+    eventually("after", || overlap(&router, &c) == 3).await;
+    assert_eq!(overlap(&router, &a), 0);
+    assert_eq!(overlap(&router, &b), 0);
+    let status = router.view_status(W).unwrap();
+    assert_eq!(status.counts.restarts, 1);
+    assert!(status.complete);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_replay_socket_a_late_router_is_incomplete_not_wrong() {
+    let mut publisher = Publisher::start("vllm-array").await;
+    publisher
+        .send(json!({"op": "stored", "tokens": prompt(1, 2)}))
+        .await;
+    let router = router(publisher.source(false));
+    assert_eq!(router.cache_view(W), CacheView::Incomplete);
+    // Live batches arrive once the subscription is up; the first is past seq 0.
+    let b = prompt(2, 2);
+    let deadline = Instant::now() + PATIENCE;
+    while overlap(&router, &b) < 2 {
+        assert!(Instant::now() < deadline, "the live batch never arrived");
+        publisher.send(json!({"op": "stored", "tokens": b})).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(router.cache_view(W), CacheView::Incomplete);
+}
