@@ -61,6 +61,7 @@ fn info(id: u64, url: &str) -> InstanceInfo {
         model: "test-model".into(),
         block_size: 16,
         events_url: None,
+        engine_events: None,
         health_path: "/health".into(),
         registration: 0,
     }

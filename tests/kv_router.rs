@@ -26,6 +26,7 @@ fn instance(id: u64, events_url: Option<String>) -> InstanceInfo {
         model: "m".into(),
         block_size: 16,
         events_url,
+        engine_events: None,
         health_path: "/health".into(),
         registration: 1,
     }

@@ -56,6 +56,7 @@ fn main() {
                     model: "bench".into(),
                     block_size: 16,
                     events_url: None,
+                    engine_events: None,
                     health_path: "/health".into(),
                     registration: 1,
                 })

@@ -31,6 +31,7 @@ fn info(id: u64, registration: u64) -> InstanceInfo {
         model: "m".into(),
         block_size: 16,
         events_url: None,
+        engine_events: None,
         health_path: "/health".into(),
         registration,
     }

@@ -311,16 +311,16 @@ mod tests {
     #[test]
     fn a_full_cache_evicts_least_recently_used_free_blocks_and_says_so() {
         let mut c = KvCache::new(4, 16);
-        let a = c.admit(&h(&[1, 2]), 0).unwrap();
+        let a = c.admit(&h(&[1, 2]), &[], 0).unwrap();
         c.release(&a);
-        let b = c.admit(&h(&[3, 4]), 0).unwrap();
+        let b = c.admit(&h(&[3, 4]), &[], 0).unwrap();
         c.release(&b);
         c.take_events();
         // Reusing block 1..2's prefix touches them; 4 and then 3 are now the oldest.
-        let again = c.admit(&h(&[1, 2]), 0).unwrap();
+        let again = c.admit(&h(&[1, 2]), &[], 0).unwrap();
         assert_eq!(again.cached, 2);
         c.release(&again);
-        let d = c.admit(&h(&[5]), 1).unwrap();
+        let d = c.admit(&h(&[5]), &[], 1).unwrap();
         assert_eq!(
             c.take_events(),
             vec![
@@ -362,16 +362,16 @@ mod tests {
     #[test]
     fn pinned_blocks_are_never_evicted() {
         let mut c = KvCache::new(3, 16);
-        let running = c.admit(&h(&[1, 2]), 0).unwrap();
+        let running = c.admit(&h(&[1, 2]), &[], 0).unwrap();
         assert_eq!(
-            c.admit(&h(&[7, 8]), 0),
+            c.admit(&h(&[7, 8]), &[], 0),
             Err(CacheFull {
                 needed: 2,
                 available: 1
             })
         );
         c.release(&running);
-        assert!(c.admit(&h(&[7, 8]), 0).is_ok());
+        assert!(c.admit(&h(&[7, 8]), &[], 0).is_ok());
     }
 
     proptest! {
@@ -395,7 +395,7 @@ mod tests {
                 // A prompt's blocks are distinct (chained hashes never repeat).
                 let mut seen = BTreeSet::new();
                 let prompt: Vec<u64> = blocks.into_iter().filter(|b| seen.insert(*b)).collect();
-                if let Ok(lease) = c.admit(&h(&prompt), private) {
+                if let Ok(lease) = c.admit(&h(&prompt), &[], private) {
                     running.push(lease);
                 }
                 if finish_one && !running.is_empty() {
