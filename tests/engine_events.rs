@@ -36,7 +36,10 @@ struct Publisher {
 
 impl Publisher {
     async fn start(shape: &str) -> Publisher {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/kv_publisher.py");
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/kv_publisher.py"
+        );
         let mut child = Command::new("python3")
             .args([script, "--shape", shape, "--block-size", &BLOCK.to_string()])
             .stdin(Stdio::piped())
@@ -108,7 +111,7 @@ fn router(source: EngineEventSource) -> Arc<KvRouter> {
         model: "m".into(),
         block_size: BLOCK,
         events_url: None,
-        engine_events: Some(source),
+        engine_events: Some(Arc::new(source)),
         health_path: "/health".into(),
         registration: 1,
     }]));
@@ -161,9 +164,10 @@ async fn every_engine_shape_lands_in_the_index_in_the_routers_own_hashes() {
     for shape in ["vllm-map", "vllm-array", "sglang"] {
         let mut publisher = Publisher::start(shape).await;
         let router = router(publisher.source(true));
-        eventually("the router in sync with an engine that published nothing", || {
-            router.cache_view(W) == CacheView::Events
-        })
+        eventually(
+            "the router in sync with an engine that published nothing",
+            || router.cache_view(W) == CacheView::Events,
+        )
         .await;
         let a = prompt(1, 4);
         publisher.send(json!({"op": "stored", "tokens": a})).await;
@@ -260,7 +264,10 @@ async fn a_gap_nobody_can_fill_makes_the_view_incomplete_until_the_cache_turns_o
     publisher
         .send(json!({"op": "stored", "tokens": prompt(4, 4)}))
         .await;
-    eventually("complete again", || router.cache_view(W) == CacheView::Events).await;
+    eventually("complete again", || {
+        router.cache_view(W) == CacheView::Events
+    })
+    .await;
     assert_eq!(overlap(&router, &p), 0, "predictions dropped once exact");
 }
 
@@ -290,7 +297,10 @@ async fn without_a_replay_socket_a_late_router_is_incomplete_not_wrong() {
         .send(json!({"op": "stored", "tokens": prompt(1, 2)}))
         .await;
     let router = router(publisher.source(false));
-    assert_eq!(router.cache_view(W), CacheView::Incomplete);
+    eventually("the subscription", || {
+        router.cache_view(W) == CacheView::Incomplete
+    })
+    .await;
     // Live batches arrive once the subscription is up; the first is past seq 0.
     let b = prompt(2, 2);
     let deadline = Instant::now() + PATIENCE;
@@ -300,4 +310,117 @@ async fn without_a_replay_socket_a_late_router_is_incomplete_not_wrong() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(router.cache_view(W), CacheView::Incomplete);
+}
+
+/// `POST url` with a JSON body and the admin token; the JSON answer.
+async fn admin_post(url: &str, body: &serde_json::Value) -> serde_json::Value {
+    let c = common::http::client();
+    let (status, _, bytes) = common::http::send(
+        &c,
+        hyper::Method::POST,
+        url,
+        &[
+            ("authorization", "Bearer t0ken"),
+            ("content-type", "application/json"),
+        ],
+        body.to_string(),
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert!(
+        status.is_success(),
+        "{status}: {}",
+        String::from_utf8_lossy(&bytes)
+    );
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_binary_follows_registered_workers_publishing_vllms_format() {
+    use common::procs::{mock_worker, serve};
+    // A real etcd; two mock worker processes publishing vLLM's ZMQ events (with replay
+    // sockets, on free ports) register where their sockets are, as `switchyard register
+    // --kv-events` does for a vLLM server.
+    let etcd = common::etcd::Etcd::start();
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        workers.push(
+            mock_worker(&[
+                "--etcd",
+                &etcd.url(),
+                "--zmq-events",
+                "0",
+                "--speedup",
+                "100",
+            ])
+            .await,
+        );
+    }
+    let (_router, rurl) = serve(&["--etcd", &etcd.url(), "--admin-token", "t0ken"]).await;
+    let explain_url = format!("{rurl}/admin/endpoints/default/mock/generate/explain");
+    let prompt: String = (0..400).map(|i| format!("w{i} ")).collect();
+    let request = json!({"model": "mock", "prompt": prompt, "max_tokens": 4});
+    eventually_async("both views exact", || async {
+        let e = admin_post(&explain_url, &request).await;
+        e["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["cache_view"] == "events")
+            .count()
+            == 2
+    })
+    .await;
+    let before = admin_post(&explain_url, &request).await;
+    assert!(before["prompt_blocks"].as_u64().unwrap() >= 10, "{before}");
+    assert!(
+        before["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["overlap_blocks"] == 0),
+        "{before}"
+    );
+    // Served once: the worker's engine publishes the blocks, and the router sees them
+    // on that worker through its ZMQ events (not a prediction: the view is exact).
+    let c = common::http::client();
+    let (status, answer, _) =
+        common::http::post_json(&c, &format!("{rurl}/v1/completions"), &request).await;
+    assert!(status.is_success(), "{answer}");
+    let blocks = before["prompt_blocks"].clone();
+    eventually_async("the published blocks", || async {
+        let e = admin_post(&explain_url, &request).await;
+        e["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["overlap_blocks"] == blocks && c["cache_view"] == "events")
+    })
+    .await;
+    let after = admin_post(&explain_url, &request).await;
+    let holder = after["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["overlap_blocks"] == blocks)
+        .unwrap()["id"]
+        .clone();
+    assert_eq!(
+        after["chosen"], holder,
+        "kv-cost picks the worker holding the prompt: {after}"
+    );
+    assert_eq!(after["decided_by"], "policy");
+}
+
+async fn eventually_async<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + PATIENCE;
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

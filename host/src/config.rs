@@ -11,8 +11,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::client::{ClientConfig, OutlierConfig};
-use crate::discovery::{EndpointPath, EngineEventSource};
 use crate::discovery::etcd::EtcdConfig;
+use crate::discovery::{EndpointPath, EngineEventSource};
 use crate::http::GatewayConfig;
 use crate::policy::RuntimeConfig;
 
@@ -141,6 +141,11 @@ pub struct ServeArgs {
     /// [default: 1048576].
     #[arg(long, env = "SWITCHYARD_PREDICTION_MAX_BLOCKS")]
     pub prediction_max_blocks: Option<usize>,
+    /// Read workers' engine load (vLLM's and SGLang's Prometheus gauges at `/metrics`)
+    /// every this many ms; 0 turns it off [default: 1000]. Workers serving Switchyard's
+    /// NDJSON event stream report load on it instead.
+    #[arg(long, env = "SWITCHYARD_ENGINE_METRICS_MS")]
+    pub engine_metrics_ms: Option<u64>,
     /// How long a worker that discovery removed while it was serving keeps serving
     /// (unless it fails or deregisters), seconds; 0 believes discovery at once
     /// [default: 60].
@@ -200,6 +205,7 @@ pub struct FileConfig {
     health_check_interval_ms: Option<u64>,
     prediction_ttl_secs: Option<f64>,
     prediction_max_blocks: Option<usize>,
+    engine_metrics_ms: Option<u64>,
     discovery_grace_secs: Option<u64>,
     max_retry_after_secs: Option<u64>,
     outlier_detection: Option<bool>,
@@ -361,6 +367,8 @@ pub struct ServeConfig {
     pub shutdown_grace: Duration,
     /// Predicted caches of workers without an event stream.
     pub approximate: crate::router::Approximate,
+    /// How often workers' engine metrics are read (`None`: never).
+    pub engine_metrics: Option<Duration>,
 }
 
 /// A configuration problem, said plainly.
@@ -407,22 +415,20 @@ impl ServeArgs {
                     .unwrap_or_else(|| "switchyard".into()),
                 ..EtcdConfig::new(etcd)
             }),
-            (true, false) => {
-                DiscoveryConfig::Static {
-                    workers,
-                    model: self
-                        .model
-                        .or(file.model)
-                        .unwrap_or_else(|| "mock-model".into()),
-                    block_size: self.block_size.or(file.block_size).unwrap_or(16).max(1),
-                    kv_events: self.kv_events.or(file.kv_events).unwrap_or(false),
-                    health_path: self
-                        .health_path
-                        .clone()
-                        .or(file.health_path.clone())
-                        .unwrap_or_else(|| "/health".into()),
-                }
-            }
+            (true, false) => DiscoveryConfig::Static {
+                workers,
+                model: self
+                    .model
+                    .or(file.model)
+                    .unwrap_or_else(|| "mock-model".into()),
+                block_size: self.block_size.or(file.block_size).unwrap_or(16).max(1),
+                kv_events: self.kv_events.or(file.kv_events).unwrap_or(false),
+                health_path: self
+                    .health_path
+                    .clone()
+                    .or(file.health_path.clone())
+                    .unwrap_or_else(|| "/health".into()),
+            },
             (false, false) => {
                 return Err(ConfigError(
                     "give either --etcd or --worker, not both".into(),
@@ -621,6 +627,14 @@ impl ServeArgs {
                     .unwrap_or(30),
             ),
             approximate,
+            engine_metrics: match self
+                .engine_metrics_ms
+                .or(file.engine_metrics_ms)
+                .unwrap_or(1000)
+            {
+                0 => None,
+                ms => Some(Duration::from_millis(ms)),
+            },
         })
     }
 }

@@ -277,8 +277,9 @@ struct MockWorkerArgs {
     #[arg(long)]
     idle_close_ms: Option<u64>,
     /// Also publish KV events in vLLM's ZMQ format: the PUB socket on this port and the
-    /// replay socket on the next (worker `i` of `--count` on `PORT + 2i`); registered
-    /// workers then advertise these sockets instead of the NDJSON stream.
+    /// replay socket on the next (worker `i` of `--count` on `PORT + 2i`; 0: any free
+    /// ports); registered workers then advertise these sockets instead of the NDJSON
+    /// stream.
     #[arg(long)]
     zmq_events: Option<u16>,
     /// The topic of those events.
@@ -493,12 +494,15 @@ async fn register(args: RegisterArgs) -> anyhow::Result<()> {
         model: args.model,
         block_size: args.block_size,
         events_url: args.events_url,
-        engine_events: args.kv_events.map(|endpoint| switchyard::discovery::EngineEventSource {
-            endpoint,
-            replay: args.kv_replay,
-            topic: args.kv_topic,
-            data_parallel_size: args.data_parallel_size,
-        }),
+        engine_events: args
+            .kv_events
+            .map(|endpoint| switchyard::discovery::EngineEventSource {
+                endpoint,
+                replay: args.kv_replay,
+                topic: args.kv_topic,
+                data_parallel_size: args.data_parallel_size,
+            })
+            .map(std::sync::Arc::new),
         health_path: args.health_path,
         registration: 0,
     };
@@ -574,7 +578,11 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
         let addr = std::net::SocketAddr::new(args.listen.ip(), port);
         let mut config = config.clone();
         if let Some(base) = args.zmq_events {
+            // Port 0: any free ports (the registration says which).
             let port = |k: u16| {
+                if base == 0 {
+                    return Ok(0);
+                }
                 base.checked_add(2 * i + k)
                     .ok_or_else(|| anyhow::anyhow!("--zmq-events port overflow"))
             };

@@ -56,6 +56,7 @@ pub struct ServeFleet {
     /// keeps its router, which answers 503).
     routers: Mutex<HashMap<EndpointPath, Arc<KvRouter>>>,
     approximate: crate::router::Approximate,
+    engine_metrics: Option<Duration>,
 }
 
 impl ServeFleet {
@@ -88,6 +89,9 @@ impl ServeFleet {
             },
         ));
         subscriber::spawn(&router, SubscriberConfig::default());
+        if let Some(every) = self.engine_metrics {
+            crate::router::metrics_scraper::spawn(&router, every);
+        }
         tracing::info!(endpoint = %entry.endpoint, policy = %spec.spec, block_size = entry.block_size, "endpoint ready");
         routers.insert(entry.endpoint.clone(), router.clone());
         Ok(router)
@@ -210,7 +214,7 @@ pub fn static_instances(
             block_size,
             events_url: (kv_events && w.engine_events.is_none())
                 .then(|| format!("{}/v1/kv_events", w.url)),
-            engine_events: w.engine_events.clone(),
+            engine_events: w.engine_events.clone().map(std::sync::Arc::new),
             health_path: health_path.to_string(),
             registration: 1,
         })
@@ -279,6 +283,7 @@ pub async fn serve(
         discovered: AtomicBool::new(false),
         routers: Mutex::new(HashMap::new()),
         approximate: config.approximate,
+        engine_metrics: config.engine_metrics,
     });
     let mut background = Vec::new();
     match (&config.discovery, static_set) {

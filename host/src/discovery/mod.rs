@@ -38,7 +38,7 @@ pub struct InstanceInfo {
     /// Where its KV event stream is, if it publishes one (Switchyard's NDJSON).
     pub events_url: Option<String>,
     /// Where its engine publishes KV events over ZMQ (vLLM, SGLang), if it does.
-    pub engine_events: Option<EngineEventSource>,
+    pub engine_events: Option<std::sync::Arc<EngineEventSource>>,
     /// Path of its health endpoint (probed to re-admit it after a failure).
     pub health_path: String,
     /// Identifies one registration (etcd: the lease); a different value for the same ID
@@ -155,7 +155,7 @@ impl InstanceRecord {
             model: info.model.clone(),
             block_size: info.block_size,
             events_url: info.events_url.clone(),
-            kv_events: info.engine_events.clone(),
+            kv_events: info.engine_events.as_deref().cloned(),
             health_path: info.health_path.clone(),
             draining: false,
         }
@@ -194,7 +194,7 @@ impl InstanceRecord {
             model: self.model,
             block_size: self.block_size,
             events_url: self.events_url,
-            engine_events: self.kv_events,
+            engine_events: self.kv_events.map(std::sync::Arc::new),
             health_path: self.health_path,
             registration,
         })

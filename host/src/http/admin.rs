@@ -7,7 +7,8 @@
 //! | `GET /admin/endpoints/{ns}/{component}/{endpoint}/policy` | the current policy: name, version, sha256, loaded at, decisions, failures, fallbacks |
 //! | `PUT /admin/endpoints/{path}/policy` | body: a `.wasm` component (or `?builtin=NAME`); config in the `x-policy-config` header; validated (canary) before the swap, 400 with the reason if refused |
 //! | `POST /admin/endpoints/{path}/policy/rollback` | back to the previous policy |
-//! | `GET /admin/endpoints/{path}/instances` | instances with availability and load |
+//! | `GET /admin/endpoints/{path}/instances` | instances with availability, load and where their cache view comes from |
+//! | `POST /admin/endpoints/{path}/explain` | body: an OpenAI completion or chat request; answers what the router would do with it (prompt tokens and blocks, every candidate's overlap, load and cache view, the chosen worker and who decided) without forwarding it |
 
 use std::sync::Arc;
 use std::time::UNIX_EPOCH;
@@ -85,6 +86,7 @@ pub(crate) async fn handle(
         )),
         (Method::GET, "instances") => Ok(json_response(StatusCode::OK, &instances_json(&router))),
         (Method::PUT | Method::POST, "policy") => upload(&router, req).await,
+        (Method::POST, "explain") => explain(gw, &router, req).await,
         (Method::POST, "policy/rollback") => match router.policy().rollback() {
             Some(status) => Ok(json_response(StatusCode::OK, &status_json(&status))),
             None => Err(ApiError::Refused(
@@ -145,6 +147,79 @@ async fn upload(
     }
 }
 
+/// Largest request body `explain` reads.
+const MAX_EXPLAIN_BYTES: usize = 32 << 20;
+
+async fn explain(
+    gw: &Arc<Gateway>,
+    router: &Arc<KvRouter>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    let body = Limited::new(req.into_body(), MAX_EXPLAIN_BYTES)
+        .collect()
+        .await
+        .map_err(|e| ApiError::Refused(format!("cannot read the request: {e}")))?
+        .to_bytes();
+    // A chat request has `messages`; anything else is read as a completion request.
+    let api = match serde_json::from_slice::<Value>(&body) {
+        Ok(v) if v.get("messages").is_some() => crate::openai::Api::Chat,
+        _ => crate::openai::Api::Completions,
+    };
+    let parsed = crate::openai::parse(api, &body).map_err(ApiError::BadRequest)?;
+    let tokens = super::proxy::tokenize(gw, &parsed.prompt)
+        .await
+        .map_err(|e| {
+            ApiError::BadRequest(crate::openai::BadRequest {
+                message: e.to_string(),
+                param: Some("prompt".into()),
+            })
+        })?;
+    let hashes = router.hasher().hashes(&tokens);
+    let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
+    let (candidates, decision) = router.explain(prompt_tokens, &hashes);
+    let snap = router.client().snapshot();
+    let rows: Vec<Value> = (0..candidates.len())
+        .map(|i| {
+            let c = candidates.row(i);
+            json!({
+                "id": c.id.to_string(),
+                "url": snap.instances.get(&c.id).map(|s| s.info.url.clone()),
+                "overlap_blocks": c.overlap_blocks,
+                "active_blocks": c.active_blocks,
+                "pending_prefill_tokens": c.pending_prefill_tokens,
+                "in_flight": c.in_flight,
+                "kv_usage": c.kv_usage,
+                "cache_view": router.cache_view(c.id),
+            })
+        })
+        .collect();
+    let (chosen, rejected) = match &decision.outcome {
+        crate::policy::DecisionOutcome::Chosen(id) => (Some(id.to_string()), None),
+        crate::policy::DecisionOutcome::Rejected(r) => (None, Some(r.reason.clone())),
+        crate::policy::DecisionOutcome::NoCandidates => (None, None),
+    };
+    let status = router.policy().status();
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({
+            "endpoint": router.endpoint().to_string(),
+            "model": parsed.model,
+            "prompt_tokens": prompt_tokens,
+            "prompt_blocks": hashes.len(),
+            "block_size": router.hasher().block_size(),
+            "candidates": rows,
+            "chosen": chosen,
+            "rejected": rejected,
+            "decided_by": match decision.decider {
+                crate::policy::Decider::Policy => "policy",
+                crate::policy::Decider::Fallback => "fallback",
+            },
+            "policy": {"name": status.info.name, "version": status.info.version, "generation": decision.generation},
+            "failure": decision.failure.map(|f| f.to_string()),
+        }),
+    ))
+}
+
 fn secs(t: std::time::SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
@@ -190,7 +265,21 @@ fn instances_json(r: &KvRouter) -> Value {
                 "id": id.to_string(),
                 "url": st.info.url,
                 "model": st.info.model,
-                "events": st.info.events_url.is_some(),
+                "events": st.info.events_url.is_some() || st.info.engine_events.is_some(),
+                "kv_events": st.info.engine_events.as_ref().map(|e| &e.endpoint),
+                "cache_view": r.cache_view(*id),
+                "cache_view_counts": r.view_status(*id).map(|v| json!({
+                    "stored_blocks": v.counts.stored_blocks,
+                    "removed_blocks": v.counts.removed_blocks,
+                    "wrong_block_size": v.counts.wrong_block_size,
+                    "unknown_parent": v.counts.unknown_parent,
+                    "bad_tokens": v.counts.bad_tokens,
+                    "other_tier": v.counts.other_tier,
+                    "unknown_type": v.counts.unknown_type,
+                    "lost_gaps": v.counts.lost_gaps,
+                    "restarts": v.counts.restarts,
+                    "malformed": v.malformed,
+                })),
                 "available": available,
                 "down": down,
                 "probation": st.health.on_probation(),

@@ -111,7 +111,10 @@ const BLOCKING_TOKENIZE_BYTES: usize = 8 << 10;
 
 /// The prompt's token IDs (text reuses a conversation's earlier tokens, see
 /// [`PrefixTokenizer`](crate::tokens::PrefixTokenizer)).
-async fn tokenize(gw: &Arc<Gateway>, prompt: &Prompt) -> Result<Vec<u32>, TokenizerError> {
+pub(crate) async fn tokenize(
+    gw: &Arc<Gateway>,
+    prompt: &Prompt,
+) -> Result<Vec<u32>, TokenizerError> {
     let text = match prompt {
         Prompt::Tokens(t) => return Ok(t.clone()),
         Prompt::Text(t) => std::borrow::Cow::Borrowed(t.as_str()),

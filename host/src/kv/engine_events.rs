@@ -636,8 +636,10 @@ mod tests {
         }
     }
 
+    type Field<'a> = (&'a str, &'a dyn Fn(&mut Vec<u8>));
+
     /// Writes a map with the given (key, value-writer) pairs.
-    fn map(w: &mut Vec<u8>, fields: &[(&str, &dyn Fn(&mut Vec<u8>))]) {
+    fn map(w: &mut Vec<u8>, fields: &[Field<'_>]) {
         rmp::encode::write_map_len(w, fields.len() as u32).unwrap();
         for (k, f) in fields {
             rmp::encode::write_str(w, k).unwrap();

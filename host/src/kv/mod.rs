@@ -9,11 +9,13 @@
 //! - [`load`]: per-worker active blocks, pending prefill tokens and in-flight requests.
 //! - [`events`]: the wire format of a worker's KV event stream (Switchyard's NDJSON).
 //! - [`engine_events`]: the msgpack batches vLLM and SGLang publish over ZMQ.
+//! - [`engine_metrics`]: load from engines' Prometheus pages (vLLM's, SGLang's names).
 //! - [`engine_view`]: one worker's engine-reported cache in the router's own hashes, with
 //!   the sequence discipline of the engines' streams.
 
 pub mod approx;
 pub mod engine_events;
+pub mod engine_metrics;
 pub mod engine_view;
 pub mod events;
 pub mod hash;

@@ -122,11 +122,7 @@ impl Feed {
         let Some(replay) = self.replay.clone() else {
             return;
         };
-        let from = self
-            .view
-            .lock()
-            .last_seq(self.rank)
-            .map_or(0, |s| s + 1);
+        let from = self.view.lock().last_seq(self.rank).map_or(0, |s| s + 1);
         match fetch_replay(&replay, from, None).await {
             Ok(batches) if batches.is_empty() && from == 0 => {
                 // The engine has published nothing yet: its cache is empty.
@@ -235,10 +231,7 @@ impl Feed {
                 ops.extend(v.apply(self.rank, seq, batch.ts, &batch.events));
             }
         }
-        let capacity = router
-            .load_of(self.worker)
-            .reported
-            .map_or(0, |r| r.kv_total_blocks as usize);
+        let capacity = router.known_capacity(self.worker).unwrap_or(0) as usize;
         let status = {
             let mut v = self.view.lock();
             v.set_capacity_hint(capacity);

@@ -6,6 +6,7 @@
 //! Must not know: wasmtime (it sees `PolicyHandle`), etcd, HTTP serving.
 
 pub mod engine_subscriber;
+pub mod metrics_scraper;
 pub mod subscriber;
 
 use std::sync::Arc;
@@ -181,6 +182,9 @@ pub struct KvRouter {
     cache_reports: CacheReports,
     /// Workers with an event-fed view, and its state; the others are approximate.
     views: RwLock<std::collections::HashMap<InstanceId, ViewStatus>>,
+    /// Workers' KV cache sizes in blocks, where their load reports say.
+    capacities: Mutex<std::collections::HashMap<InstanceId, u64>>,
+    scrape_stats: metrics_scraper::ScrapeStats,
 }
 
 /// Responses in a row whose worker reported a cached prefix that the router had not
@@ -225,6 +229,8 @@ impl KvRouter {
             cache_reports: CacheReports::default(),
             event_stats: subscriber::EventStats::default(),
             views: RwLock::new(std::collections::HashMap::new()),
+            capacities: Mutex::new(std::collections::HashMap::new()),
+            scrape_stats: metrics_scraper::ScrapeStats::default(),
         }
     }
 
@@ -450,6 +456,23 @@ impl KvRouter {
         (candidates, overlaps)
     }
 
+    /// What the router would do with a request, without routing it: the candidates as
+    /// the policy would see them and the policy's decision (nothing is booked or
+    /// predicted; the policy's decision counters do count it).
+    pub fn explain(&self, prompt_tokens: u32, hashes: &[BlockHash]) -> (Candidates, Decision) {
+        let (candidates, _) = self.candidates(hashes, &[]);
+        let request = Request {
+            prompt_tokens,
+            prompt_blocks: hashes.len() as u32,
+            block_size: self.config.block_size,
+            session_key: None,
+            seed: 0,
+            sequence: 0,
+        };
+        let decision = self.policy.decide(request, &candidates);
+        (candidates, decision)
+    }
+
     /// Applies a cache event as if `worker` had sent it (for benchmarks and tools that
     /// feed the index directly).
     pub fn apply_cache_event(&self, worker: InstanceId, event: &KvEvent) {
@@ -556,7 +579,32 @@ impl KvRouter {
     }
 
     pub(crate) fn report_load(&self, worker: InstanceId, load: ReportedLoad) {
+        self.capacities.lock().insert(worker, load.kv_total_blocks);
         self.load.lock().report(worker, load);
+    }
+
+    /// Load read from the worker's engine metrics; `size_known` when they gave the cache
+    /// size (not only a usage fraction).
+    pub(crate) fn report_engine_load(
+        &self,
+        worker: InstanceId,
+        load: ReportedLoad,
+        size_known: bool,
+    ) {
+        if size_known {
+            self.capacities.lock().insert(worker, load.kv_total_blocks);
+        }
+        self.load.lock().report(worker, load);
+    }
+
+    /// `worker`'s KV cache size in blocks, if its reports said.
+    pub fn known_capacity(&self, worker: InstanceId) -> Option<u64> {
+        self.capacities.lock().get(&worker).copied()
+    }
+
+    /// Counters of the engine-metrics scrapes.
+    pub fn scrape_stats(&self) -> &metrics_scraper::ScrapeStats {
+        &self.scrape_stats
     }
 
     /// Forgets a worker that discovery removed.
@@ -566,6 +614,7 @@ impl KvRouter {
         index.predicted.remove_worker(worker);
         drop(index);
         self.views.write().remove(&worker);
+        self.capacities.lock().remove(&worker);
         self.load.lock().forget_report(worker);
     }
 }

@@ -78,10 +78,12 @@ pub fn spawn(router: &Arc<KvRouter>, config: SubscriberConfig) -> tokio::task::J
                 known = snap.instances.keys().copied().collect();
                 let available: BTreeSet<InstanceId> = snap.available.iter().copied().collect();
                 let source_of = |id: &InstanceId| {
-                    snap.instances.get(id).and_then(|s| match &s.info.engine_events {
-                        Some(e) => Some(Source::Engine(e.clone())),
-                        None => s.info.events_url.clone().map(Source::Ndjson),
-                    })
+                    snap.instances
+                        .get(id)
+                        .and_then(|s| match &s.info.engine_events {
+                            Some(e) => Some(Source::Engine((**e).clone())),
+                            None => s.info.events_url.clone().map(Source::Ndjson),
+                        })
                 };
                 subs.retain(|id, (source, task)| {
                     // Engine sockets are followed while the worker is known at all: its

@@ -65,7 +65,10 @@ impl CacheEvent {
     pub fn to_wire(&self) -> KvEvent {
         match self {
             CacheEvent::Stored {
-                seq, parent, blocks, ..
+                seq,
+                parent,
+                blocks,
+                ..
             } => KvEvent::Stored {
                 seq: *seq,
                 parent: *parent,
@@ -212,7 +215,13 @@ impl KvCache {
         })
     }
 
-    fn flush_stored(&mut self, run: &mut Vec<u64>, parent: Option<u64>, tokens: &[u32], start: usize) {
+    fn flush_stored(
+        &mut self,
+        run: &mut Vec<u64>,
+        parent: Option<u64>,
+        tokens: &[u32],
+        start: usize,
+    ) {
         if !run.is_empty() {
             self.seq += 1;
             let bs = self.block_size as usize;
@@ -346,7 +355,8 @@ mod tests {
         let first = c.admit(&h(&[1]), &[10, 11], 0).unwrap();
         c.take_events();
         // Block 1 is cached: the run stored is blocks 2..3, with parent 1.
-        c.admit(&h(&[1, 2, 3]), &[10, 11, 12, 13, 14, 15], 0).unwrap();
+        c.admit(&h(&[1, 2, 3]), &[10, 11, 12, 13, 14, 15], 0)
+            .unwrap();
         assert_eq!(
             c.take_events(),
             vec![CacheEvent::Stored {

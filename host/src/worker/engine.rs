@@ -22,10 +22,10 @@ use parking_lot::Mutex;
 use serde::Serialize;
 use tokio::sync::{Notify, broadcast, mpsc};
 
+use super::cache::CacheEvent;
 use super::cache::{KvCache, Lease};
 use crate::ids::BlockHash;
 use crate::kv::events::KvEvent;
-use super::cache::CacheEvent;
 
 /// Constants of the timing model, in microseconds of simulated time.
 ///

@@ -6,6 +6,7 @@
 //! | `GET /v1/models` | the one model served |
 //! | `GET /health` | 200 when serving; 503 while a fault is active |
 //! | `GET /v1/kv_events` | the KV event stream (`docs/kv-events.md`) |
+//! | `GET /metrics` | load in vLLM's Prometheus names (`vllm:num_requests_running`, …) |
 //! | `GET /stats` | the engine's step accounting |
 //! | `GET /get_server_info`, `/server_info` | model, KV block size (`page_size`, `block_size`), cache size, batch limit |
 //! | `GET /get_model_info`, `/model_info`, `/version` | what routers probe at start |
@@ -276,7 +277,7 @@ impl MockWorker {
                 .zmq
                 .is_none()
                 .then(|| format!("{}/v1/kv_events", self.url())),
-            engine_events: self.engine_events(),
+            engine_events: self.engine_events().map(Arc::new),
             health_path: "/health".into(),
             registration: 0,
         }
@@ -428,6 +429,7 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
             ),
         },
         (&Method::GET, "/v1/kv_events") => kv_events(&shared),
+        (&Method::GET, "/metrics") => engine_metrics(&shared),
         (&Method::GET, "/get_server_info" | "/server_info") => {
             json_response(StatusCode::OK, server_info(&shared))
         }
@@ -605,6 +607,36 @@ async fn tokenize(shared: &Shared, req: Request<Incoming>, render: bool) -> Resp
             json!({"count": tokens.len(), "max_model_len": max_model_len, "tokens": tokens}),
         )
     }
+}
+
+/// Load in vLLM's own Prometheus names, as a router scrapes them from a vLLM server.
+fn engine_metrics(shared: &Shared) -> Response<Body> {
+    let s = shared.engine.stats();
+    let m = &shared.model;
+    let usage = if s.kv_total_blocks == 0 {
+        0.0
+    } else {
+        s.kv_used_blocks as f64 / s.kv_total_blocks as f64
+    };
+    let page = format!(
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+         # TYPE vllm:num_requests_running gauge\n\
+         vllm:num_requests_running{{engine=\"0\",model_name=\"{m}\"}} {}\n\
+         # HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
+         # TYPE vllm:num_requests_waiting gauge\n\
+         vllm:num_requests_waiting{{engine=\"0\",model_name=\"{m}\"}} {}\n\
+         # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
+         # TYPE vllm:kv_cache_usage_perc gauge\n\
+         vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"{m}\"}} {usage}\n\
+         # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+         # TYPE vllm:cache_config_info gauge\n\
+         vllm:cache_config_info{{block_size=\"{}\",engine=\"0\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"True\"}} 1.0\n",
+        s.running,
+        s.waiting,
+        shared.hasher.block_size(),
+        s.kv_total_blocks,
+    );
+    full(StatusCode::OK, "text/plain; version=0.0.4", page)
 }
 
 /// The KV event stream: snapshot, then every event, plus a load report each second.

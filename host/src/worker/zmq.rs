@@ -211,7 +211,10 @@ async fn replay_loop(listener: std::net::TcpListener, buffer: Buffer) {
             }
         }
         let _ = socket
-            .send(reply(Bytes::copy_from_slice(&(-1i64).to_be_bytes()), Bytes::new()))
+            .send(reply(
+                Bytes::copy_from_slice(&(-1i64).to_be_bytes()),
+                Bytes::new(),
+            ))
             .await;
     }
 }

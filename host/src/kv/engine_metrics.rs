@@ -1,0 +1,170 @@
+//! Load as engines report it on their Prometheus `/metrics`: vLLM's and SGLang's gauge
+//! names, read from the text exposition format. Pure parsing.
+//!
+//! | | vLLM | SGLang |
+//! | --- | --- | --- |
+//! | running | `vllm:num_requests_running` | `sglang:num_running_reqs` |
+//! | waiting | `vllm:num_requests_waiting` | `sglang:num_queue_reqs` |
+//! | KV usage (0–1) | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `sglang:token_usage` |
+//! | KV size | `vllm:cache_config_info{num_gpu_blocks="N"}` | `sglang:max_total_num_tokens` ÷ block size |
+//!
+//! Series of one name are summed (running, waiting) or averaged (usage) over their
+//! labels (one per engine or rank).
+
+use super::load::ReportedLoad;
+
+/// What a scrape found.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+struct Found {
+    running: Option<f64>,
+    waiting: Option<f64>,
+    usage_sum: f64,
+    usage_n: u32,
+    total_blocks: Option<f64>,
+    total_tokens: Option<f64>,
+}
+
+/// Parses a `/metrics` page; `None` when it has none of the engines' load gauges.
+/// `block_size` converts SGLang's token capacity into blocks.
+pub fn parse(text: &str, block_size: u32) -> Option<ReportedLoad> {
+    let mut f = Found::default();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (name, labels, value) = match split(line) {
+            Some(x) => x,
+            None => continue,
+        };
+        let add = |slot: &mut Option<f64>| *slot = Some(slot.unwrap_or(0.0) + value);
+        match name {
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => add(&mut f.running),
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => add(&mut f.waiting),
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
+                f.usage_sum += value;
+                f.usage_n += 1;
+            }
+            "vllm:cache_config_info" => {
+                if let Some(n) = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok()) {
+                    f.total_blocks = Some(n);
+                }
+            }
+            "sglang:max_total_num_tokens" => add(&mut f.total_tokens),
+            _ => {}
+        }
+    }
+    if f.running.is_none() && f.waiting.is_none() && f.usage_n == 0 {
+        return None;
+    }
+    let total = f
+        .total_blocks
+        .or(f.total_tokens.map(|t| t / f64::from(block_size.max(1))))
+        .filter(|t| t.is_finite() && *t >= 1.0);
+    let usage = (f.usage_n > 0).then(|| (f.usage_sum / f64::from(f.usage_n)).clamp(0.0, 1.0));
+    // Without the cache size, usage is kept as parts per million of an unknown total.
+    let (used, total) = match (usage, total) {
+        (Some(u), Some(t)) => ((u * t).round() as u64, t as u64),
+        (Some(u), None) => ((u * 1e6).round() as u64, 1_000_000),
+        (None, Some(t)) => (0, t as u64),
+        (None, None) => (0, 0),
+    };
+    let count = |v: Option<f64>| v.unwrap_or(0.0).clamp(0.0, f64::from(u32::MAX)) as u32;
+    Some(ReportedLoad {
+        kv_used_blocks: used,
+        kv_total_blocks: total,
+        running: count(f.running),
+        waiting: count(f.waiting),
+    })
+}
+
+/// Whether a parsed report knows the cache size in blocks (not only a usage fraction).
+pub fn knows_cache_size(text: &str) -> bool {
+    text.contains("vllm:cache_config_info") || text.contains("sglang:max_total_num_tokens")
+}
+
+/// `name{labels} value [timestamp]` → (name, labels, value).
+fn split(line: &str) -> Option<(&str, &str, f64)> {
+    let (name, rest) = match line.find(['{', ' ']) {
+        Some(i) => line.split_at(i),
+        None => return None,
+    };
+    let (labels, rest) = if let Some(body) = rest.strip_prefix('{') {
+        let end = body.rfind('}')?;
+        (&body[..end], &body[end + 1..])
+    } else {
+        ("", rest)
+    };
+    let value = rest.split_whitespace().next()?;
+    let value: f64 = value.parse().ok()?;
+    value.is_finite().then_some((name, labels, value))
+}
+
+/// The value of label `key` in `a="x",b="y"`.
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    let mut rest = labels;
+    while !rest.is_empty() {
+        let eq = rest.find('=')?;
+        let k = rest[..eq].trim().trim_start_matches(',').trim();
+        let after = rest[eq + 1..].strip_prefix('"')?;
+        let end = after.find('"')?;
+        if k == key {
+            return Some(&after[..end]);
+        }
+        rest = &after[end + 1..];
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vllm_metrics() {
+        let page = r#"
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="4000",prefix_caching="True"} 1.0
+vllm:prompt_tokens_total{model_name="m"} 1.2e6
+"#;
+        assert_eq!(
+            parse(page, 16),
+            Some(ReportedLoad {
+                kv_used_blocks: 1500,
+                kv_total_blocks: 4000,
+                running: 5,
+                waiting: 7
+            })
+        );
+        assert!(knows_cache_size(page));
+    }
+
+    #[test]
+    fn sglang_metrics_and_pages_without_them() {
+        let page = "sglang:num_running_reqs{model_name=\"m\"} 4\nsglang:num_queue_reqs{model_name=\"m\"} 1\nsglang:token_usage{model_name=\"m\"} 0.1\nsglang:max_total_num_tokens{model_name=\"m\"} 16000\n";
+        assert_eq!(
+            parse(page, 16),
+            Some(ReportedLoad {
+                kv_used_blocks: 100,
+                kv_total_blocks: 1000,
+                running: 4,
+                waiting: 1
+            })
+        );
+        assert_eq!(parse("process_cpu_seconds_total 12\n", 16), None);
+        assert_eq!(
+            parse("garbage {{{ \n vllm:num_requests_running nan\n", 16),
+            None
+        );
+        // Usage without a size: parts per million.
+        let r = parse("vllm:gpu_cache_usage_perc 0.75\n", 16).unwrap();
+        assert_eq!(r.kv_usage(), Some(0.75));
+        assert!(!knows_cache_size("vllm:gpu_cache_usage_perc 0.75\n"));
+    }
+}
