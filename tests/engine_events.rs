@@ -424,3 +424,83 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_load_is_read_from_the_workers_metrics_page() {
+    use switchyard::worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, TimingModel};
+    let worker = MockWorker::bind(
+        MockWorkerConfig {
+            model: "m".into(),
+            engine: EngineConfig {
+                block_size: BLOCK,
+                kv_blocks: 777,
+                max_batch: 8,
+                speedup: 1.0,
+                timing: TimingModel::default(),
+            },
+            hash_seed: 0,
+            fault: FaultConfig::NONE,
+            tokenizer: None,
+            zmq_events: None,
+        },
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let client = Client::new(
+        EndpointPath::for_model("m"),
+        ClientConfig::default(),
+        Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
+    );
+    let gone = InstanceId(8);
+    let plain = |id: InstanceId, url: String| InstanceInfo {
+        id,
+        endpoint: EndpointPath::for_model("m"),
+        url,
+        model: "m".into(),
+        block_size: BLOCK,
+        events_url: None,
+        engine_events: None,
+        health_path: "/health".into(),
+        registration: 1,
+    };
+    // One worker serving vLLM's gauges, one whose address answers nothing.
+    client.apply(DiscoveryUpdate::Reset(vec![
+        plain(W, worker.url()),
+        plain(gone, format!("http://127.0.0.1:{}", common::procs::free_port())),
+    ]));
+    let engine = PolicyEngine::new(common::runtime()).unwrap();
+    let policy = Arc::new(
+        PolicyHandle::new(engine.clone(), engine.load_spec("kv-cost", "{}").unwrap()).unwrap(),
+    );
+    let router = Arc::new(KvRouter::new(client, policy, KvRouterConfig::new(BLOCK)));
+    switchyard::router::metrics_scraper::spawn(&router, Duration::from_millis(50));
+    eventually("the scraped load", || {
+        router
+            .load_of(W)
+            .reported
+            .is_some_and(|r| r.kv_total_blocks == 777)
+    })
+    .await;
+    assert_eq!(router.known_capacity(W), Some(777));
+    let (c, _) = router.candidates(&[], &[]);
+    assert_eq!(c.row(c.position(W).unwrap()).kv_usage, Some(0.0));
+    eventually("the failed scrape counted", || {
+        router
+            .scrape_stats()
+            .failed
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    })
+    .await;
+    // Asked again only after a quiet period, not every 50 ms.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        router
+            .scrape_stats()
+            .failed
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    assert!(router.load_of(gone).reported.is_none());
+}

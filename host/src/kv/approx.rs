@@ -37,8 +37,17 @@ impl ApproxIndex {
     pub fn record(&mut self, worker: InstanceId, blocks: &[BlockHash], now: Instant) {
         self.expire(now);
         let expiry = now + self.ttl;
+        // A prediction is refreshed at most every ttl/8, so that the queue holds at most
+        // about eight entries per prediction whatever the request rate.
+        let step = self.ttl / 8;
         for &b in blocks {
-            self.live.insert((worker, b), expiry);
+            match self.live.get_mut(&(worker, b)) {
+                Some(e) if expiry < *e + step => continue,
+                Some(e) => *e = expiry,
+                None => {
+                    self.live.insert((worker, b), expiry);
+                }
+            }
             self.queue.push_back((expiry, worker, b));
         }
         self.index.stored(worker, blocks);
@@ -72,6 +81,11 @@ impl ApproxIndex {
     pub fn remove_worker(&mut self, worker: InstanceId) {
         self.index.remove_worker(worker);
         self.live.retain(|(w, _), _| *w != worker);
+    }
+
+    /// Queued expiries (live and stale): at most about eight per prediction.
+    pub fn backlog(&self) -> usize {
+        self.queue.len()
     }
 
     /// Predicted (worker, block) pairs.
@@ -122,6 +136,33 @@ mod tests {
         a.expire(t0 + Duration::from_secs(23));
         assert!(a.is_empty());
         assert_eq!(a.index().distinct_blocks(), 0);
+    }
+
+    #[test]
+    fn a_million_decisions_over_the_same_prefixes_keep_memory_flat() {
+        let t0 = Instant::now();
+        let ttl = Duration::from_secs(120);
+        let mut a = ApproxIndex::new(ttl, 1 << 20);
+        let prefixes: Vec<Vec<BlockHash>> = (0..10u64)
+            .map(|p| (0..4).map(|i| BlockHash(p << 32 | i)).collect())
+            .collect();
+        let mut peak = 0;
+        for i in 0..1_000_000u64 {
+            // 1 ms apart: 1,000 s in all, many TTLs.
+            let now = t0 + Duration::from_millis(i);
+            a.record(InstanceId(i % 4), &prefixes[(i % 10) as usize], now);
+            peak = peak.max(a.backlog());
+        }
+        // Each of 4 workers was sent 5 of the prefixes, of 4 blocks each...
+        assert_eq!(a.len(), 4 * 5 * 4);
+        // ...and the queue stays within a small multiple of that, however many requests.
+        assert!(peak <= 9 * a.len(), "backlog peaked at {peak}");
+        // Refreshes still keep hot predictions alive past their first expiry.
+        assert_eq!(
+            a.index().overlap_map(&prefixes[0]).len(),
+            2,
+            "prefix 0 goes to workers 0 and 2"
+        );
     }
 
     #[test]
