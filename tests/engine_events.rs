@@ -427,7 +427,9 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_load_is_read_from_the_workers_metrics_page() {
-    use switchyard::worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, TimingModel};
+    use switchyard::worker::{
+        EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, TimingModel,
+    };
     let worker = MockWorker::bind(
         MockWorkerConfig {
             model: "m".into(),
@@ -467,7 +469,10 @@ async fn engine_load_is_read_from_the_workers_metrics_page() {
     // One worker serving vLLM's gauges, one whose address answers nothing.
     client.apply(DiscoveryUpdate::Reset(vec![
         plain(W, worker.url()),
-        plain(gone, format!("http://127.0.0.1:{}", common::procs::free_port())),
+        plain(
+            gone,
+            format!("http://127.0.0.1:{}", common::procs::free_port()),
+        ),
     ]));
     let engine = PolicyEngine::new(common::runtime()).unwrap();
     let policy = Arc::new(

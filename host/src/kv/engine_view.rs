@@ -28,6 +28,7 @@ use std::collections::HashMap;
 
 use super::engine_events::{EngineEvent, Medium, StoredBlocks};
 use super::hash::hash_block;
+use super::{Mixed, PassThrough};
 use crate::ids::BlockHash;
 
 /// A change to apply to the overlap index, in order.
@@ -94,7 +95,7 @@ struct Rank {
     last: Option<(u64, f64)>,
     /// Engine hash → router hash of every GPU block the rank holds, or held before a
     /// lost gap (the engine may still hold it, and name it as a parent).
-    map: HashMap<u64, Entry>,
+    map: HashMap<u64, Entry, Mixed>,
     /// Entries held now.
     held: usize,
     peak: usize,
@@ -120,7 +121,7 @@ pub struct EngineView {
     /// at least (its cache size, when known).
     capacity_hint: usize,
     /// Router hash → how many ranks hold it.
-    refs: HashMap<u64, u32>,
+    refs: HashMap<u64, u32, PassThrough>,
     counts: ViewCounts,
 }
 
@@ -135,7 +136,7 @@ impl EngineView {
             ranks: HashMap::new(),
             expected_ranks: ranks.max(1),
             capacity_hint: 0,
-            refs: HashMap::new(),
+            refs: HashMap::default(),
             counts: ViewCounts::default(),
         }
     }
@@ -403,7 +404,7 @@ pub fn mix(h: u64, extra: u64) -> u64 {
 }
 
 /// Drops one reference; whether it was the last.
-fn release(refs: &mut HashMap<u64, u32>, h: u64) -> bool {
+fn release(refs: &mut HashMap<u64, u32, PassThrough>, h: u64) -> bool {
     match refs.get_mut(&h) {
         Some(n) if *n > 1 => {
             *n -= 1;

@@ -52,3 +52,34 @@ impl std::hash::BuildHasher for PassThrough {
         PassThroughHasher(0)
     }
 }
+
+/// A `BuildHasher` for `u64` keys that may not be uniformly distributed (engines' block
+/// hashes: some are counters or small integers): one multiply and a fold.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Mixed;
+
+/// The hasher built by [`Mixed`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MixedHasher(u64);
+
+impl std::hash::Hasher for MixedHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        let m = u128::from(self.0 ^ n ^ 0x243f_6a88_85a3_08d3) * 0x9e37_79b9_7f4a_7c15;
+        self.0 = (m as u64) ^ ((m >> 64) as u64);
+    }
+}
+
+impl std::hash::BuildHasher for Mixed {
+    type Hasher = MixedHasher;
+    fn build_hasher(&self) -> MixedHasher {
+        MixedHasher(0)
+    }
+}
