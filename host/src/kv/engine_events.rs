@@ -445,6 +445,19 @@ pub enum EventOut<'a> {
     Other(&'a str),
 }
 
+/// An event's start: a map of `fields` entries whose first is `type`, or an array of
+/// `fields` entries whose first is the tag.
+fn header(w: &mut Vec<u8>, map: bool, fields: u32, tag: &str) {
+    use rmp::encode as e;
+    if map {
+        e::write_map_len(w, fields).expect("vec");
+        e::write_str(w, "type").expect("vec");
+    } else {
+        e::write_array_len(w, fields).expect("vec");
+    }
+    e::write_str(w, tag).expect("vec");
+}
+
 /// Encodes a batch the way the engine of `shape` does.
 pub fn encode_batch(shape: Shape, ts: f64, rank: u32, events: &[EventOut<'_>]) -> Vec<u8> {
     use rmp::encode as e;
@@ -488,13 +501,7 @@ pub fn encode_batch(shape: Shape, ts: f64, rank: u32, events: &[EventOut<'_>]) -
                 // vLLM omits defaults: no extra_keys / lora_name fields when unset.
                 let fields =
                     6 + u32::from(s.lora_name.is_some() || with_extra) + u32::from(with_extra);
-                if map {
-                    e::write_map_len(w, fields + 1).expect("vec");
-                    e::write_str(w, "type").expect("vec");
-                } else {
-                    e::write_array_len(w, fields + 1).expect("vec");
-                }
-                e::write_str(w, "BlockStored").expect("vec");
+                header(w, map, fields + 1, "BlockStored");
                 key(w, "block_hashes");
                 hashes(w, s.hashes);
                 key(w, "parent_block_hash");
@@ -541,35 +548,17 @@ pub fn encode_batch(shape: Shape, ts: f64, rank: u32, events: &[EventOut<'_>]) -
                 }
             }
             EventOut::Removed(hs) => {
-                if map {
-                    e::write_map_len(w, 3).expect("vec");
-                    e::write_str(w, "type").expect("vec");
-                } else {
-                    e::write_array_len(w, 3).expect("vec");
-                }
-                e::write_str(w, "BlockRemoved").expect("vec");
+                header(w, map, 3, "BlockRemoved");
                 key(w, "block_hashes");
                 hashes(w, hs);
                 key(w, "medium");
                 e::write_str(w, "GPU").expect("vec");
             }
             EventOut::Cleared => {
-                if map {
-                    e::write_map_len(w, 1).expect("vec");
-                    e::write_str(w, "type").expect("vec");
-                } else {
-                    e::write_array_len(w, 1).expect("vec");
-                }
-                e::write_str(w, "AllBlocksCleared").expect("vec");
+                header(w, map, 1, "AllBlocksCleared");
             }
             EventOut::Other(tag) => {
-                if map {
-                    e::write_map_len(w, 2).expect("vec");
-                    e::write_str(w, "type").expect("vec");
-                } else {
-                    e::write_array_len(w, 2).expect("vec");
-                }
-                e::write_str(w, tag).expect("vec");
+                header(w, map, 2, tag);
                 key(w, "value");
                 e::write_uint(w, 1).expect("vec");
             }
