@@ -636,3 +636,28 @@ async fn a_router_out_of_file_descriptors_blames_no_worker_and_recovers() {
     assert_eq!(metrics("switchyard_ejections_total").await, 0.0);
     assert_eq!(available(&c, &url).await, 1);
 }
+
+/// A worker that closes idle keep-alive connections (uvicorn does after 5 s; here after
+/// 1 s) while requests come about as often: a pooled connection may be closed just as the
+/// router reuses it. That is retried on a fresh connection and never blamed on the worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_closing_idle_connections_fails_no_request_and_is_never_reported() {
+    let (_w, wurl) = mock_worker(&["--idle-close-ms", "1000", "--speedup", "100"]).await;
+    let (_r, rurl) = serve(&["--worker", &wurl, "--model", "mock", "--admin-token", TOKEN]).await;
+    let c = http::client();
+    for i in 0..8 {
+        // Just around the worker's idle limit.
+        tokio::time::sleep(Duration::from_millis(if i % 2 == 0 { 990 } else { 1010 })).await;
+        let (status, body, _) = post_json(
+            &c,
+            &format!("{rurl}/v1/chat/completions"),
+            &chat("hello", 4, false),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "request {i}: {body}");
+    }
+    let inst = instance(&c, &rurl, &wurl).await;
+    assert_eq!(inst["available"], true, "{inst}");
+    assert_eq!(inst["ejections"], 0, "{inst}");
+    assert_eq!(inst["consecutive_failures"], 0, "{inst}");
+}
