@@ -24,9 +24,19 @@ struct Found {
     total_tokens: Option<f64>,
 }
 
+/// What a page says about the engine's load.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineLoad {
+    /// The load.
+    pub load: ReportedLoad,
+    /// The page gave the cache size in blocks (otherwise `load` holds the usage as parts
+    /// per million of an unknown total).
+    pub size_known: bool,
+}
+
 /// Parses a `/metrics` page; `None` when it has none of the engines' load gauges.
 /// `block_size` converts SGLang's token capacity into blocks.
-pub fn parse(text: &str, block_size: u32) -> Option<ReportedLoad> {
+pub fn parse(text: &str, block_size: u32) -> Option<EngineLoad> {
     let mut f = Found::default();
     for line in text.lines() {
         let line = line.trim();
@@ -62,6 +72,7 @@ pub fn parse(text: &str, block_size: u32) -> Option<ReportedLoad> {
         .or(f.total_tokens.map(|t| t / f64::from(block_size.max(1))))
         .filter(|t| t.is_finite() && *t >= 1.0);
     let usage = (f.usage_n > 0).then(|| (f.usage_sum / f64::from(f.usage_n)).clamp(0.0, 1.0));
+    let size_known = total.is_some();
     // Without the cache size, usage is kept as parts per million of an unknown total.
     let (used, total) = match (usage, total) {
         (Some(u), Some(t)) => ((u * t).round() as u64, t as u64),
@@ -70,17 +81,15 @@ pub fn parse(text: &str, block_size: u32) -> Option<ReportedLoad> {
         (None, None) => (0, 0),
     };
     let count = |v: Option<f64>| v.unwrap_or(0.0).clamp(0.0, f64::from(u32::MAX)) as u32;
-    Some(ReportedLoad {
-        kv_used_blocks: used,
-        kv_total_blocks: total,
-        running: count(f.running),
-        waiting: count(f.waiting),
+    Some(EngineLoad {
+        load: ReportedLoad {
+            kv_used_blocks: used,
+            kv_total_blocks: total,
+            running: count(f.running),
+            waiting: count(f.waiting),
+        },
+        size_known,
     })
-}
-
-/// Whether a parsed report knows the cache size in blocks (not only a usage fraction).
-pub fn knows_cache_size(text: &str) -> bool {
-    text.contains("vllm:cache_config_info") || text.contains("sglang:max_total_num_tokens")
 }
 
 /// `name{labels} value [timestamp]` → (name, labels, value).
@@ -135,14 +144,16 @@ vllm:prompt_tokens_total{model_name="m"} 1.2e6
 "#;
         assert_eq!(
             parse(page, 16),
-            Some(ReportedLoad {
-                kv_used_blocks: 1500,
-                kv_total_blocks: 4000,
-                running: 5,
-                waiting: 7
+            Some(EngineLoad {
+                load: ReportedLoad {
+                    kv_used_blocks: 1500,
+                    kv_total_blocks: 4000,
+                    running: 5,
+                    waiting: 7
+                },
+                size_known: true
             })
         );
-        assert!(knows_cache_size(page));
     }
 
     #[test]
@@ -150,11 +161,14 @@ vllm:prompt_tokens_total{model_name="m"} 1.2e6
         let page = "sglang:num_running_reqs{model_name=\"m\"} 4\nsglang:num_queue_reqs{model_name=\"m\"} 1\nsglang:token_usage{model_name=\"m\"} 0.1\nsglang:max_total_num_tokens{model_name=\"m\"} 16000\n";
         assert_eq!(
             parse(page, 16),
-            Some(ReportedLoad {
-                kv_used_blocks: 100,
-                kv_total_blocks: 1000,
-                running: 4,
-                waiting: 1
+            Some(EngineLoad {
+                load: ReportedLoad {
+                    kv_used_blocks: 100,
+                    kv_total_blocks: 1000,
+                    running: 4,
+                    waiting: 1
+                },
+                size_known: true
             })
         );
         assert_eq!(parse("process_cpu_seconds_total 12\n", 16), None);
@@ -164,7 +178,7 @@ vllm:prompt_tokens_total{model_name="m"} 1.2e6
         );
         // Usage without a size: parts per million.
         let r = parse("vllm:gpu_cache_usage_perc 0.75\n", 16).unwrap();
-        assert_eq!(r.kv_usage(), Some(0.75));
-        assert!(!knows_cache_size("vllm:gpu_cache_usage_perc 0.75\n"));
+        assert_eq!(r.load.kv_usage(), Some(0.75));
+        assert!(!r.size_known);
     }
 }

@@ -164,23 +164,25 @@ impl Feed {
         }
     }
 
+    /// Decodes a payload; an undecodable one is counted and becomes an empty batch, so
+    /// that the sequence keeps moving (it is not a gap).
+    fn decode(&mut self, payload: &[u8]) -> EngineBatch {
+        decode_batch(payload).unwrap_or_else(|e| {
+            self.count_malformed(&e.to_string());
+            EngineBatch {
+                ts: f64::NEG_INFINITY,
+                rank: None,
+                events: Vec::new(),
+            }
+        })
+    }
+
     /// Handles one batch; `false` when the router is gone.
     async fn handle(&mut self, seq: u64, payload: &[u8], may_replay: bool) -> bool {
         let Some(router) = self.router.upgrade() else {
             return false;
         };
-        let batch = match decode_batch(payload) {
-            Ok(b) => b,
-            Err(e) => {
-                self.count_malformed(&e.to_string());
-                // Keep the sequence moving: an undecodable batch is not a gap.
-                EngineBatch {
-                    ts: f64::NEG_INFINITY,
-                    rank: None,
-                    events: Vec::new(),
-                }
-            }
-        };
+        let batch = self.decode(payload);
         let mut ops: Vec<IndexOp> = Vec::new();
         let verdict = self.view.lock().check(self.rank, seq, batch.ts);
         let verdict = match verdict {
@@ -211,14 +213,12 @@ impl Feed {
                     }
                     _ => Vec::new(),
                 };
+                // Decoded before the view is locked.
+                let missing: Vec<(u64, EngineBatch)> =
+                    missing.iter().map(|(s, p)| (*s, self.decode(p))).collect();
                 let mut v = self.view.lock();
                 let mut filled = 0;
-                for (s, p) in &missing {
-                    let b = decode_batch(p).unwrap_or(EngineBatch {
-                        ts: f64::NEG_INFINITY,
-                        rank: None,
-                        events: Vec::new(),
-                    });
+                for (s, b) in &missing {
                     if v.check(self.rank, *s, b.ts) == SeqVerdict::Apply {
                         ops.extend(v.apply(self.rank, *s, b.ts, &b.events));
                         filled += 1;

@@ -15,7 +15,6 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 
 use super::KvRouter;
 use crate::ids::InstanceId;
@@ -40,11 +39,7 @@ pub struct ScrapeStats {
 /// Scrapes `router`'s workers every `interval` until the router is dropped.
 pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHandle<()> {
     let weak = Arc::downgrade(router);
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(SCRAPE_TIMEOUT));
-    let http: HttpClient<HttpConnector, Empty<Bytes>> =
-        HttpClient::builder(TokioExecutor::new()).build(connector);
+    let http = super::background_http(SCRAPE_TIMEOUT);
     tokio::spawn(async move {
         let mut quiet_until: HashMap<InstanceId, Instant> = HashMap::new();
         let mut tick = tokio::time::interval(interval);
@@ -74,9 +69,9 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
                 let Ok((id, result)) = done else { continue };
                 let Some(router) = weak.upgrade() else { return };
                 match result {
-                    Ok((load, size_known)) => {
+                    Ok(found) => {
                         router.scrape_stats.ok.fetch_add(1, Ordering::Relaxed);
-                        router.report_engine_load(id, load, size_known);
+                        router.report_engine_load(id, found.load, found.size_known);
                     }
                     Err(why) => {
                         let n = router.scrape_stats.failed.fetch_add(1, Ordering::Relaxed) + 1;
@@ -95,7 +90,7 @@ async fn scrape(
     http: &HttpClient<HttpConnector, Empty<Bytes>>,
     url: &str,
     block_size: u32,
-) -> Result<(crate::kv::load::ReportedLoad, bool), String> {
+) -> Result<engine_metrics::EngineLoad, String> {
     let uri: hyper::Uri = url.parse().map_err(|e| format!("bad URL: {e}"))?;
     let read = async {
         let response = http.get(uri).await.map_err(|e| e.to_string())?;
@@ -113,7 +108,6 @@ async fn scrape(
         .await
         .map_err(|_| format!("timed out after {SCRAPE_TIMEOUT:?}"))??;
     let text = std::str::from_utf8(&body).map_err(|_| "not UTF-8".to_string())?;
-    let load = engine_metrics::parse(text, block_size)
-        .ok_or_else(|| "no vLLM or SGLang load gauges".to_string())?;
-    Ok((load, engine_metrics::knows_cache_size(text)))
+    engine_metrics::parse(text, block_size)
+        .ok_or_else(|| "no vLLM or SGLang load gauges".to_string())
 }

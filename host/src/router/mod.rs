@@ -138,6 +138,21 @@ impl Index {
     }
 }
 
+/// The plain-HTTP client of the router's background readers (event streams, metrics
+/// pages): no Nagle delay, connects bounded by `connect_timeout`.
+fn background_http(
+    connect_timeout: Duration,
+) -> hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Empty<bytes::Bytes>,
+> {
+    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(connect_timeout));
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build(connector)
+}
+
 /// Where the router's idea of a worker's cache comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -364,15 +379,10 @@ impl KvRouter {
             });
         }
         let prompt_blocks = hashes.len() as u32;
-        let request = Request {
-            prompt_tokens,
-            prompt_blocks,
-            block_size: self.config.block_size,
-            session_key,
-            seed: 0,
-            sequence: 0,
-        };
-        let decision = self.policy.decide(request, &candidates);
+        let decision = self.policy.decide(
+            self.request(prompt_tokens, hashes, session_key),
+            &candidates,
+        );
         let worker = match &decision.outcome {
             DecisionOutcome::Chosen(id) => *id,
             DecisionOutcome::Rejected(r) => return Err(RouteError::Rejected(r.clone())),
@@ -461,16 +471,27 @@ impl KvRouter {
     /// predicted; the policy's decision counters do count it).
     pub fn explain(&self, prompt_tokens: u32, hashes: &[BlockHash]) -> (Candidates, Decision) {
         let (candidates, _) = self.candidates(hashes, &[]);
-        let request = Request {
+        let decision = self
+            .policy
+            .decide(self.request(prompt_tokens, hashes, None), &candidates);
+        (candidates, decision)
+    }
+
+    /// The policy's view of a request with these block hashes.
+    fn request(
+        &self,
+        prompt_tokens: u32,
+        hashes: &[BlockHash],
+        session_key: Option<u64>,
+    ) -> Request {
+        Request {
             prompt_tokens,
             prompt_blocks: hashes.len() as u32,
             block_size: self.config.block_size,
-            session_key: None,
+            session_key,
             seed: 0,
             sequence: 0,
-        };
-        let decision = self.policy.decide(request, &candidates);
-        (candidates, decision)
+        }
     }
 
     /// Applies a cache event as if `worker` had sent it (for benchmarks and tools that
@@ -525,8 +546,8 @@ impl KvRouter {
         self.views.read().get(&worker).copied()
     }
 
-    /// Applies changes from `worker`'s engine events, and the view's new state. A view
-    /// that becomes complete drops the worker's predictions.
+    /// Applies changes from `worker`'s events, and the view's new state. A view that
+    /// becomes complete drops the worker's predictions.
     pub(crate) fn apply_engine_ops(&self, worker: InstanceId, ops: &[IndexOp], status: ViewStatus) {
         let was_exact = self.is_exact(worker);
         if !ops.is_empty() || (status.complete && !was_exact) {
@@ -547,14 +568,11 @@ impl KvRouter {
     /// The worker's NDJSON stream delivered a snapshot: its view is exact.
     fn mark_snapshot(&self, worker: InstanceId) {
         if !self.is_exact(worker) {
-            self.index.write().predicted.remove_worker(worker);
-            self.views.write().insert(
-                worker,
-                ViewStatus {
-                    complete: true,
-                    ..ViewStatus::default()
-                },
-            );
+            let exact = ViewStatus {
+                complete: true,
+                ..ViewStatus::default()
+            };
+            self.apply_engine_ops(worker, &[], exact);
         }
     }
 

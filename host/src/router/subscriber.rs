@@ -14,7 +14,6 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 
 use super::KvRouter;
 use crate::ids::InstanceId;
@@ -60,11 +59,7 @@ pub struct EventStats {
 pub fn spawn(router: &Arc<KvRouter>, config: SubscriberConfig) -> tokio::task::JoinHandle<()> {
     let weak = Arc::downgrade(router);
     let mut changes = router.client().subscribe_changes();
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(Duration::from_secs(2)));
-    let http: HttpClient<HttpConnector, Empty<Bytes>> =
-        HttpClient::builder(TokioExecutor::new()).build(connector);
+    let http = super::background_http(Duration::from_secs(2));
     tokio::spawn(async move {
         let mut subs: HashMap<InstanceId, (Source, tokio::task::AbortHandle)> = HashMap::new();
         let mut known: BTreeSet<InstanceId> = BTreeSet::new();
@@ -81,7 +76,7 @@ pub fn spawn(router: &Arc<KvRouter>, config: SubscriberConfig) -> tokio::task::J
                     snap.instances
                         .get(id)
                         .and_then(|s| match &s.info.engine_events {
-                            Some(e) => Some(Source::Engine((**e).clone())),
+                            Some(e) => Some(Source::Engine(e.clone())),
                             None => s.info.events_url.clone().map(Source::Ndjson),
                         })
                 };
@@ -119,7 +114,7 @@ pub fn spawn(router: &Arc<KvRouter>, config: SubscriberConfig) -> tokio::task::J
                         Source::Engine(e) => tokio::spawn(super::engine_subscriber::follow(
                             weak.clone(),
                             *id,
-                            e.clone(),
+                            (**e).clone(),
                             (config.backoff_initial, config.backoff_max),
                         )),
                     };
@@ -142,7 +137,7 @@ enum Source {
     /// Switchyard's NDJSON stream at this URL.
     Ndjson(String),
     /// The engine's ZMQ publisher.
-    Engine(crate::discovery::EngineEventSource),
+    Engine(Arc<crate::discovery::EngineEventSource>),
 }
 
 enum End {
