@@ -166,14 +166,7 @@ async fn explain(
         _ => crate::openai::Api::Completions,
     };
     let parsed = crate::openai::parse(api, &body).map_err(ApiError::BadRequest)?;
-    let tokens = super::proxy::tokenize(gw, &parsed.prompt)
-        .await
-        .map_err(|e| {
-            ApiError::BadRequest(crate::openai::BadRequest {
-                message: e.to_string(),
-                param: Some("prompt".into()),
-            })
-        })?;
+    let tokens = super::proxy::tokenize(gw, &parsed.prompt).await?;
     let hashes = router.hasher().hashes(&tokens);
     let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
     let (candidates, decision) = router.explain(prompt_tokens, &hashes);

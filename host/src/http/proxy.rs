@@ -110,11 +110,18 @@ struct Attempts {
 const BLOCKING_TOKENIZE_BYTES: usize = 8 << 10;
 
 /// The prompt's token IDs (text reuses a conversation's earlier tokens, see
-/// [`PrefixTokenizer`](crate::tokens::PrefixTokenizer)).
-pub(crate) async fn tokenize(
-    gw: &Arc<Gateway>,
-    prompt: &Prompt,
-) -> Result<Vec<u32>, TokenizerError> {
+/// [`PrefixTokenizer`](crate::tokens::PrefixTokenizer)); a prompt that cannot be
+/// tokenized is the client's error (400).
+pub(crate) async fn tokenize(gw: &Arc<Gateway>, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+    tokenize_prompt(gw, prompt).await.map_err(|e| {
+        ApiError::BadRequest(openai::BadRequest {
+            message: e.to_string(),
+            param: Some("prompt".into()),
+        })
+    })
+}
+
+async fn tokenize_prompt(gw: &Arc<Gateway>, prompt: &Prompt) -> Result<Vec<u32>, TokenizerError> {
     let text = match prompt {
         Prompt::Tokens(t) => return Ok(t.clone()),
         Prompt::Text(t) => std::borrow::Cow::Borrowed(t.as_str()),
@@ -167,13 +174,7 @@ pub(crate) async fn completion(
             ApiError::UnknownModel(parsed.model.clone())
         }
     })?;
-    let tokens = tokenize(gw, &parsed.prompt).await;
-    let tokens = tokens.map_err(|e| {
-        ApiError::BadRequest(openai::BadRequest {
-            message: e.to_string(),
-            param: Some("prompt".into()),
-        })
-    })?;
+    let tokens = tokenize(gw, &parsed.prompt).await?;
     let session_key = parsed
         .user
         .as_deref()
