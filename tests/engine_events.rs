@@ -17,9 +17,7 @@ use switchyard::client::{Client, ClientConfig, HttpHealthCheck, OutlierConfig};
 use switchyard::discovery::{DiscoveryUpdate, EndpointPath, EngineEventSource, InstanceInfo};
 use switchyard::ids::{BlockHash, InstanceId};
 use switchyard::kv::hash::BlockHasher;
-use switchyard::policy::{PolicyEngine, PolicyHandle};
-use switchyard::router::subscriber::{self, SubscriberConfig};
-use switchyard::router::{CacheView, KvRouter, KvRouterConfig};
+use switchyard::router::{CacheView, KvRouter};
 
 const PATIENCE: Duration = Duration::from_secs(30);
 const BLOCK: u32 = 16;
@@ -92,6 +90,21 @@ impl Publisher {
     }
 }
 
+/// Worker `id` of model `m` at `url`, with its engine's KV event sockets if any.
+fn instance(id: InstanceId, url: String, engine_events: Option<EngineEventSource>) -> InstanceInfo {
+    InstanceInfo {
+        id,
+        endpoint: EndpointPath::for_model("m"),
+        url,
+        model: "m".into(),
+        block_size: BLOCK,
+        events_url: None,
+        engine_events: engine_events.map(Arc::new),
+        health_path: "/health".into(),
+        registration: 1,
+    }
+}
+
 fn router(source: EngineEventSource) -> Arc<KvRouter> {
     let client = Client::new(
         EndpointPath::for_model("m"),
@@ -104,30 +117,13 @@ fn router(source: EngineEventSource) -> Arc<KvRouter> {
         },
         Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
     );
-    client.apply(DiscoveryUpdate::Reset(vec![InstanceInfo {
-        id: W,
-        endpoint: EndpointPath::for_model("m"),
-        url: "http://127.0.0.1:9".into(),
-        model: "m".into(),
-        block_size: BLOCK,
-        events_url: None,
-        engine_events: Some(Arc::new(source)),
-        health_path: "/health".into(),
-        registration: 1,
-    }]));
-    let engine = PolicyEngine::new(common::runtime()).unwrap();
-    let policy = Arc::new(
-        PolicyHandle::new(engine.clone(), engine.load_spec("kv-cost", "{}").unwrap()).unwrap(),
-    );
-    let router = Arc::new(KvRouter::new(client, policy, KvRouterConfig::new(BLOCK)));
-    subscriber::spawn(
-        &router,
-        SubscriberConfig {
-            backoff_initial: Duration::from_millis(20),
-            backoff_max: Duration::from_millis(200),
-            idle_timeout: Duration::from_secs(5),
-        },
-    );
+    client.apply(DiscoveryUpdate::Reset(vec![instance(
+        W,
+        "http://127.0.0.1:9".into(),
+        Some(source),
+    )]));
+    let router = common::kv::kv_cost_router(client, BLOCK);
+    common::kv::follow_events(&router);
     router
 }
 
@@ -427,24 +423,8 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_load_is_read_from_the_workers_metrics_page() {
-    use switchyard::worker::{
-        EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, TimingModel,
-    };
-    let worker = MockWorker::bind(
-        MockWorkerConfig {
-            model: "m".into(),
-            engine: EngineConfig {
-                block_size: BLOCK,
-                kv_blocks: 777,
-                max_batch: 8,
-                speedup: 1.0,
-                timing: TimingModel::default(),
-            },
-            hash_seed: 0,
-            fault: FaultConfig::NONE,
-            tokenizer: None,
-            zmq_events: None,
-        },
+    let worker = switchyard::worker::MockWorker::bind(
+        common::kv::mock_worker_config(777),
         "127.0.0.1:0".parse().unwrap(),
     )
     .await
@@ -455,30 +435,16 @@ async fn engine_load_is_read_from_the_workers_metrics_page() {
         Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
     );
     let gone = InstanceId(8);
-    let plain = |id: InstanceId, url: String| InstanceInfo {
-        id,
-        endpoint: EndpointPath::for_model("m"),
-        url,
-        model: "m".into(),
-        block_size: BLOCK,
-        events_url: None,
-        engine_events: None,
-        health_path: "/health".into(),
-        registration: 1,
-    };
     // One worker serving vLLM's gauges, one whose address answers nothing.
     client.apply(DiscoveryUpdate::Reset(vec![
-        plain(W, worker.url()),
-        plain(
+        instance(W, worker.url(), None),
+        instance(
             gone,
             format!("http://127.0.0.1:{}", common::procs::free_port()),
+            None,
         ),
     ]));
-    let engine = PolicyEngine::new(common::runtime()).unwrap();
-    let policy = Arc::new(
-        PolicyHandle::new(engine.clone(), engine.load_spec("kv-cost", "{}").unwrap()).unwrap(),
-    );
-    let router = Arc::new(KvRouter::new(client, policy, KvRouterConfig::new(BLOCK)));
+    let router = common::kv::kv_cost_router(client, BLOCK);
     switchyard::router::metrics_scraper::spawn(&router, Duration::from_millis(50));
     eventually("the scraped load", || {
         router

@@ -12,9 +12,8 @@ use switchyard::client::{Client, ClientConfig, HttpHealthCheck, OutlierConfig};
 use switchyard::discovery::{DiscoveryUpdate, EndpointPath, InstanceInfo};
 use switchyard::ids::{BlockHash, InstanceId};
 use switchyard::kv::hash::BlockHasher;
-use switchyard::policy::{Decider, PolicyEngine, PolicyHandle};
-use switchyard::router::subscriber::{self, SubscriberConfig};
-use switchyard::router::{KvRouter, KvRouterConfig, RouteError};
+use switchyard::policy::Decider;
+use switchyard::router::{KvRouter, RouteError};
 
 const PATIENCE: Duration = Duration::from_secs(30);
 
@@ -50,23 +49,8 @@ fn router(instances: Vec<InstanceInfo>) -> (Arc<KvRouter>, Arc<Client>) {
         Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
     );
     client.apply(DiscoveryUpdate::Reset(instances));
-    let engine = PolicyEngine::new(common::runtime()).unwrap();
-    let policy = Arc::new(
-        PolicyHandle::new(engine.clone(), engine.load_spec("kv-cost", "{}").unwrap()).unwrap(),
-    );
-    let router = Arc::new(KvRouter::new(
-        client.clone(),
-        policy,
-        KvRouterConfig::new(16),
-    ));
-    subscriber::spawn(
-        &router,
-        SubscriberConfig {
-            backoff_initial: Duration::from_millis(20),
-            backoff_max: Duration::from_millis(200),
-            idle_timeout: Duration::from_secs(5),
-        },
-    );
+    let router = common::kv::kv_cost_router(client.clone(), 16);
+    common::kv::follow_events(&router);
     (router, client)
 }
 

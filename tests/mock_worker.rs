@@ -11,29 +11,15 @@ use common::procs::Proc;
 use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
 use switchyard::kv::events::KvEvent;
-use switchyard::worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, TimingModel};
-
-fn config(kv_blocks: usize) -> MockWorkerConfig {
-    MockWorkerConfig {
-        model: "mock".into(),
-        engine: EngineConfig {
-            block_size: 16,
-            kv_blocks,
-            max_batch: 8,
-            speedup: 1000.0,
-            timing: TimingModel::default(),
-        },
-        hash_seed: 0,
-        fault: FaultConfig::NONE,
-        tokenizer: None,
-        zmq_events: None,
-    }
-}
+use switchyard::worker::MockWorker;
 
 async fn worker(kv_blocks: usize) -> MockWorker {
-    MockWorker::bind(config(kv_blocks), "127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap()
+    MockWorker::bind(
+        common::kv::mock_worker_config(kv_blocks),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap()
 }
 
 fn long_prompt(topic: &str) -> String {

@@ -7,6 +7,7 @@ pub mod etcd;
 pub mod events;
 pub mod health;
 pub mod http;
+pub mod kv;
 pub mod procs;
 pub mod router;
 
