@@ -475,3 +475,36 @@ async fn engine_load_is_read_from_the_workers_metrics_page() {
     );
     assert!(router.load_of(gone).reported.is_none());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_socket_that_never_answers_is_asked_once_not_at_every_gap() {
+    // A "replay socket" that accepts connections and never says a word.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            held.push(conn);
+        }
+    });
+    let mut publisher = Publisher::start("vllm-map").await;
+    let mut source = publisher.source(false);
+    source.replay = Some(format!("tcp://127.0.0.1:{silent_port}"));
+    let router = router(source);
+    // Every gap below would ask the replay socket, and each ask would wait out its timeout.
+    for round in 0..3u32 {
+        publisher
+            .send(json!({"op": "stored", "tokens": prompt(10 + round, 1), "live": false}))
+            .await;
+        let b = prompt(20 + round, 1);
+        let deadline = Instant::now() + PATIENCE;
+        while overlap(&router, &b) < 1 {
+            assert!(Instant::now() < deadline, "round {round} never arrived");
+            publisher.send(json!({"op": "stored", "tokens": b})).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let status = router.view_status(W).unwrap();
+    assert!(status.counts.lost_gaps >= 3, "{status:?}");
+    assert_eq!(status.replay_failures, 1, "{status:?}");
+}

@@ -272,6 +272,7 @@ fn instances_json(r: &KvRouter) -> Value {
                     "lost_gaps": v.counts.lost_gaps,
                     "restarts": v.counts.restarts,
                     "malformed": v.malformed,
+                    "replay_failures": v.replay_failures,
                 })),
                 "available": available,
                 "down": down,

@@ -26,6 +26,9 @@ pub const MAX_ENGINE_ENTRIES: usize = 4 << 20;
 
 /// How long a replay request may take, and most batches taken from one.
 pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// After a replay request fails, gaps are not fetched for this long (they count as lost):
+/// a replay socket that hangs must not cost every gapped batch the whole timeout.
+pub const REPLAY_QUIET: Duration = Duration::from_secs(10);
 const REPLAY_MAX_BATCHES: usize = 100_000;
 
 /// Follows `worker`'s engine events until aborted (every rank in a task of its own, all
@@ -60,6 +63,8 @@ pub async fn follow(
             topic: source.topic.clone(),
             view: view.clone(),
             malformed: 0,
+            replay_failures: 0,
+            replay_quiet_until: None,
         };
         ranks.spawn(feed.run(backoff));
     }
@@ -75,6 +80,8 @@ struct Feed {
     topic: String,
     view: Arc<Mutex<EngineView>>,
     malformed: u64,
+    replay_failures: u64,
+    replay_quiet_until: Option<tokio::time::Instant>,
 }
 
 impl Feed {
@@ -123,8 +130,8 @@ impl Feed {
             return;
         };
         let from = self.view.lock().last_seq(self.rank).map_or(0, |s| s + 1);
-        match fetch_replay(&replay, from, None).await {
-            Ok(batches) if batches.is_empty() && from == 0 => {
+        match self.replay(&replay, from, None).await {
+            Some(batches) if batches.is_empty() && from == 0 => {
                 // The engine has published nothing yet: its cache is empty.
                 let status = {
                     let mut v = self.view.lock();
@@ -135,15 +142,36 @@ impl Feed {
                     r.apply_engine_ops(self.worker, &[], status);
                 }
             }
-            Ok(batches) => {
+            Some(batches) => {
                 for (seq, payload) in batches {
                     if !self.handle(seq, &payload, false).await {
                         return;
                     }
                 }
             }
+            None => {}
+        }
+    }
+
+    /// The batches `from..to` from the replay socket; `None` when the request failed or
+    /// was not made (within [`REPLAY_QUIET`] of a failure).
+    async fn replay(
+        &mut self,
+        endpoint: &str,
+        from: u64,
+        to: Option<u64>,
+    ) -> Option<Vec<(u64, Bytes)>> {
+        let now = tokio::time::Instant::now();
+        if self.replay_quiet_until.is_some_and(|t| now < t) {
+            return None;
+        }
+        match fetch_replay(endpoint, from, to).await {
+            Ok(batches) => Some(batches),
             Err(e) => {
-                tracing::debug!(instance = %self.worker, replay, error = e, "KV event replay failed");
+                self.replay_failures += 1;
+                self.replay_quiet_until = Some(tokio::time::Instant::now() + REPLAY_QUIET);
+                tracing::debug!(instance = %self.worker, endpoint, error = e, failures = self.replay_failures, "KV event replay failed; gaps count as lost for {REPLAY_QUIET:?}");
+                None
             }
         }
     }
@@ -161,6 +189,7 @@ impl Feed {
             complete: view.complete(),
             counts: view.counts(),
             malformed: self.malformed,
+            replay_failures: self.replay_failures,
         }
     }
 
@@ -204,13 +233,11 @@ impl Feed {
                 ops.extend(v.apply(self.rank, seq, batch.ts, &batch.events));
             }
             SeqVerdict::Gap { from, to } => {
-                let missing = match (&self.replay, may_replay) {
-                    (Some(replay), true) => {
-                        fetch_replay(replay, from, Some(to)).await.unwrap_or_else(|e| {
-                            tracing::debug!(instance = %self.worker, error = e, "KV event replay failed");
-                            Vec::new()
-                        })
-                    }
+                let missing = match (self.replay.clone(), may_replay) {
+                    (Some(replay), true) => self
+                        .replay(&replay, from, Some(to))
+                        .await
+                        .unwrap_or_default(),
                     _ => Vec::new(),
                 };
                 // Decoded before the view is locked.

@@ -175,6 +175,8 @@ pub struct ViewStatus {
     pub counts: ViewCounts,
     /// Batches that could not be decoded.
     pub malformed: u64,
+    /// Replay requests that failed (each silences replay requests for a while).
+    pub replay_failures: u64,
 }
 
 /// The KV-aware router of one endpoint.
