@@ -661,3 +661,123 @@ async fn a_worker_closing_idle_connections_fails_no_request_and_is_never_reporte
     assert_eq!(inst["ejections"], 0, "{inst}");
     assert_eq!(inst["consecutive_failures"], 0, "{inst}");
 }
+
+/// A CA, and a certificate it signed for `localhost`, written as PEM into `dir`:
+/// (`ca.pem`, `cert.pem`, `key.pem`).
+fn self_signed_ca(
+    dir: &std::path::Path,
+) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "fleet test CA");
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+        .unwrap()
+        .signed_by(&key, &rcgen::Issuer::from_params(&ca_params, &ca_key))
+        .unwrap();
+    let paths = (
+        dir.join("ca.pem"),
+        dir.join("cert.pem"),
+        dir.join("key.pem"),
+    );
+    std::fs::write(&paths.0, ca.pem()).unwrap();
+    std::fs::write(&paths.1, cert.pem()).unwrap();
+    std::fs::write(&paths.2, key.serialize_pem()).unwrap();
+    paths
+}
+
+/// An `https://` worker whose certificate comes from the fleet's own CA: with the CA
+/// given (`--ca-file`) requests are served through it, its health is probed and its
+/// metrics are read over TLS; without it the router refuses the worker's certificate
+/// and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_worker_is_served_when_its_ca_is_trusted() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = self_signed_ca(dir.path());
+    let port = common::procs::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let (cert, key) = (cert.to_str().unwrap(), key.to_str().unwrap());
+    let _w = common::procs::switchyard(&[
+        "mock-worker",
+        "--listen",
+        &listen,
+        "--model",
+        "mock",
+        "--speedup",
+        "100",
+        "--tls-cert",
+        cert,
+        "--tls-key",
+        key,
+    ]);
+    let wurl = format!("https://localhost:{port}");
+    let c = http::client();
+
+    let (_r, rurl) = serve(&[
+        "--worker",
+        &wurl,
+        "--model",
+        "mock",
+        "--admin-token",
+        TOKEN,
+        "--ca-file",
+        ca.to_str().unwrap(),
+        "--health-check-interval-ms",
+        "200",
+    ])
+    .await;
+    eventually("a request served by the https worker", || {
+        let (c, rurl) = (c.clone(), rurl.clone());
+        async move {
+            let (status, _, _) = post_json(
+                &c,
+                &format!("{rurl}/v1/chat/completions"),
+                &chat("hello", 4, false),
+            )
+            .await;
+            status == StatusCode::OK
+        }
+    })
+    .await;
+    for i in 0..5 {
+        let (status, _, body) = post_json(
+            &c,
+            &format!("{rurl}/v1/chat/completions"),
+            &chat("hello", 4, true),
+        )
+        .await;
+        let body = String::from_utf8_lossy(&body);
+        assert_eq!(status, StatusCode::OK, "request {i}: {body}");
+        assert!(body.contains("[DONE]"), "request {i}: {body}");
+    }
+    let inst = instance(&c, &rurl, &wurl).await;
+    assert_eq!(inst["available"], true, "{inst}");
+    assert_eq!(inst["ejections"], 0, "{inst}");
+
+    // The same worker, the same router flags but no CA: its certificate is refused.
+    let (_r2, rurl2) = serve(&[
+        "--worker",
+        &wurl,
+        "--model",
+        "mock",
+        "--health-check-interval-ms",
+        "0",
+    ])
+    .await;
+    let (status, _, body) = post_json(
+        &c,
+        &format!("{rurl2}/v1/chat/completions"),
+        &chat("hello", 4, false),
+    )
+    .await;
+    let body = String::from_utf8_lossy(&body);
+    assert!(status.is_server_error(), "{status}: {body}");
+    assert!(
+        body.contains("certificate"),
+        "the error does not say why: {body}"
+    );
+}

@@ -31,7 +31,7 @@ fn main() {
                 hash_seed: 0,
                 fault: FaultConfig::NONE,
                 tokenizer: None,
-                zmq_events: None,
+                zmq_events: None, tls: None,
             },
             "127.0.0.1:0".parse().unwrap(),
         )

@@ -162,6 +162,10 @@ pub struct ServeArgs {
     /// Health endpoint path of the static workers [default: /health].
     #[arg(long, env = "SWITCHYARD_HEALTH_PATH")]
     pub health_path: Option<String>,
+    /// PEM file of CA certificates trusted for `https://` workers, besides the system's
+    /// roots (repeatable).
+    #[arg(long = "ca-file", env = "SWITCHYARD_CA_FILES", value_delimiter = ',')]
+    pub ca_files: Vec<PathBuf>,
 }
 
 /// The TOML file. Same keys as the flags (snake_case), plus per-endpoint policies.
@@ -210,6 +214,8 @@ pub struct FileConfig {
     max_retry_after_secs: Option<u64>,
     outlier_detection: Option<bool>,
     health_path: Option<String>,
+    #[serde(default)]
+    ca_files: Vec<PathBuf>,
     /// `[endpoints."namespace/component/endpoint"]` tables.
     #[serde(default)]
     endpoints: BTreeMap<String, EndpointFile>,
@@ -462,7 +468,15 @@ impl ServeArgs {
             endpoint_policies.insert(endpoint, spec);
         }
         let defaults = GatewayConfig::default();
+        let ca_files = if self.ca_files.is_empty() {
+            file.ca_files
+        } else {
+            self.ca_files
+        };
+        let tls = crate::http::upstream::Tls::with_ca_files(&ca_files)
+            .map_err(|e| ConfigError(e.to_string()))?;
         let gateway = GatewayConfig {
+            tls,
             max_body_bytes: self
                 .max_body_bytes
                 .or(file.max_body_bytes)

@@ -75,6 +75,7 @@ impl LocalFleet {
                 fault: FaultConfig::NONE,
                 tokenizer: tokenizer.clone(),
                 zmq_events: None,
+                tls: None,
             };
             workers.push(
                 MockWorker::bind(worker_config, "127.0.0.1:0".parse().expect("valid")).await?,

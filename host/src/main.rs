@@ -285,6 +285,12 @@ struct MockWorkerArgs {
     /// The topic of those events.
     #[arg(long, default_value = "kv-events")]
     zmq_topic: String,
+    /// Serve HTTPS with this PEM certificate chain (with `--tls-key`).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--tls-cert`.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -562,6 +568,12 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
         },
         tokenizer,
         zmq_events: None,
+        tls: match (&args.tls_cert, &args.tls_key) {
+            (Some(cert), Some(key)) => Some(
+                switchyard::worker::server::server_tls(cert, key).map_err(anyhow::Error::msg)?,
+            ),
+            _ => None,
+        },
     };
     let endpoint = args
         .endpoint

@@ -57,6 +57,7 @@ pub struct ServeFleet {
     routers: Mutex<HashMap<EndpointPath, Arc<KvRouter>>>,
     approximate: crate::router::Approximate,
     engine_metrics: Option<Duration>,
+    tls: crate::http::upstream::Tls,
 }
 
 impl ServeFleet {
@@ -85,6 +86,7 @@ impl ServeFleet {
             handle,
             KvRouterConfig {
                 approximate: self.approximate,
+                tls: self.tls.clone(),
                 ..KvRouterConfig::new(entry.block_size)
             },
         ));
@@ -272,7 +274,10 @@ pub async fn serve(
     let fleet = Arc::new(ServeFleet {
         registry: ClientRegistry::new(
             discovery,
-            Arc::new(HttpHealthCheck::new(Duration::from_secs(2))),
+            Arc::new(HttpHealthCheck::with_tls(
+                Duration::from_secs(2),
+                &config.gateway.tls,
+            )),
             config.client.clone(),
         ),
         engine: engine.clone(),
@@ -284,6 +289,7 @@ pub async fn serve(
         routers: Mutex::new(HashMap::new()),
         approximate: config.approximate,
         engine_metrics: config.engine_metrics,
+        tls: config.gateway.tls.clone(),
     });
     let mut background = Vec::new();
     match (&config.discovery, static_set) {

@@ -51,5 +51,6 @@ pub fn mock_worker_config(kv_blocks: usize) -> MockWorkerConfig {
         fault: FaultConfig::NONE,
         tokenizer: None,
         zmq_events: None,
+        tls: None,
     }
 }

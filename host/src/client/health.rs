@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
+use crate::http::upstream::{Connector, Tls};
 use bytes::Bytes;
 use http_body_util::Empty;
 use hyper_util::client::legacy::Client as HttpClient;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use crate::discovery::InstanceInfo;
@@ -53,18 +53,20 @@ pub fn local_exhaustion(e: &(dyn std::error::Error + 'static)) -> Option<String>
 /// tell, so it counts as healthy (a worker without a health endpoint is then judged by
 /// its requests alone, and is never ejected forever).
 pub struct HttpHealthCheck {
-    http: HttpClient<HttpConnector, Empty<Bytes>>,
+    http: HttpClient<Connector, Empty<Bytes>>,
     timeout: Duration,
 }
 
 impl HttpHealthCheck {
-    /// A probe that gives each request `timeout`.
+    /// A probe that gives each request `timeout`, trusting the system's CA roots.
     pub fn new(timeout: Duration) -> HttpHealthCheck {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(timeout));
-        connector.set_nodelay(true);
+        HttpHealthCheck::with_tls(timeout, &Tls::default())
+    }
+
+    /// A probe that gives each request `timeout`, trusting `tls` for `https://` workers.
+    pub fn with_tls(timeout: Duration, tls: &Tls) -> HttpHealthCheck {
         HttpHealthCheck {
-            http: HttpClient::builder(TokioExecutor::new()).build(connector),
+            http: HttpClient::builder(TokioExecutor::new()).build(tls.connector(timeout)),
             timeout,
         }
     }
@@ -84,7 +86,10 @@ impl HealthCheck for HttpHealthCheck {
             })?
             .map_err(|e| match local_exhaustion(&e) {
                 Some(why) => HealthError::Local(why),
-                None => HealthError::Unhealthy(format!("GET {url}: {e}")),
+                None => HealthError::Unhealthy(format!(
+                    "GET {url}: {}",
+                    crate::http::proxy::error_chain(&e)
+                )),
             })?;
         let status = response.status();
         if status.is_success() || matches!(status.as_u16(), 404 | 405 | 501) {

@@ -17,6 +17,7 @@ pub mod admin;
 pub mod error;
 pub mod metrics;
 pub mod proxy;
+pub mod upstream;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -32,7 +33,6 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::client::legacy::Client as HttpClient;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -99,6 +99,8 @@ pub struct GatewayConfig {
     /// worker at its first failure of any kind, the rule before outlier detection (a
     /// baseline for benchmarks).
     pub outlier_detection: bool,
+    /// The trust put in `https://` workers' certificates.
+    pub tls: upstream::Tls,
 }
 
 impl Default for GatewayConfig {
@@ -117,6 +119,7 @@ impl Default for GatewayConfig {
             admin_token: None,
             availability: true,
             outlier_detection: true,
+            tls: upstream::Tls::default(),
         }
     }
 }
@@ -126,7 +129,7 @@ pub struct Gateway {
     pub(crate) config: GatewayConfig,
     pub(crate) fleet: Arc<dyn Fleet>,
     pub(crate) tokenizer: Arc<PrefixTokenizer>,
-    pub(crate) http: HttpClient<HttpConnector, Full<Bytes>>,
+    pub(crate) http: HttpClient<upstream::Connector, Full<Bytes>>,
     pub(crate) metrics: Metrics,
     draining: AtomicBool,
     /// Completion requests in flight (bounded by `max_in_flight`).
@@ -140,9 +143,7 @@ impl Gateway {
         fleet: Arc<dyn Fleet>,
         tokenizer: Arc<PrefixTokenizer>,
     ) -> Arc<Gateway> {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(config.connect_timeout));
+        let connector = config.tls.connector(config.connect_timeout);
         // Idle upstream connections are closed after 3 s: below the 5 s keep-alive of
         // uvicorn (vLLM, SGLang), so the router is not the one to reuse a connection the
         // worker is closing.

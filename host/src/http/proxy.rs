@@ -395,10 +395,28 @@ fn classify(e: &hyper_util::client::legacy::Error) -> Failure {
         source = err.source();
     }
     if closed && !e.is_connect() {
-        Failure::Closed(format!("{e:?}"))
+        Failure::Closed(error_chain(e))
     } else {
-        Failure::Unreachable(format!("{e:?}"))
+        Failure::Unreachable(error_chain(e))
     }
+}
+
+/// An error and its causes in words, outermost first, each said once (`client error
+/// (Connect): invalid peer certificate: UnknownIssuer`).
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut last = out.clone();
+    let mut source = e.source();
+    while let Some(err) = source {
+        let said = err.to_string();
+        if !last.contains(&said) {
+            out.push_str(": ");
+            out.push_str(&said);
+        }
+        last = said;
+        source = err.source();
+    }
+    out
 }
 
 async fn forward(

@@ -254,6 +254,7 @@ async fn replay_external(
                 fault: FaultConfig::NONE,
                 tokenizer: tokenizer.clone(),
                 zmq_events: None,
+                tls: None,
             },
             "127.0.0.1:0".parse().expect("valid"),
         )

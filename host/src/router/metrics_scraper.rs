@@ -11,10 +11,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::http::upstream::Connector;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::client::legacy::Client as HttpClient;
-use hyper_util::client::legacy::connect::HttpConnector;
 
 use super::KvRouter;
 use crate::ids::InstanceId;
@@ -39,7 +39,7 @@ pub struct ScrapeStats {
 /// Scrapes `router`'s workers every `interval` until the router is dropped.
 pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHandle<()> {
     let weak = Arc::downgrade(router);
-    let http = super::background_http(SCRAPE_TIMEOUT);
+    let http = super::background_http(&router.config.tls, SCRAPE_TIMEOUT);
     tokio::spawn(async move {
         let mut quiet_until: HashMap<InstanceId, Instant> = HashMap::new();
         let mut tick = tokio::time::interval(interval);
@@ -87,7 +87,7 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
 }
 
 async fn scrape(
-    http: &HttpClient<HttpConnector, Empty<Bytes>>,
+    http: &HttpClient<Connector, Empty<Bytes>>,
     url: &str,
     block_size: u32,
 ) -> Result<engine_metrics::EngineLoad, String> {

@@ -59,6 +59,8 @@ pub struct KvRouterConfig {
     pub approximate: Approximate,
     /// A booked request still open after this long is released anyway.
     pub load_expiry: Duration,
+    /// The trust put in `https://` workers' certificates (event streams, metrics pages).
+    pub tls: crate::http::upstream::Tls,
 }
 
 impl KvRouterConfig {
@@ -70,6 +72,7 @@ impl KvRouterConfig {
             hash_seed: 0,
             approximate: Approximate::default(),
             load_expiry: Duration::from_secs(600),
+            tls: crate::http::upstream::Tls::default(),
         }
     }
 }
@@ -138,19 +141,17 @@ impl Index {
     }
 }
 
-/// The plain-HTTP client of the router's background readers (event streams, metrics
-/// pages): no Nagle delay, connects bounded by `connect_timeout`.
+/// The client of the router's background readers (event streams, metrics pages), for
+/// `http://` and `https://` workers alike.
 fn background_http(
+    tls: &crate::http::upstream::Tls,
     connect_timeout: Duration,
 ) -> hyper_util::client::legacy::Client<
-    hyper_util::client::legacy::connect::HttpConnector,
+    crate::http::upstream::Connector,
     http_body_util::Empty<bytes::Bytes>,
 > {
-    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(connect_timeout));
     hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build(connector)
+        .build(tls.connector(connect_timeout))
 }
 
 /// Where the router's idea of a worker's cache comes from.

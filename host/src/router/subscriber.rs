@@ -10,10 +10,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use crate::http::upstream::Connector;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client as HttpClient;
-use hyper_util::client::legacy::connect::HttpConnector;
 
 use super::KvRouter;
 use crate::ids::InstanceId;
@@ -59,7 +59,7 @@ pub struct EventStats {
 pub fn spawn(router: &Arc<KvRouter>, config: SubscriberConfig) -> tokio::task::JoinHandle<()> {
     let weak = Arc::downgrade(router);
     let mut changes = router.client().subscribe_changes();
-    let http = super::background_http(Duration::from_secs(2));
+    let http = super::background_http(&router.config.tls, Duration::from_secs(2));
     tokio::spawn(async move {
         let mut subs: HashMap<InstanceId, (Source, tokio::task::AbortHandle)> = HashMap::new();
         let mut known: BTreeSet<InstanceId> = BTreeSet::new();
@@ -150,7 +150,7 @@ async fn follow(
     worker: InstanceId,
     url: String,
     config: SubscriberConfig,
-    http: HttpClient<HttpConnector, Empty<Bytes>>,
+    http: HttpClient<Connector, Empty<Bytes>>,
 ) {
     let mut delay = config.backoff_initial;
     loop {
@@ -182,7 +182,7 @@ async fn stream_once(
     worker: InstanceId,
     url: &str,
     config: &SubscriberConfig,
-    http: &HttpClient<HttpConnector, Empty<Bytes>>,
+    http: &HttpClient<Connector, Empty<Bytes>>,
     synced: &mut bool,
 ) -> End {
     let uri: hyper::Uri = match url.parse() {

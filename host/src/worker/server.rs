@@ -148,7 +148,42 @@ pub struct MockWorkerConfig {
     /// Publish KV events over ZMQ in vLLM's format too (the NDJSON stream at
     /// `/v1/kv_events` is always served).
     pub zmq_events: Option<super::zmq::ZmqEventsConfig>,
+    /// Serve HTTPS with this certificate instead of plain HTTP.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
+
+/// A server TLS configuration from PEM files: the certificate chain and its private key
+/// (what vLLM's `--ssl-certfile` and `--ssl-keyfile` take).
+pub fn server_tls(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> Result<Arc<rustls::ServerConfig>, String> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let chain = CertificateDer::pem_file_iter(cert)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| format!("certificate file {}: {e}", cert.display()))?;
+    if chain.is_empty() {
+        return Err(format!(
+            "certificate file {} holds no certificate",
+            cert.display()
+        ));
+    }
+    let key = PrivateKeyDer::from_pem_file(key)
+        .map_err(|e| format!("key file {}: {e}", key.display()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(|e| format!("certificate and key: {e}"))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// How long a client may take over its TLS handshake.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 struct Shared {
     model: String,
@@ -164,6 +199,8 @@ struct Shared {
     refuse: watch::Sender<bool>,
     /// The ZMQ KV event publisher, if any.
     zmq: Option<(super::zmq::ZmqPublisher, String)>,
+    /// HTTPS, if served.
+    tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 impl Shared {
@@ -231,6 +268,7 @@ impl MockWorker {
             fault: Mutex::new(config.fault),
             served: AtomicU64::new(0),
             refuse,
+            tls: config.tls.map(tokio_rustls::TlsAcceptor::from),
         });
         shared.update_refuse();
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -259,9 +297,16 @@ impl MockWorker {
         self.addr
     }
 
-    /// `http://{addr}`.
+    /// `http://{addr}`, or `https://localhost:{port}` when it serves HTTPS on a
+    /// loopback address (the name its certificate is for, typically).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        match &self.shared.tls {
+            None => format!("http://{}", self.addr),
+            Some(_) if self.addr.ip().is_loopback() => {
+                format!("https://localhost:{}", self.addr.port())
+            }
+            Some(_) => format!("https://{}", self.addr),
+        }
     }
 
     /// What to register in discovery for this worker.
@@ -358,6 +403,7 @@ async fn accept_loop(
                 let _ = stream.set_nodelay(true);
                 let shared = shared.clone();
                 let idle_close = shared.fault.lock().idle_close_ms.map(Duration::from_millis);
+                let shared_tls = shared.tls.clone();
                 tokio::spawn(async move {
                     let service = service_fn(move |req| {
                         let shared = shared.clone();
@@ -368,7 +414,16 @@ async fn accept_loop(
                         // hyper's header timer also runs while a connection is idle.
                         builder.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(idle);
                     }
-                    let _ = builder.serve_connection(TokioIo::new(stream), service).await;
+                    match &shared_tls {
+                        None => {
+                            let _ = builder.serve_connection(TokioIo::new(stream), service).await;
+                        }
+                        Some(acceptor) => {
+                            let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream));
+                            let Ok(Ok(stream)) = handshake.await else { return };
+                            let _ = builder.serve_connection(TokioIo::new(stream), service).await;
+                        }
+                    }
                 });
             }
             _ = refuse.changed() => {}
