@@ -508,3 +508,88 @@ async fn a_replay_socket_that_never_answers_is_asked_once_not_at_every_gap() {
     assert!(status.counts.lost_gaps >= 3, "{status:?}");
     assert_eq!(status.replay_failures, 1, "{status:?}");
 }
+
+/// A chat template unlike ChatML (Llama 3's shape), as a model's `tokenizer_config.json`.
+const LLAMA3_CONFIG: &str = r#"{"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": "{{- bos_token }}\n{%- for message in messages %}\n{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}\n{%- endfor %}\n{%- if add_generation_prompt %}\n{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n{%- endif %}\n"}"#;
+
+/// The engine renders chats with the model's template. A router given the same template
+/// (`--chat-template`) hashes the blocks the engine caches and sees the served chat's
+/// whole prompt cached; a router rendering ChatML sees none of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_models_chat_template_makes_the_routers_blocks_the_engines() {
+    use common::procs::{mock_worker, serve};
+    let dir = tempfile::tempdir().unwrap();
+    let template = dir.path().join("tokenizer_config.json");
+    std::fs::write(&template, LLAMA3_CONFIG).unwrap();
+    let template = template.to_str().unwrap();
+    let etcd = common::etcd::Etcd::start();
+    let _worker = mock_worker(&[
+        "--etcd",
+        &etcd.url(),
+        "--zmq-events",
+        "0",
+        "--speedup",
+        "100",
+        "--chat-template",
+        template,
+    ])
+    .await;
+    let (_a, with_template) = serve(&[
+        "--etcd",
+        &etcd.url(),
+        "--admin-token",
+        "t0ken",
+        "--chat-template",
+        template,
+    ])
+    .await;
+    let (_b, chatml) = serve(&["--etcd", &etcd.url(), "--admin-token", "t0ken"]).await;
+    let explain = |router: &str| format!("{router}/admin/endpoints/default/mock/generate/explain");
+    let system: String = (0..300).map(|i| format!("rule{i} ")).collect();
+    let chat = json!({"model": "mock", "max_tokens": 4, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": "Summarise."}]});
+    for router in [&with_template, &chatml] {
+        eventually_async("the view is exact", || async {
+            admin_post(&explain(router), &chat).await["candidates"][0]["cache_view"] == "events"
+        })
+        .await;
+    }
+    let c = common::http::client();
+    let (status, answer, _) =
+        common::http::post_json(&c, &format!("{with_template}/v1/chat/completions"), &chat).await;
+    assert!(status.is_success(), "{answer}");
+
+    let blocks = admin_post(&explain(&with_template), &chat).await["prompt_blocks"].clone();
+    assert!(blocks.as_u64().unwrap() >= 10, "{blocks}");
+    eventually_async("the engine's blocks, seen through the template", || async {
+        admin_post(&explain(&with_template), &chat).await["candidates"][0]["overlap_blocks"]
+            == blocks
+    })
+    .await;
+    let seen_by_chatml = admin_post(&explain(&chatml), &chat).await;
+    assert_eq!(
+        seen_by_chatml["candidates"][0]["overlap_blocks"], 0,
+        "ChatML renders other text, so other blocks: {seen_by_chatml}"
+    );
+    // A conversation the template refuses is the client's error, not the worker's.
+    let refusing = dir.path().join("mistral.jinja");
+    std::fs::write(
+        &refusing,
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}",
+    )
+    .unwrap();
+    let (_r, strict) = serve(&[
+        "--etcd",
+        &etcd.url(),
+        "--chat-template",
+        refusing.to_str().unwrap(),
+    ])
+    .await;
+    let (status, answer, _) =
+        common::http::post_json(&c, &format!("{strict}/v1/chat/completions"), &chat).await;
+    assert_eq!(status, hyper::StatusCode::BAD_REQUEST, "{answer}");
+    assert!(
+        answer.to_string().contains("System role not supported"),
+        "{answer}"
+    );
+}

@@ -32,6 +32,7 @@ fn main() {
                 fault: FaultConfig::NONE,
                 tokenizer: None,
                 zmq_events: None, tls: None,
+            chat: None,
             },
             "127.0.0.1:0".parse().unwrap(),
         )

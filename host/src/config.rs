@@ -62,6 +62,10 @@ pub struct ServeArgs {
     /// Hugging Face `tokenizer.json` [default: the built-in tokenizer].
     #[arg(long, env = "SWITCHYARD_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,
+    /// The model's chat template, as the engines render it: a `tokenizer_config.json` or a
+    /// Jinja file [default: the one beside `--tokenizer`, else ChatML].
+    #[arg(long, env = "SWITCHYARD_CHAT_TEMPLATE")]
+    pub chat_template: Option<PathBuf>,
     /// Tokens of earlier prompts kept so that a conversation's next turn tokenizes only
     /// its new text; 0 tokenizes every prompt whole [default: 8388608].
     #[arg(long, env = "SWITCHYARD_TOKENIZER_CACHE_TOKENS")]
@@ -186,6 +190,7 @@ pub struct FileConfig {
     watch: Option<bool>,
     admin_token: Option<String>,
     tokenizer: Option<PathBuf>,
+    chat_template: Option<PathBuf>,
     tokenizer_cache_tokens: Option<usize>,
     max_body_bytes: Option<usize>,
     max_attempts: Option<usize>,
@@ -361,6 +366,8 @@ pub struct ServeConfig {
     pub watch: bool,
     /// Tokenizer file, if not built-in.
     pub tokenizer: Option<PathBuf>,
+    /// Chat template file, if not the one beside the tokenizer (or ChatML).
+    pub chat_template: Option<PathBuf>,
     /// Budget of the tokenizer's prefix cache, tokens (0: off).
     pub tokenizer_cache_tokens: usize,
     /// The front door.
@@ -625,6 +632,7 @@ impl ServeArgs {
             endpoint_policies,
             watch: self.watch.or(file.watch).unwrap_or(false),
             tokenizer: self.tokenizer.or(file.tokenizer),
+            chat_template: self.chat_template.or(file.chat_template),
             tokenizer_cache_tokens: self
                 .tokenizer_cache_tokens
                 .or(file.tokenizer_cache_tokens)

@@ -76,6 +76,7 @@ impl LocalFleet {
                 tokenizer: tokenizer.clone(),
                 zmq_events: None,
                 tls: None,
+                chat: None,
             };
             workers.push(
                 MockWorker::bind(worker_config, "127.0.0.1:0".parse().expect("valid")).await?,

@@ -219,6 +219,10 @@ struct MockWorkerArgs {
     /// same file as the router's, so both cut prompts into the same blocks.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// The model's chat template: a `tokenizer_config.json` or a Jinja file [default:
+    /// the one beside `--tokenizer`, else ChatML].
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: u32,
@@ -567,6 +571,12 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
             idle_close_ms: args.idle_close_ms,
         },
         tokenizer,
+        chat: Some(std::sync::Arc::new(
+            switchyard::tokens::ChatFormat::resolve(
+                args.chat_template.as_deref(),
+                args.tokenizer.as_deref(),
+            )?,
+        )),
         zmq_events: None,
         tls: match (&args.tls_cert, &args.tls_key) {
             (Some(cert), Some(key)) => Some(

@@ -232,6 +232,9 @@ pub enum ServeError {
     /// The tokenizer cannot load.
     #[error(transparent)]
     Tokenizer(#[from] crate::tokens::TokenizerError),
+    /// The chat template cannot load.
+    #[error(transparent)]
+    ChatTemplate(#[from] crate::tokens::ChatTemplateError),
     /// The listening socket failed.
     #[error("listening socket: {0}")]
     Io(#[from] std::io::Error),
@@ -253,10 +256,13 @@ pub async fn serve(
         Some(path) => Tokenizer::from_file(path)?,
         None => Tokenizer::builtin(),
     });
-    let tokenizer = Arc::new(PrefixTokenizer::new(
-        tokenizer,
-        config.tokenizer_cache_tokens,
-    ));
+    let chat = crate::tokens::ChatFormat::resolve(
+        config.chat_template.as_deref(),
+        config.tokenizer.as_deref(),
+    )?;
+    let tokenizer = Arc::new(
+        PrefixTokenizer::new(tokenizer, config.tokenizer_cache_tokens).with_chat(Arc::new(chat)),
+    );
     let (discovery, static_set): (Arc<dyn Discovery>, Option<Vec<InstanceInfo>>) =
         match &config.discovery {
             DiscoveryConfig::Etcd(etcd) => (Arc::new(EtcdDiscovery::new(etcd.clone())), None),

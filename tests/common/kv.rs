@@ -52,5 +52,6 @@ pub fn mock_worker_config(kv_blocks: usize) -> MockWorkerConfig {
         tokenizer: None,
         zmq_events: None,
         tls: None,
+        chat: None,
     }
 }

@@ -35,7 +35,7 @@ use crate::client::{Client, local_exhaustion};
 use crate::ids::{InstanceId, RequestId};
 use crate::openai::{self, Api, Prompt};
 use crate::router::{KvRouter, RouteError};
-use crate::tokens::{TokenizerError, render_chat};
+use crate::tokens::TokenizerError;
 
 /// Releases a request's load booking when dropped.
 struct Booking {
@@ -125,7 +125,7 @@ async fn tokenize_prompt(gw: &Arc<Gateway>, prompt: &Prompt) -> Result<Vec<u32>,
     let text = match prompt {
         Prompt::Tokens(t) => return Ok(t.clone()),
         Prompt::Text(t) => std::borrow::Cow::Borrowed(t.as_str()),
-        Prompt::Chat(m) => std::borrow::Cow::Owned(render_chat(m)),
+        Prompt::Chat(m) => std::borrow::Cow::Owned(gw.tokenizer.render_chat(m)?),
     };
     let started = Instant::now();
     let tokens = if text.len() > BLOCKING_TOKENIZE_BYTES {

@@ -255,6 +255,7 @@ async fn replay_external(
                 tokenizer: tokenizer.clone(),
                 zmq_events: None,
                 tls: None,
+                chat: None,
             },
             "127.0.0.1:0".parse().expect("valid"),
         )

@@ -8,10 +8,13 @@
 //!   prefixes give equal token prefixes.
 //! - [`Tokenizer::from_file`] loads a Hugging Face `tokenizer.json`.
 //!
-//! Chat messages are rendered into one prompt with ChatML markers, see [`render_chat`].
+//! Chat messages are rendered into one prompt with the model's chat template, or ChatML
+//! markers without one, see [`ChatFormat`].
 
+pub mod chat;
 pub mod prefix;
 
+pub use chat::{ChatFormat, ChatTemplateError};
 pub use prefix::PrefixTokenizer;
 
 use std::path::Path;
@@ -40,6 +43,12 @@ impl std::fmt::Debug for Tokenizer {
 #[derive(Debug, thiserror::Error)]
 #[error("tokenizer: {0}")]
 pub struct TokenizerError(String);
+
+impl From<ChatTemplateError> for TokenizerError {
+    fn from(e: ChatTemplateError) -> TokenizerError {
+        TokenizerError(e.to_string())
+    }
+}
 
 impl TokenizerError {
     /// A tokenization task that did not finish.
@@ -141,28 +150,6 @@ pub struct ChatMessage {
     pub content: String,
 }
 
-/// Renders chat messages into one prompt, ChatML style:
-///
-/// ```text
-/// <|im_start|>{role}\n{content}<|im_end|>\n   (per message)
-/// <|im_start|>assistant\n                    (the generation prompt)
-/// ```
-///
-/// Deterministic, and a conversation's earlier turns render to the same prefix, so
-/// multi-turn chats reuse the KV cache of their previous turns.
-pub fn render_chat(messages: &[ChatMessage]) -> String {
-    let mut s = String::new();
-    for m in messages {
-        s.push_str("<|im_start|>");
-        s.push_str(&m.role);
-        s.push('\n');
-        s.push_str(&m.content);
-        s.push_str("<|im_end|>\n");
-    }
-    s.push_str("<|im_start|>assistant\n");
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -219,8 +206,9 @@ mod tests {
             role: role.into(),
             content: content.into(),
         };
-        let first = render_chat(&[m("system", "Be brief."), m("user", "Hi")]);
-        let second = render_chat(&[
+        let render = |m: &[ChatMessage]| ChatFormat::ChatMl.render(m).unwrap();
+        let first = render(&[m("system", "Be brief."), m("user", "Hi")]);
+        let second = render(&[
             m("system", "Be brief."),
             m("user", "Hi"),
             m("assistant", "Hello!"),

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use super::{Tokenizer, TokenizerError};
+use super::{ChatFormat, ChatMessage, Tokenizer, TokenizerError};
 
 /// Bytes between cut points, at least (a cut waits for the next whitespace).
 pub const CHUNK: usize = 2048;
@@ -40,6 +40,8 @@ pub const DEFAULT_BUDGET_TOKENS: usize = 8 << 20;
 /// A tokenizer that reuses the tokens of text prefixes it has seen.
 pub struct PrefixTokenizer {
     tokenizer: Arc<Tokenizer>,
+    /// How chats become prompt text.
+    chat: Arc<ChatFormat>,
     cache: Mutex<Cache>,
     enabled: AtomicBool,
     hits: AtomicU64,
@@ -152,9 +154,27 @@ impl PrefixTokenizer {
         t
     }
 
+    /// Renders chats with `chat` instead of ChatML.
+    pub fn with_chat(mut self, chat: Arc<ChatFormat>) -> PrefixTokenizer {
+        self.chat = chat;
+        self
+    }
+
+    /// How chats are rendered.
+    pub fn chat(&self) -> &ChatFormat {
+        &self.chat
+    }
+
+    /// The prompt text of a chat (the model's template, or ChatML); a chat the template
+    /// refuses is the client's error.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
+        Ok(self.chat.render(messages)?)
+    }
+
     fn unchecked(tokenizer: Arc<Tokenizer>, budget_tokens: usize) -> PrefixTokenizer {
         PrefixTokenizer {
             tokenizer,
+            chat: Arc::new(ChatFormat::ChatMl),
             cache: Mutex::new(Cache {
                 budget: budget_tokens,
                 ..Cache::default()

@@ -41,7 +41,7 @@ use crate::kv::events::KvEvent;
 use crate::kv::hash::BlockHasher;
 use crate::openai::{self, Api, Prompt};
 use crate::tokens::prefix::DEFAULT_BUDGET_TOKENS;
-use crate::tokens::{PrefixTokenizer, Tokenizer, render_chat};
+use crate::tokens::{PrefixTokenizer, Tokenizer};
 
 type Body = BoxBody<Bytes, std::io::Error>;
 
@@ -150,6 +150,8 @@ pub struct MockWorkerConfig {
     pub zmq_events: Option<super::zmq::ZmqEventsConfig>,
     /// Serve HTTPS with this certificate instead of plain HTTP.
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// How chats become prompts (`None`: ChatML), as the engine's chat template does.
+    pub chat: Option<Arc<crate::tokens::ChatFormat>>,
 }
 
 /// A server TLS configuration from PEM files: the certificate chain and its private key
@@ -264,6 +266,11 @@ impl MockWorker {
                     .tokenizer
                     .unwrap_or_else(|| Arc::new(Tokenizer::builtin())),
                 DEFAULT_BUDGET_TOKENS,
+            )
+            .with_chat(
+                config
+                    .chat
+                    .unwrap_or_else(|| Arc::new(crate::tokens::ChatFormat::ChatMl)),
             ),
             fault: Mutex::new(config.fault),
             served: AtomicU64::new(0),
@@ -639,11 +646,13 @@ async fn tokenize(shared: &Shared, req: Request<Incoming>, render: bool) -> Resp
     let (text, tokens) = match &parsed.prompt {
         Prompt::Tokens(t) => (None, Ok(t.clone())),
         Prompt::Text(t) => (Some(t.clone()), shared.tokenizer.encode(t)),
-        Prompt::Chat(m) => {
-            let text = render_chat(m);
-            let tokens = shared.tokenizer.encode(&text);
-            (Some(text), tokens)
-        }
+        Prompt::Chat(m) => match shared.tokenizer.render_chat(m) {
+            Ok(text) => {
+                let tokens = shared.tokenizer.encode(&text);
+                (Some(text), tokens)
+            }
+            Err(e) => (None, Err(e)),
+        },
     };
     let tokens = match tokens {
         Ok(t) => t,
@@ -817,7 +826,10 @@ async fn completion(shared: Arc<Shared>, api: Api, req: Request<Incoming>) -> Re
     let tokens = match &parsed.prompt {
         Prompt::Tokens(t) => Ok(t.clone()),
         Prompt::Text(t) => shared.tokenizer.encode(t),
-        Prompt::Chat(m) => shared.tokenizer.encode(&render_chat(m)),
+        Prompt::Chat(m) => shared
+            .tokenizer
+            .render_chat(m)
+            .and_then(|text| shared.tokenizer.encode(&text)),
     };
     let tokens = match tokens {
         Ok(t) if !t.is_empty() => t,
