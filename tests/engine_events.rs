@@ -34,12 +34,17 @@ struct Publisher {
 
 impl Publisher {
     async fn start(shape: &str) -> Publisher {
+        Publisher::start_with(shape, &[]).await
+    }
+
+    async fn start_with(shape: &str, extra: &[&str]) -> Publisher {
         let script = concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../tests/fixtures/kv_publisher.py"
         );
         let mut child = Command::new("python3")
             .args([script, "--shape", shape, "--block-size", &BLOCK.to_string()])
+            .args(extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
@@ -591,5 +596,91 @@ async fn the_models_chat_template_makes_the_routers_blocks_the_engines() {
     assert!(
         answer.to_string().contains("System role not supported"),
         "{answer}"
+    );
+}
+
+/// Central mode: the router binds one SUB socket and engines connect to it, each under a
+/// topic naming its worker (vLLM's `endpoint` without `*`). Every worker gets its own
+/// blocks, batches under a topic no worker names are counted and skipped, and a topic
+/// cannot be claimed by two workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_connecting_to_the_routers_bound_socket_are_told_apart_by_topic() {
+    use switchyard::router::central_events::CentralEvents;
+    const W2: InstanceId = InstanceId(8);
+    let address = format!("tcp://127.0.0.1:{}", common::procs::free_port());
+    let hub = CentralEvents::bind(std::slice::from_ref(&address))
+        .await
+        .unwrap();
+    let mut p1 = Publisher::start_with("vllm-map", &["--connect", &address, "--topic", "w1"]).await;
+    let mut p2 = Publisher::start_with("sglang", &["--connect", &address, "--topic", "w2"]).await;
+    let mut stray =
+        Publisher::start_with("vllm-map", &["--connect", &address, "--topic", "nobody"]).await;
+    let bound = |topic: &str, publisher: &Publisher| EngineEventSource {
+        endpoint: "bound".into(),
+        replay: Some(format!("tcp://127.0.0.1:{}", publisher.replay_port)),
+        topic: topic.into(),
+        data_parallel_size: 1,
+    };
+    let client = Client::new(
+        EndpointPath::for_model("m"),
+        ClientConfig {
+            outlier: OutlierConfig {
+                health_interval: None,
+                ..OutlierConfig::default()
+            },
+            ..ClientConfig::default()
+        },
+        Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
+    );
+    client.apply(DiscoveryUpdate::Reset(vec![
+        instance(W, "http://127.0.0.1:9".into(), Some(bound("w1", &p1))),
+        instance(W2, "http://127.0.0.1:10".into(), Some(bound("w2", &p2))),
+    ]));
+    let router = common::kv::kv_cost_router_with(
+        client,
+        switchyard::router::KvRouterConfig {
+            central_events: Some(hub.clone()),
+            ..switchyard::router::KvRouterConfig::new(BLOCK)
+        },
+    );
+    common::kv::follow_events(&router);
+    eventually("both views in sync", || {
+        router.cache_view(W) == CacheView::Events && router.cache_view(W2) == CacheView::Events
+    })
+    .await;
+    let (a, b) = (prompt(1, 8), prompt(2, 6));
+    p1.send(json!({"op": "stored", "tokens": a})).await;
+    p2.send(json!({"op": "stored", "tokens": b})).await;
+    stray.send(json!({"op": "stored", "tokens": b})).await;
+    let on = |id: InstanceId, tokens: &[u32]| {
+        let (c, _) = router.candidates(&hashes(tokens), &[]);
+        c.overlap_of(id).unwrap_or(0)
+    };
+    eventually("each engine's blocks on its own worker", || {
+        on(W, &a) == 8 && on(W2, &b) == 6
+    })
+    .await;
+    assert_eq!((on(W2, &a), on(W, &b)), (0, 0));
+    // The stray engine's batches are skipped, and counted, once its connection is up (a
+    // batch sent before it is lost, as with any PUB socket).
+    let unrouted = || hub.unrouted.load(std::sync::atomic::Ordering::Relaxed);
+    let deadline = Instant::now() + PATIENCE;
+    while unrouted() == 0 {
+        assert!(Instant::now() < deadline, "stray batches never counted");
+        stray.send(json!({"op": "cleared"})).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        hub.claim("w1", 0, InstanceId(99)).is_err(),
+        "a topic is one worker's"
+    );
+    assert!(
+        hub.claim("w3", 1, InstanceId(99)).is_err(),
+        "one socket, one rank"
+    );
+    assert_eq!(
+        on(W, &a),
+        8,
+        "nothing the stray engine said reached a worker"
     );
 }

@@ -170,6 +170,15 @@ pub struct ServeArgs {
     /// roots (repeatable).
     #[arg(long = "ca-file", env = "SWITCHYARD_CA_FILES", value_delimiter = ',')]
     pub ca_files: Vec<PathBuf>,
+    /// Central mode of engine KV events: bind a SUB socket here that engines connect to
+    /// (their `endpoint` is `tcp://ROUTER:PORT`), one address per data-parallel rank in
+    /// rank order; workers then say `kv_events=bound` and the topic naming them.
+    #[arg(
+        long = "kv-events-bind",
+        env = "SWITCHYARD_KV_EVENTS_BIND",
+        value_delimiter = ','
+    )]
+    pub kv_events_bind: Vec<String>,
 }
 
 /// The TOML file. Same keys as the flags (snake_case), plus per-endpoint policies.
@@ -221,6 +230,8 @@ pub struct FileConfig {
     health_path: Option<String>,
     #[serde(default)]
     ca_files: Vec<PathBuf>,
+    #[serde(default)]
+    kv_events_bind: Vec<String>,
     /// `[endpoints."namespace/component/endpoint"]` tables.
     #[serde(default)]
     endpoints: BTreeMap<String, EndpointFile>,
@@ -382,6 +393,8 @@ pub struct ServeConfig {
     pub approximate: crate::router::Approximate,
     /// How often workers' engine metrics are read (`None`: never).
     pub engine_metrics: Option<Duration>,
+    /// Addresses of the SUB sockets engines connect to (central mode), rank by rank.
+    pub kv_events_bind: Vec<String>,
 }
 
 /// A configuration problem, said plainly.
@@ -473,6 +486,18 @@ impl ServeArgs {
                 config: ep.policy_config.unwrap_or_else(|| "{}".into()),
             };
             endpoint_policies.insert(endpoint, spec);
+        }
+        let kv_events_bind = if self.kv_events_bind.is_empty() {
+            file.kv_events_bind
+        } else {
+            self.kv_events_bind
+        };
+        for address in &kv_events_bind {
+            if !address.starts_with("tcp://") || !address.contains(':') {
+                return Err(ConfigError(format!(
+                    "--kv-events-bind `{address}` is not tcp://HOST:PORT"
+                )));
+            }
         }
         let defaults = GatewayConfig::default();
         let ca_files = if self.ca_files.is_empty() {
@@ -657,6 +682,7 @@ impl ServeArgs {
                 0 => None,
                 ms => Some(Duration::from_millis(ms)),
             },
+            kv_events_bind,
         })
     }
 }
@@ -793,12 +819,17 @@ mod tests {
         assert_eq!(src.endpoint, "tcp://10.0.0.7:5557");
         assert_eq!(src.replay.as_deref(), Some("tcp://10.0.0.7:5558"));
         assert_eq!((src.topic.as_str(), src.data_parallel_size), ("kv", 2));
+        // Central mode: the engine connects to the router; its topic names it.
+        let w =
+            StaticWorker::parse("http://h:1#kv_events=bound&topic=w1&kv_replay=tcp://h:2").unwrap();
+        assert_eq!(w.engine_events.unwrap().endpoint, "bound");
         for bad in [
             "http://h:1#kv_events=tcp://*:5557",
             "http://h:1#kv_events=ipc:///tmp/x",
             "http://h:1#kv_replay=tcp://h:2",
             "http://h:1#kv_events=tcp://h:2&dp=0",
             "http://h:1#kv_event=tcp://h:2",
+            "http://h:1#kv_events=bound",
         ] {
             assert!(StaticWorker::parse(bad).is_err(), "{bad}");
         }

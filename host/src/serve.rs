@@ -58,6 +58,7 @@ pub struct ServeFleet {
     approximate: crate::router::Approximate,
     engine_metrics: Option<Duration>,
     tls: crate::http::upstream::Tls,
+    central_events: Option<Arc<crate::router::central_events::CentralEvents>>,
 }
 
 impl ServeFleet {
@@ -87,6 +88,7 @@ impl ServeFleet {
             KvRouterConfig {
                 approximate: self.approximate,
                 tls: self.tls.clone(),
+                central_events: self.central_events.clone(),
                 ..KvRouterConfig::new(entry.block_size)
             },
         ));
@@ -235,6 +237,9 @@ pub enum ServeError {
     /// The chat template cannot load.
     #[error(transparent)]
     ChatTemplate(#[from] crate::tokens::ChatTemplateError),
+    /// A KV events socket cannot be bound.
+    #[error("{0}")]
+    KvEvents(String),
     /// The listening socket failed.
     #[error("listening socket: {0}")]
     Io(#[from] std::io::Error),
@@ -263,6 +268,15 @@ pub async fn serve(
     let tokenizer = Arc::new(
         PrefixTokenizer::new(tokenizer, config.tokenizer_cache_tokens).with_chat(Arc::new(chat)),
     );
+    let central_events = if config.kv_events_bind.is_empty() {
+        None
+    } else {
+        Some(
+            crate::router::central_events::CentralEvents::bind(&config.kv_events_bind)
+                .await
+                .map_err(ServeError::KvEvents)?,
+        )
+    };
     let (discovery, static_set): (Arc<dyn Discovery>, Option<Vec<InstanceInfo>>) =
         match &config.discovery {
             DiscoveryConfig::Etcd(etcd) => (Arc::new(EtcdDiscovery::new(etcd.clone())), None),
@@ -296,6 +310,7 @@ pub async fn serve(
         approximate: config.approximate,
         engine_metrics: config.engine_metrics,
         tls: config.gateway.tls.clone(),
+        central_events,
     });
     let mut background = Vec::new();
     match (&config.discovery, static_set) {

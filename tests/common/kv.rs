@@ -11,15 +11,16 @@ use switchyard::worker::{EngineConfig, FaultConfig, MockWorkerConfig, TimingMode
 
 /// A router for `client`'s endpoint deciding with the built-in kv-cost policy.
 pub fn kv_cost_router(client: Arc<Client>, block_size: u32) -> Arc<KvRouter> {
+    kv_cost_router_with(client, KvRouterConfig::new(block_size))
+}
+
+/// A kv-cost router with its own configuration.
+pub fn kv_cost_router_with(client: Arc<Client>, config: KvRouterConfig) -> Arc<KvRouter> {
     let engine = PolicyEngine::new(super::runtime()).unwrap();
     let policy = Arc::new(
         PolicyHandle::new(engine.clone(), engine.load_spec("kv-cost", "{}").unwrap()).unwrap(),
     );
-    Arc::new(KvRouter::new(
-        client,
-        policy,
-        KvRouterConfig::new(block_size),
-    ))
+    Arc::new(KvRouter::new(client, policy, config))
 }
 
 /// Follows `router`'s workers' KV events, reconnecting quickly (tests break streams on

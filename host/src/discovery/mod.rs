@@ -78,9 +78,18 @@ impl EngineEventSource {
         }
     }
 
-    /// Checks the endpoints (`tcp://HOST:PORT`) and the rank count.
+    /// Checks the endpoints (`tcp://HOST:PORT`, or `bound` with a topic) and the rank
+    /// count.
     pub fn validate(&self) -> Result<(), String> {
-        for e in std::iter::once(&self.endpoint).chain(self.replay.as_ref()) {
+        let bound = self.endpoint == crate::router::central_events::BOUND;
+        if bound && self.topic.is_empty() {
+            return Err(
+                "kv_events = \"bound\" needs the topic the engine publishes under, which names the worker"
+                    .into(),
+            );
+        }
+        let connected = (!bound).then_some(&self.endpoint);
+        for e in connected.into_iter().chain(self.replay.as_ref()) {
             let Some(rest) = e.strip_prefix("tcp://") else {
                 return Err(format!("KV event endpoint `{e}` is not tcp://HOST:PORT"));
             };

@@ -408,6 +408,32 @@ impl Metrics {
             "# HELP switchyard_token_prefix_cached_tokens tokens held for reuse\n# TYPE switchyard_token_prefix_cached_tokens gauge\nswitchyard_token_prefix_cached_tokens {}",
             prefix.tokens
         );
+        // Central mode's sockets are shared by every endpoint: said once.
+        if let Some(hub) = routers.iter().find_map(|r| r.central_events()) {
+            for (name, help, c) in [
+                (
+                    "switchyard_kv_events_unrouted_total",
+                    "engine KV event batches on the bound sockets under a topic no worker names",
+                    &hub.unrouted,
+                ),
+                (
+                    "switchyard_kv_events_dropped_total",
+                    "engine KV event batches on the bound sockets dropped at a full worker queue (seen as gaps)",
+                    &hub.dropped,
+                ),
+                (
+                    "switchyard_kv_events_malformed_frames_total",
+                    "messages on the bound sockets that were not [topic, seq, payload]",
+                    &hub.malformed,
+                ),
+            ] {
+                let _ = writeln!(
+                    s,
+                    "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                    load(c)
+                );
+            }
+        }
         self.timings.render(&mut s);
         s
     }

@@ -86,6 +86,9 @@ struct Feed {
 
 impl Feed {
     async fn run(mut self, (initial, max): (Duration, Duration)) {
+        if self.endpoint == super::central_events::BOUND {
+            return self.run_bound().await;
+        }
         let mut delay = initial;
         loop {
             let mut options = SocketOptions::default();
@@ -120,6 +123,33 @@ impl Feed {
                 if !self.handle(seq, &payload, true).await {
                     return;
                 }
+            }
+        }
+    }
+
+    /// Central mode: the engine connects to the router's bound sockets, and its batches
+    /// come by topic.
+    async fn run_bound(mut self) {
+        let Some(router) = self.router.upgrade() else {
+            return;
+        };
+        let claim = match &router.config.central_events {
+            Some(hub) => hub.claim(&self.topic, self.rank, self.worker),
+            None => Err("the router binds no KV events socket (--kv-events-bind)".into()),
+        };
+        drop(router);
+        let mut claim = match claim {
+            Ok(c) => c,
+            Err(why) => {
+                tracing::warn!(instance = %self.worker, topic = self.topic, rank = self.rank, why, "cannot follow the engine's KV events; its cache is predicted");
+                return;
+            }
+        };
+        tracing::info!(instance = %self.worker, topic = self.topic, rank = self.rank, "following the engine's KV events (central mode)");
+        self.catch_up().await;
+        while let Some((seq, payload)) = claim.batches.recv().await {
+            if !self.handle(seq, &payload, true).await {
+                return;
             }
         }
     }

@@ -5,6 +5,7 @@
 //!
 //! Must not know: wasmtime (it sees `PolicyHandle`), etcd, HTTP serving.
 
+pub mod central_events;
 pub mod engine_subscriber;
 pub mod metrics_scraper;
 pub mod subscriber;
@@ -61,6 +62,8 @@ pub struct KvRouterConfig {
     pub load_expiry: Duration,
     /// The trust put in `https://` workers' certificates (event streams, metrics pages).
     pub tls: crate::http::upstream::Tls,
+    /// The bound sockets engines connect to (central mode), if any.
+    pub central_events: Option<Arc<central_events::CentralEvents>>,
 }
 
 impl KvRouterConfig {
@@ -73,6 +76,7 @@ impl KvRouterConfig {
             approximate: Approximate::default(),
             load_expiry: Duration::from_secs(600),
             tls: crate::http::upstream::Tls::default(),
+            central_events: None,
         }
     }
 }
@@ -621,6 +625,11 @@ impl KvRouter {
     /// `worker`'s KV cache size in blocks, if its reports said.
     pub fn known_capacity(&self, worker: InstanceId) -> Option<u64> {
         self.capacities.lock().get(&worker).copied()
+    }
+
+    /// The bound sockets engines connect to (central mode), if any.
+    pub fn central_events(&self) -> Option<&Arc<central_events::CentralEvents>> {
+        self.config.central_events.as_ref()
     }
 
     /// Counters of the engine-metrics scrapes.

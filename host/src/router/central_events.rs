@@ -1,0 +1,179 @@
+//! The central mode of engine KV events: the router binds SUB sockets and the engines
+//! connect to them (vLLM's `endpoint` without `*`, e.g. `tcp://router:5557`), each
+//! publishing under a topic that names its worker. A worker whose `kv_events` is
+//! [`BOUND`] is fed from here: its batches are routed by (topic, rank) to the worker's
+//! feed, which treats them exactly as batches from its own SUB socket (sequence checks,
+//! replay, incomplete views).
+//!
+//! One socket per data-parallel rank: the `r`-th bound address receives rank `r` (an
+//! engine's rank `r` connects to its endpoint's port plus `r`). Discipline: a feed's
+//! queue is bounded ([`QUEUE`] batches) and a full queue drops the batch, which the feed
+//! then sees as a sequence gap (replayed or marked incomplete), so one slow worker never
+//! holds up the others; batches of a topic no worker claims are counted and skipped; a
+//! topic claimed twice is refused to the second claimant, which stays approximate.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use tokio::sync::mpsc;
+use zeromq::{Socket, SocketRecv, SubSocket};
+
+use crate::ids::InstanceId;
+
+/// The `kv_events` of a worker whose engine connects to the router's bound sockets.
+pub const BOUND: &str = "bound";
+
+/// Batches queued per (topic, rank) before new ones are dropped (and become a gap).
+pub const QUEUE: usize = 4096;
+
+type Route = (String, u32);
+/// A batch as it arrived: `(seq, payload)`.
+type Batch = (u64, Bytes);
+
+/// The router's bound SUB sockets and where their batches go.
+pub struct CentralEvents {
+    addresses: Vec<String>,
+    routes: Mutex<HashMap<Route, (InstanceId, mpsc::Sender<Batch>)>>,
+    /// Batches whose topic no worker claims.
+    pub unrouted: AtomicU64,
+    /// Batches dropped because a worker's queue was full.
+    pub dropped: AtomicU64,
+    /// Batches that were not `[topic, seq, payload]`.
+    pub malformed: AtomicU64,
+}
+
+impl std::fmt::Debug for CentralEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CentralEvents")
+            .field("addresses", &self.addresses)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A worker's claim on a topic: its batches, until dropped.
+pub struct Claim {
+    hub: Arc<CentralEvents>,
+    route: Route,
+    /// `(seq, payload)` of each batch.
+    pub batches: mpsc::Receiver<Batch>,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.hub.routes.lock().remove(&self.route);
+    }
+}
+
+impl CentralEvents {
+    /// Binds a SUB socket (every topic) at each of `addresses` (`tcp://HOST:PORT`; the
+    /// `r`-th for rank `r`) and starts receiving.
+    pub async fn bind(addresses: &[String]) -> Result<Arc<CentralEvents>, String> {
+        let hub = Arc::new(CentralEvents {
+            addresses: addresses.to_vec(),
+            routes: Mutex::new(HashMap::new()),
+            unrouted: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+            malformed: AtomicU64::new(0),
+        });
+        for (rank, address) in addresses.iter().enumerate() {
+            let mut sub = SubSocket::new();
+            sub.subscribe("")
+                .await
+                .map_err(|e| format!("KV events socket {address}: {e}"))?;
+            let bound = sub
+                .bind(address)
+                .await
+                .map_err(|e| format!("cannot bind the KV events socket {address}: {e}"))?;
+            tracing::info!(%bound, rank, "receiving engines' KV events (central mode)");
+            tokio::spawn(receive(Arc::downgrade(&hub), sub, rank as u32));
+        }
+        Ok(hub)
+    }
+
+    /// The addresses bound, rank by rank.
+    pub fn addresses(&self) -> &[String] {
+        &self.addresses
+    }
+
+    /// Claims `topic`'s batches of `rank` for `worker`. A topic another worker holds is
+    /// refused (two engines under one topic would look like restarts of one).
+    pub fn claim(
+        self: &Arc<Self>,
+        topic: &str,
+        rank: u32,
+        worker: InstanceId,
+    ) -> Result<Claim, String> {
+        if rank as usize >= self.addresses.len() {
+            return Err(format!(
+                "rank {rank} has no bound socket (--kv-events-bind gives {}, one per rank)",
+                self.addresses.len()
+            ));
+        }
+        let route = (topic.to_string(), rank);
+        let mut routes = self.routes.lock();
+        if let Some((holder, _)) = routes.get(&route)
+            && *holder != worker
+        {
+            return Err(format!(
+                "topic `{topic}` is already the events of worker {holder}"
+            ));
+        }
+        let (tx, rx) = mpsc::channel(QUEUE);
+        routes.insert(route.clone(), (worker, tx));
+        Ok(Claim {
+            hub: self.clone(),
+            route,
+            batches: rx,
+        })
+    }
+
+    fn dispatch(&self, rank: u32, topic: &[u8], seq: u64, payload: Bytes) {
+        let topic = String::from_utf8_lossy(topic);
+        let sender = self
+            .routes
+            .lock()
+            .get(&(topic.to_string(), rank))
+            .map(|(_, tx)| tx.clone());
+        let Some(tx) = sender else {
+            let n = self.unrouted.fetch_add(1, Ordering::Relaxed) + 1;
+            if n <= 10 || n.is_multiple_of(10_000) {
+                tracing::warn!(%topic, rank, unrouted = n, "KV events under a topic no worker names; skipped (set the worker's `topic`)");
+            }
+            return;
+        };
+        if tx.try_send((seq, payload)).is_err() {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+async fn receive(hub: std::sync::Weak<CentralEvents>, mut sub: SubSocket, rank: u32) {
+    loop {
+        let msg = match sub.recv().await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::debug!(rank, error = %e, "central KV events socket error");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Some(hub) = hub.upgrade() else { return };
+        let mut frames = msg.into_vec();
+        let parsed = (frames.len() == 3)
+            .then(|| {
+                let payload = frames.pop()?;
+                let seq = <[u8; 8]>::try_from(&frames.pop()?[..]).ok()?;
+                Some((frames.pop()?, u64::from_be_bytes(seq), payload))
+            })
+            .flatten();
+        match parsed {
+            Some((topic, seq, payload)) => hub.dispatch(rank, &topic, seq, payload),
+            None => {
+                hub.malformed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
