@@ -684,3 +684,24 @@ async fn engines_connecting_to_the_routers_bound_socket_are_told_apart_by_topic(
         "nothing the stray engine said reached a worker"
     );
 }
+
+/// vLLM's `cache_salt` keeps tenants apart: a prompt the engine stored under one salt is
+/// found by a request with that salt only, not by another tenant's or an unsalted one,
+/// because the router mixes the request's salt into the first block as the engine does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_salt_is_matched_only_by_its_own_tenant() {
+    let mut publisher = Publisher::start("vllm-map").await;
+    let router = router(publisher.source(true));
+    eventually("in sync", || router.cache_view(W) == CacheView::Events).await;
+    let a = prompt(1, 5);
+    publisher
+        .send(json!({"op": "stored", "tokens": a, "salt": "tenant-1"}))
+        .await;
+    let on = |salt: Option<&str>| {
+        let hashes = router.hasher().salted_hashes(&a, salt);
+        router.candidates(&hashes, &[]).0.overlap_of(W).unwrap_or(0)
+    };
+    eventually("the salted blocks", || on(Some("tenant-1")) == 5).await;
+    assert_eq!(on(Some("tenant-2")), 0, "another tenant's salt");
+    assert_eq!(on(None), 0, "no salt");
+}

@@ -33,6 +33,9 @@ pub struct CompletionRequest {
     pub include_usage: bool,
     /// The OpenAI `user` field, used as the session key.
     pub user: Option<String>,
+    /// vLLM's `cache_salt`: prompts with different salts never share cached blocks (the
+    /// salt is mixed into the first block's hash, as the engine does).
+    pub cache_salt: Option<String>,
 }
 
 /// Which endpoint a request came to.
@@ -180,7 +183,15 @@ pub fn parse(api: Api, body: &[u8]) -> Result<CompletionRequest, BadRequest> {
         }
     };
     let user = obj.get("user").and_then(Value::as_str).map(str::to_string);
+    let cache_salt = match obj.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => {
+            return Err(bad("`cache_salt` must be a non-empty string", "cache_salt"));
+        }
+    };
     Ok(CompletionRequest {
+        cache_salt,
         model,
         prompt,
         max_tokens,

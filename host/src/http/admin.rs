@@ -167,7 +167,9 @@ async fn explain(
     };
     let parsed = crate::openai::parse(api, &body).map_err(ApiError::BadRequest)?;
     let tokens = super::proxy::tokenize(gw, &parsed.prompt).await?;
-    let hashes = router.hasher().hashes(&tokens);
+    let hashes = router
+        .hasher()
+        .salted_hashes(&tokens, parsed.cache_salt.as_deref());
     let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
     let (candidates, decision) = router.explain(prompt_tokens, &hashes);
     let snap = router.client().snapshot();

@@ -179,7 +179,9 @@ pub(crate) async fn completion(
         .user
         .as_deref()
         .map(|u| xxhash_rust::xxh3::xxh3_64(u.as_bytes()));
-    let hashes = router.hasher().hashes(&tokens);
+    let hashes = router
+        .hasher()
+        .salted_hashes(&tokens, parsed.cache_salt.as_deref());
     let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
     // A stream's first bytes come at its first token; a plain answer's only at its end.
     let limit = if parsed.stream {

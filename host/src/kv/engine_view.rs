@@ -27,7 +27,7 @@
 use std::collections::HashMap;
 
 use super::engine_events::{EngineEvent, Medium, StoredBlocks};
-use super::hash::hash_block;
+use super::hash::{hash_block, mix};
 use super::{Mixed, PassThrough};
 use crate::ids::BlockHash;
 
@@ -393,14 +393,6 @@ impl EngineView {
             ops.push(IndexOp::Stored(added));
         }
     }
-}
-
-/// A block's router hash with its extra keys mixed in.
-pub fn mix(h: u64, extra: u64) -> u64 {
-    let mut b = [0u8; 16];
-    b[..8].copy_from_slice(&h.to_le_bytes());
-    b[8..].copy_from_slice(&extra.to_le_bytes());
-    xxhash_rust::xxh3::xxh3_64(&b)
 }
 
 /// Drops one reference; whether it was the last.

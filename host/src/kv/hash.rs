@@ -36,6 +36,27 @@ impl BlockHasher {
         out
     }
 
+    /// The hashes of a prompt sent with a `cache_salt` (vLLM's tenant isolation): the
+    /// salt is mixed into the first block's hash as the engine mixes that block's extra
+    /// keys, so the whole chain differs from unsalted prompts' and other salts'.
+    pub fn salted_hashes(&self, tokens: &[u32], salt: Option<&str>) -> Vec<BlockHash> {
+        let Some(salt) = salt else {
+            return self.hashes(tokens);
+        };
+        let extra =
+            crate::kv::engine_events::extra_hash(&[crate::kv::engine_events::ExtraKey::Str(salt)]);
+        let mut out = Vec::with_capacity(tokens.len() / self.block_size);
+        let mut parent = self.seed;
+        for (i, block) in tokens.chunks_exact(self.block_size).enumerate() {
+            parent = hash_block(parent, block);
+            if i == 0 {
+                parent = mix(parent, extra);
+            }
+            out.push(BlockHash(parent));
+        }
+        out
+    }
+
     /// Appends the hashes of every full block of `tokens` to `out`.
     pub fn hashes_into(&self, tokens: &[u32], out: &mut Vec<BlockHash>) {
         let mut parent = self.seed;
@@ -55,6 +76,14 @@ pub fn hash_block(parent: u64, block: &[u32]) -> u64 {
         let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
         xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, parent)
     }
+}
+
+/// A block's hash with its extra keys' hash (LoRA adapter, `cache_salt`) mixed in.
+pub fn mix(h: u64, extra: u64) -> u64 {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&h.to_le_bytes());
+    b[8..].copy_from_slice(&extra.to_le_bytes());
+    xxhash_rust::xxh3::xxh3_64(&b)
 }
 
 #[cfg(test)]

@@ -50,6 +50,9 @@ pub enum CacheEvent {
         blocks: Vec<u64>,
         /// Their tokens (`blocks × block_size`; empty when the request gave none).
         tokens: Vec<u32>,
+        /// The request's `cache_salt`, when the run starts at the prompt's first block
+        /// (where vLLM puts it in the block's extra keys).
+        salt: Option<std::sync::Arc<str>>,
     },
     /// Blocks were evicted.
     Removed {
@@ -141,6 +144,18 @@ impl KvCache {
         tokens: &[u32],
         private: usize,
     ) -> Result<Lease, CacheFull> {
+        self.admit_salted(hashes, tokens, None, private)
+    }
+
+    /// [`KvCache::admit`] for a prompt hashed with a `cache_salt`, published with the
+    /// stored run that starts at the first block.
+    pub fn admit_salted(
+        &mut self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        salt: Option<&std::sync::Arc<str>>,
+        private: usize,
+    ) -> Result<Lease, CacheFull> {
         let cached = self.cached_prefix(hashes);
         let present: Vec<bool> = hashes.iter().map(|h| self.blocks.contains_key(h)).collect();
         let needed = present.iter().filter(|p| !**p).count() + private;
@@ -188,7 +203,7 @@ impl KvCache {
         let mut parent: Option<u64> = None;
         for (i, (h, p)) in hashes.iter().zip(&present).enumerate() {
             if *p {
-                self.flush_stored(&mut run, parent, tokens, run_start);
+                self.flush_stored(&mut run, parent, tokens, run_start, salt);
                 parent = Some(h.0);
                 continue;
             }
@@ -206,7 +221,7 @@ impl KvCache {
             );
             run.push(h.0);
         }
-        self.flush_stored(&mut run, parent, tokens, run_start);
+        self.flush_stored(&mut run, parent, tokens, run_start, salt);
         self.private += private;
         Ok(Lease {
             blocks: hashes.to_vec(),
@@ -221,6 +236,7 @@ impl KvCache {
         parent: Option<u64>,
         tokens: &[u32],
         start: usize,
+        salt: Option<&std::sync::Arc<str>>,
     ) {
         if !run.is_empty() {
             self.seq += 1;
@@ -235,6 +251,7 @@ impl KvCache {
                 parent,
                 blocks: std::mem::take(run),
                 tokens,
+                salt: if start == 0 { salt.cloned() } else { None },
             });
         }
     }
@@ -341,7 +358,8 @@ mod tests {
                     seq: 4,
                     parent: None,
                     blocks: vec![5],
-                    tokens: vec![]
+                    tokens: vec![],
+                    salt: None,
                 },
             ]
         );
@@ -364,9 +382,24 @@ mod tests {
                 parent: Some(1),
                 blocks: vec![2, 3],
                 tokens: vec![12, 13, 14, 15],
+                salt: None,
             }]
         );
         c.release(&first);
+        // A salted prompt's salt goes with the run that starts at its first block only.
+        let salt: std::sync::Arc<str> = "tenant-a".into();
+        c.admit_salted(&h(&[20]), &[1, 2], Some(&salt), 0).unwrap();
+        c.admit_salted(&h(&[20, 21]), &[1, 2, 3, 4], Some(&salt), 0)
+            .unwrap();
+        let salts: Vec<Option<std::sync::Arc<str>>> = c
+            .take_events()
+            .into_iter()
+            .filter_map(|e| match e {
+                CacheEvent::Stored { salt, .. } => Some(salt),
+                CacheEvent::Removed { .. } => None,
+            })
+            .collect();
+        assert_eq!(salts, vec![Some(salt), None]);
     }
 
     #[test]

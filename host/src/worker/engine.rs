@@ -114,6 +114,8 @@ struct Waiting {
     blocks: Vec<BlockHash>,
     /// The hashed blocks' tokens (published with stored blocks), or empty.
     tokens: Vec<u32>,
+    /// The prompt's `cache_salt` (published with its first block).
+    salt: Option<Arc<str>>,
     prompt_tokens: u32,
     max_tokens: u32,
     out: mpsc::UnboundedSender<Output>,
@@ -171,11 +173,13 @@ impl Engine {
 
     /// Queues a request; outputs arrive on the returned receiver. Dropping the receiver
     /// cancels the request. `tokens` are the tokens of `blocks` (published with them when
-    /// they are stored), or empty.
+    /// they are stored), or empty; `salt` is the prompt's `cache_salt` (its blocks'
+    /// hashes already include it).
     pub fn submit(
         &self,
         blocks: Vec<BlockHash>,
         tokens: Vec<u32>,
+        salt: Option<Arc<str>>,
         prompt_tokens: u32,
         max_tokens: u32,
     ) -> mpsc::UnboundedReceiver<Output> {
@@ -183,6 +187,7 @@ impl Engine {
         self.state.lock().waiting.push_back(Waiting {
             blocks,
             tokens,
+            salt,
             prompt_tokens,
             max_tokens,
             out,
@@ -232,7 +237,10 @@ impl Engine {
             let hashed = w.blocks.len() as u32 * bs;
             let private =
                 (w.prompt_tokens.saturating_sub(hashed) + w.max_tokens).div_ceil(bs) as usize;
-            match s.cache.admit(&w.blocks, &w.tokens, private) {
+            match s
+                .cache
+                .admit_salted(&w.blocks, &w.tokens, w.salt.as_ref(), private)
+            {
                 Ok(lease) => {
                     let w = s.waiting.pop_front().expect("peeked");
                     let cached_tokens = lease.cached as u32 * bs;

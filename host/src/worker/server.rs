@@ -853,7 +853,8 @@ async fn completion(shared: Arc<Shared>, api: Api, req: Request<Incoming>) -> Re
         }
     };
     let prompt_tokens = tokens.len() as u32;
-    let blocks = shared.hasher.hashes(&tokens);
+    let salt = parsed.cache_salt.as_deref();
+    let blocks = shared.hasher.salted_hashes(&tokens, salt);
     // The ZMQ publisher sends stored blocks' tokens, as vLLM does.
     let block_tokens = if shared.zmq.is_some() {
         let mut t = tokens.to_vec();
@@ -862,9 +863,13 @@ async fn completion(shared: Arc<Shared>, api: Api, req: Request<Incoming>) -> Re
     } else {
         Vec::new()
     };
-    let mut out = shared
-        .engine
-        .submit(blocks, block_tokens, prompt_tokens, parsed.max_tokens);
+    let mut out = shared.engine.submit(
+        blocks,
+        block_tokens,
+        salt.map(Arc::from),
+        prompt_tokens,
+        parsed.max_tokens,
+    );
     let cached_tokens = match out.recv().await {
         Some(Output::Admitted { cached_tokens }) => cached_tokens,
         Some(Output::TooLarge { needed }) => {

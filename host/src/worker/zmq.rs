@@ -138,11 +138,12 @@ async fn publish_loop(
             .iter()
             .zip(&hashes)
             .map(|(e, (hs, parent))| match e {
-                CacheEvent::Stored { tokens, .. } => EventOut::Stored(StoredOut {
+                CacheEvent::Stored { tokens, salt, .. } => EventOut::Stored(StoredOut {
                     hashes: hs,
                     parent: *parent,
                     token_ids: tokens,
                     block_size,
+                    cache_salt: salt.as_deref(),
                     ..Default::default()
                 }),
                 CacheEvent::Removed { .. } => EventOut::Removed(hs),
