@@ -30,12 +30,48 @@ pub struct LocalFleetConfig {
     pub listen: SocketAddr,
     /// Admin token, if the admin API is wanted.
     pub admin_token: Option<String>,
-    /// The router reads the workers' KV events (false: approximate mode).
-    pub kv_events: bool,
+    /// Where the router learns the workers' caches.
+    pub kv_events: KvEventsMode,
     /// Approximate mode's prediction lifetime [default: the router's].
     pub prediction_ttl_secs: Option<f64>,
     /// The workers' and the router's `tokenizer.json` [default: the built-in one].
     pub tokenizer: Option<std::path::PathBuf>,
+}
+
+/// How the router of a local fleet learns what the workers cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvEventsMode {
+    /// The workers publish vLLM's ZMQ events (with a replay socket), as engines do.
+    Zmq,
+    /// The workers' NDJSON stream at `/v1/kv_events`.
+    Ndjson,
+    /// No events: approximate mode, caches predicted from the router's decisions.
+    None,
+}
+
+impl std::str::FromStr for KvEventsMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<KvEventsMode, String> {
+        match s {
+            "zmq" => Ok(KvEventsMode::Zmq),
+            "ndjson" | "true" => Ok(KvEventsMode::Ndjson),
+            "none" | "approximate" | "false" => Ok(KvEventsMode::None),
+            other => Err(format!(
+                "`{other}` is not a KV events mode (zmq, ndjson, none)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for KvEventsMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvEventsMode::Zmq => "zmq events",
+            KvEventsMode::Ndjson => "ndjson events",
+            KvEventsMode::None => "approximate",
+        })
+    }
 }
 
 /// A running local fleet.
@@ -62,6 +98,20 @@ pub enum LocalFleetError {
     Tokenizer(#[from] crate::tokens::TokenizerError),
 }
 
+/// `--worker` for `w`: its URL, with its ZMQ event sockets if it publishes them.
+fn worker_spec(w: &MockWorker) -> String {
+    match w.engine_events() {
+        None => w.url(),
+        Some(e) => format!(
+            "{}#kv_events={}&kv_replay={}&topic={}",
+            w.url(),
+            e.endpoint,
+            e.replay.unwrap_or_default(),
+            e.topic
+        ),
+    }
+}
+
 impl LocalFleet {
     /// Starts the workers, then the router in front of them.
     pub async fn start(config: LocalFleetConfig) -> Result<LocalFleet, LocalFleetError> {
@@ -74,7 +124,13 @@ impl LocalFleet {
                 hash_seed: 0,
                 fault: FaultConfig::NONE,
                 tokenizer: tokenizer.clone(),
-                zmq_events: None,
+                zmq_events: (config.kv_events == KvEventsMode::Zmq).then(|| {
+                    crate::worker::zmq::ZmqEventsConfig {
+                        publish: "127.0.0.1:0".parse().expect("valid"),
+                        replay: Some("127.0.0.1:0".parse().expect("valid")),
+                        topic: "kv-events".into(),
+                    }
+                }),
                 tls: None,
                 chat: None,
             };
@@ -84,10 +140,10 @@ impl LocalFleet {
         }
         let args = ServeArgs {
             listen: Some(config.listen),
-            workers: workers.iter().map(MockWorker::url).collect(),
+            workers: workers.iter().map(worker_spec).collect(),
             model: Some(config.model.clone()),
             block_size: Some(config.engine.block_size),
-            kv_events: Some(config.kv_events),
+            kv_events: Some(config.kv_events == KvEventsMode::Ndjson),
             prediction_ttl_secs: config.prediction_ttl_secs,
             tokenizer: config.tokenizer.clone(),
             policy: Some(config.policy.clone()),

@@ -163,11 +163,12 @@ struct ReplayArgs {
     /// Replay at most this many requests.
     #[arg(long, default_value_t = 1000)]
     max_requests: usize,
-    /// The in-process router reads the workers' KV events; `false` runs it in approximate
-    /// mode (caches predicted from its own decisions, predictions living 120 s of
-    /// simulated time).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    kv_events: bool,
+    /// How the in-process router learns the workers' caches: `zmq` (vLLM's ZMQ events,
+    /// as engines publish them), `ndjson` (the mock workers' own stream) or `none`
+    /// (approximate mode: predicted from its decisions, predictions living 120 s of
+    /// simulated time). Several, comma-separated, run every policy once per mode.
+    #[arg(long, default_value = "zmq", value_delimiter = ',')]
+    kv_events: Vec<switchyard::local::KvEventsMode>,
     /// Another program as the client, a shell command: `{url}` (the router), `{trace}`
     /// (the requests, timestamps divided by the speedup), `{out}` (a directory where it
     /// must leave aiperf's `profile_export.jsonl`), `{model}`. E.g. `aiperf profile
@@ -684,7 +685,7 @@ async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         config.logs = args.router_logs.clone();
     }
     config.workers = args.workers.max(1);
-    config.kv_events = args.kv_events;
+    config.kv_events = args.kv_events.clone();
     config.tokenizer = args.tokenizer.clone();
     config.engine.kv_blocks = args.kv_blocks;
     config.engine.block_size = args.block_size.max(1);
@@ -751,7 +752,7 @@ async fn demo(
         policy_config: "{}".into(),
         availability: true,
         listen,
-        kv_events: true,
+        kv_events: switchyard::local::KvEventsMode::Zmq,
         prediction_ttl_secs: None,
         tokenizer: None,
         admin_token: Some(token.into()),

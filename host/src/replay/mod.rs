@@ -51,9 +51,10 @@ pub struct ReplayConfig {
     pub routers: Vec<ExternalRouter>,
     /// Where the external routers' output goes (one `NAME.log` each).
     pub logs: PathBuf,
-    /// The router reads the workers' KV events (false: it predicts their caches from its
-    /// own decisions, with the prediction lifetime scaled down by `speedup`).
-    pub kv_events: bool,
+    /// How the router learns the workers' caches; every policy runs once per mode
+    /// (approximate mode predicts caches from its own decisions, with the prediction
+    /// lifetime scaled down by `speedup`).
+    pub kv_events: Vec<crate::local::KvEventsMode>,
     /// The mock workers' (and the in-process router's) `tokenizer.json`.
     pub tokenizer: Option<PathBuf>,
     /// Another program as the client (see [`client`]); `None`: the replay's own.
@@ -81,7 +82,7 @@ impl ReplayConfig {
             max_output: 256,
             routers: Vec::new(),
             logs: std::env::temp_dir(),
-            kv_events: true,
+            kv_events: vec![crate::local::KvEventsMode::Zmq],
             tokenizer: None,
             client: None,
         }
@@ -200,7 +201,20 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
         Prompts::Text
     };
     let mut runs = Vec::new();
-    for policy in &config.policies {
+    let modes = if config.kv_events.is_empty() {
+        vec![crate::local::KvEventsMode::Zmq]
+    } else {
+        config.kv_events.clone()
+    };
+    let runs_of = modes
+        .iter()
+        .flat_map(|m| config.policies.iter().map(move |p| (*m, p)));
+    for (mode, policy) in runs_of {
+        let name = if modes.len() > 1 {
+            format!("{policy} ({mode})")
+        } else {
+            policy.clone()
+        };
         let mut engine = config.engine.clone();
         engine.speedup = config.speedup;
         let (spec, policy_config) = policy.split_once('=').unwrap_or((policy.as_str(), "{}"));
@@ -213,7 +227,7 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
             availability: true,
             listen: "127.0.0.1:0".parse().expect("valid"),
             admin_token: None,
-            kv_events: config.kv_events,
+            kv_events: mode,
             tokenizer: config.tokenizer.clone(),
             // Predictions live as long in the workers' simulated time as they would
             // live in real time.
@@ -224,7 +238,7 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
         .await
         .map_err(|e| e.to_string())?;
         fleet.ready().await?;
-        let run = drive(config, policy, &fleet.url, reqs.clone(), prompts).await;
+        let run = drive(config, &name, &fleet.url, reqs.clone(), prompts).await;
         fleet.stop().await;
         runs.push(run?);
     }
