@@ -102,35 +102,250 @@ pub fn engine_hash(v: &ValueRef<'_>) -> Option<u64> {
 }
 
 /// Decodes one payload.
+///
+/// The payload is walked lazily ([`Raw`]): containers are not materialised, and token IDs
+/// are read straight from their msgpack array, so a batch costs no allocation per token.
 pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, DecodeError> {
-    let mut rd = payload;
-    let value = rmpv::decode::read_value_ref(&mut rd).map_err(|e| bad(e.to_string()))?;
-    let (ts, events, rank) = match &value {
-        ValueRef::Array(a) => (a.first(), a.get(1), a.get(2)),
-        ValueRef::Map(m) => (
-            field(m, "ts"),
-            field(m, "events"),
-            field(m, "data_parallel_rank").or_else(|| field(m, "attn_dp_rank")),
-        ),
-        _ => return Err(bad("the batch is neither an array nor a map")),
-    };
-    let ts = ts.and_then(as_f64).ok_or_else(|| bad("no `ts`"))?;
-    let events = match events {
-        Some(ValueRef::Array(a)) => a,
-        _ => return Err(bad("no `events` array")),
-    };
-    let rank = rank.and_then(as_u64).map(|r| r as u32);
-    let events = events
-        .iter()
-        .map(decode_event)
-        .collect::<Result<Vec<_>, _>>()?;
+    // One pass: the events are decoded where they are met (every other value is only
+    // skipped), so token arrays are walked twice in all (skipped, then read).
+    let (mut ts, mut events, mut rank) = (None, None, None);
+    if let Some((n, mut rd)) = Raw(payload).array()? {
+        for i in 0..n {
+            if i == 1 {
+                let (e, rest) = decode_events(rd)?;
+                events = Some(e);
+                rd = rest;
+                continue;
+            }
+            let (v, rest) = Raw::split(rd)?;
+            match i {
+                0 => ts = Some(v),
+                2 => rank = Some(v),
+                _ => {}
+            }
+            rd = rest;
+        }
+    } else if let Some((n, mut rd)) = Raw(payload).map()? {
+        for _ in 0..n {
+            let (k, rest) = Raw::split(rd)?;
+            rd = rest;
+            if k.str() == Some("events") {
+                let (e, rest) = decode_events(rd)?;
+                events = Some(e);
+                rd = rest;
+                continue;
+            }
+            let (v, rest) = Raw::split(rd)?;
+            rd = rest;
+            match k.str() {
+                Some("ts") => ts = Some(v),
+                Some("data_parallel_rank") => rank = Some(v),
+                Some("attn_dp_rank") if rank.is_none() => rank = Some(v),
+                _ => {}
+            }
+        }
+    } else {
+        return Err(bad("the batch is neither an array nor a map"));
+    }
+    let ts = scalar(ts)?
+        .as_ref()
+        .and_then(as_f64)
+        .ok_or_else(|| bad("no `ts`"))?;
+    let events = events.ok_or_else(|| bad("no `events` array"))?;
+    let rank = scalar(rank)?.as_ref().and_then(as_u64).map(|r| r as u32);
     Ok(EngineBatch { ts, rank, events })
 }
 
-fn field<'a, 'b>(m: &'b [(ValueRef<'a>, ValueRef<'a>)], name: &str) -> Option<&'b ValueRef<'a>> {
+/// The events array at the start of `rd`, and what follows it.
+fn decode_events(rd: &[u8]) -> Result<(Vec<EngineEvent>, &[u8]), DecodeError> {
+    let Some((n, mut rd)) = Raw(rd).array()? else {
+        return Err(bad("no `events` array"));
+    };
+    let mut out = Vec::with_capacity((n as usize).min(rd.len()));
+    for _ in 0..n {
+        let (event, rest) = decode_event(rd)?;
+        out.push(event);
+        rd = rest;
+    }
+    Ok((out, rd))
+}
+
+/// One msgpack value, undecoded: exactly its bytes.
+#[derive(Debug, Clone, Copy)]
+struct Raw<'a>(&'a [u8]);
+
+/// A container's parts, and the bytes after the container.
+type Parts<'a, T> = Result<Option<(Vec<T>, &'a [u8])>, DecodeError>;
+
+impl<'a> Raw<'a> {
+    /// The value at the start of `buf`, and what follows it.
+    fn split(buf: &'a [u8]) -> Result<(Raw<'a>, &'a [u8]), DecodeError> {
+        let mut rest = buf;
+        skip(&mut rest)?;
+        let len = buf.len() - rest.len();
+        Ok((Raw(&buf[..len]), rest))
+    }
+
+    /// The value, decoded (containers are materialised: for scalars and small values).
+    fn value(self) -> Result<ValueRef<'a>, DecodeError> {
+        let mut rd = self.0;
+        rmpv::decode::read_value_ref(&mut rd).map_err(|e| bad(e.to_string()))
+    }
+
+    /// The element count and first element, if an array.
+    fn array(self) -> Result<Option<(u32, &'a [u8])>, DecodeError> {
+        let mut rd = self.0;
+        match rmp::decode::read_marker(&mut rd).map_err(|_| bad("truncated"))? {
+            rmp::Marker::FixArray(_) | rmp::Marker::Array16 | rmp::Marker::Array32 => {
+                let mut rd = self.0;
+                let n = rmp::decode::read_array_len(&mut rd).map_err(|e| bad(e.to_string()))?;
+                Ok(Some((n, rd)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The entry count and first entry, if a map.
+    fn map(self) -> Result<Option<(u32, &'a [u8])>, DecodeError> {
+        let mut rd = self.0;
+        match rmp::decode::read_marker(&mut rd).map_err(|_| bad("truncated"))? {
+            rmp::Marker::FixMap(_) | rmp::Marker::Map16 | rmp::Marker::Map32 => {
+                let mut rd = self.0;
+                let n = rmp::decode::read_map_len(&mut rd).map_err(|e| bad(e.to_string()))?;
+                Ok(Some((n, rd)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The elements, if an array, and what follows the array.
+    fn items(self) -> Parts<'a, Raw<'a>> {
+        let Some((n, mut rd)) = self.array()? else {
+            return Ok(None);
+        };
+        let mut out = Vec::with_capacity((n as usize).min(rd.len()));
+        for _ in 0..n {
+            let (v, rest) = Raw::split(rd)?;
+            out.push(v);
+            rd = rest;
+        }
+        Ok(Some((out, rd)))
+    }
+
+    /// The key-value pairs, if a map, and what follows the map.
+    fn entries(self) -> Parts<'a, (Raw<'a>, Raw<'a>)> {
+        let Some((n, mut rd)) = self.map()? else {
+            return Ok(None);
+        };
+        let mut out = Vec::with_capacity((n as usize).min(rd.len()));
+        for _ in 0..n {
+            let (k, rest) = Raw::split(rd)?;
+            let (v, rest) = Raw::split(rest)?;
+            out.push((k, v));
+            rd = rest;
+        }
+        Ok(Some((out, rd)))
+    }
+
+    /// Whether it is nil.
+    fn is_nil(self) -> bool {
+        self.0.first() == Some(&0xc0)
+    }
+
+    /// The string, if a string (keys and tags: read without a decoder).
+    fn str(self) -> Option<&'a str> {
+        let (&marker, rest) = self.0.split_first()?;
+        let (len, rest) = match marker {
+            0xa0..=0xbf => (usize::from(marker & 0x1f), rest),
+            0xd9 => (usize::from(*rest.first()?), &rest[1..]),
+            _ => {
+                return match self.value().ok()? {
+                    ValueRef::String(s) => s.into_str(),
+                    _ => None,
+                };
+            }
+        };
+        std::str::from_utf8(rest.get(..len)?).ok()
+    }
+}
+
+/// Moves `rd` past one msgpack value (containers included, without recursion). Markers
+/// are matched as bytes: this walks every token of a batch, so it is kept tight.
+fn skip(rd: &mut &[u8]) -> Result<(), DecodeError> {
+    let truncated = || bad("truncated msgpack");
+    // A big-endian length of `n` bytes.
+    let len = |rd: &mut &[u8], n: usize| -> Result<u64, DecodeError> {
+        let (head, rest) = rd.split_at_checked(n).ok_or_else(truncated)?;
+        *rd = rest;
+        Ok(head.iter().fold(0u64, |v, b| v << 8 | u64::from(*b)))
+    };
+    let mut pending: u64 = 1;
+    while pending > 0 {
+        pending -= 1;
+        let (&marker, rest) = rd.split_first().ok_or_else(truncated)?;
+        *rd = rest;
+        let data: u64 = match marker {
+            // fixint, nil, false, true
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => 0,
+            0x80..=0x8f => {
+                pending += 2 * u64::from(marker & 0x0f);
+                0
+            }
+            0x90..=0x9f => {
+                pending += u64::from(marker & 0x0f);
+                0
+            }
+            0xa0..=0xbf => u64::from(marker & 0x1f),
+            0xcc | 0xd0 => 1,
+            0xcd | 0xd1 => 2,
+            0xca | 0xce | 0xd2 => 4,
+            0xcb | 0xcf | 0xd3 => 8,
+            0xc4 | 0xd9 => len(rd, 1)?,
+            0xc5 | 0xda => len(rd, 2)?,
+            0xc6 | 0xdb => len(rd, 4)?,
+            0xdc => {
+                pending += len(rd, 2)?;
+                0
+            }
+            0xdd => {
+                pending += len(rd, 4)?;
+                0
+            }
+            0xde => {
+                pending += 2 * len(rd, 2)?;
+                0
+            }
+            0xdf => {
+                pending += 2 * len(rd, 4)?;
+                0
+            }
+            0xd4 => 2,
+            0xd5 => 3,
+            0xd6 => 5,
+            0xd7 => 9,
+            0xd8 => 17,
+            0xc7 => len(rd, 1)? + 1,
+            0xc8 => len(rd, 2)? + 1,
+            0xc9 => len(rd, 4)? + 1,
+            0xc1 => return Err(bad("a reserved msgpack marker")),
+        };
+        if data > 0 {
+            let data = usize::try_from(data).map_err(|_| truncated())?;
+            *rd = rd.get(data..).ok_or_else(truncated)?;
+        }
+    }
+    Ok(())
+}
+
+/// A scalar field's value (`None` when absent).
+fn scalar(v: Option<Raw<'_>>) -> Result<Option<ValueRef<'_>>, DecodeError> {
+    v.map(Raw::value).transpose()
+}
+
+fn field<'a>(m: &[(Raw<'a>, Raw<'a>)], name: &str) -> Option<Raw<'a>> {
     m.iter()
-        .find(|(k, _)| as_str(k) == Some(name))
-        .map(|(_, v)| v)
+        .find(|(k, _)| k.str() == Some(name))
+        .map(|(_, v)| *v)
 }
 
 fn as_str<'b>(v: &'b ValueRef<'_>) -> Option<&'b str> {
@@ -161,68 +376,92 @@ fn is_nil(v: Option<&ValueRef<'_>>) -> bool {
 }
 
 /// The named fields of one event, whichever shape it came in.
-struct Fields<'b, 'a> {
-    tag: &'b str,
-    positional: Option<&'b [ValueRef<'a>]>,
-    map: Option<&'b [(ValueRef<'a>, ValueRef<'a>)]>,
+struct Fields<'a> {
+    tag: &'a str,
+    positional: Option<Vec<Raw<'a>>>,
+    map: Option<Vec<(Raw<'a>, Raw<'a>)>>,
 }
 
-impl<'b, 'a> Fields<'b, 'a> {
+impl<'a> Fields<'a> {
     /// Field `name`, at `index` after the tag in the positional shape.
-    fn get(&self, name: &str, index: usize) -> Option<&'b ValueRef<'a>> {
-        match (self.positional, self.map) {
-            (Some(p), _) => p.get(index + 1),
+    fn get(&self, name: &str, index: usize) -> Option<Raw<'a>> {
+        match (&self.positional, &self.map) {
+            (Some(p), _) => p.get(index + 1).copied(),
             (_, Some(m)) => field(m, name),
             _ => None,
         }
     }
+
+    /// A scalar field, decoded.
+    fn scalar(&self, name: &str, index: usize) -> Result<Option<ValueRef<'a>>, DecodeError> {
+        scalar(self.get(name, index))
+    }
+
+    /// `group_idx` (maps only), 0 when absent.
+    fn group(&self) -> Result<u32, DecodeError> {
+        let g = scalar(self.map.as_ref().and_then(|m| field(m, "group_idx")))?;
+        Ok(group(g.as_ref()))
+    }
 }
 
-fn decode_event(v: &ValueRef<'_>) -> Result<EngineEvent, DecodeError> {
-    let f = match v {
-        ValueRef::Array(a) => Fields {
+/// The event at the start of `rd`, and what follows it.
+fn decode_event(rd: &[u8]) -> Result<(EngineEvent, &[u8]), DecodeError> {
+    let v = Raw(rd);
+    let (f, rest) = if let Some((a, rest)) = v.items()? {
+        let f = Fields {
             tag: a
                 .first()
-                .and_then(as_str)
+                .and_then(|t| t.str())
                 .ok_or_else(|| bad("an event without a tag"))?,
             positional: Some(a),
             map: None,
-        },
-        ValueRef::Map(m) => Fields {
-            tag: field(m, "type")
-                .and_then(as_str)
+        };
+        (f, rest)
+    } else if let Some((m, rest)) = v.entries()? {
+        let f = Fields {
+            tag: field(&m, "type")
+                .and_then(Raw::str)
                 .ok_or_else(|| bad("an event without `type`"))?,
             positional: None,
             map: Some(m),
-        },
-        _ => return Err(bad("an event is neither an array nor a map")),
+        };
+        (f, rest)
+    } else {
+        return Err(bad("an event is neither an array nor a map"));
     };
+    Ok((fields_event(&f)?, rest))
+}
+
+fn fields_event(f: &Fields<'_>) -> Result<EngineEvent, DecodeError> {
     match f.tag {
         "BlockStored" => {
             let hashes = hashes(f.get("block_hashes", 0))?;
-            let parent = match f.get("parent_block_hash", 1) {
+            let parent = match f.scalar("parent_block_hash", 1)? {
                 None | Some(ValueRef::Nil) => None,
-                Some(p) => Some(engine_hash(p).ok_or_else(|| bad("bad parent_block_hash"))?),
+                Some(p) => Some(engine_hash(&p).ok_or_else(|| bad("bad parent_block_hash"))?),
             };
-            let token_ids = match f.get("token_ids", 2) {
-                Some(ValueRef::Array(t)) => t
-                    .iter()
-                    .map(|t| as_u64(t).and_then(|t| u32::try_from(t).ok()))
-                    .collect::<Option<Vec<u32>>>()
-                    .ok_or_else(|| bad("a token ID is not a u32"))?,
-                _ => return Err(bad("BlockStored without token_ids")),
-            };
+            let token_ids = token_ids(f.get("token_ids", 2))?;
             let block_size = f
-                .get("block_size", 3)
+                .scalar("block_size", 3)?
+                .as_ref()
                 .and_then(as_u64)
                 .and_then(|b| u32::try_from(b).ok())
                 .filter(|b| *b > 0)
                 .ok_or_else(|| bad("BlockStored without a block_size"))?;
-            let lora_id = f.get("lora_id", 4);
-            let medium = medium(f.get("medium", 5))?;
-            let lora_name = f.get("lora_name", 6);
-            let extra = extras(f.get("extra_keys", 7), lora_name, lora_id, hashes.len())?;
-            let group = group(f.map.and_then(|m| field(m, "group_idx")));
+            let lora_id = f.scalar("lora_id", 4)?;
+            let medium = medium(f.scalar("medium", 5)?.as_ref())?;
+            let lora_name = f.scalar("lora_name", 6)?;
+            // Small per-block tuples: decoded whole.
+            let extra_keys = match f.get("extra_keys", 7) {
+                Some(r) if !r.is_nil() => Some(r.value()?),
+                _ => None,
+            };
+            let extra = extras(
+                extra_keys.as_ref(),
+                lora_name.as_ref(),
+                lora_id.as_ref(),
+                hashes.len(),
+            )?;
             Ok(EngineEvent::Stored(StoredBlocks {
                 hashes,
                 parent,
@@ -230,28 +469,74 @@ fn decode_event(v: &ValueRef<'_>) -> Result<EngineEvent, DecodeError> {
                 block_size,
                 medium,
                 extra,
-                group,
+                group: f.group()?,
             }))
         }
         "BlockRemoved" => Ok(EngineEvent::Removed {
             hashes: hashes(f.get("block_hashes", 0))?,
-            medium: medium(f.get("medium", 1))?,
-            group: group(f.map.and_then(|m| field(m, "group_idx"))),
+            medium: medium(f.scalar("medium", 1)?.as_ref())?,
+            group: f.group()?,
         }),
         "AllBlocksCleared" => Ok(EngineEvent::Cleared),
         other => Ok(EngineEvent::Unknown(other.chars().take(64).collect())),
     }
 }
 
-fn hashes(v: Option<&ValueRef<'_>>) -> Result<Vec<u64>, DecodeError> {
-    match v {
-        Some(ValueRef::Array(a)) => a
-            .iter()
-            .map(engine_hash)
-            .collect::<Option<Vec<u64>>>()
-            .ok_or_else(|| bad("a block hash is neither an integer nor bytes")),
-        _ => Err(bad("no block_hashes array")),
+fn hashes(v: Option<Raw<'_>>) -> Result<Vec<u64>, DecodeError> {
+    let (items, _) = v
+        .map(Raw::items)
+        .transpose()?
+        .flatten()
+        .ok_or_else(|| bad("no block_hashes array"))?;
+    items
+        .into_iter()
+        .map(|h| {
+            h.value()
+                .ok()
+                .and_then(|h| engine_hash(&h))
+                .ok_or_else(|| bad("a block hash is neither an integer nor bytes"))
+        })
+        .collect()
+}
+
+/// Token IDs read straight from their array.
+fn token_ids(v: Option<Raw<'_>>) -> Result<Vec<u32>, DecodeError> {
+    let Some((n, mut rd)) = v.map(Raw::array).transpose()?.flatten() else {
+        return Err(bad("BlockStored without token_ids"));
+    };
+    let not_u32 = || bad("a token ID is not a u32");
+    let mut out = Vec::with_capacity((n as usize).min(rd.len()));
+    for _ in 0..n {
+        let (&marker, rest) = rd.split_first().ok_or_else(not_u32)?;
+        // Any integer encoding of a value in 0..2^32.
+        let (width, signed) = match marker {
+            0x00..=0x7f => {
+                out.push(u32::from(marker));
+                rd = rest;
+                continue;
+            }
+            0xcc => (1, false),
+            0xcd => (2, false),
+            0xce => (4, false),
+            0xcf => (8, false),
+            0xd0 => (1, true),
+            0xd1 => (2, true),
+            0xd2 => (4, true),
+            0xd3 => (8, true),
+            _ => return Err(not_u32()),
+        };
+        let (bytes, rest) = rest.split_at_checked(width).ok_or_else(not_u32)?;
+        let value = bytes.iter().fold(0u64, |v, b| v << 8 | u64::from(*b));
+        let negative = signed && bytes[0] & 0x80 != 0;
+        out.push(
+            u32::try_from(value)
+                .ok()
+                .filter(|_| !negative)
+                .ok_or_else(not_u32)?,
+        );
+        rd = rest;
     }
+    Ok(out)
 }
 
 fn medium(v: Option<&ValueRef<'_>>) -> Result<Medium, DecodeError> {
@@ -687,6 +972,53 @@ mod tests {
     }
 
     #[test]
+    fn token_ids_are_read_in_every_integer_encoding() {
+        let batch = |write_tokens: &dyn Fn(&mut Vec<u8>)| {
+            let mut w = Vec::new();
+            rmp::encode::write_array_len(&mut w, 2).unwrap();
+            rmp::encode::write_f64(&mut w, 0.0).unwrap();
+            rmp::encode::write_array_len(&mut w, 1).unwrap();
+            rmp::encode::write_array_len(&mut w, 5).unwrap();
+            rmp::encode::write_str(&mut w, "BlockStored").unwrap();
+            rmp::encode::write_array_len(&mut w, 1).unwrap();
+            rmp::encode::write_uint(&mut w, 9).unwrap();
+            rmp::encode::write_nil(&mut w).unwrap();
+            write_tokens(&mut w);
+            rmp::encode::write_uint(&mut w, 5).unwrap();
+            decode_batch(&w)
+        };
+        let ok = batch(&|w| {
+            rmp::encode::write_array_len(w, 5).unwrap();
+            rmp::encode::write_pfix(w, 5).unwrap();
+            rmp::encode::write_u8(w, 200).unwrap();
+            rmp::encode::write_u16(w, 60_000).unwrap();
+            rmp::encode::write_i32(w, 7).unwrap();
+            rmp::encode::write_u64(w, 4_000_000_000).unwrap();
+        })
+        .unwrap();
+        let EngineEvent::Stored(s) = &ok.events[0] else {
+            panic!("{ok:?}")
+        };
+        assert_eq!(s.token_ids, vec![5, 200, 60_000, 7, 4_000_000_000]);
+        for bad_token in [
+            &(|w: &mut Vec<u8>| rmp::encode::write_i8(w, -1).map(|_| ()).unwrap())
+                as &dyn Fn(&mut Vec<u8>),
+            &|w| rmp::encode::write_u64(w, 1 << 33).unwrap(),
+            &|w| rmp::encode::write_f64(w, 1.0).unwrap(),
+        ] {
+            let err = batch(&|w| {
+                rmp::encode::write_array_len(w, 5).unwrap();
+                for _ in 0..4 {
+                    rmp::encode::write_pfix(w, 1).unwrap();
+                }
+                bad_token(w);
+            })
+            .unwrap_err();
+            assert!(err.to_string().contains("token ID"), "{err}");
+        }
+    }
+
+    #[test]
     fn garbage_is_an_error_not_a_panic() {
         for payload in [
             &b""[..],
@@ -705,6 +1037,26 @@ mod tests {
         rmp::encode::write_str(&mut w, "BlockStored").unwrap();
         rmp::encode::write_array_len(&mut w, 0).unwrap();
         assert!(decode_batch(&w).is_err());
+        // Every truncation of a valid batch, and an array claiming 4G elements.
+        let tokens: Vec<u32> = (0..32).map(|t| t * 70_000).collect();
+        let valid = encode_batch(
+            Shape::VllmMap,
+            1.0,
+            0,
+            &[EventOut::Stored(StoredOut {
+                hashes: &[u64::MAX, 7],
+                token_ids: &tokens,
+                block_size: 16,
+                lora_name: Some("a"),
+                cache_salt: Some("s"),
+                ..Default::default()
+            })],
+        );
+        assert!(decode_batch(&valid).is_ok());
+        for cut in 0..valid.len() {
+            assert!(decode_batch(&valid[..cut]).is_err(), "cut at {cut}");
+        }
+        assert!(decode_batch(b"\xdd\xff\xff\xff\xff\x01").is_err());
     }
 
     #[test]
