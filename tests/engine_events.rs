@@ -110,7 +110,9 @@ fn instance(id: InstanceId, url: String, engine_events: Option<EngineEventSource
     }
 }
 
-fn router(source: EngineEventSource) -> Arc<KvRouter> {
+/// A Client of model `m` over `instances` (no health probes: the workers' HTTP sides are
+/// not what these tests are about).
+fn client_of(instances: Vec<InstanceInfo>) -> Arc<Client> {
     let client = Client::new(
         EndpointPath::for_model("m"),
         ClientConfig {
@@ -122,11 +124,12 @@ fn router(source: EngineEventSource) -> Arc<KvRouter> {
         },
         Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
     );
-    client.apply(DiscoveryUpdate::Reset(vec![instance(
-        W,
-        "http://127.0.0.1:9".into(),
-        Some(source),
-    )]));
+    client.apply(DiscoveryUpdate::Reset(instances));
+    client
+}
+
+fn router(source: EngineEventSource) -> Arc<KvRouter> {
+    let client = client_of(vec![instance(W, "http://127.0.0.1:9".into(), Some(source))]);
     let router = common::kv::kv_cost_router(client, BLOCK);
     common::kv::follow_events(&router);
     router
@@ -621,21 +624,10 @@ async fn engines_connecting_to_the_routers_bound_socket_are_told_apart_by_topic(
         topic: topic.into(),
         data_parallel_size: 1,
     };
-    let client = Client::new(
-        EndpointPath::for_model("m"),
-        ClientConfig {
-            outlier: OutlierConfig {
-                health_interval: None,
-                ..OutlierConfig::default()
-            },
-            ..ClientConfig::default()
-        },
-        Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
-    );
-    client.apply(DiscoveryUpdate::Reset(vec![
+    let client = client_of(vec![
         instance(W, "http://127.0.0.1:9".into(), Some(bound("w1", &p1))),
         instance(W2, "http://127.0.0.1:10".into(), Some(bound("w2", &p2))),
-    ]));
+    ]);
     let router = common::kv::kv_cost_router_with(
         client,
         switchyard::router::KvRouterConfig {
