@@ -37,6 +37,7 @@ fn main() {
                 "wrong_world",
                 "rounds_ids",
                 "imports_http",
+                "loud",
             ][..],
         ),
     ];

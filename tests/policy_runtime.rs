@@ -343,6 +343,44 @@ fn an_answer_outside_the_candidates_is_refused() {
     });
 }
 
+/// Whatever text a policy hands the host is bounded and cannot forge lines: a 4 MB
+/// rejection reason full of newlines, a name that would close a metrics label and start
+/// a line of its own, a 10,000-character version, a configuration error as long.
+#[test]
+fn text_from_a_policy_is_bounded_and_cannot_forge_lines() {
+    let engine = no_rollback(64 << 20, 1000);
+    let h = hostile(&engine, "loud");
+    let d = h.decide(request(4, 2), &four());
+    let switchyard::policy::DecisionOutcome::Rejected(r) = &d.outcome else {
+        panic!("{d:?}")
+    };
+    assert!(r.reason.len() <= 520, "{} bytes", r.reason.len());
+    assert!(
+        r.reason.starts_with("too loud too loud"),
+        "{}",
+        &r.reason[..40]
+    );
+    assert!(!r.reason.contains('\n'));
+    let info = h.status().info;
+    assert!(
+        !info.name.contains(['"', '\n', '}', '{', ' ']),
+        "{:?}",
+        info.name
+    );
+    assert!(info.name.starts_with("loud"), "{:?}", info.name);
+    assert_eq!(info.version.len(), 64);
+    let long = format!("{{\"x\": \"{}\"}}", "y\n".repeat(100_000));
+    let Err(err) = engine.load_file(&guest("bad_config"), &long) else {
+        panic!("bad-config loaded")
+    };
+    let err = err.to_string();
+    assert!(
+        err.len() < 1_000 && !err.contains('\n'),
+        "{} bytes",
+        err.len()
+    );
+}
+
 #[test]
 fn a_huge_candidate_list_cannot_blow_the_memory_cap_while_lowering() {
     let engine = no_rollback(2 << 20, 1000);

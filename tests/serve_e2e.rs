@@ -623,6 +623,48 @@ async fn streams_pass_through_byte_for_byte_and_bad_requests_get_the_documented_
     .unwrap();
     assert_eq!(s, StatusCode::UNAUTHORIZED, "no swap without the token");
     admin_get(&c, &format!("{url}/admin/endpoints")).await;
+    let admin = |method: Method, path: &str, auth: String, body: Vec<u8>| {
+        let (c, url) = (c.clone(), format!("{url}{path}"));
+        async move {
+            http::send(
+                &c,
+                method,
+                &url,
+                &[("authorization", &auth)],
+                body,
+                PATIENCE,
+            )
+            .await
+            .unwrap()
+        }
+    };
+    // The scheme is case-insensitive; a prefix of the token is still the wrong token.
+    let (s, _, _) = admin(
+        Method::GET,
+        "/admin/endpoints",
+        format!("bearer {TOKEN}"),
+        vec![],
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let prefix = format!("Bearer {}", &TOKEN[..TOKEN.len() - 1]);
+    let (s, _, _) = admin(Method::GET, "/admin/endpoints", prefix, vec![]).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    // `?builtin=` names a built-in, never a file on the router's disk.
+    let policy = "/admin/endpoints/default/mock/generate/policy";
+    let (s, _, body) = admin(
+        Method::PUT,
+        &format!("{policy}?builtin=/etc/hostname"),
+        auth(),
+        vec![],
+    )
+    .await;
+    let body = String::from_utf8_lossy(&body);
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.contains("not a built-in policy"), "{body}");
+    // A policy over the upload limit is too large (413), not a bad request.
+    let (s, _, _) = admin(Method::PUT, policy, auth(), vec![0u8; (32 << 20) + 1]).await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
     // Still serving.
     let (s, _, _) = http::send(&c, Method::POST, &completions, &[], json!({"model": "mock", "stream": true, "messages": [{"role": "user", "content": "again"}]}).to_string(), PATIENCE).await.unwrap();
     assert_eq!(s, StatusCode::OK);

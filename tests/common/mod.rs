@@ -25,6 +25,7 @@ pub fn guest(name: &str) -> PathBuf {
         "wrong_world" => env!("SWITCHYARD_WRONG_WORLD_WASM"),
         "rounds_ids" => env!("SWITCHYARD_ROUNDS_IDS_WASM"),
         "imports_http" => env!("SWITCHYARD_IMPORTS_HTTP_WASM"),
+        "loud" => env!("SWITCHYARD_LOUD_WASM"),
         other => panic!("no test guest named {other}"),
     };
     PathBuf::from(path)

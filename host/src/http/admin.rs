@@ -36,15 +36,20 @@ fn authorized(gw: &Gateway, req: &Request<Incoming>) -> Result<(), ApiError> {
         .headers()
         .get(hyper::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|v| {
+            let (scheme, rest) = v.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+        })
         .ok_or(ApiError::Unauthorized("missing bearer token"))?;
-    // Constant-time comparison: the time taken does not depend on how much matches.
-    let same = given.len() == token.len()
-        && given
-            .bytes()
-            .zip(token.bytes())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0;
+    // Constant time, length included: both sides are hashed first, so neither how much
+    // matches nor how long the token is shows in the time taken.
+    use sha2::Digest;
+    let (a, b) = (sha2::Sha256::digest(given), sha2::Sha256::digest(token));
+    let same = a
+        .iter()
+        .zip(b.iter())
+        .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+        == 0;
     if same {
         Ok(())
     } else {
@@ -123,11 +128,30 @@ async fn upload(
         .query()
         .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("builtin=")))
         .map(str::to_string);
-    let bytes = Limited::new(req.into_body(), MAX_POLICY_BYTES)
+    // Only a built-in's name: never a path on the router's disk.
+    if let Some(name) = &builtin
+        && crate::policy::builtin(name).is_none()
+    {
+        let known: Vec<&str> = crate::policy::BUILTINS.iter().map(|b| b.name).collect();
+        return Err(ApiError::Refused(format!(
+            "`builtin={}` is not a built-in policy (built-ins: {})",
+            crate::policy::guest_text(name),
+            known.join(", ")
+        )));
+    }
+    let bytes = match Limited::new(req.into_body(), MAX_POLICY_BYTES)
         .collect()
         .await
-        .map_err(|e| ApiError::Refused(format!("cannot read the policy: {e}")))?
-        .to_bytes();
+    {
+        Ok(b) => b.to_bytes(),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            return Err(ApiError::TooLarge(MAX_POLICY_BYTES));
+        }
+        Err(e) => return Err(ApiError::Refused(format!("cannot read the policy: {e}"))),
+    };
     let handle = router.policy().clone();
     // Compiling takes milliseconds of CPU: keep it off the async workers.
     let result = tokio::task::spawn_blocking(move || match builtin {

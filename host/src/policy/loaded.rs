@@ -159,8 +159,8 @@ impl LoadedPolicy {
             .policy
             .call_describe(&mut first.store)
             .map_err(|e| PolicyError::Trap(format!("in describe: {}", describe_error(&e))))?;
-        shared.info.name = info.name;
-        shared.info.version = info.version;
+        shared.info.name = super::types::guest_label(&info.name);
+        shared.info.version = super::types::guest_label(&info.version);
         shared.info.load_time = started.elapsed();
         let _ = shared.pool.push(first);
         Ok(LoadedPolicy {
@@ -327,7 +327,7 @@ impl Shared {
         policy
             .call_configure(&mut store, &self.info.config)
             .map_err(|e| InstantiateError::Trap(format!("in configure: {}", describe_error(&e))))?
-            .map_err(InstantiateError::Config)?;
+            .map_err(|msg| InstantiateError::Config(super::types::guest_text(&msg)))?;
         self.instances_created.fetch_add(1, Ordering::Relaxed);
         Ok(Warm {
             store,

@@ -29,7 +29,10 @@ pub use cache::CacheOutcome;
 pub use engine::{PolicyEngine, RuntimeConfig};
 pub use handle::{Decider, Decision, DecisionOutcome, PolicyHandle, PolicyStatus};
 pub use loaded::{CallFailure, CallOutcome, LoadedPolicy, PolicyInfo, PolicySource};
-pub use types::{CandidateRow, Candidates, Rejection, RejectionKind, Request};
+pub use types::{
+    CandidateRow, Candidates, MAX_GUEST_LABEL, MAX_GUEST_TEXT, Rejection, RejectionKind, Request,
+    guest_label, guest_text,
+};
 
 /// Why a policy could not be loaded or swapped in. The current policy keeps serving.
 #[derive(Debug, thiserror::Error)]

@@ -196,6 +196,49 @@ pub struct Rejection {
     pub reason: String,
 }
 
+/// Longest text a policy may hand the host (a rejection reason, a configuration error),
+/// bytes; longer text is cut at a character boundary and marked.
+pub const MAX_GUEST_TEXT: usize = 512;
+/// Longest name or version a policy may give itself, characters.
+pub const MAX_GUEST_LABEL: usize = 64;
+
+/// Text from a policy, made safe to carry: at most [`MAX_GUEST_TEXT`] bytes, control
+/// characters (newlines included) as spaces, so that it can go into a client's error
+/// body, a log line or a header without bloating or splitting it.
+pub fn guest_text(s: &str) -> String {
+    let mut out = String::with_capacity(s.len().min(MAX_GUEST_TEXT + 3));
+    for c in s.chars() {
+        if out.len() + c.len_utf8() > MAX_GUEST_TEXT {
+            out.push('…');
+            break;
+        }
+        out.push(if c.is_control() { ' ' } else { c });
+    }
+    out
+}
+
+/// A policy's name or version, made safe for a metrics label and a log field: at most
+/// [`MAX_GUEST_LABEL`] characters of `A–Z a–z 0–9 . _ - + : / @`, anything else as `_`;
+/// empty becomes `unnamed`.
+pub fn guest_label(s: &str) -> String {
+    let out: String = s
+        .chars()
+        .take(MAX_GUEST_LABEL)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._-+:/@".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if out.is_empty() {
+        "unnamed".into()
+    } else {
+        out
+    }
+}
+
 impl From<wit::Rejection> for Rejection {
     fn from(r: wit::Rejection) -> Self {
         Rejection {
@@ -204,7 +247,7 @@ impl From<wit::Rejection> for Rejection {
                 wit::RejectionKind::NoFit => RejectionKind::NoFit,
                 wit::RejectionKind::Refused => RejectionKind::Refused,
             },
-            reason: r.reason,
+            reason: guest_text(&r.reason),
         }
     }
 }
