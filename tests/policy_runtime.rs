@@ -461,6 +461,20 @@ fn a_run_of_failures_rolls_back_to_the_last_good_policy() {
     assert_eq!(status.info.name, "kv-cost", "rolled back");
     assert_eq!(status.rollbacks, 1);
     assert_eq!(h.decide(request(4, 1), &four()).decider, Decider::Policy);
+    // The current policy's own counters start again; the handle's totals never go down.
+    assert_eq!(h.status().decisions, 1);
+    let totals = h.totals();
+    assert_eq!((totals.decisions, totals.failures), (5, 3));
+    assert_eq!(
+        (totals.automatic_rollbacks, totals.manual_rollbacks),
+        (1, 0)
+    );
+    let good = engine.load_spec("round-robin", "{}").unwrap();
+    h.swap(good).unwrap();
+    h.rollback().unwrap();
+    let after = h.totals();
+    assert!(after.decisions >= totals.decisions, "{after:?}");
+    assert_eq!((after.automatic_rollbacks, after.manual_rollbacks), (1, 1));
 }
 
 #[test]

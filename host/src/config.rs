@@ -59,6 +59,10 @@ pub struct ServeArgs {
     /// Bearer token of the admin API (the admin API is off without one).
     #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN")]
     pub admin_token: Option<String>,
+    /// A file holding the admin API's bearer token (keeps it out of the command line,
+    /// which other users of the machine can read).
+    #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
     /// Hugging Face `tokenizer.json` [default: the built-in tokenizer].
     #[arg(long, env = "SWITCHYARD_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,
@@ -198,6 +202,7 @@ pub struct FileConfig {
     policy_config: Option<String>,
     watch: Option<bool>,
     admin_token: Option<String>,
+    admin_token_file: Option<PathBuf>,
     tokenizer: Option<PathBuf>,
     chat_template: Option<PathBuf>,
     tokenizer_cache_tokens: Option<usize>,
@@ -526,10 +531,31 @@ impl ServeArgs {
                 .first_byte_timeout_secs
                 .or(file.first_byte_timeout_secs)
                 .map_or(defaults.first_byte_timeout, Duration::from_secs),
-            admin_token: self
-                .admin_token
-                .or(file.admin_token)
-                .filter(|t| !t.is_empty()),
+            admin_token: match (
+                self.admin_token.or(file.admin_token),
+                self.admin_token_file.or(file.admin_token_file),
+            ) {
+                (Some(_), Some(_)) => {
+                    return Err(ConfigError(
+                        "give the admin token or a file holding it, not both".into(),
+                    ));
+                }
+                (Some(t), None) => Some(t).filter(|t| !t.is_empty()),
+                (None, Some(path)) => {
+                    let t = std::fs::read_to_string(&path).map_err(|e| {
+                        ConfigError(format!("admin token file {}: {e}", path.display()))
+                    })?;
+                    let t = t.trim().to_string();
+                    if t.is_empty() {
+                        return Err(ConfigError(format!(
+                            "admin token file {} is empty",
+                            path.display()
+                        )));
+                    }
+                    Some(t)
+                }
+                (None, None) => None,
+            },
             availability: self.availability.or(file.availability).unwrap_or(true),
             request_timeout: self
                 .request_timeout_secs
@@ -695,6 +721,26 @@ mod tests {
         let f = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(f.path(), text).unwrap();
         f
+    }
+
+    #[test]
+    fn the_admin_token_can_come_from_a_file() {
+        let args = |token: Option<&str>, path: Option<&std::path::Path>| ServeArgs {
+            workers: vec!["http://a:1".into()],
+            admin_token: token.map(str::to_string),
+            admin_token_file: path.map(std::path::Path::to_path_buf),
+            ..Default::default()
+        };
+        let f = file("s3cret\n");
+        let c = args(None, Some(f.path())).resolve().unwrap();
+        assert_eq!(c.gateway.admin_token.as_deref(), Some("s3cret"));
+        let err = args(Some("x"), Some(f.path())).resolve().unwrap_err();
+        assert!(err.to_string().contains("not both"), "{err}");
+        let empty = file("  \n");
+        let err = args(None, Some(empty.path())).resolve().unwrap_err();
+        assert!(err.to_string().contains("is empty"), "{err}");
+        let missing = std::path::Path::new("/nonexistent/token");
+        assert!(args(None, Some(missing)).resolve().is_err());
     }
 
     #[test]

@@ -286,6 +286,9 @@ impl Metrics {
         let _ = writeln!(s, "# TYPE switchyard_decisions_total counter");
         let _ = writeln!(s, "# TYPE switchyard_policy_failures_total counter");
         let _ = writeln!(s, "# TYPE switchyard_policy_fallbacks_total counter");
+        let _ = writeln!(s, "# TYPE switchyard_policy_rejections_total counter");
+        let _ = writeln!(s, "# TYPE switchyard_policy_rollbacks_total counter");
+        let _ = writeln!(s, "# TYPE switchyard_policy_info gauge");
         let _ = writeln!(s, "# TYPE switchyard_policy_call_seconds_sum counter");
         let _ = writeln!(s, "# TYPE switchyard_policy_calls_total counter");
         let _ = writeln!(s, "# TYPE switchyard_instance_down_reports_total counter");
@@ -304,20 +307,43 @@ impl Metrics {
             let ep = r.endpoint().to_string();
             let st = r.policy().status();
             let (calls, time) = r.policy().call_time();
+            // Totals over every policy the endpoint has had: counters never go down.
+            let t = r.policy().totals();
             let _ = writeln!(
                 s,
-                "switchyard_decisions_total{{endpoint=\"{ep}\",policy=\"{}\"}} {}",
-                st.info.name, st.decisions
+                "switchyard_decisions_total{{endpoint=\"{ep}\"}} {}",
+                t.decisions
             );
             let _ = writeln!(
                 s,
                 "switchyard_policy_failures_total{{endpoint=\"{ep}\"}} {}",
-                st.failures
+                t.failures
             );
             let _ = writeln!(
                 s,
                 "switchyard_policy_fallbacks_total{{endpoint=\"{ep}\"}} {}",
-                st.fallbacks
+                t.failures
+            );
+            let _ = writeln!(
+                s,
+                "switchyard_policy_rejections_total{{endpoint=\"{ep}\"}} {}",
+                t.rejections
+            );
+            for (reason, n) in [
+                ("operator", t.manual_rollbacks),
+                ("failures", t.automatic_rollbacks),
+            ] {
+                let _ = writeln!(
+                    s,
+                    "switchyard_policy_rollbacks_total{{endpoint=\"{ep}\",reason=\"{reason}\"}} {n}"
+                );
+            }
+            // Which policy serves now (name and version are label-safe: see
+            // `policy::guest_label`).
+            let _ = writeln!(
+                s,
+                "switchyard_policy_info{{endpoint=\"{ep}\",policy=\"{}\",version=\"{}\",generation=\"{}\"}} 1",
+                st.info.name, st.info.version, st.generation
             );
             let _ = writeln!(
                 s,

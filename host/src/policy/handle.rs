@@ -77,6 +77,31 @@ pub struct PolicyStatus {
     pub guest_log_lines: (u64, u64),
 }
 
+/// Counters of everything decided through a handle, whichever policy was current: they
+/// never go down (a swap or a rollback does not reset them), as Prometheus counters must.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PolicyTotals {
+    /// Decisions made.
+    pub decisions: u64,
+    /// Policy calls that failed (each decided by the native fallback).
+    pub failures: u64,
+    /// Requests a policy rejected on purpose.
+    pub rejections: u64,
+    /// Rollbacks the operator asked for.
+    pub manual_rollbacks: u64,
+    /// Rollbacks after a run of failures.
+    pub automatic_rollbacks: u64,
+}
+
+#[derive(Default)]
+struct Totals {
+    decisions: AtomicU64,
+    failures: AtomicU64,
+    rejections: AtomicU64,
+    manual_rollbacks: AtomicU64,
+    automatic_rollbacks: AtomicU64,
+}
+
 struct Active {
     policy: LoadedPolicy,
     /// The native fallback's configuration: the policy's own if it is `kv-cost`.
@@ -124,6 +149,7 @@ pub struct PolicyHandle {
     sequence: AtomicU64,
     consecutive_failures: AtomicU32,
     rollbacks: AtomicU64,
+    totals: Totals,
     seed_base: u64,
     /// Time spent in policy calls (nanoseconds) and their number, for metrics.
     call_nanos: AtomicU64,
@@ -147,6 +173,7 @@ impl PolicyHandle {
             sequence: AtomicU64::new(0),
             consecutive_failures: AtomicU32::new(0),
             rollbacks: AtomicU64::new(0),
+            totals: Totals::default(),
             seed_base,
             call_nanos: AtomicU64::new(0),
             calls: AtomicU64::new(0),
@@ -168,6 +195,7 @@ impl PolicyHandle {
         }
         let active = self.current.load_full();
         active.decisions.fetch_add(1, Ordering::Relaxed);
+        self.totals.decisions.fetch_add(1, Ordering::Relaxed);
         let mut decision = Decision {
             outcome: DecisionOutcome::NoCandidates,
             decider: Decider::Policy,
@@ -192,6 +220,7 @@ impl PolicyHandle {
                     CallOutcome::Chosen(id) => DecisionOutcome::Chosen(id),
                     CallOutcome::Rejected(r) => {
                         active.rejections.fetch_add(1, Ordering::Relaxed);
+                        self.totals.rejections.fetch_add(1, Ordering::Relaxed);
                         DecisionOutcome::Rejected(r)
                     }
                 };
@@ -199,6 +228,7 @@ impl PolicyHandle {
             Err(failure) => {
                 let failures = active.failures.fetch_add(1, Ordering::Relaxed) + 1;
                 active.fallbacks.fetch_add(1, Ordering::Relaxed);
+                self.totals.failures.fetch_add(1, Ordering::Relaxed);
                 // Log the first failures and then one in a thousand: a broken policy
                 // under load must not flood the log.
                 if failures <= 10 || failures.is_multiple_of(1000) {
@@ -265,6 +295,7 @@ impl PolicyHandle {
         *self.previous.lock() = Some(old.policy.clone());
         self.consecutive_failures.store(0, Ordering::Relaxed);
         self.rollbacks.fetch_add(1, Ordering::Relaxed);
+        self.totals.manual_rollbacks.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(from = %old.policy.info().name, generation, "policy rolled back");
         drop(_guard);
         Some(self.status())
@@ -300,6 +331,21 @@ impl PolicyHandle {
         self.current.store(Active::new(previous, generation));
         self.consecutive_failures.store(0, Ordering::Relaxed);
         self.rollbacks.fetch_add(1, Ordering::Relaxed);
+        self.totals
+            .automatic_rollbacks
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Everything decided through this handle so far, across swaps and rollbacks.
+    pub fn totals(&self) -> PolicyTotals {
+        let t = &self.totals;
+        PolicyTotals {
+            decisions: t.decisions.load(Ordering::Relaxed),
+            failures: t.failures.load(Ordering::Relaxed),
+            rejections: t.rejections.load(Ordering::Relaxed),
+            manual_rollbacks: t.manual_rollbacks.load(Ordering::Relaxed),
+            automatic_rollbacks: t.automatic_rollbacks.load(Ordering::Relaxed),
+        }
     }
 
     /// Policy calls made through this handle and the total time they took.

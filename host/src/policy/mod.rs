@@ -27,7 +27,7 @@ mod types;
 pub use builtin::{BUILTINS, Builtin, builtin};
 pub use cache::CacheOutcome;
 pub use engine::{PolicyEngine, RuntimeConfig};
-pub use handle::{Decider, Decision, DecisionOutcome, PolicyHandle, PolicyStatus};
+pub use handle::{Decider, Decision, DecisionOutcome, PolicyHandle, PolicyStatus, PolicyTotals};
 pub use loaded::{CallFailure, CallOutcome, LoadedPolicy, PolicyInfo, PolicySource};
 pub use types::{
     CandidateRow, Candidates, MAX_GUEST_LABEL, MAX_GUEST_TEXT, Rejection, RejectionKind, Request,
