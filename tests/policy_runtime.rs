@@ -483,7 +483,18 @@ fn broken_replacements_are_refused_and_the_current_policy_keeps_serving() {
     let h = handle(&engine, "kv-cost", "{}");
     let before = h.status();
 
+    // A file over the size limit (sparse: nothing is written) is refused unread.
+    let dir = tempfile::tempdir().unwrap();
+    let huge = dir.path().join("huge.wasm");
+    std::fs::File::create(&huge)
+        .unwrap()
+        .set_len(switchyard::policy::MAX_POLICY_BYTES as u64 + 4096)
+        .unwrap();
     let refusals: Vec<(PolicyError, &str)> = vec![
+        (
+            engine.load_file(&huge, "{}").err().unwrap(),
+            "over the limit",
+        ),
         (
             engine.load_file(&guest("wrong_world"), "{}").err().unwrap(),
             "does not implement",

@@ -24,7 +24,7 @@ use crate::discovery::EndpointPath;
 use crate::policy::{PolicySource, PolicyStatus};
 use crate::router::KvRouter;
 
-const MAX_POLICY_BYTES: usize = 32 << 20;
+use crate::policy::MAX_POLICY_BYTES;
 
 fn authorized(gw: &Gateway, req: &Request<Incoming>) -> Result<(), ApiError> {
     let Some(token) = gw.config.admin_token.as_deref() else {

@@ -153,10 +153,18 @@ impl PolicyEngine {
 
     /// Loads a policy from a `.wasm` file.
     pub fn load_file(&self, path: &Path, config_json: &str) -> Result<LoadedPolicy, PolicyError> {
-        let bytes = std::fs::read(path).map_err(|source| PolicyError::Io {
+        use std::io::Read;
+        let io = |source| PolicyError::Io {
             path: path.to_path_buf(),
             source,
-        })?;
+        };
+        // Read at most one byte past the limit: a huge file is refused, not read whole.
+        let mut bytes = Vec::new();
+        std::fs::File::open(path)
+            .map_err(io)?
+            .take(super::MAX_POLICY_BYTES as u64 + 1)
+            .read_to_end(&mut bytes)
+            .map_err(io)?;
         self.load(PolicySource::File(path.to_path_buf()), &bytes, config_json)
     }
 
@@ -170,6 +178,9 @@ impl PolicyEngine {
         config_json: &str,
     ) -> Result<LoadedPolicy, PolicyError> {
         let started = Instant::now();
+        if bytes.len() > super::MAX_POLICY_BYTES {
+            return Err(PolicyError::TooLarge);
+        }
         check_component_header(bytes)?;
         check_imports(bytes)?;
         let sha256 = cache::sha256_hex(bytes);

@@ -34,9 +34,17 @@ pub use types::{
     guest_label, guest_text,
 };
 
+/// Largest policy component accepted, however it arrives (file, upload, etcd push),
+/// bytes. Real policies are tens to hundreds of KiB; the limit bounds compile time and
+/// memory.
+pub const MAX_POLICY_BYTES: usize = 32 << 20;
+
 /// Why a policy could not be loaded or swapped in. The current policy keeps serving.
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
+    /// Larger than [`MAX_POLICY_BYTES`].
+    #[error("the policy is over the limit of {MAX_POLICY_BYTES} bytes")]
+    TooLarge,
     /// The bytes are not a WebAssembly component (e.g. a core module or garbage).
     #[error("not a WebAssembly component: {0}")]
     NotAComponent(String),
