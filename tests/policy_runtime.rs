@@ -381,6 +381,38 @@ fn text_from_a_policy_is_bounded_and_cannot_forge_lines() {
     );
 }
 
+/// The canary is a fixed set and eight random ones (1 to 64 workers, random IDs and
+/// loads, one idle worker each): a policy that rejects them all is refused unless the
+/// operator says such a policy is wanted.
+#[test]
+fn a_policy_rejecting_every_canary_request_is_refused_unless_allowed() {
+    let engine = no_rollback(64 << 20, 1000);
+    let always = engine.load_file(&guest("loud"), r#"{"after": 0}"#).unwrap();
+    let err = always.canary().unwrap_err().to_string();
+    assert!(err.contains("rejected all 9 canary requests"), "{err}");
+    let lenient = PolicyEngine::new(RuntimeConfig {
+        allow_reject_all: true,
+        ..runtime()
+    })
+    .unwrap();
+    let always = lenient
+        .load_file(&guest("loud"), r#"{"after": 0}"#)
+        .unwrap();
+    assert!(always.canary().is_ok());
+    // Every built-in and the example pass the random sets.
+    for spec in ["kv-cost", "round-robin", "random"] {
+        engine.load_spec(spec, "{}").unwrap().canary().unwrap();
+    }
+    engine
+        .load_file(
+            &guest("session_affinity"),
+            r#"{"max_in_flight": 1, "reject_when_full": true}"#,
+        )
+        .unwrap()
+        .canary()
+        .unwrap();
+}
+
 #[test]
 fn a_huge_candidate_list_cannot_blow_the_memory_cap_while_lowering() {
     let engine = no_rollback(2 << 20, 1000);

@@ -95,6 +95,10 @@ pub struct ServeArgs {
     /// Memory cap of one policy instance, MiB [default: 64].
     #[arg(long, env = "SWITCHYARD_POLICY_MEMORY_MB")]
     pub policy_memory_mb: Option<usize>,
+    /// Accept policies that reject every canary request (by default such a policy is
+    /// refused: it would answer every request 503).
+    #[arg(long, env = "SWITCHYARD_POLICY_MAY_REJECT_ALL")]
+    pub policy_may_reject_all: Option<bool>,
     /// Where compiled policies are cached [default: ~/.cache/switchyard/policies].
     #[arg(long, env = "SWITCHYARD_POLICY_CACHE")]
     pub policy_cache: Option<PathBuf>,
@@ -214,6 +218,7 @@ pub struct FileConfig {
     policy_budget_ms: Option<u64>,
     policy_memory_mb: Option<usize>,
     policy_cache: Option<PathBuf>,
+    policy_may_reject_all: Option<bool>,
     availability: Option<bool>,
     request_timeout_secs: Option<u64>,
     stream_idle_timeout_secs: Option<u64>,
@@ -671,6 +676,10 @@ impl ServeArgs {
                 .policy_cache
                 .or(file.policy_cache)
                 .or(runtime_defaults.cache_dir.clone()),
+            allow_reject_all: self
+                .policy_may_reject_all
+                .or(file.policy_may_reject_all)
+                .unwrap_or(false),
             ..runtime_defaults
         };
         Ok(ServeConfig {

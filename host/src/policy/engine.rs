@@ -42,6 +42,9 @@ pub struct RuntimeConfig {
     /// Directory for compiled policies (keyed by content hash and engine
     /// compatibility hash); `None` compiles every load.
     pub cache_dir: Option<PathBuf>,
+    /// Accept a policy that rejects every canary decision (one that turns a fleet into
+    /// 503s); off by default.
+    pub allow_reject_all: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -56,6 +59,7 @@ impl Default for RuntimeConfig {
             rollback_after_failures: 5,
             guest_log_lines_per_sec: 20,
             cache_dir: default_cache_dir(),
+            allow_reject_all: false,
         }
     }
 }

@@ -246,16 +246,43 @@ impl LoadedPolicy {
     /// candidate list, which must produce a candidate or a rejection within the load
     /// budget (generous, so that a busy host does not refuse a good policy).
     pub fn canary(&self) -> Result<CallOutcome, PolicyError> {
-        let (req, candidates) = (canary_request(), canary_candidates());
         let cfg = self.shared.engine.config();
         let budget = cfg.load_budget.max(cfg.call_budget);
-        self.call_within(
-            &req,
-            &candidates,
-            self.shared.engine.inner.load_deadline_ticks,
-            budget,
-        )
-        .map_err(|e| PolicyError::Canary(e.to_string()))
+        let ticks = self.shared.engine.inner.load_deadline_ticks;
+        let first = self
+            .call_within(&canary_request(), &canary_candidates(), ticks, budget)
+            .map_err(|e| PolicyError::Canary(e.to_string()))?;
+        // Then sets a policy cannot recognise: random sizes (1 and 64 among them), IDs,
+        // seeds, sessions and loads, from a seed of this process.
+        use std::hash::BuildHasher;
+        let mut rng = CanaryRng(
+            std::collections::hash_map::RandomState::new()
+                .hash_one(self.shared.info.sha256.as_str()),
+        );
+        let mut all_rejected = matches!(first, CallOutcome::Rejected(_));
+        for set in 0..RANDOM_CANARIES {
+            let size = match set {
+                0 => 1,
+                1 => 64,
+                _ => 2 + rng.below(63) as usize,
+            };
+            let (req, candidates) = random_canary(&mut rng, size);
+            let outcome = self
+                .call_within(&req, &candidates, ticks, budget)
+                .map_err(|e| {
+                    PolicyError::Canary(format!("random candidate set {set} ({size} workers): {e}"))
+                })?;
+            all_rejected &= matches!(outcome, CallOutcome::Rejected(_));
+        }
+        if all_rejected && !cfg.allow_reject_all {
+            return Err(PolicyError::Canary(format!(
+                "it rejected all {} canary requests, though every set had an idle worker: \
+                 serving it would answer every request 503 (start the router with \
+                 --policy-may-reject-all if that is what it is for)",
+                RANDOM_CANARIES + 1
+            )));
+        }
+        Ok(first)
     }
 
     /// The canary's decision again, as a serving router would make it: within the call
@@ -266,6 +293,52 @@ impl LoadedPolicy {
         self.call(&req, &candidates)?;
         Ok(started.elapsed())
     }
+}
+
+/// Random candidate sets a policy must handle at load time, besides the fixed one.
+const RANDOM_CANARIES: usize = 8;
+
+/// SplitMix64, for the random canaries.
+struct CanaryRng(u64);
+
+impl CanaryRng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        switchyard_cost_model::mix(self.0)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// A random request and `size` random candidates, one of them idle (so that a policy
+/// that rejects only when every worker is busy has no reason to reject).
+fn random_canary(rng: &mut CanaryRng, size: usize) -> (Request, Candidates) {
+    let prompt_blocks = 1 + rng.below(2048) as u32;
+    let req = Request {
+        prompt_tokens: prompt_blocks * 16 + rng.below(16) as u32,
+        prompt_blocks,
+        block_size: 16,
+        session_key: (rng.below(2) == 0).then(|| rng.next()),
+        seed: rng.next() | 1,
+        sequence: 0,
+    };
+    let idle = rng.below(size as u64) as usize;
+    let candidates = (0..size)
+        .map(|i| {
+            let busy = i != idle;
+            CandidateRow {
+                id: InstanceId(rng.next()),
+                overlap_blocks: rng.below(u64::from(prompt_blocks) + 1) as u32,
+                active_blocks: if busy { rng.below(4096) as u32 } else { 0 },
+                pending_prefill_tokens: if busy { rng.below(65_536) as u32 } else { 0 },
+                in_flight: if busy { rng.below(16) as u32 } else { 0 },
+                kv_usage: (rng.below(4) != 0).then(|| rng.below(1001) as f32 / 1000.0),
+            }
+        })
+        .collect();
+    (req, candidates)
 }
 
 fn canary_request() -> Request {
