@@ -877,3 +877,57 @@ async fn a_watched_policy_file_is_reloaded_when_it_changes() {
     .await;
     assert_eq!(s, StatusCode::OK);
 }
+
+/// Clients' `Authorization` header (vLLM's `--api-key`) goes to static workers, which the
+/// operator named, but not to workers found in etcd, where whoever can write an instance
+/// record would receive it, unless the operator says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_credentials_reach_only_workers_the_operator_trusts() {
+    let etcd = Etcd::start();
+    let key = "sk-worker-key";
+    let (_w, wurl) = mock_worker(&["--api-key", key, "--etcd", &etcd.url()]).await;
+    let c = http::client();
+    let ask = |router: String| {
+        let c = c.clone();
+        async move {
+            http::send(
+                &c,
+                Method::POST,
+                &format!("{router}/v1/chat/completions"),
+                &[
+                    ("authorization", &format!("Bearer {key}")),
+                    ("content-type", "application/json"),
+                ],
+                chat("hi", 2).to_string(),
+                PATIENCE,
+            )
+            .await
+            .unwrap()
+            .0
+        }
+    };
+    let (_a, fixed) = serve(&["--worker", &wurl, "--model", "mock"]).await;
+    assert_eq!(
+        ask(fixed).await,
+        StatusCode::OK,
+        "static workers get the header"
+    );
+    let (_b, discovered) = serve(&["--etcd", &etcd.url(), "--admin-token", TOKEN]).await;
+    wait_available(&c, &discovered, 1).await;
+    assert_eq!(
+        ask(discovered).await,
+        StatusCode::UNAUTHORIZED,
+        "etcd-discovered workers do not, by default"
+    );
+    let (_c, trusting) = serve(&[
+        "--etcd",
+        &etcd.url(),
+        "--admin-token",
+        TOKEN,
+        "--forward-authorization",
+        "true",
+    ])
+    .await;
+    wait_available(&c, &trusting, 1).await;
+    assert_eq!(ask(trusting).await, StatusCode::OK);
+}

@@ -33,6 +33,7 @@ fn main() {
                 tokenizer: None,
                 zmq_events: None, tls: None,
             chat: None,
+            api_key: None,
             },
             "127.0.0.1:0".parse().unwrap(),
         )

@@ -174,6 +174,12 @@ pub struct ServeArgs {
     /// Health endpoint path of the static workers [default: /health].
     #[arg(long, env = "SWITCHYARD_HEALTH_PATH")]
     pub health_path: Option<String>,
+    /// Pass clients' `Authorization` header on to workers (vLLM's `--api-key`) [default:
+    /// true for static workers, which the operator named; false with etcd, where whoever
+    /// can write an instance record would receive it]. Per endpoint in the file:
+    /// `[endpoints."ns/comp/ep"] forward_authorization = true`.
+    #[arg(long, env = "SWITCHYARD_FORWARD_AUTHORIZATION")]
+    pub forward_authorization: Option<bool>,
     /// PEM file of CA certificates trusted for `https://` workers, besides the system's
     /// roots (repeatable).
     #[arg(long = "ca-file", env = "SWITCHYARD_CA_FILES", value_delimiter = ',')]
@@ -238,6 +244,7 @@ pub struct FileConfig {
     max_retry_after_secs: Option<u64>,
     outlier_detection: Option<bool>,
     health_path: Option<String>,
+    forward_authorization: Option<bool>,
     #[serde(default)]
     ca_files: Vec<PathBuf>,
     #[serde(default)]
@@ -253,6 +260,7 @@ pub struct FileConfig {
 pub struct EndpointFile {
     policy: Option<String>,
     policy_config: Option<String>,
+    forward_authorization: Option<bool>,
 }
 
 /// A policy to load: a built-in name or a `.wasm` path, and its configuration.
@@ -405,6 +413,10 @@ pub struct ServeConfig {
     pub engine_metrics: Option<Duration>,
     /// Addresses of the SUB sockets engines connect to (central mode), rank by rank.
     pub kv_events_bind: Vec<String>,
+    /// Whether clients' `Authorization` header goes on to workers, by default.
+    pub forward_authorization: bool,
+    /// Per-endpoint exceptions to `forward_authorization`.
+    pub endpoint_forward_authorization: BTreeMap<EndpointPath, bool>,
 }
 
 /// A configuration problem, said plainly.
@@ -487,10 +499,17 @@ impl ServeArgs {
                 .unwrap_or_else(|| "{}".into()),
         };
         let mut endpoint_policies = BTreeMap::new();
+        let mut endpoint_forward_authorization = BTreeMap::new();
         for (path, ep) in file.endpoints {
             let endpoint: EndpointPath = path
                 .parse()
                 .map_err(|e| ConfigError(format!("[endpoints.\"{path}\"]: {e}")))?;
+            if let Some(forward) = ep.forward_authorization {
+                endpoint_forward_authorization.insert(endpoint.clone(), forward);
+            }
+            if ep.policy.is_none() && ep.policy_config.is_none() {
+                continue;
+            }
             let spec = PolicySpec {
                 spec: ep.policy.unwrap_or_else(|| default_policy.spec.clone()),
                 config: ep.policy_config.unwrap_or_else(|| "{}".into()),
@@ -687,7 +706,6 @@ impl ServeArgs {
                 .listen
                 .or(file.listen)
                 .unwrap_or_else(|| "127.0.0.1:8000".parse().expect("valid")),
-            discovery,
             default_policy,
             endpoint_policies,
             watch: self.watch.or(file.watch).unwrap_or(false),
@@ -718,6 +736,12 @@ impl ServeArgs {
                 ms => Some(Duration::from_millis(ms)),
             },
             kv_events_bind,
+            forward_authorization: self
+                .forward_authorization
+                .or(file.forward_authorization)
+                .unwrap_or(matches!(discovery, DiscoveryConfig::Static { .. })),
+            endpoint_forward_authorization,
+            discovery,
         })
     }
 }

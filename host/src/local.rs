@@ -133,6 +133,7 @@ impl LocalFleet {
                 }),
                 tls: None,
                 chat: None,
+                api_key: None,
             };
             workers.push(
                 MockWorker::bind(worker_config, "127.0.0.1:0".parse().expect("valid")).await?,

@@ -296,6 +296,9 @@ struct MockWorkerArgs {
     /// The PEM private key of `--tls-cert`.
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Completions need `Authorization: Bearer KEY` (vLLM's `--api-key`).
+    #[arg(long, env = "SWITCHYARD_MOCK_API_KEY")]
+    api_key: Option<String>,
 }
 
 #[derive(Args)]
@@ -579,6 +582,7 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
             )?,
         )),
         zmq_events: None,
+        api_key: args.api_key.clone(),
         tls: match (&args.tls_cert, &args.tls_key) {
             (Some(cert), Some(key)) => Some(
                 switchyard::worker::server::server_tls(cert, key).map_err(anyhow::Error::msg)?,

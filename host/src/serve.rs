@@ -59,6 +59,8 @@ pub struct ServeFleet {
     engine_metrics: Option<Duration>,
     tls: crate::http::upstream::Tls,
     central_events: Option<Arc<crate::router::central_events::CentralEvents>>,
+    forward_authorization: bool,
+    endpoint_forward_authorization: BTreeMap<EndpointPath, bool>,
 }
 
 impl ServeFleet {
@@ -89,6 +91,11 @@ impl ServeFleet {
                 approximate: self.approximate,
                 tls: self.tls.clone(),
                 central_events: self.central_events.clone(),
+                forward_authorization: self
+                    .endpoint_forward_authorization
+                    .get(&entry.endpoint)
+                    .copied()
+                    .unwrap_or(self.forward_authorization),
                 ..KvRouterConfig::new(entry.block_size)
             },
         ));
@@ -311,6 +318,8 @@ pub async fn serve(
         engine_metrics: config.engine_metrics,
         tls: config.gateway.tls.clone(),
         central_events,
+        forward_authorization: config.forward_authorization,
+        endpoint_forward_authorization: config.endpoint_forward_authorization.clone(),
     });
     let mut background = Vec::new();
     match (&config.discovery, static_set) {

@@ -54,5 +54,6 @@ pub fn mock_worker_config(kv_blocks: usize) -> MockWorkerConfig {
         zmq_events: None,
         tls: None,
         chat: None,
+        api_key: None,
     }
 }

@@ -149,6 +149,7 @@ pub(crate) async fn completion(
     let request_started = Instant::now();
     let path = req.uri().path().to_string();
     let accept = req.headers().get(ACCEPT).cloned();
+    // Kept only for endpoints whose workers may see clients' credentials.
     let auth = req.headers().get(AUTHORIZATION).cloned();
     let max = gw.config.max_body_bytes;
     let body = match Limited::new(req.into_body(), max).collect().await {
@@ -174,6 +175,7 @@ pub(crate) async fn completion(
             ApiError::UnknownModel(parsed.model.clone())
         }
     })?;
+    let auth = auth.filter(|_| router.forwards_authorization());
     let tokens = tokenize(gw, &parsed.prompt).await?;
     let session_key = parsed
         .user

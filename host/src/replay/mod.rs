@@ -270,6 +270,7 @@ async fn replay_external(
                 zmq_events: None,
                 tls: None,
                 chat: None,
+                api_key: None,
             },
             "127.0.0.1:0".parse().expect("valid"),
         )

@@ -64,6 +64,8 @@ pub struct KvRouterConfig {
     pub tls: crate::http::upstream::Tls,
     /// The bound sockets engines connect to (central mode), if any.
     pub central_events: Option<Arc<central_events::CentralEvents>>,
+    /// Pass clients' `Authorization` header on to this endpoint's workers.
+    pub forward_authorization: bool,
 }
 
 impl KvRouterConfig {
@@ -77,6 +79,7 @@ impl KvRouterConfig {
             load_expiry: Duration::from_secs(600),
             tls: crate::http::upstream::Tls::default(),
             central_events: None,
+            forward_authorization: false,
         }
     }
 }
@@ -625,6 +628,11 @@ impl KvRouter {
     /// `worker`'s KV cache size in blocks, if its reports said.
     pub fn known_capacity(&self, worker: InstanceId) -> Option<u64> {
         self.capacities.lock().get(&worker).copied()
+    }
+
+    /// Whether clients' `Authorization` header goes on to this endpoint's workers.
+    pub fn forwards_authorization(&self) -> bool {
+        self.config.forward_authorization
     }
 
     /// The bound sockets engines connect to (central mode), if any.

@@ -152,6 +152,8 @@ pub struct MockWorkerConfig {
     pub tls: Option<Arc<rustls::ServerConfig>>,
     /// How chats become prompts (`None`: ChatML), as the engine's chat template does.
     pub chat: Option<Arc<crate::tokens::ChatFormat>>,
+    /// Completions need `Authorization: Bearer <key>`, as with vLLM's `--api-key`.
+    pub api_key: Option<String>,
 }
 
 /// A server TLS configuration from PEM files: the certificate chain and its private key
@@ -203,6 +205,8 @@ struct Shared {
     zmq: Option<(super::zmq::ZmqPublisher, String)>,
     /// HTTPS, if served.
     tls: Option<tokio_rustls::TlsAcceptor>,
+    /// The key completions need, if any.
+    api_key: Option<String>,
 }
 
 impl Shared {
@@ -276,6 +280,7 @@ impl MockWorker {
             served: AtomicU64::new(0),
             refuse,
             tls: config.tls.map(tokio_rustls::TlsAcceptor::from),
+            api_key: config.api_key,
         });
         shared.update_refuse();
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -466,6 +471,18 @@ fn error(
 }
 
 async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
+    if let Some(key) = &shared.api_key
+        && matches!(req.uri().path(), "/v1/completions" | "/v1/chat/completions")
+        && req
+            .headers()
+            .get(hyper::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            != Some(key.as_str())
+    {
+        // vLLM's answer to a missing or wrong key.
+        return json_response(StatusCode::UNAUTHORIZED, json!({"error": "Unauthorized"}));
+    }
     match (req.method(), req.uri().path()) {
         (&Method::POST, "/v1/completions") => completion(shared, Api::Completions, req).await,
         (&Method::POST, "/v1/chat/completions") => completion(shared, Api::Chat, req).await,
