@@ -460,7 +460,7 @@ fn guest_output_reaches_the_log_rate_limited_and_decisions_still_work() {
 
 #[test]
 fn the_sandbox_grants_no_files_environment_network_or_clock() {
-    let h = hostile(&no_rollback(64 << 20, 1000), "reads_host");
+    let h = Arc::new(hostile(&no_rollback(64 << 20, 1000), "reads_host"));
     let d = h.decide(request(4, 1), &four());
     match d.outcome {
         DecisionOutcome::Chosen(id) => assert_eq!(id, InstanceId(1)),
@@ -468,6 +468,17 @@ fn the_sandbox_grants_no_files_environment_network_or_clock() {
         other => panic!("{other:?}"),
     }
     assert_eq!(d.decider, Decider::Policy);
+    // The same on a Tokio worker thread, where the router decides: every denial is an
+    // error the guest sees, never a host panic (wasmtime-wasi's blocking helpers would
+    // start a nested runtime there).
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .build()
+        .unwrap();
+    let task = rt.spawn(async move { h.decide(request(4, 1), &four()) });
+    let d = rt.block_on(task).unwrap();
+    assert_eq!(d.decider, Decider::Policy, "{d:?}");
+    assert!(matches!(d.outcome, DecisionOutcome::Chosen(_)), "{d:?}");
 }
 
 #[test]

@@ -123,9 +123,9 @@ pub(crate) fn add_to_linker(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
         l,
         T::sockets,
     )?;
-    wasmtime_wasi::p2::bindings::sync::sockets::udp_create_socket::add_to_linker::<T, WasiSockets>(
+    wasmtime_wasi::p2::bindings::sync::sockets::udp_create_socket::add_to_linker::<T, NoUdp>(
         l,
-        T::sockets,
+        |_| DeniedUdp,
     )?;
     wasmtime_wasi_io::bindings::wasi::io::error::add_to_linker::<T, TableIo>(l, |t| &mut t.table)?;
     sync_poll::add_to_linker::<T, NonBlockingIo>(l, |t| NonBlocking(&mut t.table))?;
@@ -138,6 +138,54 @@ struct TableIo;
 
 impl HasData for TableIo {
     type Data<'a> = &'a mut ResourceTable;
+}
+
+/// `wasi:sockets/udp-create-socket`, refused here: wasmtime-wasi's synchronous version
+/// enters a Tokio runtime to create the socket, which panics on the router's worker
+/// threads (a runtime within a runtime) before the policy could even be told no.
+struct NoUdp;
+
+impl HasData for NoUdp {
+    type Data<'a> = DeniedUdp;
+}
+
+struct DeniedUdp;
+
+// Required by the bindings of `udp-create-socket` (which uses `network`'s types); the
+// `network` interface itself is linked from wasmtime-wasi above, so these are never called.
+impl wasmtime_wasi::p2::bindings::sockets::network::HostNetwork for DeniedUdp {
+    fn drop(
+        &mut self,
+        _this: wasmtime::component::Resource<wasmtime_wasi::p2::Network>,
+    ) -> wasmtime::Result<()> {
+        Ok(())
+    }
+}
+
+impl wasmtime_wasi::p2::bindings::sockets::network::Host for DeniedUdp {
+    fn convert_error_code(
+        &mut self,
+        error: wasmtime_wasi::p2::SocketError,
+    ) -> wasmtime::Result<wasmtime_wasi::p2::bindings::sockets::network::ErrorCode> {
+        error.downcast()
+    }
+
+    fn network_error_code(
+        &mut self,
+        _err: wasmtime::component::Resource<wasmtime_wasi_io::bindings::wasi::io::error::Error>,
+    ) -> wasmtime::Result<Option<wasmtime_wasi::p2::bindings::sockets::network::ErrorCode>> {
+        Ok(None)
+    }
+}
+
+impl wasmtime_wasi::p2::bindings::sync::sockets::udp_create_socket::Host for DeniedUdp {
+    fn create_udp_socket(
+        &mut self,
+        _family: wasmtime_wasi::p2::bindings::sync::sockets::udp::IpAddressFamily,
+    ) -> wasmtime_wasi::p2::SocketResult<wasmtime::component::Resource<wasmtime_wasi::p2::UdpSocket>>
+    {
+        Err(wasmtime_wasi::p2::bindings::sockets::network::ErrorCode::AccessDenied.into())
+    }
 }
 
 /// `wasi:io` without blocking; see the module doc.

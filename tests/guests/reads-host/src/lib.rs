@@ -33,6 +33,18 @@ impl Guest for Hostile {
         if std::net::TcpStream::connect("127.0.0.1:80").is_ok() {
             leaks.push("network".to_string());
         }
+        if std::net::UdpSocket::bind("127.0.0.1:0").is_ok() {
+            leaks.push("a UDP socket".to_string());
+        }
+        if std::net::TcpListener::bind("127.0.0.1:0").is_ok() {
+            leaks.push("a listening socket".to_string());
+        }
+        {
+            use std::net::ToSocketAddrs;
+            if ("localhost", 80).to_socket_addrs().is_ok_and(|mut a| a.next().is_some()) {
+                leaks.push("name lookup".to_string());
+            }
+        }
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
