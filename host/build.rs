@@ -38,6 +38,7 @@ fn main() {
                 "rounds_ids",
                 "imports_http",
                 "loud",
+                "sleeps",
             ][..],
         ),
     ];

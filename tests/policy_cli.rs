@@ -42,6 +42,8 @@ fn policy_check_explains_what_is_wrong() {
             "does not implement the switchyard:policy@0.1.0 world",
         ),
         (common::guest("spin_forever"), "time budget"),
+        // Waiting on a clock is refused as blocking, not by a panic.
+        (common::guest("sleeps"), "would block"),
         (common::guest("bad_config"), "refused its configuration"),
         // IDs through a double: the canary's IDs are above 2^53, so they come back rounded.
         (common::guest("rounds_ids"), "which is not a candidate"),

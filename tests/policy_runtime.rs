@@ -335,6 +335,17 @@ fn a_panicking_policy_traps_and_is_replaced_by_a_fresh_instance() {
     assert!(h.current().instances_created() >= before + 2);
 }
 
+/// Waiting on a clock is blocking, which a policy may not do: stopped at once, wherever it
+/// runs (no host timer is armed, so no runtime is needed).
+#[test]
+fn a_sleeping_policy_is_stopped_as_blocking() {
+    let h = hostile(&no_rollback(64 << 20, 1000), "sleeps");
+    assert_contained(
+        &h,
+        |f| matches!(f, CallFailure::Trap(why) if why.contains("would block")),
+    );
+}
+
 #[test]
 fn an_answer_outside_the_candidates_is_refused() {
     let h = hostile(&no_rollback(64 << 20, 1000), "wrong_id");

@@ -26,6 +26,7 @@ pub fn guest(name: &str) -> PathBuf {
         "rounds_ids" => env!("SWITCHYARD_ROUNDS_IDS_WASM"),
         "imports_http" => env!("SWITCHYARD_IMPORTS_HTTP_WASM"),
         "loud" => env!("SWITCHYARD_LOUD_WASM"),
+        "sleeps" => env!("SWITCHYARD_SLEEPS_WASM"),
         other => panic!("no test guest named {other}"),
     };
     PathBuf::from(path)

@@ -92,7 +92,9 @@ impl WasiView for HostState {
 pub(crate) fn add_to_linker(l: &mut Linker<HostState>) -> wasmtime::Result<()> {
     type T = HostState;
     clocks::wall_clock::add_to_linker::<T, WasiClocks>(l, T::clocks)?;
-    clocks::monotonic_clock::add_to_linker::<T, WasiClocks>(l, T::clocks)?;
+    clocks::monotonic_clock::add_to_linker::<T, FrozenMonotonic>(l, |t| {
+        FrozenTimers(&mut t.table)
+    })?;
     filesystem::preopens::add_to_linker::<T, WasiFilesystem>(l, T::filesystem)?;
     wasmtime_wasi::p2::bindings::sync::filesystem::types::add_to_linker::<T, WasiFilesystem>(
         l,
@@ -185,6 +187,58 @@ impl wasmtime_wasi::p2::bindings::sync::sockets::udp_create_socket::Host for Den
     ) -> wasmtime_wasi::p2::SocketResult<wasmtime::component::Resource<wasmtime_wasi::p2::UdpSocket>>
     {
         Err(wasmtime_wasi::p2::bindings::sockets::network::ErrorCode::AccessDenied.into())
+    }
+}
+
+/// `wasi:clocks/monotonic-clock`, frozen at zero and without timers: wasmtime-wasi's
+/// version arms a Tokio timer for every subscription, which panics on a thread without
+/// a runtime (`policy check`). Here a zero wait is ready at once and any other never is,
+/// so a policy that sleeps is stopped by `poll` as blocking, wherever it runs.
+struct FrozenMonotonic;
+
+impl HasData for FrozenMonotonic {
+    type Data<'a> = FrozenTimers<'a>;
+}
+
+struct FrozenTimers<'a>(&'a mut ResourceTable);
+
+/// A clock subscription: ready now (a zero wait), or never.
+struct Deadline {
+    ready: bool,
+}
+
+#[async_trait::async_trait]
+impl Pollable for Deadline {
+    async fn ready(&mut self) {
+        if !self.ready {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+impl FrozenTimers<'_> {
+    fn subscribe(&mut self, ready: bool) -> wasmtime::Result<Resource<DynPollable>> {
+        let deadline = self.0.push(Deadline { ready })?;
+        wasmtime_wasi_io::poll::subscribe(self.0, deadline)
+    }
+}
+
+impl clocks::monotonic_clock::Host for FrozenTimers<'_> {
+    fn now(&mut self) -> wasmtime::Result<u64> {
+        Ok(0)
+    }
+
+    fn resolution(&mut self) -> wasmtime::Result<u64> {
+        Ok(1)
+    }
+
+    fn subscribe_instant(&mut self, when: u64) -> wasmtime::Result<Resource<DynPollable>> {
+        // The clock stays at zero: only an instant not after it has come.
+        self.subscribe(when == 0)
+    }
+
+    fn subscribe_duration(&mut self, duration: u64) -> wasmtime::Result<Resource<DynPollable>> {
+        self.subscribe(duration == 0)
     }
 }
 

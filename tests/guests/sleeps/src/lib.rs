@@ -1,0 +1,23 @@
+#![doc = "A hostile test policy; see the body of `choose`."]
+
+include!("../../hostile.rs");
+
+#[allow(unused_variables)]
+impl Guest for Hostile {
+    fn configure(config: String) -> Result<(), String> {
+        configure_after(&config)
+    }
+
+    fn describe() -> Info {
+        describe_self()
+    }
+
+    /// After `after` decisions, sleeps before answering: it waits on a clock, which a
+    /// policy may not do.
+    fn choose(req: Request, candidates: Candidates) -> Result<u64, Rejection> {
+        if misbehave(&req) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        Ok(candidates.worker_ids[0])
+    }
+}
