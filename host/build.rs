@@ -39,6 +39,7 @@ fn main() {
                 "imports_http",
                 "loud",
                 "sleeps",
+                "flaky",
             ][..],
         ),
     ];

@@ -283,6 +283,7 @@ fn four() -> Candidates {
 fn no_rollback(memory_cap: usize, budget_ms: u64) -> PolicyEngine {
     PolicyEngine::new(RuntimeConfig {
         rollback_after_failures: u32::MAX,
+        rollback_failure_rate: 0.0,
         memory_cap,
         call_budget: Duration::from_millis(budget_ms),
         ..runtime()
@@ -529,6 +530,53 @@ fn a_run_of_failures_rolls_back_to_the_last_good_policy() {
     let after = h.totals();
     assert!(after.decisions >= totals.decisions, "{after:?}");
     assert_eq!((after.automatic_rollbacks, after.manual_rollbacks), (1, 1));
+}
+
+/// A policy failing one call in three never fails five in a row, but the failure rate
+/// rolls it back within one window of calls; one that fails less than the threshold stays.
+#[test]
+fn a_policy_failing_a_third_of_its_calls_is_rolled_back_by_rate() {
+    let engine = PolicyEngine::new(RuntimeConfig {
+        rollback_after_failures: 5,
+        rollback_failure_rate: 0.2,
+        rollback_window: 60,
+        ..runtime()
+    })
+    .unwrap();
+    let h = handle(&engine, "kv-cost", "{}");
+    h.swap(
+        engine
+            .load_file(&guest("flaky"), r#"{"every": 3}"#)
+            .unwrap(),
+    )
+    .unwrap();
+    // Seeds 1, 2, 3, ...: every third call panics.
+    for seed in 1..60 {
+        h.decide(request(4, seed), &four());
+        assert_eq!(
+            h.status().info.name,
+            "flaky",
+            "rolled back early, at {seed}"
+        );
+    }
+    h.decide(request(4, 60), &four());
+    let status = h.status();
+    assert_eq!(
+        status.info.name, "kv-cost",
+        "rolled back at the end of the window"
+    );
+    assert_eq!(h.totals().automatic_rollbacks, 1);
+    // One failure in ten stays under a 20 % threshold.
+    h.swap(
+        engine
+            .load_file(&guest("flaky"), r#"{"every": 10}"#)
+            .unwrap(),
+    )
+    .unwrap();
+    for seed in 1..=180 {
+        h.decide(request(4, seed), &four());
+    }
+    assert_eq!(h.status().info.name, "flaky");
 }
 
 #[test]

@@ -27,6 +27,7 @@ pub fn guest(name: &str) -> PathBuf {
         "imports_http" => env!("SWITCHYARD_IMPORTS_HTTP_WASM"),
         "loud" => env!("SWITCHYARD_LOUD_WASM"),
         "sleeps" => env!("SWITCHYARD_SLEEPS_WASM"),
+        "flaky" => env!("SWITCHYARD_FLAKY_WASM"),
         other => panic!("no test guest named {other}"),
     };
     PathBuf::from(path)

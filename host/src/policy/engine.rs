@@ -37,6 +37,11 @@ pub struct RuntimeConfig {
     pub max_warm_instances: usize,
     /// Consecutive failed calls after which the handle rolls back to the last good policy.
     pub rollback_after_failures: u32,
+    /// Share of failed calls in a window of `rollback_window` calls at which the handle
+    /// rolls back too (0: never by rate).
+    pub rollback_failure_rate: f64,
+    /// Calls per failure-rate window.
+    pub rollback_window: u32,
     /// Guest stdout/stderr lines logged per second per policy; the rest are counted.
     pub guest_log_lines_per_sec: u32,
     /// Directory for compiled policies (keyed by content hash and engine
@@ -57,6 +62,8 @@ impl Default for RuntimeConfig {
             recycle_after_calls: 100_000,
             max_warm_instances: 64,
             rollback_after_failures: 5,
+            rollback_failure_rate: 0.2,
+            rollback_window: 100,
             guest_log_lines_per_sec: 20,
             cache_dir: default_cache_dir(),
             allow_reject_all: false,

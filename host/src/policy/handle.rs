@@ -112,6 +112,9 @@ struct Active {
     failures: AtomicU64,
     fallbacks: AtomicU64,
     rejections: AtomicU64,
+    /// Calls and failures in the current rate window.
+    window_calls: AtomicU32,
+    window_failures: AtomicU32,
 }
 
 impl Active {
@@ -130,6 +133,8 @@ impl Active {
             failures: AtomicU64::new(0),
             fallbacks: AtomicU64::new(0),
             rejections: AtomicU64::new(0),
+            window_calls: AtomicU32::new(0),
+            window_failures: AtomicU32::new(0),
         })
     }
 }
@@ -245,10 +250,33 @@ impl PolicyHandle {
                 decision.outcome = DecisionOutcome::Chosen(id);
                 decision.decider = Decider::Fallback;
                 decision.failure = Some(failure);
+                active.window_failures.fetch_add(1, Ordering::Relaxed);
                 let run = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
-                if run >= self.engine.config().rollback_after_failures {
-                    self.auto_rollback(&active, run);
+                let limit = self.engine.config().rollback_after_failures;
+                if run >= limit {
+                    self.auto_rollback(
+                        &active,
+                        &format!("failed {run} times in a row"),
+                        run == limit,
+                    );
                 }
+            }
+        }
+        // Failures by rate: a policy failing a share of its calls, never five in a row,
+        // still costs a fallback and more than its budget on each failure.
+        let cfg = self.engine.config();
+        let window = cfg.rollback_window.max(1);
+        let calls = active.window_calls.fetch_add(1, Ordering::Relaxed) + 1;
+        if calls.is_multiple_of(window) {
+            let failures = active.window_failures.swap(0, Ordering::Relaxed);
+            if f64::from(failures) >= cfg.rollback_failure_rate * f64::from(window)
+                && cfg.rollback_failure_rate > 0.0
+            {
+                self.auto_rollback(
+                    &active,
+                    &format!("failed {failures} of its last {window} calls"),
+                    true,
+                );
             }
         }
         decision
@@ -301,7 +329,7 @@ impl PolicyHandle {
         Some(self.status())
     }
 
-    fn auto_rollback(&self, failing: &Arc<Active>, run: u32) {
+    fn auto_rollback(&self, failing: &Arc<Active>, why: &str, log_if_stuck: bool) {
         let _guard = self.swap_lock.lock();
         // Racing: another thread may have rolled back or swapped already; only the
         // thread that still sees the failing policy current acts.
@@ -309,10 +337,10 @@ impl PolicyHandle {
             return;
         }
         let Some(previous) = self.previous.lock().take() else {
-            if run == self.engine.config().rollback_after_failures {
+            if log_if_stuck {
                 tracing::error!(
                     policy = %failing.policy.info().name,
-                    run,
+                    why,
                     "policy keeps failing and there is no earlier policy to roll back to; \
                      the native fallback is deciding"
                 );
@@ -323,9 +351,9 @@ impl PolicyHandle {
         tracing::error!(
             from = %failing.policy.info().name,
             to = %previous.info().name,
-            run,
+            why,
             generation,
-            "policy failed {run} times in a row; rolled back to the last good policy"
+            "policy rolled back to the last good policy"
         );
         // The failing policy is dropped, not kept as a rollback target.
         self.current.store(Active::new(previous, generation));
