@@ -419,6 +419,11 @@ pub struct ServeConfig {
     pub endpoint_forward_authorization: BTreeMap<EndpointPath, bool>,
 }
 
+/// A list given by repeatable flags (or their variable) wins whole over the file's.
+fn flag_or_file<T>(flag: Vec<T>, file: Vec<T>) -> Vec<T> {
+    if flag.is_empty() { file } else { flag }
+}
+
 /// A configuration problem, said plainly.
 #[derive(Debug, thiserror::Error)]
 #[error("configuration: {0}")]
@@ -436,11 +441,7 @@ impl ServeArgs {
             }
             None => FileConfig::default(),
         };
-        let etcd = if self.etcd.is_empty() {
-            file.etcd
-        } else {
-            self.etcd
-        };
+        let etcd = flag_or_file(self.etcd, file.etcd);
         let workers: Vec<StaticWorker> = if self.workers.is_empty() {
             file.workers
                 .into_iter()
@@ -516,11 +517,7 @@ impl ServeArgs {
             };
             endpoint_policies.insert(endpoint, spec);
         }
-        let kv_events_bind = if self.kv_events_bind.is_empty() {
-            file.kv_events_bind
-        } else {
-            self.kv_events_bind
-        };
+        let kv_events_bind = flag_or_file(self.kv_events_bind, file.kv_events_bind);
         for address in &kv_events_bind {
             if !address.starts_with("tcp://") || !address.contains(':') {
                 return Err(ConfigError(format!(
@@ -529,11 +526,7 @@ impl ServeArgs {
             }
         }
         let defaults = GatewayConfig::default();
-        let ca_files = if self.ca_files.is_empty() {
-            file.ca_files
-        } else {
-            self.ca_files
-        };
+        let ca_files = flag_or_file(self.ca_files, file.ca_files);
         let tls = crate::http::upstream::Tls::with_ca_files(&ca_files)
             .map_err(|e| ConfigError(e.to_string()))?;
         let gateway = GatewayConfig {

@@ -55,12 +55,11 @@ pub struct ServeFleet {
     /// Created once per endpoint; never removed (an endpoint that loses all instances
     /// keeps its router, which answers 503).
     routers: Mutex<HashMap<EndpointPath, Arc<KvRouter>>>,
-    approximate: crate::router::Approximate,
-    engine_metrics: Option<Duration>,
-    tls: crate::http::upstream::Tls,
-    central_events: Option<Arc<crate::router::central_events::CentralEvents>>,
-    forward_authorization: bool,
+    /// What every endpoint's router starts from (its block size and, per endpoint,
+    /// `forward_authorization` filled in).
+    router_defaults: KvRouterConfig,
     endpoint_forward_authorization: BTreeMap<EndpointPath, bool>,
+    engine_metrics: Option<Duration>,
 }
 
 impl ServeFleet {
@@ -88,15 +87,13 @@ impl ServeFleet {
             client,
             handle,
             KvRouterConfig {
-                approximate: self.approximate,
-                tls: self.tls.clone(),
-                central_events: self.central_events.clone(),
+                block_size: entry.block_size,
                 forward_authorization: self
                     .endpoint_forward_authorization
                     .get(&entry.endpoint)
                     .copied()
-                    .unwrap_or(self.forward_authorization),
-                ..KvRouterConfig::new(entry.block_size)
+                    .unwrap_or(self.router_defaults.forward_authorization),
+                ..self.router_defaults.clone()
             },
         ));
         subscriber::spawn(&router, SubscriberConfig::default());
@@ -314,12 +311,15 @@ pub async fn serve(
         gone: Mutex::new(HashMap::new()),
         discovered: AtomicBool::new(false),
         routers: Mutex::new(HashMap::new()),
-        approximate: config.approximate,
-        engine_metrics: config.engine_metrics,
-        tls: config.gateway.tls.clone(),
-        central_events,
-        forward_authorization: config.forward_authorization,
+        router_defaults: KvRouterConfig {
+            approximate: config.approximate,
+            tls: config.gateway.tls.clone(),
+            central_events,
+            forward_authorization: config.forward_authorization,
+            ..KvRouterConfig::new(16)
+        },
         endpoint_forward_authorization: config.endpoint_forward_authorization.clone(),
+        engine_metrics: config.engine_metrics,
     });
     let mut background = Vec::new();
     match (&config.discovery, static_set) {

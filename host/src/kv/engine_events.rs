@@ -129,7 +129,8 @@ pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, DecodeError> {
         for _ in 0..n {
             let (k, rest) = Raw::split(rd)?;
             rd = rest;
-            if k.str() == Some("events") {
+            let name = k.str();
+            if name == Some("events") {
                 let (e, rest) = decode_events(rd)?;
                 events = Some(e);
                 rd = rest;
@@ -137,7 +138,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, DecodeError> {
             }
             let (v, rest) = Raw::split(rd)?;
             rd = rest;
-            match k.str() {
+            match name {
                 Some("ts") => ts = Some(v),
                 Some("data_parallel_rank") => rank = Some(v),
                 Some("attn_dp_rank") if rank.is_none() => rank = Some(v),
@@ -194,28 +195,26 @@ impl<'a> Raw<'a> {
 
     /// The element count and first element, if an array.
     fn array(self) -> Result<Option<(u32, &'a [u8])>, DecodeError> {
-        let mut rd = self.0;
-        match rmp::decode::read_marker(&mut rd).map_err(|_| bad("truncated"))? {
-            rmp::Marker::FixArray(_) | rmp::Marker::Array16 | rmp::Marker::Array32 => {
-                let mut rd = self.0;
-                let n = rmp::decode::read_array_len(&mut rd).map_err(|e| bad(e.to_string()))?;
-                Ok(Some((n, rd)))
-            }
-            _ => Ok(None),
-        }
+        self.header(0x90, [0xdc, 0xdd])
     }
 
     /// The entry count and first entry, if a map.
     fn map(self) -> Result<Option<(u32, &'a [u8])>, DecodeError> {
-        let mut rd = self.0;
-        match rmp::decode::read_marker(&mut rd).map_err(|_| bad("truncated"))? {
-            rmp::Marker::FixMap(_) | rmp::Marker::Map16 | rmp::Marker::Map32 => {
-                let mut rd = self.0;
-                let n = rmp::decode::read_map_len(&mut rd).map_err(|e| bad(e.to_string()))?;
-                Ok(Some((n, rd)))
-            }
-            _ => Ok(None),
-        }
+        self.header(0x80, [0xde, 0xdf])
+    }
+
+    /// A container's count and what follows its header, if its marker is the `fix` form
+    /// (count in the low nibble) or one of the 16- and 32-bit forms.
+    fn header(self, fix: u8, wide: [u8; 2]) -> Result<Option<(u32, &'a [u8])>, DecodeError> {
+        let (&marker, rest) = self.0.split_first().ok_or_else(truncated)?;
+        let width = match marker {
+            _ if marker & 0xf0 == fix => return Ok(Some((u32::from(marker & 0x0f), rest))),
+            _ if marker == wide[0] => 2,
+            _ if marker == wide[1] => 4,
+            _ => return Ok(None),
+        };
+        let (len, rest) = rest.split_at_checked(width).ok_or_else(truncated)?;
+        Ok(Some((big_endian(len) as u32, rest)))
     }
 
     /// The elements, if an array, and what follows the array.
@@ -269,15 +268,23 @@ impl<'a> Raw<'a> {
     }
 }
 
+fn truncated() -> DecodeError {
+    bad("truncated msgpack")
+}
+
+/// A big-endian unsigned integer of up to 8 bytes.
+fn big_endian(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0u64, |v, b| v << 8 | u64::from(*b))
+}
+
 /// Moves `rd` past one msgpack value (containers included, without recursion). Markers
 /// are matched as bytes: this walks every token of a batch, so it is kept tight.
 fn skip(rd: &mut &[u8]) -> Result<(), DecodeError> {
-    let truncated = || bad("truncated msgpack");
     // A big-endian length of `n` bytes.
     let len = |rd: &mut &[u8], n: usize| -> Result<u64, DecodeError> {
         let (head, rest) = rd.split_at_checked(n).ok_or_else(truncated)?;
         *rd = rest;
-        Ok(head.iter().fold(0u64, |v, b| v << 8 | u64::from(*b)))
+        Ok(big_endian(head))
     };
     let mut pending: u64 = 1;
     while pending > 0 {
@@ -526,7 +533,7 @@ fn token_ids(v: Option<Raw<'_>>) -> Result<Vec<u32>, DecodeError> {
             _ => return Err(not_u32()),
         };
         let (bytes, rest) = rest.split_at_checked(width).ok_or_else(not_u32)?;
-        let value = bytes.iter().fold(0u64, |v, b| v << 8 | u64::from(*b));
+        let value = big_endian(bytes);
         let negative = signed && bytes[0] & 0x80 != 0;
         out.push(
             u32::try_from(value)

@@ -301,11 +301,17 @@ impl Feed {
 
 /// `[topic, seq, payload]` (or `[seq, payload]` from a publisher without topics).
 fn frames(msg: ZmqMessage) -> Option<(u64, Bytes)> {
+    topic_frames(msg).map(|(_, seq, payload)| (seq, payload))
+}
+
+/// The last three frames as `[topic, seq, payload]`, or `[seq, payload]` (no topic): the
+/// topic, if any, the sequence number (8 bytes big-endian) and the payload.
+pub(super) fn topic_frames(msg: ZmqMessage) -> Option<(Option<Bytes>, u64, Bytes)> {
     let mut f = msg.into_vec();
     let payload = f.pop()?;
     let seq = f.pop()?;
     let seq = <[u8; 8]>::try_from(&seq[..]).ok().map(u64::from_be_bytes)?;
-    Some((seq, payload))
+    Some((f.pop(), seq, payload))
 }
 
 /// Asks a replay socket for the batches from `from` (up to, not including, `to`).

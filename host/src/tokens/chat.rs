@@ -67,22 +67,27 @@ impl ChatFormat {
             why,
         };
         let text = std::fs::read_to_string(path).map_err(|e| load(e.to_string()))?;
-        let is_json = path.extension().is_some_and(|e| e == "json");
-        let (source, bos, eos) = if is_json {
+        if path.extension().is_some_and(|e| e == "json") {
             let config: Value =
                 serde_json::from_str(&text).map_err(|e| load(format!("not JSON: {e}")))?;
-            let template = template_of(&config).ok_or_else(|| {
-                load("has no `chat_template` (a string, or a list with a `default`)".into())
-            })?;
-            (
-                template,
-                token_of(&config, "bos_token"),
-                token_of(&config, "eos_token"),
-            )
-        } else {
-            (text, String::new(), String::new())
+            return ChatFormat::from_config(&config, path);
+        }
+        ChatTemplate::new(text, String::new(), String::new(), path.to_path_buf())
+            .map(|t| ChatFormat::Template(Box::new(t)))
+            .map_err(load)
+    }
+
+    /// The template of a `tokenizer_config.json` read from `path`, already parsed.
+    fn from_config(config: &Value, path: &Path) -> Result<ChatFormat, ChatTemplateError> {
+        let load = |why: String| ChatTemplateError::Load {
+            path: path.to_path_buf(),
+            why,
         };
-        ChatTemplate::new(source, bos, eos, path.to_path_buf())
+        let template = template_of(config).ok_or_else(|| {
+            load("has no `chat_template` (a string, or a list with a `default`)".into())
+        })?;
+        let (bos, eos) = (token_of(config, "bos_token"), token_of(config, "eos_token"));
+        ChatTemplate::new(template, bos, eos, path.to_path_buf())
             .map(|t| ChatFormat::Template(Box::new(t)))
             .map_err(load)
     }
@@ -114,7 +119,9 @@ impl ChatFormat {
             .map_err(|why| ChatTemplateError::Load { path: jinja, why });
         }
         match config {
-            Some(c) if template_of(&c).is_some() => ChatFormat::from_file(&config_path).map(Some),
+            Some(c) if template_of(&c).is_some() => {
+                ChatFormat::from_config(&c, &config_path).map(Some)
+            }
             _ => Ok(None),
         }
     }
