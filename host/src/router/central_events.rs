@@ -161,19 +161,46 @@ async fn receive(hub: std::sync::Weak<CentralEvents>, mut sub: SubSocket, rank: 
             }
         };
         let Some(hub) = hub.upgrade() else { return };
-        let mut frames = msg.into_vec();
-        let parsed = (frames.len() == 3)
-            .then(|| {
-                let payload = frames.pop()?;
-                let seq = <[u8; 8]>::try_from(&frames.pop()?[..]).ok()?;
-                Some((frames.pop()?, u64::from_be_bytes(seq), payload))
-            })
-            .flatten();
+        // Exactly `[topic, seq, payload]`: the topic names the worker.
+        let parsed = (msg.len() == 3)
+            .then(|| super::engine_subscriber::topic_frames(msg))
+            .flatten()
+            .and_then(|(topic, seq, payload)| Some((topic?, seq, payload)));
         match parsed {
             Some((topic, seq, payload)) => hub.dispatch(rank, &topic, seq, payload),
             None => {
                 hub.malformed.fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker whose feed never drains loses batches past its queue (each a gap its
+    /// sequence discipline handles), counted; other workers' batches still go through.
+    #[tokio::test]
+    async fn a_full_queue_drops_and_counts_without_holding_up_others() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let hub = CentralEvents::bind(&[format!("tcp://127.0.0.1:{port}")])
+            .await
+            .unwrap();
+        let stuck = hub.claim("stuck", 0, InstanceId(1)).unwrap();
+        let mut live = hub.claim("live", 0, InstanceId(2)).unwrap();
+        for seq in 0..(QUEUE as u64 + 10) {
+            hub.dispatch(0, b"stuck", seq, Bytes::new());
+        }
+        assert_eq!(hub.dropped.load(Ordering::Relaxed), 10);
+        hub.dispatch(0, b"live", 0, Bytes::from_static(b"x"));
+        assert_eq!(live.batches.try_recv().unwrap().0, 0);
+        // A dropped claim frees its topic.
+        drop(stuck);
+        assert!(hub.claim("stuck", 0, InstanceId(3)).is_ok());
     }
 }
