@@ -22,7 +22,9 @@ if ! command -v etcd >/dev/null 2>&1; then
     as_root apt-get update -q
     as_root apt-get install -y -q --no-install-recommends etcd-server
 fi
-etcd --version | head -n 1
+# Whole output captured first: `| head` could end etcd with SIGPIPE, failing under pipefail.
+etcd_version="$(etcd --version)"
+echo "${etcd_version%%$'\n'*}"
 
 if ! command -v python3 >/dev/null 2>&1 || ! python3 -m pip --version >/dev/null 2>&1; then
     echo "installing Python 3 and pip (Debian)"
@@ -44,6 +46,7 @@ if ! python3 -c 'import zmq, msgspec' 2>/dev/null; then
 fi
 python3 -c 'import zmq, msgspec; print("pyzmq", zmq.__version__, "libzmq", zmq.zmq_version(), "msgspec", msgspec.__version__)'
 
-rustup target list --installed | grep -qx wasm32-wasip2 || rustup target add wasm32-wasip2
+installed_targets="$(rustup target list --installed)"
+grep -qx wasm32-wasip2 <<<"$installed_targets" || rustup target add wasm32-wasip2
 
 cargo test --workspace "$@"
