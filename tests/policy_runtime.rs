@@ -332,8 +332,15 @@ fn a_panicking_policy_traps_and_is_replaced_by_a_fresh_instance() {
         &h,
         |f| matches!(f, CallFailure::Trap(msg) if msg.contains("unreachable")),
     );
-    // Each trapped instance was discarded and a fresh one made for the next call.
-    assert!(h.current().instances_created() >= before + 2);
+    // Each trapped instance was discarded; the warmer (not the request) makes fresh ones.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while h.current().instances_created() < before + 3 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the warmer did not replace the trapped instances"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// Waiting on a clock is blocking, which a policy may not do: stopped at once, wherever it
@@ -540,6 +547,9 @@ fn a_policy_failing_a_third_of_its_calls_is_rolled_back_by_rate() {
         rollback_after_failures: 5,
         rollback_failure_rate: 0.2,
         rollback_window: 60,
+        // Enough warm instances that the 20 trapped ones never empty the pool (an empty
+        // pool is a fallback that is not the policy's failure, and not in the window).
+        warm_instances: 32,
         ..runtime()
     })
     .unwrap();
@@ -565,7 +575,10 @@ fn a_policy_failing_a_third_of_its_calls_is_rolled_back_by_rate() {
         status.info.name, "kv-cost",
         "rolled back at the end of the window"
     );
-    assert_eq!(h.totals().automatic_rollbacks, 1);
+    assert_eq!(
+        (h.totals().rate_rollbacks, h.totals().automatic_rollbacks),
+        (1, 0)
+    );
     // One failure in ten stays under a 20 % threshold.
     h.swap(
         engine
@@ -728,38 +741,317 @@ fn hot_swaps_under_concurrent_decisions_never_fail_or_mix_policies() {
     assert!(by_policy.len() == 2, "both policies decided: {by_policy:?}");
 }
 
+/// Compiled code is native code the router runs outside the sandbox: the cache gives
+/// back only entries this router wrote (their HMAC verifies under its key). A truncated
+/// entry, and a forged one (another policy's valid compiled code under this one's name,
+/// with the old format's checksum or a tag under another key), are recompiled, never
+/// run; a key file that others can read turns the cache off.
 #[test]
-fn compiled_policies_are_cached_on_disk_and_a_corrupt_entry_is_recompiled() {
+fn a_cache_entry_this_router_did_not_write_is_never_executed() {
+    use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("policies");
     let config = || RuntimeConfig {
-        cache_dir: Some(dir.path().to_path_buf()),
+        cache_dir: Some(cache.clone()),
         ..Default::default()
     };
-    let load = || {
-        PolicyEngine::new(config())
+    let load = |spec: &str| {
+        let info = PolicyEngine::new(config())
             .unwrap()
-            .load_spec("round-robin", "")
+            .load_spec(spec, "")
             .unwrap()
             .info()
-            .cache
+            .clone();
+        (info.name, info.cache)
     };
-    assert_eq!(load(), CacheOutcome::Compiled);
-    assert_eq!(load(), CacheOutcome::Disk);
-    for entry in std::fs::read_dir(dir.path()).unwrap() {
-        let path = entry.unwrap().path();
-        let mut bytes = std::fs::read(&path).unwrap();
-        let last = bytes.len() - 1;
-        bytes[last] ^= 0xff;
-        std::fs::write(&path, bytes).unwrap();
+    let entries = || -> Vec<std::path::PathBuf> {
+        let mut v: Vec<_> = std::fs::read_dir(&cache)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "cwasm"))
+            .collect();
+        v.sort();
+        v
+    };
+    let kv = ("kv-cost".to_string(), CacheOutcome::Compiled);
+    assert_eq!(load("kv-cost"), kv);
+    assert_eq!(load("kv-cost").1, CacheOutcome::Disk);
+    let kv_entry = entries()[0].clone();
+    let key = cache.join("key");
+    assert_eq!(
+        std::fs::metadata(&key).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    assert_eq!(load("round-robin").1, CacheOutcome::Compiled);
+    let rr_entry = entries().into_iter().find(|p| *p != kv_entry).unwrap();
+    let rr_artifact = std::fs::read(&rr_entry).unwrap()[32..].to_vec();
+
+    // Truncated.
+    let whole = std::fs::read(&kv_entry).unwrap();
+    std::fs::write(&kv_entry, &whole[..whole.len() - 1]).unwrap();
+    assert_eq!(load("kv-cost"), kv);
+    // Round-robin's code under kv-cost's name, tagged with another key.
+    let other = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &[7u8; 32]);
+    let mut forged = ring::hmac::sign(&other, &rr_artifact).as_ref().to_vec();
+    forged.extend_from_slice(&rr_artifact);
+    std::fs::write(&kv_entry, &forged).unwrap();
+    assert_eq!(load("kv-cost"), kv, "a forged entry was executed");
+    // The same with a checksum anyone can compute (the old format).
+    let mut forged = sha256_hex(&rr_artifact).into_bytes();
+    forged.extend_from_slice(&rr_artifact);
+    std::fs::write(&kv_entry, &forged).unwrap();
+    assert_eq!(load("kv-cost"), kv, "a forged entry was executed");
+    assert_eq!(load("kv-cost").1, CacheOutcome::Disk);
+
+    // A key others can read is not trusted: the cache is not used.
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    assert_eq!(load("kv-cost"), kv);
+    assert_eq!(load("kv-cost"), kv);
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    ring::digest::digest(&ring::digest::SHA256, bytes)
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Compiles run one at a time: the same policy uploaded four times at once is compiled
+/// once. A compile past its budget refuses the load (the work finishes in the background
+/// and is kept).
+#[test]
+fn compiles_are_serialised_deduplicated_and_bounded_in_time() {
+    let bytes = std::fs::read(guest("session_affinity")).unwrap();
+    let engine = PolicyEngine::new(RuntimeConfig {
+        cache_dir: None,
+        ..runtime()
+    })
+    .unwrap();
+    let outcomes: Vec<CacheOutcome> = std::thread::scope(|s| {
+        let loads: Vec<_> = (0..4)
+            .map(|_| {
+                s.spawn(|| {
+                    engine
+                        .load(PolicySource::Uploaded("test".into()), &bytes, "{}")
+                        .unwrap()
+                        .info()
+                        .cache
+                })
+            })
+            .collect();
+        loads.into_iter().map(|l| l.join().unwrap()).collect()
+    });
+    let compiled = outcomes
+        .iter()
+        .filter(|o| **o == CacheOutcome::Compiled)
+        .count();
+    assert_eq!(compiled, 1, "{outcomes:?}");
+
+    let hurried = PolicyEngine::new(RuntimeConfig {
+        cache_dir: None,
+        compile_budget: Duration::from_nanos(1),
+        ..runtime()
+    })
+    .unwrap();
+    let err = hurried
+        .load(PolicySource::Uploaded("test".into()), &bytes, "{}")
+        .err()
+        .expect("a compile cannot finish in a nanosecond");
+    assert!(matches!(err, PolicyError::Busy(_)), "{err}");
+    assert!(err.to_string().contains("longer than"), "{err}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match hurried.load(PolicySource::Uploaded("test".into()), &bytes, "{}") {
+            Ok(p) => {
+                assert_eq!(p.info().cache, CacheOutcome::Memory);
+                break;
+            }
+            Err(PolicyError::Busy(_)) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => panic!("the background compile was not kept: {e}"),
+        }
     }
-    assert_eq!(load(), CacheOutcome::Compiled);
-    assert_eq!(load(), CacheOutcome::Disk);
+}
+
+/// A request never waits for an instance to be made. This policy takes a long time to
+/// configure; once its only warm instance is discarded (the policy trapped), the next
+/// decision is made at once by the fallback, counted as `no_warm_instance`, and not held
+/// against the policy; the warmer brings the policy back.
+#[test]
+fn a_decision_never_waits_for_a_new_instance() {
+    let engine = PolicyEngine::new(RuntimeConfig {
+        warm_instances: 1,
+        load_budget: Duration::from_secs(10),
+        rollback_after_failures: u32::MAX,
+        rollback_failure_rate: 0.0,
+        ..runtime()
+    })
+    .unwrap();
+    let h = handle(&engine, "kv-cost", "{}");
+    h.swap(
+        engine
+            .load_file(&guest("flaky"), r#"{"every": 2, "spin": 150}"#)
+            .unwrap(),
+    )
+    .unwrap();
+    // Sequence 0 is well-behaved in these guests.
+    assert_eq!(h.decide(request(4, 2), &four()).decider, Decider::Policy);
+    let trapped = h.decide(request(4, 2), &four());
+    assert!(
+        matches!(trapped.failure, Some(CallFailure::Trap(_))),
+        "{trapped:?}"
+    );
+    let next = h.decide(request(4, 1), &four());
+    assert_eq!(next.decider, Decider::Fallback);
+    assert_eq!(next.failure, Some(CallFailure::NoWarmInstance));
+    let no_warm = CallFailure::REASONS
+        .iter()
+        .position(|r| *r == "no_warm_instance")
+        .unwrap();
+    let totals = h.totals();
+    assert_eq!(totals.failures, 1, "only the trap is the policy's failure");
+    assert_eq!(totals.fallbacks[no_warm], 1);
+    assert_eq!(h.status().failures, 1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while h.decide(request(4, 1), &four()).decider != Decider::Policy {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the warmer never made an instance"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The memory of all instances together is capped: a guest that would take them past the
+/// cap traps (before its own cap), what it held is given back, and a policy whose
+/// instances cannot fit is refused at load with the reason.
+#[test]
+fn all_instances_together_stay_under_a_memory_cap() {
+    let engine = PolicyEngine::new(RuntimeConfig {
+        memory_cap: 64 << 20,
+        total_memory_cap: 24 << 20,
+        warm_instances: 2,
+        rollback_after_failures: u32::MAX,
+        rollback_failure_rate: 0.0,
+        ..runtime()
+    })
+    .unwrap();
+    let h = hostile(&engine, "memory_bomb");
+    let resting = engine.instance_memory();
+    assert!(resting > 0 && resting < 24 << 20, "{resting}");
+    let d = h.decide(request(4, 1), &four());
+    assert_eq!(d.decider, Decider::Fallback);
+    assert_eq!(d.failure, Some(CallFailure::TotalMemory(24 << 20)), "{d:?}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while engine.instance_memory() > resting {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the trapped instance's memory was not given back: {} > {resting}",
+            engine.instance_memory()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
+    let tiny = PolicyEngine::new(RuntimeConfig {
+        total_memory_cap: 4096,
+        ..runtime()
+    })
+    .unwrap();
+    let err = tiny.load_spec("kv-cost", "{}").err().unwrap().to_string();
+    assert!(
+        err.contains("together would pass the memory limit of 4096"),
+        "{err}"
+    );
+    assert_eq!(tiny.instance_memory(), 0);
+}
+
+/// An automatic rollback returns to the most recent policy that served a whole window
+/// without a failure (a built-in from the start), never merely to the previous one: a
+/// policy that was itself failing is skipped, and with no good policy to return to the
+/// failing one stays, decided for by the fallback.
+#[test]
+fn an_automatic_rollback_returns_to_the_last_policy_that_served_a_clean_window() {
+    let engine = PolicyEngine::new(RuntimeConfig {
+        rollback_after_failures: 3,
+        rollback_failure_rate: 0.5,
+        rollback_window: 20,
+        warm_instances: 8,
+        ..runtime()
+    })
+    .unwrap();
+    let flaky = |every: u32| {
+        engine
+            .load_file(&guest("flaky"), &format!(r#"{{"every": {every}}}"#))
+            .unwrap()
+    };
+    let panics = || {
+        engine
+            .load_file(&guest("panics"), r#"{"after": 1}"#)
+            .unwrap()
+    };
+    let h = handle(&engine, "round-robin", "{}");
+    assert!(h.status().proven, "a built-in is good from the start");
+
+    // A policy failing one call in three, never three in a row nor half a window.
+    h.swap(flaky(3)).unwrap();
+    for seed in 1..=10 {
+        h.decide(request(4, seed), &four());
+    }
+    let status = h.status();
+    assert_eq!((status.info.name.as_str(), status.proven), ("flaky", false));
+    h.swap(panics()).unwrap();
+    let status = h.status();
+    assert_eq!(status.previous.unwrap().name, "flaky");
+    assert_eq!(status.last_good.unwrap().name, "round-robin");
+    for _ in 0..3 {
+        assert_eq!(h.decide(request(4, 1), &four()).decider, Decider::Fallback);
+    }
+    assert_eq!(
+        h.status().info.name,
+        "round-robin",
+        "rolled back past the flaky policy"
+    );
+
+    // A custom policy that served a clean window is good.
+    h.swap(flaky(0)).unwrap();
+    for seed in 1..=20 {
+        assert_eq!(h.decide(request(4, seed), &four()).decider, Decider::Policy);
+    }
+    assert!(h.status().proven);
+    h.swap(panics()).unwrap();
+    for _ in 0..3 {
+        h.decide(request(4, 1), &four());
+    }
+    assert_eq!(h.status().info.name, "flaky");
+    assert_eq!(h.totals().automatic_rollbacks, 2);
+
+    // Nothing good to return to: the failing policy stays, the fallback decides.
+    let alone = PolicyHandle::new(engine.clone(), flaky(3)).unwrap();
+    alone.swap(panics()).unwrap();
+    // Sequence 0 is well-behaved in these guests.
+    assert_eq!(
+        alone.decide(request(4, 1), &four()).decider,
+        Decider::Policy
+    );
+    for _ in 0..6 {
+        assert_eq!(
+            alone.decide(request(4, 1), &four()).decider,
+            Decider::Fallback
+        );
+    }
+    assert_eq!(alone.status().info.name, "panics");
+    assert_eq!(alone.totals().automatic_rollbacks, 0);
 }
 
 #[test]
 fn instances_are_recycled_after_their_call_quota() {
     let engine = PolicyEngine::new(RuntimeConfig {
         recycle_after_calls: 3,
+        // The canary's 9 calls and these 12 retire 7 instances: none has to wait for
+        // the warmer.
+        warm_instances: 16,
         ..runtime()
     })
     .unwrap();

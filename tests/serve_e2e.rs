@@ -315,7 +315,42 @@ async fn a_hundred_policy_swaps_under_load_through_admin_and_etcd_fail_nothing()
 
     let stop = Arc::new(AtomicBool::new(false));
     let clients = load(url.clone(), 3, stop.clone());
+    // Every counter of /metrics, read by Prometheus' own parser after every tenth swap,
+    // never goes down (swaps and rollbacks reset nothing a scraper sees).
+    let scrape = || async {
+        let (s, _, b) = http::send(
+            &c,
+            Method::GET,
+            &format!("{url}/metrics"),
+            &[],
+            vec![],
+            PATIENCE,
+        )
+        .await
+        .unwrap();
+        assert_eq!(s, StatusCode::OK);
+        common::prom::parse(&String::from_utf8_lossy(&b))
+    };
+    // The endpoint's router (and its policy counters) exists from its first request.
+    eventually("the endpoint's policy counters", || async {
+        common::prom::counters(&scrape().await)
+            .keys()
+            .any(|k| k.starts_with("switchyard_decisions_total"))
+    })
+    .await;
+    let mut counters = common::prom::counters(&scrape().await);
     for i in 0..100 {
+        if i % 10 == 9 {
+            let now = common::prom::counters(&scrape().await);
+            for (series, before) in &counters {
+                let after = now.get(series).copied().unwrap_or(f64::NAN);
+                assert!(
+                    after >= *before,
+                    "{series} went from {before} to {after} at swap {i}"
+                );
+            }
+            counters = now;
+        }
         let (target, body): (String, Vec<u8>) = match i % 3 {
             0 => (format!("{policy_url}?builtin=round-robin"), vec![]),
             1 => (policy_url.clone(), example.clone()),
@@ -440,6 +475,38 @@ async fn a_hundred_policy_swaps_under_load_through_admin_and_etcd_fail_nothing()
         .await
         .unwrap();
     assert_eq!(blobs(&config).await, 0);
+
+    // A policy whose name would close a label and forge a line: /metrics stays valid
+    // and names it by its cleaned name.
+    let loud = std::fs::read(common::guest("loud")).unwrap();
+    let (s, _, b) = http::send(
+        &c,
+        Method::PUT,
+        &policy_url,
+        &[
+            ("authorization", &auth()),
+            ("x-policy-config", r#"{"after": 1000000}"#),
+        ],
+        loud,
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+    let samples = scrape().await;
+    let info = samples
+        .iter()
+        .find(|s| s.name == "switchyard_policy_info")
+        .expect("the policy's info is exposed");
+    assert!(info.labels["policy"].starts_with("loud"), "{info:?}");
+    assert!(!samples.iter().any(|s| s.name.contains("forged")));
+    let now = common::prom::counters(&samples);
+    for (series, before) in &counters {
+        assert!(
+            now.get(series).copied().unwrap_or(f64::NAN) >= *before,
+            "{series}"
+        );
+    }
 
     stop.store(true, Ordering::Relaxed);
     let (ok, failed, errors) = clients.await.unwrap();

@@ -6,6 +6,7 @@
 #   python3, pip  (Debian)  a test's client and a replay test's stand-in load generator
 #   openai        (PyPI)    one test drives the router with the official Python client
 #   pyzmq, msgspec (PyPI)   an engine's KV event publisher, in the engines' own libraries
+#   prometheus_client (PyPI) an independent parser of the router's /metrics
 #   wasm32-wasip2 (rustup)  the policies' target (the build adds it too)
 #
 # Extra arguments go to `cargo test`, e.g. `tools/test.sh --test faults`.
@@ -45,6 +46,12 @@ if ! python3 -c 'import zmq, msgspec' 2>/dev/null; then
         || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages pyzmq msgspec
 fi
 python3 -c 'import zmq, msgspec; print("pyzmq", zmq.__version__, "libzmq", zmq.zmq_version(), "msgspec", msgspec.__version__)'
+if ! python3 -c 'import prometheus_client.parser' 2>/dev/null; then
+    echo "installing Python's prometheus_client"
+    python3 -m pip install --quiet --disable-pip-version-check prometheus_client \
+        || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages prometheus_client
+fi
+python3 -c 'import prometheus_client.parser; print("prometheus_client parser ok")'
 
 installed_targets="$(rustup target list --installed)"
 grep -qx wasm32-wasip2 <<<"$installed_targets" || rustup target add wasm32-wasip2

@@ -95,6 +95,13 @@ pub struct ServeArgs {
     /// Memory cap of one policy instance, MiB [default: 64].
     #[arg(long, env = "SWITCHYARD_POLICY_MEMORY_MB")]
     pub policy_memory_mb: Option<usize>,
+    /// Memory cap of all policy instances together, MiB [default: 1024].
+    #[arg(long, env = "SWITCHYARD_POLICY_MEMORY_TOTAL_MB")]
+    pub policy_memory_total_mb: Option<usize>,
+    /// Idle policy instances kept ready per policy, made off the request path
+    /// [default: 4; grows with demand up to 64].
+    #[arg(long, env = "SWITCHYARD_POLICY_WARM_INSTANCES")]
+    pub policy_warm_instances: Option<usize>,
     /// Accept policies that reject every canary request (by default such a policy is
     /// refused: it would answer every request 503).
     #[arg(long, env = "SWITCHYARD_POLICY_MAY_REJECT_ALL")]
@@ -223,6 +230,8 @@ pub struct FileConfig {
     shutdown_grace_secs: Option<u64>,
     policy_budget_ms: Option<u64>,
     policy_memory_mb: Option<usize>,
+    policy_memory_total_mb: Option<usize>,
+    policy_warm_instances: Option<usize>,
     policy_cache: Option<PathBuf>,
     policy_may_reject_all: Option<bool>,
     availability: Option<bool>,
@@ -684,6 +693,15 @@ impl ServeArgs {
                 .policy_memory_mb
                 .or(file.policy_memory_mb)
                 .map_or(runtime_defaults.memory_cap, |mb| mb << 20),
+            total_memory_cap: self
+                .policy_memory_total_mb
+                .or(file.policy_memory_total_mb)
+                .map_or(runtime_defaults.total_memory_cap, |mb| mb << 20),
+            warm_instances: self
+                .policy_warm_instances
+                .or(file.policy_warm_instances)
+                .unwrap_or(runtime_defaults.warm_instances)
+                .clamp(1, runtime_defaults.max_warm_instances),
             cache_dir: self
                 .policy_cache
                 .or(file.policy_cache)

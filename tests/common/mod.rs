@@ -9,6 +9,7 @@ pub mod health;
 pub mod http;
 pub mod kv;
 pub mod procs;
+pub mod prom;
 pub mod router;
 
 /// The `.wasm` of a guest built by the host's build script, by artifact name.

@@ -155,10 +155,7 @@ async fn upload(
     let handle = router.policy().clone();
     // Compiling takes milliseconds of CPU: keep it off the async workers.
     let result = tokio::task::spawn_blocking(move || match builtin {
-        Some(name) => handle
-            .engine()
-            .load_spec(&name, &config)
-            .and_then(|p| handle.swap(p)),
+        Some(name) => handle.swap_spec(&name, &config),
         None => handle.swap_bytes(PolicySource::Uploaded("admin API".into()), &bytes, &config),
     })
     .await
@@ -262,6 +259,8 @@ pub fn status_json(s: &PolicyStatus) -> Value {
         "rejections": s.rejections,
         "rollbacks": s.rollbacks,
         "previous": s.previous.as_ref().map(|p| json!({"name": p.name, "version": p.version, "sha256": p.sha256})),
+        "last_good": s.last_good.as_ref().map(|p| json!({"name": p.name, "version": p.version, "sha256": p.sha256})),
+        "proven": s.proven,
         "guest_log": {"logged": s.guest_log_lines.0, "suppressed": s.guest_log_lines.1},
     })
 }

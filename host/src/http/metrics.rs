@@ -12,6 +12,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::client::Availability;
+use crate::policy::{CallFailure, PolicyError};
 use crate::router::KvRouter;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -273,143 +274,144 @@ impl Metrics {
                 load(c)
             );
         }
-        let _ = writeln!(
-            s,
-            "# TYPE switchyard_instance_upstream_failures_total counter"
-        );
+        // Per-endpoint and per-instance series: each family's samples written together
+        // under its TYPE line, as the text format requires.
+        let mut f = Families::default();
+        f.declare("switchyard_instance_upstream_failures_total", "counter");
         for (id, n) in self.failures_by_instance.lock().iter() {
-            let _ = writeln!(
-                s,
-                "switchyard_instance_upstream_failures_total{{instance=\"{id}\"}} {n}"
+            f.sample(
+                "switchyard_instance_upstream_failures_total",
+                format!("instance=\"{id}\""),
+                n,
             );
         }
-        let _ = writeln!(s, "# TYPE switchyard_decisions_total counter");
-        let _ = writeln!(s, "# TYPE switchyard_policy_failures_total counter");
-        let _ = writeln!(s, "# TYPE switchyard_policy_fallbacks_total counter");
-        let _ = writeln!(s, "# TYPE switchyard_policy_rejections_total counter");
-        let _ = writeln!(s, "# TYPE switchyard_policy_rollbacks_total counter");
-        let _ = writeln!(s, "# TYPE switchyard_policy_info gauge");
-        let _ = writeln!(s, "# TYPE switchyard_policy_call_seconds_sum counter");
-        let _ = writeln!(s, "# TYPE switchyard_policy_calls_total counter");
-        let _ = writeln!(s, "# TYPE switchyard_instance_down_reports_total counter");
-        let _ = writeln!(s, "# TYPE switchyard_ejections_total counter");
-        let _ = writeln!(s, "# TYPE switchyard_ejections_refused_total counter");
-        let _ = writeln!(s, "# TYPE switchyard_held_removals_total counter");
-        let _ = writeln!(s, "# TYPE switchyard_panic_mode gauge");
-        let _ = writeln!(s, "# TYPE switchyard_expired_bookings_total counter");
-        let _ = writeln!(
-            s,
-            "# HELP switchyard_unpredicted_cache_hits_total responses whose worker reported a cached prefix the router had not predicted on that worker (many: tokenization differs)\n# TYPE switchyard_unpredicted_cache_hits_total counter"
+        for (name, kind) in [
+            ("switchyard_decisions_total", "counter"),
+            ("switchyard_policy_failures_total", "counter"),
+            ("switchyard_policy_fallbacks_total", "counter"),
+            ("switchyard_policy_refusals_total", "counter"),
+            ("switchyard_policy_rejections_total", "counter"),
+            ("switchyard_policy_rollbacks_total", "counter"),
+            ("switchyard_policy_info", "gauge"),
+            ("switchyard_instance_down_reports_total", "counter"),
+            ("switchyard_ejections_total", "counter"),
+            ("switchyard_ejections_refused_total", "counter"),
+            ("switchyard_held_removals_total", "counter"),
+            ("switchyard_panic_mode", "gauge"),
+            ("switchyard_expired_bookings_total", "counter"),
+            ("switchyard_unpredicted_cache_hits_total", "counter"),
+            ("switchyard_instance_available", "gauge"),
+            ("switchyard_instance_in_flight", "gauge"),
+        ] {
+            f.declare(name, kind);
+        }
+        f.help(
+            "switchyard_unpredicted_cache_hits_total",
+            "responses whose worker reported a cached prefix the router had not predicted on that worker (many: tokenization differs)",
         );
-        let _ = writeln!(s, "# TYPE switchyard_instance_available gauge");
-        let _ = writeln!(s, "# TYPE switchyard_instance_in_flight gauge");
         for r in routers {
             let ep = r.endpoint().to_string();
+            let on = format!("endpoint=\"{ep}\"");
             let st = r.policy().status();
-            let (calls, time) = r.policy().call_time();
             // Totals over every policy the endpoint has had: counters never go down.
             let t = r.policy().totals();
-            let _ = writeln!(
-                s,
-                "switchyard_decisions_total{{endpoint=\"{ep}\"}} {}",
-                t.decisions
-            );
-            let _ = writeln!(
-                s,
-                "switchyard_policy_failures_total{{endpoint=\"{ep}\"}} {}",
-                t.failures
-            );
-            let _ = writeln!(
-                s,
-                "switchyard_policy_fallbacks_total{{endpoint=\"{ep}\"}} {}",
-                t.failures
-            );
-            let _ = writeln!(
-                s,
-                "switchyard_policy_rejections_total{{endpoint=\"{ep}\"}} {}",
-                t.rejections
+            f.sample("switchyard_decisions_total", on.clone(), t.decisions);
+            f.sample("switchyard_policy_failures_total", on.clone(), t.failures);
+            for (reason, n) in CallFailure::REASONS.iter().zip(t.fallbacks) {
+                f.sample(
+                    "switchyard_policy_fallbacks_total",
+                    format!("{on},reason=\"{reason}\""),
+                    n,
+                );
+            }
+            for (reason, n) in PolicyError::REASONS.iter().zip(t.refusals) {
+                f.sample(
+                    "switchyard_policy_refusals_total",
+                    format!("{on},reason=\"{reason}\""),
+                    n,
+                );
+            }
+            f.sample(
+                "switchyard_policy_rejections_total",
+                on.clone(),
+                t.rejections,
             );
             for (reason, n) in [
                 ("operator", t.manual_rollbacks),
                 ("failures", t.automatic_rollbacks),
+                ("failure_rate", t.rate_rollbacks),
             ] {
-                let _ = writeln!(
-                    s,
-                    "switchyard_policy_rollbacks_total{{endpoint=\"{ep}\",reason=\"{reason}\"}} {n}"
+                f.sample(
+                    "switchyard_policy_rollbacks_total",
+                    format!("{on},reason=\"{reason}\""),
+                    n,
                 );
             }
             // Which policy serves now (name and version are label-safe: see
             // `policy::guest_label`).
-            let _ = writeln!(
-                s,
-                "switchyard_policy_info{{endpoint=\"{ep}\",policy=\"{}\",version=\"{}\",generation=\"{}\"}} 1",
-                st.info.name, st.info.version, st.generation
-            );
-            let _ = writeln!(
-                s,
-                "switchyard_policy_call_seconds_sum{{endpoint=\"{ep}\"}} {:.9}",
-                time.as_secs_f64()
-            );
-            let _ = writeln!(
-                s,
-                "switchyard_policy_calls_total{{endpoint=\"{ep}\"}} {calls}"
-            );
-            let down = r.client().counters().reported_down.load(Ordering::Relaxed);
-            let _ = writeln!(
-                s,
-                "switchyard_instance_down_reports_total{{endpoint=\"{ep}\"}} {down}"
+            f.sample(
+                "switchyard_policy_info",
+                format!(
+                    "{on},policy=\"{}\",version=\"{}\",generation=\"{}\"",
+                    st.info.name, st.info.version, st.generation
+                ),
+                1,
             );
             let counters = r.client().counters();
+            f.sample(
+                "switchyard_instance_down_reports_total",
+                on.clone(),
+                counters.reported_down.load(Ordering::Relaxed),
+            );
             for (kind, c) in [
                 ("unreachable", &counters.ejected_unreachable),
                 ("failing", &counters.ejected_failing),
                 ("unhealthy", &counters.ejected_unhealthy),
             ] {
-                let _ = writeln!(
-                    s,
-                    "switchyard_ejections_total{{endpoint=\"{ep}\",kind=\"{kind}\"}} {}",
-                    c.load(Ordering::Relaxed)
+                f.sample(
+                    "switchyard_ejections_total",
+                    format!("{on},kind=\"{kind}\""),
+                    c.load(Ordering::Relaxed),
                 );
             }
-            let _ = writeln!(
-                s,
-                "switchyard_ejections_refused_total{{endpoint=\"{ep}\"}} {}",
-                counters.ejections_refused.load(Ordering::Relaxed)
+            f.sample(
+                "switchyard_ejections_refused_total",
+                on.clone(),
+                counters.ejections_refused.load(Ordering::Relaxed),
             );
-            let _ = writeln!(
-                s,
-                "switchyard_held_removals_total{{endpoint=\"{ep}\"}} {}",
-                counters.held_removals.load(Ordering::Relaxed)
+            f.sample(
+                "switchyard_held_removals_total",
+                on.clone(),
+                counters.held_removals.load(Ordering::Relaxed),
             );
-            let _ = writeln!(
-                s,
-                "switchyard_expired_bookings_total{{endpoint=\"{ep}\"}} {}",
-                r.expired_bookings()
+            f.sample(
+                "switchyard_expired_bookings_total",
+                on.clone(),
+                r.expired_bookings(),
             );
-            let _ = writeln!(
-                s,
-                "switchyard_unpredicted_cache_hits_total{{endpoint=\"{ep}\"}} {}",
-                r.unpredicted_cache_hits()
+            f.sample(
+                "switchyard_unpredicted_cache_hits_total",
+                on.clone(),
+                r.unpredicted_cache_hits(),
             );
             let snapshot = r.client().snapshot();
-            let _ = writeln!(
-                s,
-                "switchyard_panic_mode{{endpoint=\"{ep}\"}} {}",
-                u8::from(snapshot.panic)
+            f.sample(
+                "switchyard_panic_mode",
+                on.clone(),
+                u8::from(snapshot.panic),
             );
             for (id, state) in &snapshot.instances {
                 let up = u8::from(state.availability == Availability::Available);
-                let _ = writeln!(
-                    s,
-                    "switchyard_instance_available{{endpoint=\"{ep}\",instance=\"{id}\"}} {up}"
-                );
-                let _ = writeln!(
-                    s,
-                    "switchyard_instance_in_flight{{endpoint=\"{ep}\",instance=\"{id}\"}} {}",
-                    r.load_of(*id).in_flight
+                let labels = format!("{on},instance=\"{id}\"");
+                f.sample("switchyard_instance_available", labels.clone(), up);
+                f.sample(
+                    "switchyard_instance_in_flight",
+                    labels,
+                    r.load_of(*id).in_flight,
                 );
             }
         }
+        f.write(&mut s);
         for (name, help, v) in [
             (
                 "switchyard_token_prefix_hits_total",
@@ -462,5 +464,58 @@ impl Metrics {
         }
         self.timings.render(&mut s);
         s
+    }
+}
+
+/// Metric families written by hand: each family's HELP and TYPE, then all its samples
+/// together (the text format allows a family only once), in the order declared.
+#[derive(Default)]
+struct Families {
+    order: Vec<&'static str>,
+    by_name: std::collections::HashMap<&'static str, HandFamily>,
+}
+
+#[derive(Default)]
+struct HandFamily {
+    kind: &'static str,
+    help: Option<&'static str>,
+    samples: String,
+}
+
+impl Families {
+    fn declare(&mut self, name: &'static str, kind: &'static str) {
+        self.order.push(name);
+        self.by_name.insert(
+            name,
+            HandFamily {
+                kind,
+                ..HandFamily::default()
+            },
+        );
+    }
+
+    fn help(&mut self, name: &'static str, help: &'static str) {
+        if let Some(f) = self.by_name.get_mut(name) {
+            f.help = Some(help);
+        }
+    }
+
+    fn sample(&mut self, name: &'static str, labels: String, value: impl std::fmt::Display) {
+        let f = self
+            .by_name
+            .get_mut(name)
+            .expect("a metric family is declared before its samples");
+        let _ = writeln!(f.samples, "{name}{{{labels}}} {value}");
+    }
+
+    fn write(mut self, out: &mut String) {
+        for name in self.order {
+            let f = self.by_name.remove(name).expect("declared");
+            if let Some(help) = f.help {
+                let _ = writeln!(out, "# HELP {name} {help}");
+            }
+            let _ = writeln!(out, "# TYPE {name} {}", f.kind);
+            out.push_str(&f.samples);
+        }
     }
 }

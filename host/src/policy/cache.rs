@@ -3,8 +3,13 @@
 //! `Component::new` costs tens of milliseconds; loading precompiled code costs a fraction
 //! of one. Entries are keyed by the policy's sha256 *and* the engine's compatibility hash
 //! (wasmtime version, target, settings), so an upgraded host never loads stale code.
-//! Each entry carries the sha256 of its own bytes, checked before it is loaded: a
-//! truncated or altered file is recompiled, never executed.
+//!
+//! Loading compiled code runs it outside the sandbox, so an entry is trusted only if
+//! this router wrote it: each carries an HMAC-SHA256 of its bytes under a key kept in
+//! the cache directory (`key`, 32 random bytes, created mode 0600 on first use). An
+//! entry whose tag does not verify (truncated, altered, or written by someone without
+//! the key) is recompiled, never executed. A key file that others may read or write is
+//! not trusted: the cache is then not used at all, and the router says why.
 
 use std::hash::{Hash, Hasher};
 use std::path::Path;
@@ -49,12 +54,19 @@ pub(crate) fn compile(
     sha256: &str,
     dir: Option<&Path>,
 ) -> wasmtime::Result<(Component, CacheOutcome)> {
-    let Some(dir) = dir else {
+    let key = dir.and_then(|dir| match cache_key(dir) {
+        Ok(key) => Some(key),
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "the policy cache is not used");
+            None
+        }
+    });
+    let (Some(dir), Some(key)) = (dir, key) else {
         return Ok((Component::new(engine, bytes)?, CacheOutcome::Compiled));
     };
     let path = dir.join(format!("{sha256}-{}.cwasm", engine_key(engine)));
-    if let Ok(artifact) = std::fs::read(&path)
-        && let Some(component) = deserialize_checked(engine, &artifact)
+    if let Ok(entry) = std::fs::read(&path)
+        && let Some(component) = deserialize_checked(engine, &key, &entry)
     {
         return Ok((component, CacheOutcome::Disk));
     }
@@ -64,16 +76,79 @@ pub(crate) fn compile(
     // engine, which is exactly what `Component::deserialize` requires.
     #[allow(unsafe_code)]
     let component = unsafe { Component::deserialize(engine, &artifact) }?;
-    if let Err(e) = store(dir, &path, &artifact) {
+    if let Err(e) = store(&key, &path, &artifact) {
         tracing::warn!(path = %path.display(), error = %e, "cannot write the policy cache");
     }
     Ok((component, CacheOutcome::Compiled))
 }
 
-/// Layout of a cache file: 64 hex chars of the artifact's sha256, then the artifact.
-fn store(dir: &Path, path: &Path, artifact: &[u8]) -> std::io::Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let mut data = sha256_hex(artifact).into_bytes();
+/// Length of an entry's tag (HMAC-SHA256).
+const TAG_LEN: usize = 32;
+
+/// The cache's HMAC key: read from `dir/key`, or created there (0600, exclusively) on
+/// first use. Refused if it is not 32 bytes, or not this user's alone.
+fn cache_key(dir: &Path) -> std::io::Result<ring::hmac::Key> {
+    use std::io::{Error, ErrorKind, Write};
+    #[cfg(unix)]
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+    let path = dir.join("key");
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    builder.mode(0o700);
+    builder.create(dir)?;
+    let mut fresh = [0u8; TAG_LEN];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut fresh)
+        .map_err(|_| Error::other("no system randomness for the cache key"))?;
+    if !path.exists() {
+        // Written whole under another name, then linked into place: a router starting
+        // at the same moment sees no key or the whole key, and one key wins.
+        let tmp = dir.join(format!("key.tmp{}", std::process::id()));
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create(true).truncate(true);
+        #[cfg(unix)]
+        options.mode(0o600);
+        let mut file = options.open(&tmp)?;
+        file.write_all(&fresh)?;
+        file.sync_all()?;
+        let linked = std::fs::hard_link(&tmp, &path);
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let meta = std::fs::symlink_metadata(&path)?;
+    #[cfg(unix)]
+    {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        #[allow(unsafe_code)]
+        let me = unsafe { libc::geteuid() };
+        if !meta.file_type().is_file() || meta.mode() & 0o077 != 0 || meta.uid() != me {
+            return Err(Error::new(
+                ErrorKind::PermissionDenied,
+                format!(
+                    "{} must be a regular file of this user with mode 0600 (whoever can \
+                     read it can forge compiled code the router would run)",
+                    path.display()
+                ),
+            ));
+        }
+    }
+    let key = std::fs::read(&path)?;
+    if key.len() != TAG_LEN {
+        return Err(Error::new(
+            ErrorKind::InvalidData,
+            format!("{} is not a {TAG_LEN}-byte key", path.display()),
+        ));
+    }
+    Ok(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &key))
+}
+
+/// Layout of a cache file: the HMAC-SHA256 tag of the artifact, then the artifact.
+fn store(key: &ring::hmac::Key, path: &Path, artifact: &[u8]) -> std::io::Result<()> {
+    let mut data = ring::hmac::sign(key, artifact).as_ref().to_vec();
     data.extend_from_slice(artifact);
     // Write then rename, so a concurrent reader never sees half a file.
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
@@ -81,19 +156,22 @@ fn store(dir: &Path, path: &Path, artifact: &[u8]) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
-fn deserialize_checked(engine: &Engine, data: &[u8]) -> Option<Component> {
-    if data.len() < 64 {
+fn deserialize_checked(engine: &Engine, key: &ring::hmac::Key, data: &[u8]) -> Option<Component> {
+    if data.len() < TAG_LEN {
         return None;
     }
-    let (sum, artifact) = data.split_at(64);
-    if sum != sha256_hex(artifact).as_bytes() {
-        tracing::warn!("a policy cache entry does not match its checksum; recompiling");
+    let (tag, artifact) = data.split_at(TAG_LEN);
+    if ring::hmac::verify(key, artifact, tag).is_err() {
+        tracing::warn!(
+            "a policy cache entry was not written by this router (its tag does not verify); \
+             recompiling"
+        );
         return None;
     }
     // SAFETY: `Component::deserialize` requires bytes produced by
-    // `Engine::precompile_component` of a compatible engine. This file was written by
-    // `store` above from exactly such bytes (the name carries the engine's
-    // compatibility hash) and its checksum matches, so it is the artifact we wrote.
+    // `Engine::precompile_component` of a compatible engine. Only `store` above writes
+    // entries with a tag under this key (which no one else can read), from exactly such
+    // bytes, and the file name carries the engine's compatibility hash.
     #[allow(unsafe_code)]
     let component = unsafe { Component::deserialize(engine, artifact) };
     component.ok()

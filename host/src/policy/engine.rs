@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -12,8 +13,8 @@ use wasmtime::{Config, Engine};
 
 use super::bindings::PolicyPre;
 use super::cache::{self, CacheOutcome};
-use super::loaded::{LoadedPolicy, PolicySource};
-use super::sandbox::{self, HostState};
+use super::loaded::{LoadedPolicy, PolicySource, Warmer};
+use super::sandbox::{self, HostState, MemoryBudget};
 use super::{PolicyError, builtin, describe_error};
 
 /// Limits and knobs of the policy runtime.
@@ -33,8 +34,18 @@ pub struct RuntimeConfig {
     /// A warm instance is retired after this many calls (bounds what a leaky policy
     /// can accumulate).
     pub recycle_after_calls: u64,
+    /// Idle instances kept ready per policy by a background warmer (a decision never
+    /// waits for one to be created: without an idle instance the fallback decides).
+    /// Grows by one per decision that found none, up to `max_warm_instances`.
+    pub warm_instances: usize,
     /// Most idle warm instances kept per policy.
     pub max_warm_instances: usize,
+    /// Linear memory of all policy instances of the process together, in bytes: an
+    /// instance that would pass it is not created, a guest that would grow past it traps.
+    pub total_memory_cap: usize,
+    /// Longest a policy may take to compile; past it the load is refused. Compiles run
+    /// one at a time.
+    pub compile_budget: Duration,
     /// Consecutive failed calls after which the handle rolls back to the last good policy.
     pub rollback_after_failures: u32,
     /// Share of failed calls in a window of `rollback_window` calls at which the handle
@@ -60,7 +71,10 @@ impl Default for RuntimeConfig {
             epoch_tick: Duration::from_millis(1),
             memory_cap: 64 << 20,
             recycle_after_calls: 100_000,
+            warm_instances: 4,
             max_warm_instances: 64,
+            total_memory_cap: 1 << 30,
+            compile_budget: Duration::from_secs(60),
             rollback_after_failures: 5,
             rollback_failure_rate: 0.2,
             rollback_window: 100,
@@ -96,9 +110,28 @@ pub(crate) struct EngineInner {
     /// Compiled components by content sha256, so swapping back and forth between
     /// policies never recompiles. Bounded; cleared whole when full.
     compiled: Mutex<HashMap<String, Component>>,
+    /// Held while compiling: one compile at a time, and a policy uploaded twice at
+    /// once is compiled once.
+    compile_lock: Mutex<()>,
+    /// Compiles running or waiting for their turn.
+    compiles_queued: AtomicUsize,
+    /// Creates warm instances off the request path.
+    pub(crate) warmer: Warmer,
+    /// Memory of all instances together.
+    pub(crate) memory: Arc<MemoryBudget>,
+}
+
+impl EngineInner {
+    /// The cap on all instances' memory together.
+    pub(crate) fn total_memory_cap(&self) -> usize {
+        self.config.total_memory_cap
+    }
 }
 
 const MAX_COMPILED_IN_MEMORY: usize = 32;
+
+/// Most compiles running or waiting at once; more are refused as busy.
+const MAX_QUEUED_COMPILES: usize = 4;
 
 impl PolicyEngine {
     /// Builds the engine and linker and starts the epoch ticker thread (it stops when
@@ -134,6 +167,9 @@ impl PolicyEngine {
             })
             .map_err(|e| PolicyError::Runtime(format!("cannot start the epoch ticker: {e}")))?;
 
+        let warmer = Warmer::start()
+            .map_err(|e| PolicyError::Runtime(format!("cannot start the policy warmer: {e}")))?;
+        let memory = MemoryBudget::new(config.total_memory_cap);
         Ok(PolicyEngine {
             inner: Arc::new(EngineInner {
                 engine,
@@ -142,8 +178,17 @@ impl PolicyEngine {
                 deadline_ticks,
                 load_deadline_ticks,
                 compiled: Mutex::new(HashMap::new()),
+                compile_lock: Mutex::new(()),
+                compiles_queued: AtomicUsize::new(0),
+                warmer,
+                memory,
             }),
         })
+    }
+
+    /// Bytes of linear memory all policy instances hold now.
+    pub fn instance_memory(&self) -> usize {
+        self.inner.memory.used()
     }
 
     /// The runtime's configuration.
@@ -223,19 +268,66 @@ impl PolicyEngine {
         if let Some(c) = self.inner.compiled.lock().get(sha256) {
             return Ok((c.clone(), CacheOutcome::Memory));
         }
-        let (component, outcome) = cache::compile(
-            &self.inner.engine,
-            bytes,
-            sha256,
-            self.inner.config.cache_dir.as_deref(),
-        )
-        .map_err(|e| PolicyError::NotAComponent(describe_error(&e)))?;
-        let mut compiled = self.inner.compiled.lock();
-        if compiled.len() >= MAX_COMPILED_IN_MEMORY {
-            compiled.clear();
+        let budget = self.inner.config.compile_budget;
+        // Compiles wait their turn on their own threads; a bounded number may wait.
+        let queued = &self.inner.compiles_queued;
+        if queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_QUEUED_COMPILES).then_some(n + 1)
+            })
+            .is_err()
+        {
+            return Err(PolicyError::Busy(format!(
+                "{MAX_QUEUED_COMPILES} policies are already compiling or waiting to; try again"
+            )));
         }
-        compiled.insert(sha256.to_string(), component.clone());
-        Ok((component, outcome))
+        let (tx, rx) = std::sync::mpsc::channel();
+        let engine = self.clone();
+        let bytes = bytes.to_vec();
+        let sha = sha256.to_string();
+        // On its own thread, so that a compile past its budget is given up on: the
+        // thread finishes in the background (still one at a time) and its work is kept.
+        let spawned = std::thread::Builder::new()
+            .name("policy-compile".into())
+            .spawn(move || {
+                let inner = &engine.inner;
+                let result = {
+                    let _turn = inner.compile_lock.lock();
+                    // Compiled while this one waited (the same policy uploaded twice).
+                    let done = inner.compiled.lock().get(&sha).cloned();
+                    match done {
+                        Some(c) => Ok((c, CacheOutcome::Memory)),
+                        None => cache::compile(
+                            &inner.engine,
+                            &bytes,
+                            &sha,
+                            inner.config.cache_dir.as_deref(),
+                        )
+                        .map_err(|e| PolicyError::NotAComponent(describe_error(&e)))
+                        .inspect(|(component, _)| {
+                            let mut compiled = inner.compiled.lock();
+                            if compiled.len() >= MAX_COMPILED_IN_MEMORY {
+                                compiled.clear();
+                            }
+                            compiled.insert(sha.clone(), component.clone());
+                        }),
+                    }
+                };
+                inner.compiles_queued.fetch_sub(1, Ordering::AcqRel);
+                let _ = tx.send(result);
+            });
+        if let Err(e) = spawned {
+            queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(PolicyError::Runtime(format!(
+                "cannot start a compile thread: {e}"
+            )));
+        }
+        match rx.recv_timeout(budget) {
+            Ok(result) => result,
+            Err(_) => Err(PolicyError::Busy(format!(
+                "compiling took longer than {budget:?} (waiting for other compiles included)"
+            ))),
+        }
     }
 }
 

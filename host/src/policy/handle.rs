@@ -1,6 +1,7 @@
 //! `PolicyHandle`: an endpoint's current policy, the decisions made through it, hot
 //! swaps, and rollback.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::SystemTime;
@@ -69,8 +70,13 @@ pub struct PolicyStatus {
     pub rejections: u64,
     /// When it became current.
     pub active_since: SystemTime,
-    /// The policy a rollback would return to, if any.
+    /// The policy a rollback by the operator returns to (the one replaced last), if any.
     pub previous: Option<PolicyInfo>,
+    /// The policy an automatic rollback returns to: the most recent earlier policy that
+    /// served a whole window of calls without a failure (or a built-in), if any.
+    pub last_good: Option<PolicyInfo>,
+    /// Whether the current policy has served such a window.
+    pub proven: bool,
     /// Rollbacks on this handle so far (automatic and manual).
     pub rollbacks: u64,
     /// Guest output lines logged and suppressed.
@@ -83,24 +89,37 @@ pub struct PolicyStatus {
 pub struct PolicyTotals {
     /// Decisions made.
     pub decisions: u64,
-    /// Policy calls that failed (each decided by the native fallback).
+    /// Policy calls that failed by the policy's fault (each decided by the native
+    /// fallback; `no_warm_instance` is not one).
     pub failures: u64,
+    /// Decisions the native fallback made, by [`CallFailure::REASONS`] index.
+    pub fallbacks: [u64; CallFailure::REASONS.len()],
     /// Requests a policy rejected on purpose.
     pub rejections: u64,
     /// Rollbacks the operator asked for.
     pub manual_rollbacks: u64,
     /// Rollbacks after a run of failures.
     pub automatic_rollbacks: u64,
+    /// Rollbacks after too high a failure rate.
+    pub rate_rollbacks: u64,
+    /// Policies refused on the way in, by [`PolicyError::REASONS`] index.
+    pub refusals: [u64; PolicyError::REASONS.len()],
 }
 
 #[derive(Default)]
 struct Totals {
     decisions: AtomicU64,
     failures: AtomicU64,
+    fallbacks: [AtomicU64; CallFailure::REASONS.len()],
     rejections: AtomicU64,
     manual_rollbacks: AtomicU64,
     automatic_rollbacks: AtomicU64,
+    rate_rollbacks: AtomicU64,
+    refusals: [AtomicU64; PolicyError::REASONS.len()],
 }
+
+/// Earlier policies kept for rollbacks (with a few warm instances each).
+const HISTORY: usize = 4;
 
 struct Active {
     policy: LoadedPolicy,
@@ -139,15 +158,24 @@ impl Active {
     }
 }
 
+/// Why a policy was rolled back automatically.
+#[derive(Debug, Clone, Copy)]
+enum Rollback {
+    /// A run of consecutive failures.
+    Run,
+    /// Too high a failure rate over a window.
+    Rate,
+}
+
 /// An endpoint's policy: decide through it, swap it, roll it back.
 pub struct PolicyHandle {
     engine: PolicyEngine,
     /// The current policy. Each decision loads it once and uses only that one;
     /// a swap replaces it whole, so in-flight decisions finish on the old one.
     current: ArcSwap<Active>,
-    /// The last good policy before the current one. Only touched by swaps and
-    /// rollbacks, which `swap_lock` serialises.
-    previous: Mutex<Option<LoadedPolicy>>,
+    /// Earlier policies, the most recent last. Only touched by swaps and rollbacks,
+    /// which `swap_lock` serialises.
+    history: Mutex<VecDeque<LoadedPolicy>>,
     /// Serialises swaps and rollbacks (never taken by a decision).
     swap_lock: Mutex<()>,
     next_generation: AtomicU64,
@@ -172,7 +200,7 @@ impl PolicyHandle {
         Ok(PolicyHandle {
             engine,
             current: ArcSwap::new(Active::new(initial, 1)),
-            previous: Mutex::new(None),
+            history: Mutex::new(VecDeque::new()),
             swap_lock: Mutex::new(()),
             next_generation: AtomicU64::new(2),
             sequence: AtomicU64::new(0),
@@ -231,8 +259,20 @@ impl PolicyHandle {
                 };
             }
             Err(failure) => {
-                let failures = active.failures.fetch_add(1, Ordering::Relaxed) + 1;
                 active.fallbacks.fetch_add(1, Ordering::Relaxed);
+                self.totals.fallbacks[failure.reason_index()].fetch_add(1, Ordering::Relaxed);
+                let id = native::choose(&active.fallback, &req, candidates)
+                    .expect("candidates are not empty");
+                decision.outcome = DecisionOutcome::Chosen(id);
+                decision.decider = Decider::Fallback;
+                let policys = failure.is_policys();
+                decision.failure = Some(failure);
+                if !policys {
+                    // No idle instance: the host's shortfall, not the policy's failure
+                    // (counted as a fallback; the warmer adds an instance).
+                    return decision;
+                }
+                let failures = active.failures.fetch_add(1, Ordering::Relaxed) + 1;
                 self.totals.failures.fetch_add(1, Ordering::Relaxed);
                 // Log the first failures and then one in a thousand: a broken policy
                 // under load must not flood the log.
@@ -241,15 +281,10 @@ impl PolicyHandle {
                         policy = %active.policy.info().name,
                         sha256 = %active.policy.info().sha256,
                         failures,
-                        error = %failure,
+                        error = %decision.failure.as_ref().expect("set above"),
                         "policy call failed; native kv-cost decided"
                     );
                 }
-                let id = native::choose(&active.fallback, &req, candidates)
-                    .expect("candidates are not empty");
-                decision.outcome = DecisionOutcome::Chosen(id);
-                decision.decider = Decider::Fallback;
-                decision.failure = Some(failure);
                 active.window_failures.fetch_add(1, Ordering::Relaxed);
                 let run = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
                 let limit = self.engine.config().rollback_after_failures;
@@ -258,24 +293,29 @@ impl PolicyHandle {
                         &active,
                         &format!("failed {run} times in a row"),
                         run == limit,
+                        Rollback::Run,
                     );
                 }
             }
         }
         // Failures by rate: a policy failing a share of its calls, never five in a row,
-        // still costs a fallback and more than its budget on each failure.
+        // still costs a fallback and more than its budget on each failure. A window
+        // without a failure proves the policy: a later rollback may return to it.
         let cfg = self.engine.config();
         let window = cfg.rollback_window.max(1);
         let calls = active.window_calls.fetch_add(1, Ordering::Relaxed) + 1;
         if calls.is_multiple_of(window) {
             let failures = active.window_failures.swap(0, Ordering::Relaxed);
-            if f64::from(failures) >= cfg.rollback_failure_rate * f64::from(window)
+            if failures == 0 {
+                active.policy.mark_proven();
+            } else if f64::from(failures) >= cfg.rollback_failure_rate * f64::from(window)
                 && cfg.rollback_failure_rate > 0.0
             {
                 self.auto_rollback(
                     &active,
                     &format!("failed {failures} of its last {window} calls"),
                     true,
+                    Rollback::Rate,
                 );
             }
         }
@@ -283,14 +323,19 @@ impl PolicyHandle {
     }
 
     /// Validates `new` (canary decision) and makes it current. The replaced policy
-    /// becomes the rollback target. A policy that fails its canary is refused and the
-    /// current one keeps serving.
+    /// becomes the operator's rollback target. A policy that fails its canary is refused
+    /// (and counted) and the current one keeps serving.
     pub fn swap(&self, new: LoadedPolicy) -> Result<PolicyStatus, PolicyError> {
-        new.canary()?;
+        if let Err(e) = new.canary() {
+            self.refused(&e);
+            return Err(e);
+        }
+        // Its warm instances are made here, before any request can reach it.
+        new.prepare();
         let _guard = self.swap_lock.lock();
         let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
         let old = self.current.swap(Active::new(new, generation));
-        *self.previous.lock() = Some(old.policy.clone());
+        self.remember(old.policy.clone());
         self.consecutive_failures.store(0, Ordering::Relaxed);
         tracing::info!(
             from = %old.policy.info().name,
@@ -309,18 +354,48 @@ impl PolicyHandle {
         bytes: &[u8],
         config_json: &str,
     ) -> Result<PolicyStatus, PolicyError> {
-        let loaded = self.engine.load(source, bytes, config_json)?;
+        let loaded = self
+            .engine
+            .load(source, bytes, config_json)
+            .inspect_err(|e| self.refused(e))?;
         self.swap(loaded)
     }
 
-    /// Returns to the previous policy; the current one becomes the new rollback target.
-    /// `None` when there is nothing to return to.
+    /// Loads a built-in policy or a `.wasm` file by spec and swaps it in.
+    pub fn swap_spec(&self, spec: &str, config_json: &str) -> Result<PolicyStatus, PolicyError> {
+        let loaded = self
+            .engine
+            .load_spec(spec, config_json)
+            .inspect_err(|e| self.refused(e))?;
+        self.swap(loaded)
+    }
+
+    /// Counts a policy refused on its way in.
+    pub fn refused(&self, e: &PolicyError) {
+        self.totals.refusals[e.reason_index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Keeps a replaced policy for rollbacks (once, most recent last, at most
+    /// [`HISTORY`]), with only a few warm instances.
+    fn remember(&self, policy: LoadedPolicy) {
+        policy.retire();
+        let mut history = self.history.lock();
+        history.retain(|p| !p.ptr_eq(&policy));
+        history.push_back(policy);
+        while history.len() > HISTORY {
+            history.pop_front();
+        }
+    }
+
+    /// Returns to the policy replaced last; the current one becomes the next rollback
+    /// target. `None` when there is nothing to return to.
     pub fn rollback(&self) -> Option<PolicyStatus> {
         let _guard = self.swap_lock.lock();
-        let previous = self.previous.lock().take()?;
+        let previous = self.history.lock().pop_back()?;
+        previous.prepare();
         let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
         let old = self.current.swap(Active::new(previous, generation));
-        *self.previous.lock() = Some(old.policy.clone());
+        self.remember(old.policy.clone());
         self.consecutive_failures.store(0, Ordering::Relaxed);
         self.rollbacks.fetch_add(1, Ordering::Relaxed);
         self.totals.manual_rollbacks.fetch_add(1, Ordering::Relaxed);
@@ -329,20 +404,31 @@ impl PolicyHandle {
         Some(self.status())
     }
 
-    fn auto_rollback(&self, failing: &Arc<Active>, why: &str, log_if_stuck: bool) {
+    /// Rolls a failing policy back to the last good one: the most recent earlier policy
+    /// that served a clean window (never merely the previous one, which may be failing
+    /// too). Runs on a request's thread: it only swaps pointers (the target kept warm
+    /// instances; the warmer tops them up).
+    fn auto_rollback(&self, failing: &Arc<Active>, why: &str, log_if_stuck: bool, kind: Rollback) {
         let _guard = self.swap_lock.lock();
         // Racing: another thread may have rolled back or swapped already; only the
         // thread that still sees the failing policy current acts.
         if !Arc::ptr_eq(&self.current.load(), failing) {
             return;
         }
-        let Some(previous) = self.previous.lock().take() else {
+        let target = {
+            let mut history = self.history.lock();
+            history
+                .iter()
+                .rposition(LoadedPolicy::proven)
+                .and_then(|i| history.remove(i))
+        };
+        let Some(target) = target else {
             if log_if_stuck {
                 tracing::error!(
                     policy = %failing.policy.info().name,
                     why,
-                    "policy keeps failing and there is no earlier policy to roll back to; \
-                     the native fallback is deciding"
+                    "policy keeps failing and no earlier policy served a clean window to \
+                     roll back to; the native fallback is deciding"
                 );
             }
             return;
@@ -350,18 +436,21 @@ impl PolicyHandle {
         let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
         tracing::error!(
             from = %failing.policy.info().name,
-            to = %previous.info().name,
+            to = %target.info().name,
             why,
             generation,
             "policy rolled back to the last good policy"
         );
+        target.refill_soon();
         // The failing policy is dropped, not kept as a rollback target.
-        self.current.store(Active::new(previous, generation));
+        self.current.store(Active::new(target, generation));
         self.consecutive_failures.store(0, Ordering::Relaxed);
         self.rollbacks.fetch_add(1, Ordering::Relaxed);
-        self.totals
-            .automatic_rollbacks
-            .fetch_add(1, Ordering::Relaxed);
+        match kind {
+            Rollback::Run => &self.totals.automatic_rollbacks,
+            Rollback::Rate => &self.totals.rate_rollbacks,
+        }
+        .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Everything decided through this handle so far, across swaps and rollbacks.
@@ -370,9 +459,12 @@ impl PolicyHandle {
         PolicyTotals {
             decisions: t.decisions.load(Ordering::Relaxed),
             failures: t.failures.load(Ordering::Relaxed),
+            fallbacks: t.fallbacks.each_ref().map(|n| n.load(Ordering::Relaxed)),
             rejections: t.rejections.load(Ordering::Relaxed),
             manual_rollbacks: t.manual_rollbacks.load(Ordering::Relaxed),
             automatic_rollbacks: t.automatic_rollbacks.load(Ordering::Relaxed),
+            rate_rollbacks: t.rate_rollbacks.load(Ordering::Relaxed),
+            refusals: t.refusals.each_ref().map(|n| n.load(Ordering::Relaxed)),
         }
     }
 
@@ -392,6 +484,7 @@ impl PolicyHandle {
     /// Identity and counters of the current policy.
     pub fn status(&self) -> PolicyStatus {
         let a = self.current.load_full();
+        let history = self.history.lock();
         PolicyStatus {
             info: a.policy.info().clone(),
             generation: a.generation,
@@ -400,7 +493,13 @@ impl PolicyHandle {
             fallbacks: a.fallbacks.load(Ordering::Relaxed),
             rejections: a.rejections.load(Ordering::Relaxed),
             active_since: a.active_since,
-            previous: self.previous.lock().as_ref().map(|p| p.info().clone()),
+            previous: history.back().map(|p| p.info().clone()),
+            last_good: history
+                .iter()
+                .rev()
+                .find(|p| p.proven())
+                .map(|p| p.info().clone()),
+            proven: a.policy.proven(),
             rollbacks: self.rollbacks.load(Ordering::Relaxed),
             guest_log_lines: a.policy.guest_log_counts(),
         }

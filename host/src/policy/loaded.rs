@@ -3,17 +3,18 @@
 
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_queue::ArrayQueue;
+use parking_lot::Mutex;
 use wasmtime::Store;
 
 use super::bindings::{Policy, PolicyPre};
 use super::cache::CacheOutcome;
 use super::engine::PolicyEngine;
-use super::sandbox::{GuestLog, HostState};
+use super::sandbox::{GuestLog, HostState, InstanceLimits};
 use super::types::{CandidateRow, Candidates, Rejection, Request};
 use super::{PolicyError, describe_error};
 use crate::ids::InstanceId;
@@ -76,9 +77,52 @@ pub enum CallFailure {
     /// The guest answered with a worker that is not one of the candidates.
     #[error("policy chose worker {0}, which is not a candidate")]
     NotACandidate(InstanceId),
+    /// The guest's growth would take all policy instances together past their limit.
+    #[error("policy instances together reached their memory limit of {0} bytes")]
+    TotalMemory(usize),
     /// A fresh instance could not be created or configured.
     #[error("policy instance could not be created: {0}")]
     Instantiate(String),
+    /// No warm instance was idle (more concurrent decisions than instances, or the
+    /// warmer had not yet replaced a discarded one). Not the policy's fault: not counted
+    /// towards a rollback.
+    #[error("no warm policy instance was idle")]
+    NoWarmInstance,
+}
+
+impl CallFailure {
+    /// Every [`CallFailure::reason`], in a fixed order.
+    pub const REASONS: [&'static str; 7] = [
+        "timeout",
+        "out_of_memory",
+        "trap",
+        "not_a_candidate",
+        "total_memory",
+        "instantiate",
+        "no_warm_instance",
+    ];
+
+    /// A short label naming the kind of failure (for metrics).
+    pub fn reason(&self) -> &'static str {
+        Self::REASONS[self.reason_index()]
+    }
+
+    pub(crate) fn reason_index(&self) -> usize {
+        match self {
+            CallFailure::Timeout(_) => 0,
+            CallFailure::OutOfMemory(_) => 1,
+            CallFailure::Trap(_) => 2,
+            CallFailure::NotACandidate(_) => 3,
+            CallFailure::TotalMemory(_) => 4,
+            CallFailure::Instantiate(_) => 5,
+            CallFailure::NoWarmInstance => 6,
+        }
+    }
+
+    /// Whether the failure is the policy's own (it counts towards a rollback).
+    pub fn is_policys(&self) -> bool {
+        !matches!(self, CallFailure::NoWarmInstance)
+    }
 }
 
 /// The answer of one successful call.
@@ -101,11 +145,53 @@ struct Shared {
     pre: PolicyPre<HostState>,
     info: PolicyInfo,
     log: Arc<GuestLog>,
-    /// Idle warm instances. A decision pops one (or makes one), calls it, and pushes it
-    /// back: no lock is held across a call, and a trapped instance is simply not
-    /// returned.
+    /// Idle warm instances. A decision pops one, calls it, and pushes it back: no lock
+    /// is held across a call, and a trapped instance is simply not returned. Only the
+    /// warmer (and loads, swaps and canaries, off the request path) create instances.
     pool: ArrayQueue<Warm>,
     instances_created: AtomicU64,
+    /// Idle instances the warmer keeps ready: `warm_instances`, grown by one per
+    /// decision that found none, up to the pool's capacity.
+    target: AtomicUsize,
+    /// A refill is queued with the warmer.
+    refill_queued: AtomicBool,
+    /// Why the warmer's last attempt failed, and when it may try again (doubling
+    /// back-off): a policy that cannot be instantiated does not keep a core busy.
+    warm_failure: Mutex<Option<WarmFailure>>,
+    /// Served a whole rate window without a failed call (built-ins from the start): a
+    /// rollback may return to it.
+    proven: AtomicBool,
+    warmer: Warmer,
+}
+
+struct WarmFailure {
+    error: String,
+    retry_at: Instant,
+    backoff: Duration,
+}
+
+/// The background thread that creates warm instances off the request path. Cheap to
+/// clone; the thread ends when the last clone (and the engine) is dropped.
+#[derive(Clone)]
+pub(crate) struct Warmer {
+    tx: std::sync::mpsc::Sender<Weak<Shared>>,
+}
+
+impl Warmer {
+    pub(crate) fn start() -> std::io::Result<Warmer> {
+        let (tx, rx) = std::sync::mpsc::channel::<Weak<Shared>>();
+        std::thread::Builder::new()
+            .name("policy-warmer".into())
+            .spawn(move || {
+                while let Ok(weak) = rx.recv() {
+                    if let Some(shared) = weak.upgrade() {
+                        shared.refill_queued.store(false, Ordering::Release);
+                        shared.refill();
+                    }
+                }
+            })?;
+        Ok(Warmer { tx })
+    }
 }
 
 struct Warm {
@@ -130,6 +216,9 @@ impl LoadedPolicy {
         };
         let log = GuestLog::new(&label, engine.config().guest_log_lines_per_sec);
         let max_warm = engine.config().max_warm_instances.max(1);
+        let warm_target = engine.config().warm_instances.clamp(1, max_warm);
+        let warmer = engine.inner.warmer.clone();
+        let proven = matches!(source, PolicySource::Builtin(_));
         let mut shared = Shared {
             engine,
             pre,
@@ -150,6 +239,11 @@ impl LoadedPolicy {
             log,
             pool: ArrayQueue::new(max_warm),
             instances_created: AtomicU64::new(0),
+            target: AtomicUsize::new(warm_target),
+            refill_queued: AtomicBool::new(false),
+            warm_failure: Mutex::new(None),
+            proven: AtomicBool::new(proven),
+            warmer,
         };
         let mut first = shared.instantiate().map_err(|e| match e {
             InstantiateError::Config(msg) => PolicyError::BadConfig(msg),
@@ -163,9 +257,72 @@ impl LoadedPolicy {
         shared.info.version = super::types::guest_label(&info.version);
         shared.info.load_time = started.elapsed();
         let _ = shared.pool.push(first);
-        Ok(LoadedPolicy {
+        let loaded = LoadedPolicy {
             shared: Arc::new(shared),
-        })
+        };
+        // The other warm instances, made now: loading is off the request path.
+        loaded.prepare();
+        Ok(loaded)
+    }
+
+    /// Brings the idle instances up to the warm target on this thread (loads, swaps and
+    /// rollbacks by the operator: never on a request's path).
+    pub(crate) fn prepare(&self) {
+        self.shared.refill();
+    }
+
+    /// Asks the warmer to bring the idle instances up to the warm target.
+    pub(crate) fn refill_soon(&self) {
+        let s = &*self.shared;
+        if s.refill_queued.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // The warmer holds only a weak reference: a dropped policy is not kept alive.
+        let _ = s.warmer.tx.send(Arc::downgrade(&self.shared));
+    }
+
+    /// A decision found no idle instance: the target grows (up to the pool's capacity),
+    /// the warmer is asked to refill, and the failure says whether instances can be
+    /// made at all.
+    fn missed(&self) -> CallFailure {
+        let s = &*self.shared;
+        let cap = s.pool.capacity();
+        let _ = s
+            .target
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
+                (t < cap).then_some(t + 1)
+            });
+        self.refill_soon();
+        match &*s.warm_failure.lock() {
+            Some(f) => CallFailure::Instantiate(f.error.clone()),
+            None => CallFailure::NoWarmInstance,
+        }
+    }
+
+    /// Drops idle instances past the configured warm count (a policy that is no longer
+    /// current keeps a few, so that a rollback to it is served at once).
+    pub(crate) fn retire(&self) {
+        let s = &*self.shared;
+        let keep = s.engine.config().warm_instances.max(1);
+        s.target.store(keep, Ordering::Relaxed);
+        while s.pool.len() > keep {
+            drop(s.pool.pop());
+        }
+    }
+
+    /// Idle warm instances now.
+    pub fn idle_instances(&self) -> usize {
+        self.shared.pool.len()
+    }
+
+    /// Whether the policy has served a whole window of calls without a failure (or is
+    /// built in): what a rollback may return to.
+    pub fn proven(&self) -> bool {
+        self.shared.proven.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn mark_proven(&self) {
+        self.shared.proven.store(true, Ordering::Relaxed);
     }
 
     /// The policy's identity and load facts.
@@ -197,22 +354,28 @@ impl LoadedPolicy {
             candidates,
             self.shared.engine.inner.deadline_ticks,
             budget,
+            false,
         )
     }
 
+    /// One call. On the request path (`inline` false) an empty pool is a failure of its
+    /// own, never a wait for a new instance; the canary and `policy check` (off the
+    /// request path) may make one.
     fn call_within(
         &self,
         req: &Request,
         candidates: &Candidates,
         ticks: u64,
         budget: Duration,
+        inline: bool,
     ) -> Result<CallOutcome, CallFailure> {
         let s = &*self.shared;
         let mut warm = match s.pool.pop() {
             Some(w) => w,
-            None => s
+            None if inline => s
                 .instantiate()
                 .map_err(|e| CallFailure::Instantiate(e.to_string()))?,
+            None => return Err(self.missed()),
         };
         warm.store.set_epoch_deadline(ticks);
         let wit_req = req.to_wit();
@@ -225,13 +388,23 @@ impl LoadedPolicy {
         warm.calls += 1;
         let answer = match result {
             Ok(Ok(answer)) => answer,
-            Ok(Err(e)) => return Err(s.classify(&e, budget)),
-            Err(_) => return Err(CallFailure::Trap("a host function panicked".into())),
+            Ok(Err(e)) => {
+                // The instance is discarded (its state is suspect): the warmer replaces it.
+                self.refill_soon();
+                return Err(s.classify(&e, budget));
+            }
+            Err(_) => {
+                self.refill_soon();
+                return Err(CallFailure::Trap("a host function panicked".into()));
+            }
         };
         // The instance is healthy: give it back unless it is due for recycling (or
-        // the pool is full).
+        // the pool is full), in which case the warmer makes a fresh one.
         if warm.calls < s.engine.config().recycle_after_calls {
             let _ = s.pool.push(warm);
+        } else {
+            drop(warm);
+            self.refill_soon();
         }
         match answer {
             Ok(id) if candidates.contains(InstanceId(id)) => {
@@ -250,7 +423,7 @@ impl LoadedPolicy {
         let budget = cfg.load_budget.max(cfg.call_budget);
         let ticks = self.shared.engine.inner.load_deadline_ticks;
         let first = self
-            .call_within(&canary_request(), &canary_candidates(), ticks, budget)
+            .call_within(&canary_request(), &canary_candidates(), ticks, budget, true)
             .map_err(|e| PolicyError::Canary(e.to_string()))?;
         // Then sets a policy cannot recognise: random sizes (1 and 64 among them), IDs,
         // seeds, sessions and loads, from a seed of this process.
@@ -268,7 +441,7 @@ impl LoadedPolicy {
             };
             let (req, candidates) = random_canary(&mut rng, size);
             let outcome = self
-                .call_within(&req, &candidates, ticks, budget)
+                .call_within(&req, &candidates, ticks, budget, true)
                 .map_err(|e| {
                     PolicyError::Canary(format!("random candidate set {set} ({size} workers): {e}"))
                 })?;
@@ -290,7 +463,14 @@ impl LoadedPolicy {
     pub fn timed_call(&self) -> Result<std::time::Duration, CallFailure> {
         let (req, candidates) = (canary_request(), canary_candidates());
         let started = std::time::Instant::now();
-        self.call(&req, &candidates)?;
+        let s = &*self.shared;
+        self.call_within(
+            &req,
+            &candidates,
+            s.engine.inner.deadline_ticks,
+            s.engine.config().call_budget,
+            true,
+        )?;
         Ok(started.elapsed())
     }
 }
@@ -386,10 +566,8 @@ impl Shared {
     /// A fresh instance, configured with the operator's config.
     fn instantiate(&self) -> Result<Warm, InstantiateError> {
         let cfg = self.engine.config();
-        let mut store = Store::new(
-            &self.engine.inner.engine,
-            HostState::new(&self.log, cfg.memory_cap),
-        );
+        let limits = InstanceLimits::new(cfg.memory_cap, self.engine.inner.memory.clone());
+        let mut store = Store::new(&self.engine.inner.engine, HostState::new(&self.log, limits));
         store.limiter(|s| &mut s.limits);
         store.epoch_deadline_trap();
         store.set_epoch_deadline(self.engine.inner.load_deadline_ticks);
@@ -409,12 +587,57 @@ impl Shared {
         })
     }
 
+    /// Creates instances until the idle ones reach the target; on a failure, records it
+    /// and backs off (10 ms, doubling to 5 s).
+    fn refill(&self) {
+        let target = self.target.load(Ordering::Relaxed);
+        while self.pool.len() < target {
+            if let Some(f) = &*self.warm_failure.lock()
+                && Instant::now() < f.retry_at
+            {
+                return;
+            }
+            match self.instantiate() {
+                Ok(warm) => {
+                    *self.warm_failure.lock() = None;
+                    if self.pool.push(warm).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    let mut failure = self.warm_failure.lock();
+                    let backoff = failure.as_ref().map_or(Duration::from_millis(10), |f| {
+                        (f.backoff * 2).min(Duration::from_secs(5))
+                    });
+                    if failure.is_none() || backoff == Duration::from_secs(5) {
+                        tracing::warn!(
+                            policy = %self.info.name,
+                            sha256 = %self.info.sha256,
+                            error = %e,
+                            "cannot create a warm policy instance; decisions without one \
+                             are made by the native fallback"
+                        );
+                    }
+                    *failure = Some(WarmFailure {
+                        error: e.to_string(),
+                        retry_at: Instant::now() + backoff,
+                        backoff,
+                    });
+                    return;
+                }
+            }
+        }
+    }
+
     fn classify(&self, e: &wasmtime::Error, budget: Duration) -> CallFailure {
         let cfg = self.engine.config();
         if let Some(wasmtime::Trap::Interrupt) = e.downcast_ref::<wasmtime::Trap>() {
             return CallFailure::Timeout(budget);
         }
         let text = describe_error(e);
+        if text.contains("all policy instances together") {
+            return CallFailure::TotalMemory(self.engine.inner.total_memory_cap());
+        }
         if text.contains("growing memory") || text.contains("memory") && text.contains("limit") {
             return CallFailure::OutOfMemory(cfg.memory_cap);
         }

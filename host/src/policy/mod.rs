@@ -74,9 +74,51 @@ pub enum PolicyError {
         /// What went wrong.
         source: std::io::Error,
     },
+    /// Too much compiling at once, or a compile past its time budget; the load is
+    /// refused and may be tried again.
+    #[error("the policy runtime is busy: {0}")]
+    Busy(String),
     /// The runtime itself could not be set up (engine configuration).
     #[error("policy runtime error: {0}")]
     Runtime(String),
+}
+
+impl PolicyError {
+    /// Every [`PolicyError::reason`], in a fixed order.
+    pub const REASONS: [&'static str; 11] = [
+        "too_large",
+        "not_a_component",
+        "wrong_world",
+        "instantiate",
+        "bad_config",
+        "trap",
+        "canary",
+        "unknown_builtin",
+        "io",
+        "busy",
+        "runtime",
+    ];
+
+    /// A short label naming the kind of refusal (for metrics).
+    pub fn reason(&self) -> &'static str {
+        Self::REASONS[self.reason_index()]
+    }
+
+    pub(crate) fn reason_index(&self) -> usize {
+        match self {
+            PolicyError::TooLarge => 0,
+            PolicyError::NotAComponent(_) => 1,
+            PolicyError::WrongWorld(_) => 2,
+            PolicyError::Instantiate(_) => 3,
+            PolicyError::BadConfig(_) => 4,
+            PolicyError::Trap(_) => 5,
+            PolicyError::Canary(_) => 6,
+            PolicyError::UnknownBuiltin(_) => 7,
+            PolicyError::Io { .. } => 8,
+            PolicyError::Busy(_) => 9,
+            PolicyError::Runtime(_) => 10,
+        }
+    }
 }
 
 /// Renders a wasmtime error with its whole cause chain on one line.

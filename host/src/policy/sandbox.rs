@@ -15,14 +15,14 @@
 //! failure. A policy has nothing to wait for.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use parking_lot::Mutex;
+use wasmtime::ResourceLimiter;
 use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
-use wasmtime::{StoreLimits, StoreLimitsBuilder};
 use wasmtime_wasi::cli::{IsTerminal, StdoutStream, WasiCli, WasiCliView};
 use wasmtime_wasi::clocks::{WasiClocks, WasiClocksView};
 use wasmtime_wasi::filesystem::{WasiFilesystem, WasiFilesystemView};
@@ -44,11 +44,11 @@ use wasmtime_wasi_io::streams::{
 pub(crate) struct HostState {
     wasi: WasiCtx,
     table: ResourceTable,
-    pub(crate) limits: StoreLimits,
+    pub(crate) limits: InstanceLimits,
 }
 
 impl HostState {
-    pub(crate) fn new(log: &Arc<GuestLog>, memory_cap: usize) -> HostState {
+    pub(crate) fn new(log: &Arc<GuestLog>, limits: InstanceLimits) -> HostState {
         let wasi = WasiCtxBuilder::new()
             .stdout(LogSink {
                 log: log.clone(),
@@ -67,17 +67,130 @@ impl HostState {
         HostState {
             wasi,
             table: ResourceTable::new(),
-            limits: StoreLimitsBuilder::new()
-                .memory_size(memory_cap)
-                .table_elements(1 << 16)
-                .instances(64)
-                .tables(64)
-                .memories(4)
-                .trap_on_grow_failure(true)
-                .build(),
+            limits,
         }
     }
 }
+
+/// The linear memory all policy instances of a process hold together, and its cap.
+#[derive(Debug)]
+pub(crate) struct MemoryBudget {
+    used: AtomicUsize,
+    cap: usize,
+}
+
+impl MemoryBudget {
+    pub(crate) fn new(cap: usize) -> Arc<MemoryBudget> {
+        Arc::new(MemoryBudget {
+            used: AtomicUsize::new(0),
+            cap,
+        })
+    }
+
+    /// Bytes held by live instances now.
+    pub(crate) fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+}
+
+/// One instance's resource limits: its own memory cap, its share of the process-wide
+/// [`MemoryBudget`] (returned when the instance is dropped), and fixed bounds on tables,
+/// instances and memories. Growth past a limit traps (it never fails silently inside
+/// the guest), so the call is counted as a policy failure.
+pub(crate) struct InstanceLimits {
+    memory_cap: usize,
+    budget: Arc<MemoryBudget>,
+    /// Bytes this instance has taken from the budget.
+    held: usize,
+    /// The last growth granted, given back if the allocation itself then fails.
+    last_grant: usize,
+}
+
+impl InstanceLimits {
+    pub(crate) fn new(memory_cap: usize, budget: Arc<MemoryBudget>) -> InstanceLimits {
+        InstanceLimits {
+            memory_cap,
+            budget,
+            held: 0,
+            last_grant: 0,
+        }
+    }
+}
+
+impl Drop for InstanceLimits {
+    fn drop(&mut self) {
+        self.budget.used.fetch_sub(self.held, Ordering::Relaxed);
+    }
+}
+
+impl ResourceLimiter for InstanceLimits {
+    fn memory_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.memory_cap || maximum.is_some_and(|max| desired > max) {
+            wasmtime::bail!("forcing trap when growing memory to {desired} bytes (over the limit)");
+        }
+        let grow = desired.saturating_sub(current);
+        let budget = &self.budget;
+        let taken = budget
+            .used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
+                used.checked_add(grow).filter(|&total| total <= budget.cap)
+            });
+        if taken.is_err() {
+            wasmtime::bail!(
+                "forcing trap when growing memory to {desired} bytes: all policy instances \
+                 together would pass the memory limit of {} bytes",
+                budget.cap
+            );
+        }
+        self.held += grow;
+        self.last_grant = grow;
+        Ok(true)
+    }
+
+    fn memory_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
+        self.budget
+            .used
+            .fetch_sub(self.last_grant, Ordering::Relaxed);
+        self.held -= self.last_grant;
+        self.last_grant = 0;
+        Err(error.context("forcing a memory growth failure to be a trap"))
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > MAX_TABLE_ELEMENTS || maximum.is_some_and(|max| desired > max) {
+            wasmtime::bail!("forcing trap when growing table to {desired} elements");
+        }
+        Ok(true)
+    }
+
+    fn table_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
+        Err(error.context("forcing a table growth failure to be a trap"))
+    }
+
+    fn instances(&self) -> usize {
+        64
+    }
+
+    fn tables(&self) -> usize {
+        64
+    }
+
+    fn memories(&self) -> usize {
+        4
+    }
+}
+
+const MAX_TABLE_ELEMENTS: usize = 1 << 16;
 
 impl WasiView for HostState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
