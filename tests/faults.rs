@@ -662,34 +662,6 @@ async fn a_worker_closing_idle_connections_fails_no_request_and_is_never_reporte
     assert_eq!(inst["consecutive_failures"], 0, "{inst}");
 }
 
-/// A CA, and a certificate it signed for `localhost`, written as PEM into `dir`:
-/// (`ca.pem`, `cert.pem`, `key.pem`).
-fn self_signed_ca(
-    dir: &std::path::Path,
-) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, "fleet test CA");
-    let ca = ca_params.self_signed(&ca_key).unwrap();
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()])
-        .unwrap()
-        .signed_by(&key, &rcgen::Issuer::from_params(&ca_params, &ca_key))
-        .unwrap();
-    let paths = (
-        dir.join("ca.pem"),
-        dir.join("cert.pem"),
-        dir.join("key.pem"),
-    );
-    std::fs::write(&paths.0, ca.pem()).unwrap();
-    std::fs::write(&paths.1, cert.pem()).unwrap();
-    std::fs::write(&paths.2, key.serialize_pem()).unwrap();
-    paths
-}
-
 /// An `https://` worker whose certificate comes from the fleet's own CA: with the CA
 /// given (`--ca-file`) requests are served through it, its health is probed and its
 /// metrics are read over TLS; without it the router refuses the worker's certificate
@@ -697,7 +669,7 @@ fn self_signed_ca(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_https_worker_is_served_when_its_ca_is_trusted() {
     let dir = tempfile::tempdir().unwrap();
-    let (ca, cert, key) = self_signed_ca(dir.path());
+    let (ca, cert, key) = common::tls::self_signed_ca(dir.path());
     let port = common::procs::free_port();
     let listen = format!("127.0.0.1:{port}");
     let (cert, key) = (cert.to_str().unwrap(), key.to_str().unwrap());

@@ -31,6 +31,9 @@ pub struct ServeArgs {
     /// Root of Switchyard's keys in etcd [default: switchyard].
     #[arg(long, env = "SWITCHYARD_ETCD_ROOT")]
     pub etcd_root: Option<String>,
+    /// etcd user, password and CA.
+    #[command(flatten)]
+    pub etcd_access: EtcdAccessArgs,
     /// A static worker's base URL (repeatable); used when no etcd is given. Its engine's
     /// ZMQ KV events go after `#`:
     /// `http://10.0.0.7:8000#kv_events=tcp://10.0.0.7:5557&kv_replay=tcp://10.0.0.7:5558&topic=kv-events&dp=1`.
@@ -63,6 +66,10 @@ pub struct ServeArgs {
     /// which other users of the machine can read).
     #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN_FILE")]
     pub admin_token_file: Option<PathBuf>,
+    /// Serve the admin API on this address only (e.g. a private interface), with
+    /// /metrics and /health; the public listener then has no /admin/ routes.
+    #[arg(long, env = "SWITCHYARD_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
     /// Hugging Face `tokenizer.json` [default: the built-in tokenizer].
     #[arg(long, env = "SWITCHYARD_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,
@@ -106,6 +113,15 @@ pub struct ServeArgs {
     /// refused: it would answer every request 503).
     #[arg(long, env = "SWITCHYARD_POLICY_MAY_REJECT_ALL")]
     pub policy_may_reject_all: Option<bool>,
+    /// A public key (from `switchyard policy keygen`) whose signed pushes through etcd
+    /// this router applies (repeatable). With any, unsigned pushes and pushes signed by
+    /// other keys are refused; with none, every push is applied.
+    #[arg(
+        long = "policy-trusted-key",
+        env = "SWITCHYARD_POLICY_TRUSTED_KEYS",
+        value_delimiter = ','
+    )]
+    pub policy_trusted_keys: Vec<PathBuf>,
     /// Where compiled policies are cached [default: ~/.cache/switchyard/policies].
     #[arg(long, env = "SWITCHYARD_POLICY_CACHE")]
     pub policy_cache: Option<PathBuf>,
@@ -210,6 +226,10 @@ pub struct FileConfig {
     #[serde(default)]
     etcd: Vec<String>,
     etcd_root: Option<String>,
+    etcd_user: Option<String>,
+    etcd_password_file: Option<PathBuf>,
+    #[serde(default)]
+    etcd_ca_files: Vec<PathBuf>,
     #[serde(default)]
     workers: Vec<WorkerEntry>,
     model: Option<String>,
@@ -220,6 +240,7 @@ pub struct FileConfig {
     watch: Option<bool>,
     admin_token: Option<String>,
     admin_token_file: Option<PathBuf>,
+    admin_listen: Option<SocketAddr>,
     tokenizer: Option<PathBuf>,
     chat_template: Option<PathBuf>,
     tokenizer_cache_tokens: Option<usize>,
@@ -232,6 +253,8 @@ pub struct FileConfig {
     policy_memory_mb: Option<usize>,
     policy_memory_total_mb: Option<usize>,
     policy_warm_instances: Option<usize>,
+    #[serde(default)]
+    policy_trusted_keys: Vec<PathBuf>,
     policy_cache: Option<PathBuf>,
     policy_may_reject_all: Option<bool>,
     availability: Option<bool>,
@@ -426,9 +449,86 @@ pub struct ServeConfig {
     pub forward_authorization: bool,
     /// Per-endpoint exceptions to `forward_authorization`.
     pub endpoint_forward_authorization: BTreeMap<EndpointPath, bool>,
+    /// Where the admin API is served, if not on `listen`.
+    pub admin_listen: Option<SocketAddr>,
+    /// Keys whose signed etcd pushes are applied (none: every push is).
+    pub policy_trusted_keys: Vec<crate::discovery::signing::PublicKey>,
 }
 
 /// A list given by repeatable flags (or their variable) wins whole over the file's.
+/// How every command that talks to etcd reaches it: its own user authentication and TLS.
+/// The password is never a flag (it would show in the process list): it comes from a
+/// file or from `SWITCHYARD_ETCD_PASSWORD`.
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct EtcdAccessArgs {
+    /// etcd user, when etcd has authentication enabled; the password is read from
+    /// --etcd-password-file or the SWITCHYARD_ETCD_PASSWORD variable.
+    #[arg(long, env = "SWITCHYARD_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// File holding the etcd user's password (its first line).
+    #[arg(long, env = "SWITCHYARD_ETCD_PASSWORD_FILE")]
+    pub etcd_password_file: Option<PathBuf>,
+    /// PEM CA certificate(s) trusted for an https:// etcd besides the system roots
+    /// (repeatable).
+    #[arg(
+        long = "etcd-ca-file",
+        env = "SWITCHYARD_ETCD_CA_FILES",
+        value_delimiter = ','
+    )]
+    pub etcd_ca_files: Vec<PathBuf>,
+}
+
+impl EtcdAccessArgs {
+    /// `config` with this TLS trust and these credentials.
+    pub fn apply(&self, config: EtcdConfig) -> Result<EtcdConfig, ConfigError> {
+        let tls = crate::http::upstream::Tls::with_ca_files(&self.etcd_ca_files)
+            .map_err(|e| ConfigError(format!("etcd: {e}")))?;
+        let password = match (
+            &self.etcd_password_file,
+            std::env::var("SWITCHYARD_ETCD_PASSWORD"),
+        ) {
+            (Some(path), _) => Some(
+                std::fs::read_to_string(path)
+                    .map_err(|e| {
+                        ConfigError(format!(
+                            "cannot read the etcd password file {}: {e}",
+                            path.display()
+                        ))
+                    })?
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .to_string(),
+            ),
+            (None, Ok(p)) => Some(p),
+            (None, Err(_)) => None,
+        };
+        let auth = match (&self.etcd_user, password) {
+            (Some(user), Some(password)) => Some(crate::discovery::etcd_api::EtcdAuth {
+                user: user.clone(),
+                password,
+            }),
+            (Some(user), None) => {
+                return Err(ConfigError(format!(
+                    "etcd user `{user}` has no password: give --etcd-password-file or set \
+                     SWITCHYARD_ETCD_PASSWORD"
+                )));
+            }
+            (None, Some(_)) => {
+                return Err(ConfigError(
+                    "an etcd password was given without --etcd-user".into(),
+                ));
+            }
+            (None, None) => None,
+        };
+        Ok(EtcdConfig {
+            tls,
+            auth,
+            ..config
+        })
+    }
+}
+
 fn flag_or_file<T>(flag: Vec<T>, file: Vec<T>) -> Vec<T> {
     if flag.is_empty() { file } else { flag }
 }
@@ -466,13 +566,27 @@ impl ServeArgs {
                 .collect::<Result<_, _>>()?
         };
         let discovery = match (etcd.is_empty(), workers.is_empty()) {
-            (false, true) => DiscoveryConfig::Etcd(EtcdConfig {
-                root: self
-                    .etcd_root
-                    .or(file.etcd_root)
-                    .unwrap_or_else(|| "switchyard".into()),
-                ..EtcdConfig::new(etcd)
-            }),
+            (false, true) => DiscoveryConfig::Etcd(
+                EtcdAccessArgs {
+                    etcd_user: self.etcd_access.etcd_user.clone().or(file.etcd_user),
+                    etcd_password_file: self
+                        .etcd_access
+                        .etcd_password_file
+                        .clone()
+                        .or(file.etcd_password_file),
+                    etcd_ca_files: flag_or_file(
+                        self.etcd_access.etcd_ca_files.clone(),
+                        file.etcd_ca_files,
+                    ),
+                }
+                .apply(EtcdConfig {
+                    root: self
+                        .etcd_root
+                        .or(file.etcd_root)
+                        .unwrap_or_else(|| "switchyard".into()),
+                    ..EtcdConfig::new(etcd)
+                })?,
+            ),
             (true, false) => DiscoveryConfig::Static {
                 workers,
                 model: self
@@ -712,6 +826,10 @@ impl ServeArgs {
                 .unwrap_or(false),
             ..runtime_defaults
         };
+        let policy_trusted_keys = flag_or_file(self.policy_trusted_keys, file.policy_trusted_keys)
+            .iter()
+            .map(|path| crate::discovery::signing::PublicKey::load(path).map_err(ConfigError))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(ServeConfig {
             listen: self
                 .listen
@@ -752,6 +870,8 @@ impl ServeArgs {
                 .or(file.forward_authorization)
                 .unwrap_or(matches!(discovery, DiscoveryConfig::Static { .. })),
             endpoint_forward_authorization,
+            policy_trusted_keys,
+            admin_listen: self.admin_listen.or(file.admin_listen),
             discovery,
         })
     }

@@ -10,6 +10,7 @@ use switchyard::config::ServeArgs;
 use switchyard::discovery::etcd::{EtcdConfig, list_all};
 use switchyard::discovery::etcd_policy::{self, PushedPolicy};
 use switchyard::discovery::etcd_register::Registration;
+use switchyard::discovery::signing::{self, SigningKey};
 use switchyard::discovery::{EndpointPath, InstanceInfo};
 use switchyard::ids::InstanceId;
 use switchyard::local::{LocalFleet, LocalFleetConfig};
@@ -84,14 +85,16 @@ struct EtcdArgs {
     /// Root of Switchyard's keys in etcd.
     #[arg(long, env = "SWITCHYARD_ETCD_ROOT", default_value = "switchyard")]
     etcd_root: String,
+    #[command(flatten)]
+    access: switchyard::config::EtcdAccessArgs,
 }
 
 impl EtcdArgs {
-    fn config(&self) -> EtcdConfig {
-        EtcdConfig {
+    fn config(&self) -> anyhow::Result<EtcdConfig> {
+        Ok(self.access.apply(EtcdConfig {
             root: self.etcd_root.clone(),
             ..EtcdConfig::new(self.endpoints.clone())
-        }
+        })?)
     }
 }
 
@@ -251,6 +254,8 @@ struct MockWorkerArgs {
     /// Root of Switchyard's keys in etcd.
     #[arg(long, env = "SWITCHYARD_ETCD_ROOT", default_value = "switchyard")]
     etcd_root: String,
+    #[command(flatten)]
+    etcd_access: switchyard::config::EtcdAccessArgs,
     /// Endpoint path to register under (default: default/MODEL/generate).
     #[arg(long)]
     endpoint: Option<EndpointPath>,
@@ -378,6 +383,18 @@ enum PolicyCommand {
         /// The policy's configuration, JSON.
         #[arg(long, default_value = "{}")]
         config: String,
+        /// Sign the push with this private key (from `policy keygen`): routers started
+        /// with --policy-trusted-key apply only pushes signed by a key they trust.
+        #[arg(long, env = "SWITCHYARD_POLICY_SIGNING_KEY")]
+        sign: Option<PathBuf>,
+    },
+    /// Make an ed25519 key pair for signing policy pushes: the private key at OUT (mode
+    /// 0600, never overwritten) and the public key at OUT.pub, for routers'
+    /// --policy-trusted-key.
+    Keygen {
+        /// Where to write the private key.
+        #[arg(long)]
+        out: PathBuf,
     },
 }
 
@@ -472,7 +489,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             etcd,
             endpoint,
             config,
-        }) => tokio_runtime()?.block_on(policy_push(policy, etcd, endpoint, config)),
+            sign,
+        }) => tokio_runtime()?.block_on(policy_push(policy, etcd, endpoint, config, sign)),
+        Command::Policy(PolicyCommand::Keygen { out }) => {
+            let public = SigningKey::generate(&out).map_err(anyhow::Error::msg)?;
+            println!(
+                "private key: {} (keep it secret; `policy push --sign` takes it)\npublic key:  {} ({public})\nrouters trust it with --policy-trusted-key {}",
+                out.display(),
+                signing::public_path(&out).display(),
+                signing::public_path(&out).display()
+            );
+            Ok(())
+        }
     }
 }
 
@@ -498,7 +526,7 @@ fn random_instance_id() -> InstanceId {
 }
 
 async fn register(args: RegisterArgs) -> anyhow::Result<()> {
-    let config = args.etcd.config();
+    let config = args.etcd.config()?;
     let info = InstanceInfo {
         id: args.instance_id.unwrap_or_else(random_instance_id),
         endpoint: args
@@ -624,10 +652,10 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
         let id = random_instance_id();
         if !args.etcd.is_empty() {
-            let etcd = EtcdConfig {
+            let etcd = args.etcd_access.apply(EtcdConfig {
                 root: args.etcd_root.clone(),
                 ..EtcdConfig::new(args.etcd.clone())
-            };
+            })?;
             let info = worker.instance_info(id, endpoint.clone());
             let mut reg = Registration::start(etcd, &info, Duration::from_secs(args.ttl));
             reg.wait_registered(Duration::from_secs(15)).await?;
@@ -789,7 +817,12 @@ async fn policy_push(
     etcd: EtcdArgs,
     endpoint: EndpointPath,
     config: String,
+    sign: Option<PathBuf>,
 ) -> anyhow::Result<()> {
+    let key = sign
+        .map(|path| SigningKey::load(&path))
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
     let bytes = match switchyard::policy::builtin(&spec) {
         Some(b) => b.wasm.to_vec(),
         None => std::fs::read(&spec).map_err(|e| anyhow::anyhow!("cannot read {spec}: {e}"))?,
@@ -802,19 +835,26 @@ async fn policy_push(
         &config,
     )?;
     loaded.canary()?;
-    let pushed = PushedPolicy::new(&bytes, &config);
-    let key = etcd_policy::push(&etcd.config(), &endpoint, &pushed).await?;
+    let mut pushed = PushedPolicy::new(&bytes, &config);
+    if let Some(key) = &key {
+        pushed.sign(&endpoint, key);
+    }
+    let stored = etcd_policy::push(&etcd.config()?, &endpoint, &pushed).await?;
     println!(
-        "pushed {} {} (sha256 {}) to {key}",
+        "pushed {} {} (sha256 {}) to {stored}{}",
         loaded.info().name,
         loaded.info().version,
-        pushed.sha256
+        pushed.sha256,
+        match &pushed.signer {
+            Some(signer) => format!(", signed by {signer}"),
+            None => String::new(),
+        }
     );
     Ok(())
 }
 
 async fn instances(etcd: EtcdArgs) -> anyhow::Result<()> {
-    let (found, malformed) = list_all(&etcd.config()).await?;
+    let (found, malformed) = list_all(&etcd.config()?).await?;
     println!(
         "{:<36} {:<18} {:<24} {:<8} URL",
         "ENDPOINT", "INSTANCE", "MODEL", "BLOCK"

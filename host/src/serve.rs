@@ -23,7 +23,7 @@ use crate::config::{DiscoveryConfig, PolicySpec, ServeConfig};
 use crate::discovery::etcd::{EtcdDiscovery, list_all};
 use crate::discovery::fixed::FixedDiscovery;
 use crate::discovery::{Discovery, EndpointPath, InstanceInfo, etcd_policy};
-use crate::http::{Fleet, Gateway};
+use crate::http::{Fleet, Gateway, GatewayConfig};
 use crate::ids::InstanceId;
 use crate::policy::{PolicyEngine, PolicyError, PolicyHandle, PolicySource};
 use crate::router::subscriber::{self, SubscriberConfig};
@@ -149,6 +149,14 @@ impl ServeFleet {
         }
         self.catalog.store(Arc::new(catalog));
         self.discovered.store(true, Ordering::Relaxed);
+    }
+
+    /// Counts and logs a pushed policy refused before it was loaded.
+    fn refuse(&self, endpoint: &EndpointPath, error: PolicyError) {
+        tracing::error!(endpoint = %endpoint, error = %error, "pushed policy refused; the current one keeps serving");
+        if let Some(router) = self.routers.lock().get(endpoint) {
+            router.policy().refused(&error);
+        }
     }
 
     /// Swaps `endpoint`'s policy to `spec`, after validation.
@@ -346,6 +354,7 @@ pub async fn serve(
                 let _ = tx.send((endpoint, pushed));
             }));
             let fleet3 = fleet.clone();
+            let trusted = Arc::new(config.policy_trusted_keys.clone());
             background.push(tokio::spawn(async move {
                 while let Some(first) = rx.recv().await {
                     let mut batch = vec![first];
@@ -355,10 +364,17 @@ pub async fn serve(
                     }
                     for (endpoint, pushed) in batch {
                         let fleet = fleet3.clone();
+                        let trusted = trusted.clone();
                         // Compiling is CPU work: off the async workers.
-                        let _ = tokio::task::spawn_blocking(move || match pushed.wasm() {
-                            Ok(bytes) => fleet.swap(&endpoint, PolicySource::Uploaded("etcd".into()), &bytes, &pushed.config),
-                            Err(e) => tracing::error!(endpoint = %endpoint, error = %e, "pushed policy is corrupt"),
+                        let _ = tokio::task::spawn_blocking(move || {
+                            if let Err(why) = pushed.verify(&endpoint, &trusted) {
+                                fleet.refuse(&endpoint, PolicyError::Unsigned(why));
+                                return;
+                            }
+                            match pushed.wasm() {
+                                Ok(bytes) => fleet.swap(&endpoint, PolicySource::Uploaded("etcd".into()), &bytes, &pushed.config),
+                                Err(e) => tracing::error!(endpoint = %endpoint, error = %e, "pushed policy is corrupt"),
+                            }
                         })
                         .await;
                     }
@@ -370,10 +386,45 @@ pub async fn serve(
     if config.watch {
         background.push(watch_policy_files(fleet.clone(), &config));
     }
-    let gateway = Gateway::new(config.gateway.clone(), fleet, tokenizer);
+    let admin =
+        match config.admin_listen {
+            Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| {
+                std::io::Error::new(e.kind(), format!("admin listener {addr}: {e}"))
+            })?),
+            None => None,
+        };
+    let gateway_config = GatewayConfig {
+        admin_listener: admin.is_some(),
+        ..config.gateway.clone()
+    };
+    let gateway = Gateway::new(gateway_config, fleet, tokenizer);
     let addr = listener.local_addr()?;
     tracing::info!(%addr, "serving");
-    crate::http::run(gateway, listener, shutdown, config.shutdown_grace).await;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    if let Some(admin) = admin {
+        tracing::info!(addr = %admin.local_addr()?, "serving the admin API");
+        let mut stopped = stopped.clone();
+        background.push(tokio::spawn(crate::http::run(
+            gateway.clone(),
+            admin,
+            crate::http::Listener::Admin,
+            async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            },
+            config.shutdown_grace,
+        )));
+    }
+    crate::http::run(
+        gateway,
+        listener,
+        crate::http::Listener::Public,
+        async move {
+            shutdown.await;
+            let _ = stop.send(true);
+        },
+        config.shutdown_grace,
+    )
+    .await;
     for task in background {
         task.abort();
     }

@@ -11,6 +11,8 @@ pub struct Etcd {
     client_port: u16,
     peer_port: u16,
     dir: tempfile::TempDir,
+    /// With TLS on the client port: the server's certificate and key, and its CA.
+    tls: Option<(PathBuf, PathBuf, PathBuf)>,
 }
 
 fn free_port() -> u16 {
@@ -25,18 +27,48 @@ impl Etcd {
     /// Starts etcd and waits until it answers. Panics with a clear message if the
     /// `etcd` binary is missing (`.ci/run` installs Debian's `etcd-server`).
     pub fn start() -> Etcd {
+        Etcd::start_with(None)
+    }
+
+    /// Starts etcd serving clients over TLS (`https://localhost:PORT`) with `cert` and
+    /// `key`, signed by `ca`.
+    pub fn start_tls(cert: PathBuf, key: PathBuf, ca: PathBuf) -> Etcd {
+        Etcd::start_with(Some((cert, key, ca)))
+    }
+
+    fn start_with(tls: Option<(PathBuf, PathBuf, PathBuf)>) -> Etcd {
         let mut etcd = Etcd {
             child: None,
             client_port: free_port(),
             peer_port: free_port(),
             dir: tempfile::tempdir().unwrap(),
+            tls,
         };
         etcd.spawn();
         etcd
     }
 
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        match self.tls {
+            Some(_) => format!("https://localhost:{}", self.client_port),
+            None => format!("http://127.0.0.1:{}", self.client_port),
+        }
+    }
+
+    /// A client of this etcd (trusting its CA when it has TLS).
+    pub fn api(&self) -> switchyard::discovery::etcd_api::EtcdApi {
+        let tls = match &self.tls {
+            Some((_, _, ca)) => {
+                switchyard::http::upstream::Tls::with_ca_files(std::slice::from_ref(ca)).unwrap()
+            }
+            None => switchyard::http::upstream::Tls::default(),
+        };
+        switchyard::discovery::etcd_api::EtcdApi::with_access(
+            &[self.url()],
+            Duration::from_secs(2),
+            &tls,
+            None,
+        )
     }
 
     fn data_dir(&self) -> PathBuf {
@@ -45,13 +77,22 @@ impl Etcd {
 
     fn spawn(&mut self) {
         let client = self.url();
+        let listen = client.replace("localhost", "127.0.0.1");
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let child = Command::new("etcd")
+        let mut command = Command::new("etcd");
+        if let Some((cert, key, _)) = &self.tls {
+            command
+                .arg("--cert-file")
+                .arg(cert)
+                .arg("--key-file")
+                .arg(key);
+        }
+        let child = command
             .args(["--name", "test", "--data-dir"])
             .arg(self.data_dir())
             .args([
                 "--listen-client-urls",
-                &client,
+                &listen,
                 "--advertise-client-urls",
                 &client,
             ])
@@ -76,21 +117,13 @@ impl Etcd {
             if std::net::TcpStream::connect(("127.0.0.1", self.client_port)).is_ok() {
                 // The port is open; wait for the server to answer requests too (on a
                 // thread of its own: the caller may be inside a Tokio runtime).
-                let url = self.url();
+                let api = self.api();
                 let ok = std::thread::spawn(move || {
                     let rt = tokio::runtime::Builder::new_current_thread()
                         .enable_all()
                         .build()
                         .unwrap();
-                    rt.block_on(async {
-                        switchyard::discovery::etcd_api::EtcdApi::new(
-                            &[url],
-                            Duration::from_secs(2),
-                        )
-                        .status()
-                        .await
-                        .is_ok()
-                    })
+                    rt.block_on(async { api.status().await.is_ok() })
                 })
                 .join()
                 .unwrap();

@@ -11,6 +11,7 @@ pub mod kv;
 pub mod procs;
 pub mod prom;
 pub mod router;
+pub mod tls;
 
 /// The `.wasm` of a guest built by the host's build script, by artifact name.
 pub fn guest(name: &str) -> PathBuf {

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
-use super::etcd_api::{EtcdApi, Event, Kv};
+use super::etcd_api::{EtcdApi, EtcdAuth, Event, Kv};
+use crate::http::upstream::Tls;
 
 use super::{
     Discovery, DiscoveryError, DiscoveryUpdate, EndpointPath, InstanceInfo, InstanceKey,
@@ -28,6 +29,10 @@ pub struct EtcdConfig {
     pub backoff_initial: Duration,
     /// Longest reconnect delay.
     pub backoff_max: Duration,
+    /// Trust for `https://` endpoints (system roots plus the operator's CA files).
+    pub tls: Tls,
+    /// etcd user and password, when etcd has authentication enabled.
+    pub auth: Option<EtcdAuth>,
 }
 
 impl EtcdConfig {
@@ -39,12 +44,14 @@ impl EtcdConfig {
             timeout: Duration::from_secs(2),
             backoff_initial: Duration::from_millis(250),
             backoff_max: Duration::from_secs(5),
+            tls: Tls::default(),
+            auth: None,
         }
     }
 
     /// A client of this etcd (no connection is made until the first call).
     pub fn api(&self) -> EtcdApi {
-        EtcdApi::new(&self.endpoints, self.timeout)
+        EtcdApi::with_access(&self.endpoints, self.timeout, &self.tls, self.auth.clone())
     }
 }
 

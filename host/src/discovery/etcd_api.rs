@@ -7,6 +7,11 @@
 //! router already has. A watch is one long POST whose response is a stream of JSON
 //! objects, one per watch response.
 //!
+//! `https://` endpoints are checked against the system roots plus the operator's CA files
+//! (the same TLS as for workers). With a user and password the client authenticates
+//! (`/v3/auth/authenticate`) and sends the token etcd gives with every call; a token etcd
+//! no longer accepts (expired, or the server restarted) is replaced once per call.
+//!
 //! Only `discovery/etcd*` uses this module.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,12 +22,30 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client as HttpClient;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use parking_lot::Mutex;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::DiscoveryError;
+use crate::http::upstream::{Connector, Tls};
+
+/// etcd's own user authentication.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdAuth {
+    /// The etcd user.
+    pub user: String,
+    /// Its password (never printed).
+    pub password: String,
+}
+
+impl std::fmt::Debug for EtcdAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdAuth")
+            .field("user", &self.user)
+            .finish_non_exhaustive()
+    }
+}
 
 /// Largest JSON answer read whole (a range over many instances and policies).
 const MAX_ANSWER: usize = 256 << 20;
@@ -55,10 +78,12 @@ pub enum Event {
 #[derive(Clone)]
 pub struct EtcdApi {
     endpoints: Vec<String>,
-    http: HttpClient<HttpConnector, Full<Bytes>>,
+    http: HttpClient<Connector, Full<Bytes>>,
     timeout: Duration,
     /// The endpoint to try first (the last one that answered).
     current: std::sync::Arc<AtomicUsize>,
+    /// Credentials, and the token they were last exchanged for.
+    auth: Option<std::sync::Arc<(EtcdAuth, Mutex<Option<String>>)>>,
 }
 
 impl std::fmt::Debug for EtcdApi {
@@ -130,17 +155,25 @@ impl EtcdApi {
     /// A client of the etcd at `endpoints` (`http://host:port`), giving each call
     /// `timeout`.
     pub fn new(endpoints: &[String], timeout: Duration) -> EtcdApi {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(timeout));
-        connector.set_nodelay(true);
+        EtcdApi::with_access(endpoints, timeout, &Tls::default(), None)
+    }
+
+    /// A client with TLS trust for `https://` endpoints and, optionally, credentials.
+    pub fn with_access(
+        endpoints: &[String],
+        timeout: Duration,
+        tls: &Tls,
+        auth: Option<EtcdAuth>,
+    ) -> EtcdApi {
         EtcdApi {
             endpoints: endpoints
                 .iter()
                 .map(|e| e.trim_end_matches('/').to_string())
                 .collect(),
-            http: HttpClient::builder(TokioExecutor::new()).build(connector),
+            http: HttpClient::builder(TokioExecutor::new()).build(tls.connector(timeout)),
             timeout,
             current: std::sync::Arc::default(),
+            auth: auth.map(|a| std::sync::Arc::new((a, Mutex::new(None)))),
         }
     }
 
@@ -151,12 +184,61 @@ impl EtcdApi {
         }
     }
 
-    /// Sends `body` to `path` on the first endpoint that answers; returns the answer's
-    /// head and body (not read).
+    /// Sends `body` to `path` on the first endpoint that answers, authenticated when the
+    /// client has credentials; returns the answer's head and body (not read).
     async fn send(
         &self,
         path: &str,
         body: &Value,
+    ) -> Result<hyper::Response<Incoming>, DiscoveryError> {
+        let Some(auth) = &self.auth else {
+            return self.send_as(path, body, None).await;
+        };
+        let cached = auth.1.lock().clone();
+        let token = match cached {
+            Some(t) => t,
+            None => self.authenticate(&auth.0).await?,
+        };
+        let resp = self.send_as(path, body, Some(&token)).await?;
+        if resp.status() != hyper::StatusCode::UNAUTHORIZED {
+            return Ok(resp);
+        }
+        // The token is no longer valid (expired, or a restarted server): once more with
+        // a fresh one.
+        let token = self.authenticate(&auth.0).await?;
+        self.send_as(path, body, Some(&token)).await
+    }
+
+    /// Exchanges the credentials for a token and keeps it.
+    async fn authenticate(&self, auth: &EtcdAuth) -> Result<String, DiscoveryError> {
+        let body = json!({"name": auth.user, "password": auth.password});
+        let resp = self.send_as("/v3/auth/authenticate", &body, None).await?;
+        let v = self
+            .answer("/v3/auth/authenticate", resp)
+            .await
+            .map_err(|e| self.error(format!("etcd refused user `{}`: {e}", auth.user)))?;
+        let token = v
+            .get("token")
+            .and_then(Value::as_str)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| {
+                self.error(format!(
+                    "etcd gave user `{}` no token (is authentication enabled on it?)",
+                    auth.user
+                ))
+            })?
+            .to_string();
+        if let Some(a) = &self.auth {
+            *a.1.lock() = Some(token.clone());
+        }
+        Ok(token)
+    }
+
+    async fn send_as(
+        &self,
+        path: &str,
+        body: &Value,
+        token: Option<&str>,
     ) -> Result<hyper::Response<Incoming>, DiscoveryError> {
         if self.endpoints.is_empty() {
             return Err(self.error("no etcd endpoint configured"));
@@ -167,8 +249,12 @@ impl EtcdApi {
         for i in 0..self.endpoints.len() {
             let n = (first + i) % self.endpoints.len();
             let uri = format!("{}{path}", self.endpoints[n]);
-            let req = hyper::Request::post(uri.as_str())
-                .header("content-type", "application/json")
+            let mut req =
+                hyper::Request::post(uri.as_str()).header("content-type", "application/json");
+            if let Some(token) = token {
+                req = req.header("authorization", token);
+            }
+            let req = req
                 .body(Full::new(body.clone()))
                 .map_err(|e| self.error(format!("bad etcd URL {uri}: {e}")))?;
             match tokio::time::timeout(self.timeout, self.http.request(req)).await {
@@ -176,16 +262,26 @@ impl EtcdApi {
                     self.current.store(n, Ordering::Relaxed);
                     return Ok(resp);
                 }
-                Ok(Err(e)) => last = format!("{uri}: {e}"),
+                Ok(Err(e)) => last = format!("{uri}: {}", crate::http::proxy::error_chain(&e)),
                 Err(_) => last = format!("{uri}: no answer within {:?}", self.timeout),
             }
         }
         Err(self.error(last))
     }
 
-    /// One unary call: the answer's JSON, or the error etcd gave.
-    async fn call(&self, path: &str, body: Value) -> Result<Value, DiscoveryError> {
+    /// One unary call of the gateway (`path` such as `/v3/auth/enable`): the answer's
+    /// JSON, or the error etcd gave.
+    pub async fn call(&self, path: &str, body: Value) -> Result<Value, DiscoveryError> {
         let resp = self.send(path, &body).await?;
+        self.answer(path, resp).await
+    }
+
+    /// An answer's JSON, or the error etcd gave.
+    async fn answer(
+        &self,
+        path: &str,
+        resp: hyper::Response<Incoming>,
+    ) -> Result<Value, DiscoveryError> {
         let status = resp.status();
         let bytes = tokio::time::timeout(
             self.timeout,

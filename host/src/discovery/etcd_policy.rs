@@ -2,7 +2,10 @@
 //! under `{root}/policies/{namespace}/{component}/{endpoint}`; every router replica
 //! watches that prefix and swaps the endpoint's policy (after its own validation).
 //!
-//! The value is JSON: `{"sha256", "config", "wasm_base64", "pushed_at"}`. etcd refuses
+//! The value is JSON: `{"sha256", "config", "wasm_base64", "pushed_at"}`, and with
+//! `--sign` also `"signer"` and `"signature"` (see [`super::signing`]): an ed25519
+//! signature of [`PushedPolicy::signed_message`], which names the endpoint, the policy's
+//! sha256, the configuration's sha256 and the push time. etcd refuses
 //! requests over 1.5 MiB by default, so a larger policy is stored in chunks, content
 //! addressed: its base64 text in pieces of at most [`CHUNK_BYTES`] under
 //! `{root}/policy-blobs/{sha256}/{i}`, written before the entry, which then carries
@@ -16,6 +19,7 @@ use sha2::{Digest, Sha256};
 
 use super::etcd::EtcdConfig;
 use super::etcd_api::Event;
+use super::signing::{PublicKey, SigningKey};
 use super::{DiscoveryError, EndpointPath};
 
 /// A policy stored in etcd.
@@ -32,6 +36,12 @@ pub struct PushedPolicy {
     /// Stored in this many chunks beside the entry (0: inline in `wasm_base64`).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub chunks: u32,
+    /// The public key that signed the push (base64), if signed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signer: Option<String>,
+    /// The ed25519 signature of [`PushedPolicy::signed_message`] (base64), if signed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<String>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -52,7 +62,62 @@ impl PushedPolicy {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             chunks: 0,
+            signer: None,
+            signature: None,
         }
+    }
+
+    /// What a signature covers: the endpoint (a push signed for one endpoint is no good
+    /// for another), the policy's and the configuration's sha256, and the push time.
+    pub fn signed_message(&self, endpoint: &EndpointPath) -> Vec<u8> {
+        format!(
+            "switchyard-policy-push-v1\n{endpoint}\n{}\n{}\n{}\n",
+            self.sha256,
+            hex(&Sha256::digest(self.config.as_bytes())),
+            self.pushed_at
+        )
+        .into_bytes()
+    }
+
+    /// Signs the push for `endpoint`.
+    pub fn sign(&mut self, endpoint: &EndpointPath, key: &SigningKey) {
+        let b64 = base64::engine::general_purpose::STANDARD;
+        self.signature = Some(b64.encode(key.sign(&self.signed_message(endpoint))));
+        self.signer = Some(key.public().to_string());
+    }
+
+    /// Checks the push against the keys a router trusts: with none, anything goes; with
+    /// some, it must be signed for `endpoint` by one of them. Says why not.
+    pub fn verify(&self, endpoint: &EndpointPath, trusted: &[PublicKey]) -> Result<(), String> {
+        if trusted.is_empty() {
+            return Ok(());
+        }
+        let (Some(signer), Some(signature)) = (&self.signer, &self.signature) else {
+            return Err(format!(
+                "the push is not signed, and this router applies only pushes signed by one \
+                 of its {} trusted keys",
+                trusted.len()
+            ));
+        };
+        let signer: PublicKey = signer
+            .parse()
+            .map_err(|e| format!("the push's signer is not a key: {e}"))?;
+        if !trusted.contains(&signer) {
+            return Err(format!(
+                "the push is signed by {signer}, a key this router does not trust"
+            ));
+        }
+        let signature = base64::engine::general_purpose::STANDARD
+            .decode(signature)
+            .map_err(|e| format!("the push's signature is not base64: {e}"))?;
+        if !signer.verifies(&self.signed_message(endpoint), &signature) {
+            return Err(
+                "the push's signature does not verify (altered after signing, or signed for \
+                 another endpoint)"
+                    .into(),
+            );
+        }
+        Ok(())
     }
 
     /// The `.wasm` bytes, checked against `sha256`.
@@ -249,5 +314,55 @@ async fn cycle(
             *seen = (*seen).max(kv.mod_revision);
             deliver(config, apply, &kv.key, &kv.value).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_router_with_trusted_keys_applies_only_pushes_they_signed_for_that_endpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let ops = dir.path().join("ops");
+        let trusted = vec![SigningKey::generate(&ops).unwrap()];
+        let key = SigningKey::load(&ops).unwrap();
+        SigningKey::generate(&dir.path().join("stranger")).unwrap();
+        let stranger = SigningKey::load(&dir.path().join("stranger")).unwrap();
+        let a: EndpointPath = "default/llama/generate".parse().unwrap();
+        let b: EndpointPath = "default/other/generate".parse().unwrap();
+
+        let unsigned = PushedPolicy::new(b"\0asm policy", "{}");
+        assert!(
+            unsigned.verify(&a, &[]).is_ok(),
+            "no keys: nothing required"
+        );
+        let why = unsigned.verify(&a, &trusted).unwrap_err();
+        assert!(why.contains("not signed"), "{why}");
+
+        let mut signed = unsigned.clone();
+        signed.sign(&a, &key);
+        assert_eq!(signed.verify(&a, &trusted), Ok(()));
+        // Survives storage as JSON.
+        let stored: PushedPolicy =
+            serde_json::from_str(&serde_json::to_string(&signed).unwrap()).unwrap();
+        assert_eq!(stored.verify(&a, &trusted), Ok(()));
+        let why = signed.verify(&b, &trusted).unwrap_err();
+        assert!(why.contains("does not verify"), "{why}");
+
+        let mut reconfigured = signed.clone();
+        reconfigured.config = r#"{"overlap_weight": 0}"#.into();
+        assert!(reconfigured.verify(&a, &trusted).is_err());
+        let mut swapped = signed.clone();
+        swapped.sha256 = hex(&Sha256::digest(b"other"));
+        assert!(swapped.verify(&a, &trusted).is_err());
+
+        let mut foreign = unsigned.clone();
+        foreign.sign(&a, &stranger);
+        let why = foreign.verify(&a, &trusted).unwrap_err();
+        assert!(why.contains("does not trust"), "{why}");
+        // Claiming a trusted signer does not help a stranger's signature.
+        foreign.signer = Some(trusted[0].to_string());
+        assert!(foreign.verify(&a, &trusted).is_err());
     }
 }

@@ -15,6 +15,7 @@ pub mod etcd_policy;
 pub mod etcd_register;
 pub mod fixed;
 pub mod key;
+pub mod signing;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;

@@ -92,6 +92,9 @@ pub struct GatewayConfig {
     pub max_in_flight: usize,
     /// The admin API's bearer token; `None` disables the admin API.
     pub admin_token: Option<String>,
+    /// The admin API is served on a listener of its own (`--admin-listen`), not on the
+    /// public one.
+    pub admin_listener: bool,
     /// Report failing workers down (the product); `false` only retries elsewhere and
     /// keeps routing to every discovered worker (a baseline for benchmarks).
     pub availability: bool,
@@ -117,6 +120,7 @@ impl Default for GatewayConfig {
             max_connections: 4096,
             max_in_flight: 2048,
             admin_token: None,
+            admin_listener: false,
             availability: true,
             outlier_detection: true,
             tls: upstream::Tls::default(),
@@ -168,9 +172,26 @@ impl Gateway {
         &self.metrics
     }
 
-    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+    async fn handle(self: Arc<Self>, req: Request<Incoming>, role: Listener) -> Response<Body> {
         let path = req.uri().path().to_string();
+        let admin_here = match role {
+            Listener::Public => !self.config.admin_listener,
+            Listener::Admin => true,
+        };
         let response = match (req.method(), path.as_str()) {
+            (_, p) if p.starts_with("/admin/") && !admin_here => Err(ApiError::NotFound(
+                "the admin API is served on the admin listener (--admin-listen), not here".into(),
+            )),
+            (m, p)
+                if role == Listener::Admin
+                    && !p.starts_with("/admin/")
+                    && p != "/metrics"
+                    && p != "/health" =>
+            {
+                Err(ApiError::NotFound(format!(
+                    "{m} {p}: the admin listener serves /admin/, /metrics and /health only"
+                )))
+            }
             (&Method::POST, "/v1/chat/completions") => {
                 self.admit(crate::openai::Api::Chat, req).await
             }
@@ -283,11 +304,22 @@ pub(crate) fn text_response(
         .expect("valid response")
 }
 
+/// Which listener a connection came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listener {
+    /// The clients' listener: the OpenAI API, health, metrics, and the admin API unless
+    /// it has a listener of its own.
+    Public,
+    /// The admin listener (`--admin-listen`): the admin API, metrics and health only.
+    Admin,
+}
+
 /// Serves `gateway` on `listener` until `shutdown` resolves; then stops accepting and
 /// lets open requests (streams included) finish for up to `grace`.
 pub async fn run(
     gateway: Arc<Gateway>,
     listener: TcpListener,
+    role: Listener,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
 ) {
@@ -323,7 +355,7 @@ pub async fn run(
                 let gw = gateway.clone();
                 let service = service_fn(move |req| {
                     let gw = gw.clone();
-                    async move { Ok::<_, Infallible>(gw.handle(req).await) }
+                    async move { Ok::<_, Infallible>(gw.handle(req, role).await) }
                 });
                 let conn = http1::Builder::new()
                     .timer(hyper_util::rt::TokioTimer::new())

@@ -74,6 +74,9 @@ pub enum PolicyError {
         /// What went wrong.
         source: std::io::Error,
     },
+    /// A pushed policy without a valid signature from a key this router trusts.
+    #[error("the pushed policy is refused: {0}")]
+    Unsigned(String),
     /// Too much compiling at once, or a compile past its time budget; the load is
     /// refused and may be tried again.
     #[error("the policy runtime is busy: {0}")]
@@ -85,7 +88,7 @@ pub enum PolicyError {
 
 impl PolicyError {
     /// Every [`PolicyError::reason`], in a fixed order.
-    pub const REASONS: [&'static str; 11] = [
+    pub const REASONS: [&'static str; 12] = [
         "too_large",
         "not_a_component",
         "wrong_world",
@@ -97,6 +100,7 @@ impl PolicyError {
         "io",
         "busy",
         "runtime",
+        "unsigned",
     ];
 
     /// A short label naming the kind of refusal (for metrics).
@@ -117,6 +121,7 @@ impl PolicyError {
             PolicyError::Io { .. } => 8,
             PolicyError::Busy(_) => 9,
             PolicyError::Runtime(_) => 10,
+            PolicyError::Unsigned(_) => 11,
         }
     }
 }

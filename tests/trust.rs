@@ -1,0 +1,282 @@
+//! Trust boundaries around etcd, against real etcd and router processes: signed policy
+//! pushes, a separate admin listener, and an etcd with TLS and user authentication that
+//! every command reaches.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::etcd::Etcd;
+use common::http;
+use common::procs::{free_port, mock_worker, serve};
+use common::router::{PATIENCE, TOKEN, eventually, metric};
+use hyper::{Method, StatusCode};
+use serde_json::{Value, json};
+
+/// Runs `switchyard ARGS` to completion with `env`: (success, stdout, stderr).
+fn cli(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(args)
+        .envs(env.iter().copied())
+        .env("SWITCHYARD_LOG", "warn")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+async fn policy_name(c: &http::HttpClient, admin: &str) -> String {
+    let (s, _, b) = http::send(
+        c,
+        Method::GET,
+        &format!("{admin}/admin/endpoints/default/mock/generate/policy"),
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+        "",
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+    serde_json::from_slice::<Value>(&b).unwrap()["name"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+async fn chat_ok(c: &http::HttpClient, router: &str) {
+    let body = json!({"model": "mock", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4});
+    let (s, _, b) = http::post_json(c, &format!("{router}/v1/chat/completions"), &body).await;
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+}
+
+/// Whoever can write etcd's policy keys cannot change the routing of a router that
+/// requires signatures: an unsigned push and one signed by a key it does not trust are
+/// refused (counted, the current policy keeps serving); a push signed by its trusted key
+/// is applied. Its admin API is on a listener of its own, not on the public one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_requiring_signatures_applies_only_signed_pushes() {
+    let etcd = Etcd::start();
+    let url = etcd.url();
+    let dir = tempfile::tempdir().unwrap();
+    let (ops, stranger) = (dir.path().join("ops"), dir.path().join("stranger"));
+    for key in [&ops, &stranger] {
+        let (ok, out, err) = cli(&["policy", "keygen", "--out", path(key)], &[]);
+        assert!(ok, "{err}");
+        assert!(out.contains("--policy-trusted-key"), "{out}");
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&ops).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let trusted = format!("{}.pub", path(&ops));
+
+    let (_worker, _) = mock_worker(&["--etcd", &url]).await;
+    let admin = format!("127.0.0.1:{}", free_port());
+    let (_router, router) = serve(&[
+        "--etcd",
+        &url,
+        "--policy-trusted-key",
+        &trusted,
+        "--admin-token",
+        TOKEN,
+        "--admin-listen",
+        &admin,
+    ])
+    .await;
+    let admin = format!("http://{admin}");
+    let c = http::client();
+    chat_ok(&c, &router).await;
+    assert_eq!(policy_name(&c, &admin).await, "kv-cost");
+    let (s, _, b) = http::send(
+        &c,
+        Method::GET,
+        &format!("{router}/admin/endpoints"),
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+        "",
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert!(String::from_utf8_lossy(&b).contains("admin listener"));
+    let (s, _) = http::get(&c, &format!("{admin}/v1/models")).await;
+    assert_eq!(
+        s,
+        StatusCode::NOT_FOUND,
+        "no client API on the admin listener"
+    );
+
+    let push = |extra: &[&str]| {
+        let mut args = vec![
+            "policy",
+            "push",
+            "round-robin",
+            "--etcd",
+            &url,
+            "--endpoint",
+            "default/mock/generate",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = cli(&args, &[]);
+        assert!(ok, "{err}");
+        out
+    };
+    let unsigned = |c: http::HttpClient, admin: String| async move {
+        metric(
+            &c,
+            &admin,
+            "switchyard_policy_refusals_total",
+            "reason=\"unsigned\"",
+        )
+        .await
+    };
+    push(&[]);
+    eventually("the unsigned push refused", || {
+        let (c, admin) = (c.clone(), admin.clone());
+        async move { unsigned(c, admin).await == 1.0 }
+    })
+    .await;
+    let out = push(&["--sign", path(&stranger)]);
+    assert!(out.contains("signed by"), "{out}");
+    eventually("the stranger's push refused", || {
+        let (c, admin) = (c.clone(), admin.clone());
+        async move { unsigned(c, admin).await == 2.0 }
+    })
+    .await;
+    assert_eq!(policy_name(&c, &admin).await, "kv-cost");
+    chat_ok(&c, &router).await;
+
+    push(&["--sign", path(&ops)]);
+    eventually("the signed push applied", || {
+        let (c, admin) = (c.clone(), admin.clone());
+        async move { policy_name(&c, &admin).await == "round-robin" }
+    })
+    .await;
+    chat_ok(&c, &router).await;
+}
+
+/// An etcd with TLS (its own CA) and user authentication on: every command reaches it
+/// with the CA and the user's password (from a file or the environment, never argv), and
+/// says what is wrong without them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_command_reaches_an_etcd_with_tls_and_authentication() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = common::tls::self_signed_ca(dir.path());
+    let etcd = Etcd::start_tls(cert, key, ca.clone());
+    let url = etcd.url();
+    let api = etcd.api();
+    api.call(
+        "/v3/auth/user/add",
+        json!({"name": "root", "password": "rootpw"}),
+    )
+    .await
+    .unwrap();
+    let _ = api.call("/v3/auth/role/add", json!({"name": "root"})).await;
+    api.call(
+        "/v3/auth/user/grant",
+        json!({"user": "root", "role": "root"}),
+    )
+    .await
+    .unwrap();
+    api.call("/v3/auth/enable", json!({})).await.unwrap();
+    let password_file = dir.path().join("etcd-password");
+    std::fs::write(&password_file, "rootpw\n").unwrap();
+
+    let (ok, _, err) = cli(&["instances", "--etcd", &url], &[]);
+    assert!(!ok);
+    assert!(err.contains("certificate"), "{err}");
+    let (ok, _, err) = cli(
+        &["instances", "--etcd", &url, "--etcd-ca-file", path(&ca)],
+        &[],
+    );
+    assert!(
+        !ok,
+        "an etcd with authentication on answered without credentials"
+    );
+    assert!(
+        err.contains("user name") || err.contains("permission"),
+        "{err}"
+    );
+    let (ok, _, err) = cli(
+        &[
+            "instances",
+            "--etcd",
+            &url,
+            "--etcd-ca-file",
+            path(&ca),
+            "--etcd-user",
+            "root",
+        ],
+        &[],
+    );
+    assert!(!ok);
+    assert!(err.contains("no password"), "{err}");
+    let (ok, _, err) = cli(
+        &[
+            "instances",
+            "--etcd",
+            &url,
+            "--etcd-ca-file",
+            path(&ca),
+            "--etcd-user",
+            "root",
+        ],
+        &[("SWITCHYARD_ETCD_PASSWORD", "wrong")],
+    );
+    assert!(!ok);
+    assert!(err.contains("refused user `root`"), "{err}");
+
+    let access = [
+        "--etcd",
+        &url,
+        "--etcd-ca-file",
+        path(&ca),
+        "--etcd-user",
+        "root",
+        "--etcd-password-file",
+        path(&password_file),
+    ];
+    let (_worker, worker) = mock_worker(&access).await;
+    let mut serve_args = access.to_vec();
+    serve_args.extend_from_slice(&["--admin-token", TOKEN]);
+    let (_router, router) = serve(&serve_args).await;
+    let c = http::client();
+    chat_ok(&c, &router).await;
+    let (ok, out, err) = cli(
+        &[
+            "instances",
+            "--etcd",
+            &url,
+            "--etcd-ca-file",
+            path(&ca),
+            "--etcd-user",
+            "root",
+        ],
+        &[("SWITCHYARD_ETCD_PASSWORD", "rootpw")],
+    );
+    assert!(ok, "{err}");
+    assert!(out.contains(&worker), "{out}");
+
+    let mut push_args = vec![
+        "policy",
+        "push",
+        "round-robin",
+        "--endpoint",
+        "default/mock/generate",
+    ];
+    push_args.extend_from_slice(&access);
+    let (ok, _, err) = cli(&push_args, &[]);
+    assert!(ok, "{err}");
+    eventually("the pushed policy", || {
+        let (c, router) = (c.clone(), router.clone());
+        async move { policy_name(&c, &router).await == "round-robin" }
+    })
+    .await;
+}
