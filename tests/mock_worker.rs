@@ -359,7 +359,23 @@ async fn faults_can_be_switched_at_run_time() {
 async fn workers_register_in_etcd_while_running_and_leave_on_a_graceful_stop() {
     let etcd = common::etcd::Etcd::start();
     let config = switchyard::discovery::etcd::EtcdConfig::new(vec![etcd.url()]);
-    let (p, _url) = spawn_worker(&["--etcd", &etcd.url(), "--count", "2", "--ttl", "60"]).await;
+    // Port 0: each worker on a free port of its own (a fixed base port would need the
+    // next one free too).
+    let p = common::procs::switchyard(&[
+        "mock-worker",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        "mock",
+        "--speedup",
+        "1000",
+        "--etcd",
+        &etcd.url(),
+        "--count",
+        "2",
+        "--ttl",
+        "60",
+    ]);
     let mut found = Vec::new();
     for _ in 0..400 {
         found = switchyard::discovery::etcd::list_all(&config)

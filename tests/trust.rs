@@ -189,13 +189,18 @@ async fn every_command_reaches_an_etcd_with_tls_and_authentication() {
     let password_file = dir.path().join("etcd-password");
     std::fs::write(&password_file, "rootpw\n").unwrap();
 
+    // `switchyard instances` with the CA, and the user if given.
+    let instances = |user: bool, env: &[(&str, &str)]| {
+        let mut args = vec!["instances", "--etcd", &url, "--etcd-ca-file", path(&ca)];
+        if user {
+            args.extend_from_slice(&["--etcd-user", "root"]);
+        }
+        cli(&args, env)
+    };
     let (ok, _, err) = cli(&["instances", "--etcd", &url], &[]);
     assert!(!ok);
     assert!(err.contains("certificate"), "{err}");
-    let (ok, _, err) = cli(
-        &["instances", "--etcd", &url, "--etcd-ca-file", path(&ca)],
-        &[],
-    );
+    let (ok, _, err) = instances(false, &[]);
     assert!(
         !ok,
         "an etcd with authentication on answered without credentials"
@@ -204,32 +209,10 @@ async fn every_command_reaches_an_etcd_with_tls_and_authentication() {
         err.contains("user name") || err.contains("permission"),
         "{err}"
     );
-    let (ok, _, err) = cli(
-        &[
-            "instances",
-            "--etcd",
-            &url,
-            "--etcd-ca-file",
-            path(&ca),
-            "--etcd-user",
-            "root",
-        ],
-        &[],
-    );
+    let (ok, _, err) = instances(true, &[]);
     assert!(!ok);
     assert!(err.contains("no password"), "{err}");
-    let (ok, _, err) = cli(
-        &[
-            "instances",
-            "--etcd",
-            &url,
-            "--etcd-ca-file",
-            path(&ca),
-            "--etcd-user",
-            "root",
-        ],
-        &[("SWITCHYARD_ETCD_PASSWORD", "wrong")],
-    );
+    let (ok, _, err) = instances(true, &[("SWITCHYARD_ETCD_PASSWORD", "wrong")]);
     assert!(!ok);
     assert!(err.contains("refused user `root`"), "{err}");
 
@@ -249,18 +232,7 @@ async fn every_command_reaches_an_etcd_with_tls_and_authentication() {
     let (_router, router) = serve(&serve_args).await;
     let c = http::client();
     chat_ok(&c, &router).await;
-    let (ok, out, err) = cli(
-        &[
-            "instances",
-            "--etcd",
-            &url,
-            "--etcd-ca-file",
-            path(&ca),
-            "--etcd-user",
-            "root",
-        ],
-        &[("SWITCHYARD_ETCD_PASSWORD", "rootpw")],
-    );
+    let (ok, out, err) = instances(true, &[("SWITCHYARD_ETCD_PASSWORD", "rootpw")]);
     assert!(ok, "{err}");
     assert!(out.contains(&worker), "{out}");
 

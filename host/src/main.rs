@@ -625,11 +625,13 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
     let mut workers = Vec::new();
     let mut registrations = Vec::new();
     for i in 0..args.count {
-        let port = args
-            .listen
-            .port()
-            .checked_add(i)
-            .ok_or_else(|| anyhow::anyhow!("port overflow"))?;
+        // Port 0: each worker on a free port of its own (printed below).
+        let port = match args.listen.port() {
+            0 => 0,
+            base => base
+                .checked_add(i)
+                .ok_or_else(|| anyhow::anyhow!("port overflow"))?,
+        };
         let addr = std::net::SocketAddr::new(args.listen.ip(), port);
         let mut config = config.clone();
         if let Some(base) = args.zmq_events {

@@ -426,24 +426,17 @@ impl LoadedPolicy {
             .call_within(&canary_request(), &canary_candidates(), ticks, budget, true)
             .map_err(|e| PolicyError::Canary(e.to_string()))?;
         // Then sets a policy cannot recognise: random sizes (1 and 64 among them), IDs,
-        // seeds, sessions and loads, from a seed of this process.
-        use std::hash::BuildHasher;
-        let mut rng = CanaryRng(
-            std::collections::hash_map::RandomState::new()
-                .hash_one(self.shared.info.sha256.as_str()),
-        );
+        // seeds, sessions and loads, from a seed of this load.
         let mut all_rejected = matches!(first, CallOutcome::Rejected(_));
-        for set in 0..RANDOM_CANARIES {
-            let size = match set {
-                0 => 1,
-                1 => 64,
-                _ => 2 + rng.below(63) as usize,
-            };
-            let (req, candidates) = random_canary(&mut rng, size);
+        for (set, (req, candidates)) in random_canaries(&self.shared.info.sha256).iter().enumerate()
+        {
             let outcome = self
-                .call_within(&req, &candidates, ticks, budget, true)
+                .call_within(req, candidates, ticks, budget, true)
                 .map_err(|e| {
-                    PolicyError::Canary(format!("random candidate set {set} ({size} workers): {e}"))
+                    PolicyError::Canary(format!(
+                        "random candidate set {set} ({} workers): {e}",
+                        candidates.len()
+                    ))
                 })?;
             all_rejected &= matches!(outcome, CallOutcome::Rejected(_));
         }
@@ -490,6 +483,23 @@ impl CanaryRng {
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n.max(1)
     }
+}
+
+/// The random canary sets of one load: a fresh seed each time (std's `RandomState` keys
+/// are random per process and differ for every instance), so a policy cannot learn them.
+fn random_canaries(sha256: &str) -> Vec<(Request, Candidates)> {
+    use std::hash::BuildHasher;
+    let mut rng = CanaryRng(std::collections::hash_map::RandomState::new().hash_one(sha256));
+    (0..RANDOM_CANARIES)
+        .map(|set| {
+            let size = match set {
+                0 => 1,
+                1 => 64,
+                _ => 2 + rng.below(63) as usize,
+            };
+            random_canary(&mut rng, size)
+        })
+        .collect()
 }
 
 /// A random request and `size` random candidates, one of them idle (so that a policy
@@ -642,5 +652,43 @@ impl Shared {
             return CallFailure::OutOfMemory(cfg.memory_cap);
         }
         CallFailure::Trap(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The random canaries of two loads of the same policy differ (IDs, sizes, loads), so
+    /// a policy cannot behave on a set it has seen and misbehave on real traffic; each
+    /// set has an idle worker, and sizes 1 and 64 are always among them.
+    #[test]
+    fn the_canary_sets_differ_between_loads() {
+        let sha = "0".repeat(64);
+        let (a, b) = (random_canaries(&sha), random_canaries(&sha));
+        assert_eq!(a.len(), RANDOM_CANARIES);
+        let ids = |sets: &[(Request, Candidates)]| -> Vec<u64> {
+            sets.iter()
+                .flat_map(|(_, c)| c.cols.worker_ids.clone())
+                .collect()
+        };
+        assert!(
+            ids(&a).iter().all(|id| !ids(&b).contains(id)),
+            "two loads shared a canary worker ID"
+        );
+        assert_ne!(
+            a.iter().map(|(r, _)| r.seed).collect::<Vec<_>>(),
+            b.iter().map(|(r, _)| r.seed).collect::<Vec<_>>()
+        );
+        for sets in [&a, &b] {
+            assert_eq!(sets[0].1.len(), 1);
+            assert_eq!(sets[1].1.len(), 64);
+            for (_, c) in sets.iter() {
+                assert!(
+                    (0..c.len()).any(|i| c.cols.in_flight[i] == 0 && c.cols.active_blocks[i] == 0),
+                    "a canary set without an idle worker"
+                );
+            }
+        }
     }
 }
