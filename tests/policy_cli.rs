@@ -129,3 +129,86 @@ async fn serve_compiles_policies_into_the_documented_cache() {
         cache.path().display()
     );
 }
+
+/// `policy test` runs a cases file: the example policy's own cases pass; a case it does
+/// not meet is reported and the command fails; a malformed file says which case is wrong.
+#[test]
+fn policy_test_runs_scripted_cases_and_fails_on_a_wrong_answer() {
+    let wasm = common::guest("session_affinity");
+    let cases = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/session-affinity/cases.json"
+    );
+    let config = r#"{"max_in_flight": 4, "reject_when_full": true}"#;
+    let (ok, out) = switchyard(&[
+        "policy",
+        "test",
+        wasm.to_str().unwrap(),
+        cases,
+        "--config",
+        config,
+    ]);
+    assert!(ok, "{out}");
+    assert!(out.contains("4 of 4 cases passed"), "{out}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let wrong = dir.path().join("wrong.json");
+    std::fs::write(
+        &wrong,
+        r#"[{"name": "busy worker", "candidates": [{"id": 1, "in_flight": 3}, {"id": 2}],
+             "expect": {"worker": 1}},
+            {"candidates": [{"id": 5}], "expect": {"answer": true}}]"#,
+    )
+    .unwrap();
+    let (ok, out) = switchyard(&[
+        "policy",
+        "test",
+        wasm.to_str().unwrap(),
+        wrong.to_str().unwrap(),
+    ]);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("FAIL  busy worker: expected worker 1, chose worker 2"),
+        "{out}"
+    );
+    assert!(out.contains("1 of 2 cases passed"), "{out}");
+
+    // The built-in kv-cost, on a case written for it.
+    let prefix = dir.path().join("prefix.json");
+    std::fs::write(
+        &prefix,
+        r#"[{"request": {"prompt_blocks": 62},
+             "candidates": [{"id": 9}, {"id": 4, "overlap_blocks": 62}],
+             "expect": {"worker": 4}}]"#,
+    )
+    .unwrap();
+    let (ok, out) = switchyard(&["policy", "test", "kv-cost", prefix.to_str().unwrap()]);
+    assert!(ok, "{out}");
+
+    std::fs::write(
+        &wrong,
+        r#"[{"candidates": [{"id": 1}], "expect": {"worker": "one"}}]"#,
+    )
+    .unwrap();
+    let (ok, out) = switchyard(&["policy", "test", "kv-cost", wrong.to_str().unwrap()]);
+    assert!(!ok);
+    assert!(out.contains("not a list of cases"), "{out}");
+}
+
+/// `policy bench` times the policy and the built-in kv-cost at 8, 64 and 1,024
+/// candidates (no figure is asserted: only that every row is there and no call failed).
+#[test]
+fn policy_bench_prints_the_call_cost_at_three_sizes_beside_kv_cost() {
+    let wasm = common::guest("session_affinity");
+    let (ok, out) = switchyard(&["policy", "bench", wasm.to_str().unwrap(), "--calls", "200"]);
+    assert!(ok, "{out}");
+    for size in ["8", "64", "1024"] {
+        for policy in ["session-affinity 0.1.0", "kv-cost (built-in)"] {
+            let row = out
+                .lines()
+                .find(|l| l.starts_with(policy) && l.split_whitespace().any(|w| w == size))
+                .unwrap_or_else(|| panic!("no row for {policy} at {size}: {out}"));
+            assert!(row.trim_end().ends_with(" 0"), "failed calls: {row}");
+        }
+    }
+}

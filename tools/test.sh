@@ -4,6 +4,7 @@
 #
 #   etcd-server   (Debian)  the integration tests start a real etcd
 #   python3, pip  (Debian)  a test's client and a replay test's stand-in load generator
+#   curl          (Debian)  the README's examples are run as written
 #   openai        (PyPI)    one test drives the router with the official Python client
 #   pyzmq, msgspec (PyPI)   an engine's KV event publisher, in the engines' own libraries
 #   prometheus_client (PyPI) an independent parser of the router's /metrics
@@ -26,6 +27,13 @@ fi
 # Whole output captured first: `| head` could end etcd with SIGPIPE, failing under pipefail.
 etcd_version="$(etcd --version)"
 echo "${etcd_version%%$'\n'*}"
+
+if ! command -v curl >/dev/null 2>&1; then
+    echo "installing curl (Debian)"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -q
+    as_root apt-get install -y -q --no-install-recommends curl ca-certificates
+fi
 
 if ! command -v python3 >/dev/null 2>&1 || ! python3 -m pip --version >/dev/null 2>&1; then
     echo "installing Python 3 and pip (Debian)"

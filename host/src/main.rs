@@ -388,6 +388,31 @@ enum PolicyCommand {
         #[arg(long, env = "SWITCHYARD_POLICY_SIGNING_KEY")]
         sign: Option<PathBuf>,
     },
+    /// Run scripted decisions against a policy: a JSON list of cases, each a request,
+    /// candidates and the expected answer (`{"worker": ID}`, `{"worker_in": [IDs]}`,
+    /// `{"reject": "all-busy"|"no-fit"|"refused"|"any"}`, `{"answer": true}`). Prints one
+    /// line per case; exits non-zero if any fails.
+    Test {
+        /// A `.wasm` component, or the name of a built-in policy.
+        policy: String,
+        /// The cases file (JSON).
+        cases: PathBuf,
+        /// The policy's configuration, JSON.
+        #[arg(long, default_value = "{}")]
+        config: String,
+    },
+    /// Time one `choose` call of a policy at 8, 64 and 1,024 candidates, beside the
+    /// built-in kv-cost, as the router calls it (a warm instance, under the time budget).
+    Bench {
+        /// A `.wasm` component, or the name of a built-in policy.
+        policy: String,
+        /// The policy's configuration, JSON.
+        #[arg(long, default_value = "{}")]
+        config: String,
+        /// Timed calls per candidate count.
+        #[arg(long, default_value_t = 20_000)]
+        calls: usize,
+    },
     /// Make an ed25519 key pair for signing policy pushes: the private key at OUT (mode
     /// 0600, never overwritten) and the public key at OUT.pub, for routers'
     /// --policy-trusted-key.
@@ -491,6 +516,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             config,
             sign,
         }) => tokio_runtime()?.block_on(policy_push(policy, etcd, endpoint, config, sign)),
+        Command::Policy(PolicyCommand::Test {
+            policy,
+            cases,
+            config,
+        }) => policy_test(&policy, &cases, &config),
+        Command::Policy(PolicyCommand::Bench {
+            policy,
+            config,
+            calls,
+        }) => policy_bench(&policy, &config, calls),
         Command::Policy(PolicyCommand::Keygen { out }) => {
             let public = SigningKey::generate(&out).map_err(anyhow::Error::msg)?;
             println!(
@@ -875,6 +910,65 @@ async fn instances(etcd: EtcdArgs) -> anyhow::Result<()> {
         eprintln!("skipped: {e}");
     }
     println!("{} instance(s)", found.len());
+    Ok(())
+}
+
+fn policy_test(spec: &str, cases: &std::path::Path, config: &str) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(cases)
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", cases.display()))?;
+    let cases = switchyard::policy::cases::parse(&text)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", cases.display()))?;
+    let engine = PolicyEngine::new(RuntimeConfig::default())?;
+    let loaded = engine.load_spec(spec, config)?;
+    loaded.canary()?;
+    let mut failed = 0;
+    for (i, case) in cases.iter().enumerate() {
+        match case.run(i, &loaded) {
+            Ok(did) => println!("ok    {}: {did}", case.label(i)),
+            Err(did) => {
+                failed += 1;
+                println!(
+                    "FAIL  {}: expected {}, {did}",
+                    case.label(i),
+                    case.expected()
+                );
+            }
+        }
+    }
+    println!(
+        "{} of {} cases passed ({} {})",
+        cases.len() - failed,
+        cases.len(),
+        loaded.info().name,
+        loaded.info().version
+    );
+    anyhow::ensure!(failed == 0, "{failed} case(s) failed");
+    Ok(())
+}
+
+fn policy_bench(spec: &str, config: &str, calls: usize) -> anyhow::Result<()> {
+    let engine = PolicyEngine::new(RuntimeConfig::default())?;
+    let loaded = engine.load_spec(spec, config)?;
+    loaded.canary()?;
+    let reference = engine.load_spec("kv-cost", "{}")?;
+    println!(
+        "{:<24} {:>10} {:>10} {:>10} {:>10} {:>9}",
+        "policy", "candidates", "p50 µs", "p99 µs", "mean µs", "failures"
+    );
+    let name = format!("{} {}", loaded.info().name, loaded.info().version);
+    for size in [8, 64, 1024] {
+        for (label, policy) in [(name.as_str(), &loaded), ("kv-cost (built-in)", &reference)] {
+            let c = switchyard::policy::bench::call_cost(policy, size, calls);
+            println!(
+                "{label:<24} {:>10} {:>10.2} {:>10.2} {:>10.2} {:>9}",
+                c.candidates,
+                c.p50.as_secs_f64() * 1e6,
+                c.p99.as_secs_f64() * 1e6,
+                c.mean.as_secs_f64() * 1e6,
+                c.failures
+            );
+        }
+    }
     Ok(())
 }
 

@@ -14,9 +14,11 @@
 //!
 //! Must not know: HTTP, discovery, the KV index. Only this module knows wasmtime.
 
+pub mod bench;
 mod bindings;
 mod builtin;
 mod cache;
+pub mod cases;
 mod engine;
 mod handle;
 mod loaded;
