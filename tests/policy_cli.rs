@@ -212,3 +212,90 @@ fn policy_bench_prints_the_call_cost_at_three_sizes_beside_kv_cost() {
         }
     }
 }
+
+/// `policy new` writes a project that builds, as its README says, into a component that
+/// `policy check` accepts and whose sample cases `policy test` passes.
+#[test]
+fn a_new_rust_policy_builds_and_passes_check_and_its_cases() {
+    let dir = tempfile::tempdir().unwrap();
+    let project = dir.path().join("prefix-first");
+    let (ok, out) = switchyard(&[
+        "policy",
+        "new",
+        "prefix-first",
+        "--lang",
+        "rust",
+        "--dir",
+        project.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}");
+    // The README's build command, with the toolchain running this test (it has the
+    // wasm32-wasip2 target) and the guests' target directory (their dependencies are
+    // built there already).
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let target = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/guests");
+    let build = Command::new(cargo)
+        .args(["build", "--release", "--target", "wasm32-wasip2"])
+        .current_dir(&project)
+        .env("CARGO_TARGET_DIR", target)
+        .output()
+        .unwrap();
+    assert!(
+        build.status.success(),
+        "{}",
+        String::from_utf8_lossy(&build.stderr)
+    );
+    let wasm = std::path::Path::new(target).join("wasm32-wasip2/release/prefix_first.wasm");
+    let (ok, out) = switchyard(&["policy", "check", wasm.to_str().unwrap()]);
+    assert!(ok, "{out}");
+    assert!(out.contains("policy:   prefix-first 0.1.0"), "{out}");
+    let cases = project.join("cases.json");
+    let (ok, out) = switchyard(&[
+        "policy",
+        "test",
+        wasm.to_str().unwrap(),
+        cases.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}");
+    assert!(out.contains("2 of 2 cases passed"), "{out}");
+}
+
+/// The Python scaffold builds with componentize-py (tools/test.sh installs the version its
+/// requirements.txt pins) into a component `policy check` accepts and whose sample cases
+/// pass: worker IDs above 2^53 come back exact.
+#[test]
+fn a_new_python_policy_builds_and_passes_check_and_its_cases() {
+    let dir = tempfile::tempdir().unwrap();
+    let project = dir.path().join("py-prefix");
+    let (ok, out) = switchyard(&[
+        "policy",
+        "new",
+        "py-prefix",
+        "--lang",
+        "python",
+        "--dir",
+        project.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}");
+    let build = Command::new(project.join("build.sh"))
+        .output()
+        .expect("build.sh runs");
+    assert!(
+        build.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&build.stdout),
+        String::from_utf8_lossy(&build.stderr)
+    );
+    let wasm = project.join("py_prefix.wasm");
+    let (ok, out) = switchyard(&["policy", "check", wasm.to_str().unwrap()]);
+    assert!(ok, "{out}");
+    assert!(out.contains("policy:   py-prefix 0.1.0"), "{out}");
+    let (ok, out) = switchyard(&[
+        "policy",
+        "test",
+        wasm.to_str().unwrap(),
+        project.join("cases.json").to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}");
+    assert!(out.contains("2 of 2 cases passed"), "{out}");
+}

@@ -8,6 +8,7 @@
 #   openai        (PyPI)    one test drives the router with the official Python client
 #   pyzmq, msgspec (PyPI)   an engine's KV event publisher, in the engines' own libraries
 #   prometheus_client (PyPI) an independent parser of the router's /metrics
+#   componentize-py (PyPI)  builds the Python policy scaffold (`policy new --lang python`)
 #   wasm32-wasip2 (rustup)  the policies' target (the build adds it too)
 #
 # Extra arguments go to `cargo test`, e.g. `tools/test.sh --test faults`.
@@ -60,6 +61,14 @@ if ! python3 -c 'import prometheus_client.parser' 2>/dev/null; then
         || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages prometheus_client
 fi
 python3 -c 'import prometheus_client.parser; print("prometheus_client parser ok")'
+# The version the Python scaffold pins (host/src/policy/scaffold/python/requirements.txt.tmpl).
+componentize_py="componentize-py==0.25.1"
+if ! command -v componentize-py >/dev/null 2>&1 || [ "$(componentize-py --version)" != "componentize-py 0.25.1" ]; then
+    echo "installing $componentize_py"
+    python3 -m pip install --quiet --disable-pip-version-check "$componentize_py" \
+        || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages "$componentize_py"
+fi
+componentize-py --version
 
 installed_targets="$(rustup target list --installed)"
 grep -qx wasm32-wasip2 <<<"$installed_targets" || rustup target add wasm32-wasip2

@@ -388,6 +388,18 @@ enum PolicyCommand {
         #[arg(long, env = "SWITCHYARD_POLICY_SIGNING_KEY")]
         sign: Option<PathBuf>,
     },
+    /// Write a new policy project, ready to build: the contract's WIT, the build recipe,
+    /// sample test cases and a README saying how to build, check, test and load it.
+    New {
+        /// The policy's name (lower-case letters, digits, `-`); also the directory made.
+        name: String,
+        /// The language.
+        #[arg(long, value_enum, default_value = "rust")]
+        lang: switchyard::policy::scaffold::Lang,
+        /// Where to make it [default: ./NAME].
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
     /// Run scripted decisions against a policy: a JSON list of cases, each a request,
     /// candidates and the expected answer (`{"worker": ID}`, `{"worker_in": [IDs]}`,
     /// `{"reject": "all-busy"|"no-fit"|"refused"|"any"}`, `{"answer": true}`). Prints one
@@ -516,6 +528,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             config,
             sign,
         }) => tokio_runtime()?.block_on(policy_push(policy, etcd, endpoint, config, sign)),
+        Command::Policy(PolicyCommand::New { name, lang, dir }) => {
+            let dir = dir.unwrap_or_else(|| PathBuf::from(&name));
+            let files = switchyard::policy::scaffold::create(&dir, &name, lang)
+                .map_err(anyhow::Error::msg)?;
+            for f in &files {
+                println!("wrote {}", f.display());
+            }
+            println!("next: see {}", dir.join("README.md").display());
+            Ok(())
+        }
         Command::Policy(PolicyCommand::Test {
             policy,
             cases,

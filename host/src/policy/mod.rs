@@ -24,6 +24,7 @@ mod handle;
 mod loaded;
 pub mod native;
 mod sandbox;
+pub mod scaffold;
 mod types;
 
 pub use builtin::{BUILTINS, Builtin, builtin};
