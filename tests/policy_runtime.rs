@@ -44,6 +44,19 @@ fn handle(engine: &PolicyEngine, spec: &str, config: &str) -> PolicyHandle {
     PolicyHandle::new(engine.clone(), engine.load_spec(spec, config).unwrap()).unwrap()
 }
 
+/// Waits (bounded) until the current policy has `n` idle instances: the warmer replaces
+/// trapped and recycled ones in the background, and decisions never wait for it.
+fn settle(h: &PolicyHandle, n: usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while h.current().idle_instances() < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the warmer did not make {n} instances"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 fn chosen(outcome: &DecisionOutcome) -> InstanceId {
     match outcome {
         DecisionOutcome::Chosen(id) => *id,
@@ -263,6 +276,7 @@ fn wasm_and_native_kv_cost_agree_on_random_candidate_sets() {
 fn hostile(engine: &PolicyEngine, name: &str) -> PolicyHandle {
     let loaded = engine.load_file(&guest(name), r#"{"after": 1}"#).unwrap();
     let h = PolicyHandle::new(engine.clone(), loaded).unwrap();
+    settle(&h, engine.config().warm_instances);
     // Sequence 0 is the canary's; the handle's first decision is well-behaved.
     let first = h.decide(request(4, 1), &four());
     assert_eq!(first.decider, Decider::Policy);
@@ -512,6 +526,7 @@ fn a_run_of_failures_rolls_back_to_the_last_good_policy() {
         .load_file(&guest("panics"), r#"{"after": 1}"#)
         .unwrap();
     let status = h.swap(bad).unwrap();
+    settle(&h, 4);
     assert_eq!(status.info.name, "panics");
     assert_eq!(status.previous.as_ref().unwrap().name, "kv-cost");
     // Decision with sequence 0 was... the handle's sequence is 0 here: well-behaved.
@@ -560,6 +575,7 @@ fn a_policy_failing_a_third_of_its_calls_is_rolled_back_by_rate() {
             .unwrap(),
     )
     .unwrap();
+    settle(&h, 32);
     // Seeds 1, 2, 3, ...: every third call panics.
     for seed in 1..60 {
         h.decide(request(4, seed), &four());
@@ -939,6 +955,7 @@ fn all_instances_together_stay_under_a_memory_cap() {
     })
     .unwrap();
     let h = hostile(&engine, "memory_bomb");
+    settle(&h, 2);
     let resting = engine.instance_memory();
     assert!(resting > 0 && resting < 24 << 20, "{resting}");
     let d = h.decide(request(4, 1), &four());
@@ -996,12 +1013,14 @@ fn an_automatic_rollback_returns_to_the_last_policy_that_served_a_clean_window()
 
     // A policy failing one call in three, never three in a row nor half a window.
     h.swap(flaky(3)).unwrap();
+    settle(&h, 8);
     for seed in 1..=10 {
         h.decide(request(4, seed), &four());
     }
     let status = h.status();
     assert_eq!((status.info.name.as_str(), status.proven), ("flaky", false));
     h.swap(panics()).unwrap();
+    settle(&h, 8);
     let status = h.status();
     assert_eq!(status.previous.unwrap().name, "flaky");
     assert_eq!(status.last_good.unwrap().name, "round-robin");
@@ -1016,11 +1035,13 @@ fn an_automatic_rollback_returns_to_the_last_policy_that_served_a_clean_window()
 
     // A custom policy that served a clean window is good.
     h.swap(flaky(0)).unwrap();
+    settle(&h, 8);
     for seed in 1..=20 {
         assert_eq!(h.decide(request(4, seed), &four()).decider, Decider::Policy);
     }
     assert!(h.status().proven);
     h.swap(panics()).unwrap();
+    settle(&h, 8);
     for _ in 0..3 {
         h.decide(request(4, 1), &four());
     }
@@ -1030,6 +1051,7 @@ fn an_automatic_rollback_returns_to_the_last_policy_that_served_a_clean_window()
     // Nothing good to return to: the failing policy stays, the fallback decides.
     let alone = PolicyHandle::new(engine.clone(), flaky(3)).unwrap();
     alone.swap(panics()).unwrap();
+    settle(&alone, 8);
     // Sequence 0 is well-behaved in these guests.
     assert_eq!(
         alone.decide(request(4, 1), &four()).decider,
@@ -1056,6 +1078,7 @@ fn instances_are_recycled_after_their_call_quota() {
     })
     .unwrap();
     let h = handle(&engine, "kv-cost", "{}");
+    settle(&h, 16);
     for _ in 0..12 {
         assert_eq!(h.decide(request(4, 1), &four()).decider, Decider::Policy);
     }

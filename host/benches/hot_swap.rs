@@ -78,16 +78,20 @@ fn main() {
         let samples = runner.await.unwrap();
         let after = get_text(&c, &format!("{url}/metrics")).await;
         let ep = "{endpoint=\"default/mock/generate\"}";
-        let calls = metric(&after, &format!("switchyard_policy_calls_total{ep}")) - metric(&before, &format!("switchyard_policy_calls_total{ep}"));
+        let calls = metric(&after, &format!("switchyard_policy_call_seconds_count{ep}")) - metric(&before, &format!("switchyard_policy_call_seconds_count{ep}"));
+        // Decisions that found no idle instance (a fresh policy's pool not yet grown to the
+        // concurrency): made by the fallback, never waiting for an instance.
+        let no_warm = "switchyard_policy_fallbacks_total{endpoint=\"default/mock/generate\",reason=\"no_warm_instance\"}";
+        let no_warm = metric(&after, no_warm) - metric(&before, no_warm);
         let secs = metric(&after, &format!("switchyard_policy_call_seconds_sum{ep}")) - metric(&before, &format!("switchyard_policy_call_seconds_sum{ep}"));
         times.sort();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         println!("{swaps} swaps through the admin API (round-robin, session-affinity .wasm, kv-cost in turn) under 8 concurrent clients:");
         println!();
-        println!("| requests | failed | swaps refused | cold swap (compile) | cached swap p50 | p99 | policy call mean during swaps |");
-        println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        println!("| requests | failed | swaps refused | cold swap (compile) | cached swap p50 | p99 | policy call mean during swaps | decided without a warm instance |");
+        println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
         println!(
-            "| {} | {} | {refused} | {:.1} ms | {:.2} ms | {:.2} ms | {:.2} µs |",
+            "| {} | {} | {refused} | {:.1} ms | {:.2} ms | {:.2} ms | {:.2} µs | {no_warm} |",
             samples.len(),
             samples.iter().filter(|s| !s.ok).count(),
             ms(cold),
