@@ -213,42 +213,50 @@ fn policy_bench_prints_the_call_cost_at_three_sizes_beside_kv_cost() {
     }
 }
 
-/// `policy new` writes a project that builds, as its README says, into a component that
-/// `policy check` accepts and whose sample cases `policy test` passes.
-#[test]
-fn a_new_rust_policy_builds_and_passes_check_and_its_cases() {
+/// Makes a `lang` scaffold named `name`, builds it with `build` (run in the project), and
+/// checks that the component at `wasm` (relative to the project) passes `policy check`
+/// under its name and its own sample cases.
+fn scaffold_builds_and_passes(lang: &str, name: &str, build: &[&str], wasm: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let project = dir.path().join("prefix-first");
+    let project = dir.path().join(name);
     let (ok, out) = switchyard(&[
         "policy",
         "new",
-        "prefix-first",
+        name,
         "--lang",
-        "rust",
+        lang,
         "--dir",
         project.to_str().unwrap(),
     ]);
     assert!(ok, "{out}");
-    // The README's build command, with the toolchain running this test (it has the
-    // wasm32-wasip2 target) and the guests' target directory (their dependencies are
-    // built there already).
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let target = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/guests");
-    let build = Command::new(cargo)
-        .args(["build", "--release", "--target", "wasm32-wasip2"])
-        .current_dir(&project)
-        .env("CARGO_TARGET_DIR", target)
-        .output()
-        .unwrap();
-    assert!(
-        build.status.success(),
-        "{}",
-        String::from_utf8_lossy(&build.stderr)
-    );
-    let wasm = std::path::Path::new(target).join("wasm32-wasip2/release/prefix_first.wasm");
+    for step in build.split(|s| *s == "&&") {
+        let program = if step[0] == "cargo" {
+            // The toolchain running this test (it has the wasm32-wasip2 target).
+            std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+        } else {
+            step[0].to_string()
+        };
+        let out = Command::new(program)
+            .args(&step[1..])
+            .current_dir(&project)
+            // The guests' target directory: their dependencies are built there already.
+            .env(
+                "CARGO_TARGET_DIR",
+                concat!(env!("CARGO_MANIFEST_DIR"), "/../target/guests"),
+            )
+            .output()
+            .unwrap_or_else(|e| panic!("{step:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "{step:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let wasm = project.join(wasm);
     let (ok, out) = switchyard(&["policy", "check", wasm.to_str().unwrap()]);
     assert!(ok, "{out}");
-    assert!(out.contains("policy:   prefix-first 0.1.0"), "{out}");
+    assert!(out.contains(&format!("policy:   {name} 0.1.0")), "{out}");
     let cases = project.join("cases.json");
     let (ok, out) = switchyard(&[
         "policy",
@@ -260,42 +268,45 @@ fn a_new_rust_policy_builds_and_passes_check_and_its_cases() {
     assert!(out.contains("2 of 2 cases passed"), "{out}");
 }
 
+/// `policy new` writes a Rust project that builds, as its README says, into a component
+/// `policy check` accepts and whose sample cases `policy test` passes.
+#[test]
+fn a_new_rust_policy_builds_and_passes_check_and_its_cases() {
+    scaffold_builds_and_passes(
+        "rust",
+        "prefix-first",
+        &["cargo", "build", "--release", "--target", "wasm32-wasip2"],
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../target/guests/wasm32-wasip2/release/prefix_first.wasm"
+        ),
+    );
+}
+
 /// The Python scaffold builds with componentize-py (tools/test.sh installs the version its
-/// requirements.txt pins) into a component `policy check` accepts and whose sample cases
-/// pass: worker IDs above 2^53 come back exact.
+/// requirements.txt pins): worker IDs above 2^53 (the canary's) come back exact.
 #[test]
 fn a_new_python_policy_builds_and_passes_check_and_its_cases() {
-    let dir = tempfile::tempdir().unwrap();
-    let project = dir.path().join("py-prefix");
-    let (ok, out) = switchyard(&[
-        "policy",
-        "new",
-        "py-prefix",
-        "--lang",
-        "python",
-        "--dir",
-        project.to_str().unwrap(),
-    ]);
-    assert!(ok, "{out}");
-    let build = Command::new(project.join("build.sh"))
-        .output()
-        .expect("build.sh runs");
-    assert!(
-        build.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&build.stdout),
-        String::from_utf8_lossy(&build.stderr)
+    scaffold_builds_and_passes("python", "py-prefix", &["./build.sh"], "py_prefix.wasm");
+}
+
+/// The JavaScript scaffold builds with componentize-js (from npm, as its package.json
+/// pins it): BigInt worker IDs come back exact, and no `wasi:http` import is left in.
+#[test]
+fn a_new_javascript_policy_builds_and_passes_check_and_its_cases() {
+    scaffold_builds_and_passes(
+        "js",
+        "js-prefix",
+        &[
+            "npm",
+            "install",
+            "--no-audit",
+            "--no-fund",
+            "&&",
+            "npm",
+            "run",
+            "build",
+        ],
+        "js_prefix.wasm",
     );
-    let wasm = project.join("py_prefix.wasm");
-    let (ok, out) = switchyard(&["policy", "check", wasm.to_str().unwrap()]);
-    assert!(ok, "{out}");
-    assert!(out.contains("policy:   py-prefix 0.1.0"), "{out}");
-    let (ok, out) = switchyard(&[
-        "policy",
-        "test",
-        wasm.to_str().unwrap(),
-        project.join("cases.json").to_str().unwrap(),
-    ]);
-    assert!(ok, "{out}");
-    assert!(out.contains("2 of 2 cases passed"), "{out}");
 }

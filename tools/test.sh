@@ -9,6 +9,8 @@
 #   pyzmq, msgspec (PyPI)   an engine's KV event publisher, in the engines' own libraries
 #   prometheus_client (PyPI) an independent parser of the router's /metrics
 #   componentize-py (PyPI)  builds the Python policy scaffold (`policy new --lang python`)
+#   node, npm     (Debian)  build the JavaScript policy scaffold (its package.json pins
+#                           componentize-js, which npm fetches)
 #   wasm32-wasip2 (rustup)  the policies' target (the build adds it too)
 #
 # Extra arguments go to `cargo test`, e.g. `tools/test.sh --test faults`.
@@ -69,6 +71,13 @@ if ! command -v componentize-py >/dev/null 2>&1 || [ "$(componentize-py --versio
         || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages "$componentize_py"
 fi
 componentize-py --version
+if ! command -v npm >/dev/null 2>&1; then
+    echo "installing Node.js and npm (Debian)"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -q
+    as_root apt-get install -y -q --no-install-recommends nodejs npm
+fi
+echo "node $(node --version), npm $(npm --version)"
 
 installed_targets="$(rustup target list --installed)"
 grep -qx wasm32-wasip2 <<<"$installed_targets" || rustup target add wasm32-wasip2

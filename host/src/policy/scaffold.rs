@@ -13,6 +13,8 @@ pub enum Lang {
     Rust,
     /// Python with componentize-py (`./build.sh`).
     Python,
+    /// JavaScript with componentize-js (`npm install && npm run build`).
+    Js,
 }
 
 /// The files of a `lang` project named `name`: (path inside the project, contents).
@@ -53,6 +55,20 @@ fn files(lang: Lang, name: &str) -> Vec<(&'static str, String)> {
             (
                 "README.md",
                 fill(include_str!("scaffold/python/README.md.tmpl")),
+            ),
+        ]),
+        Lang::Js => files.extend([
+            (
+                "policy.js",
+                fill(include_str!("scaffold/js/policy.js.tmpl")),
+            ),
+            (
+                "package.json",
+                fill(include_str!("scaffold/js/package.json.tmpl")),
+            ),
+            (
+                "README.md",
+                fill(include_str!("scaffold/js/README.md.tmpl")),
             ),
         ]),
     }
