@@ -434,17 +434,7 @@ async fn a_hundred_policy_swaps_under_load_through_admin_and_etcd_fail_nothing()
 
     // A policy larger than etcd takes in one request (2.5 MiB: the example with a custom
     // section of padding) goes in chunks and is verified whole by the router.
-    let mut big = example.to_vec();
-    let padding = vec![b'x'; 5 << 19];
-    big.push(0); // custom section
-    let mut size = padding.len() + 2;
-    while size >= 0x80 {
-        big.push((size & 0x7f) as u8 | 0x80);
-        size >>= 7;
-    }
-    big.push(size as u8);
-    big.extend_from_slice(&[1, b'p']);
-    big.extend_from_slice(&padding);
+    let big = padded(&example, 5 << 19);
     let pushed = switchyard::discovery::etcd_policy::PushedPolicy::new(&big, "{}");
     let big_sha = pushed.sha256.clone();
     switchyard::discovery::etcd_policy::push(&config, &endpoint, &pushed)
@@ -512,6 +502,62 @@ async fn a_hundred_policy_swaps_under_load_through_admin_and_etcd_fail_nothing()
     let (ok, failed, errors) = clients.await.unwrap();
     assert_eq!(failed, 0, "{errors:?}");
     assert!(ok > 20, "only {ok} requests completed");
+}
+
+/// `wasm` with a custom section of `padding` bytes appended: a valid component that
+/// much larger.
+fn padded(wasm: &[u8], padding: usize) -> Vec<u8> {
+    let mut big = wasm.to_vec();
+    big.push(0); // custom section
+    let mut size = padding + 2;
+    while size >= 0x80 {
+        big.push((size & 0x7f) as u8 | 0x80);
+        size >>= 7;
+    }
+    big.push(size as u8);
+    big.extend_from_slice(&[1, b'p']);
+    big.resize(big.len() + padding, b'x');
+    big
+}
+
+/// A policy of ~20 MB (a Python policy's size) pushed through etcd reaches every router
+/// replica: stored in 1 MiB chunks, each router reads and verifies the whole, and both
+/// serve it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_20_mb_policy_pushed_through_etcd_is_loaded_by_two_routers() {
+    let fleet = etcd_fleet(1, "100").await;
+    let (_second, second) = serve(&["--etcd", &fleet.etcd.url(), "--admin-token", TOKEN]).await;
+    let c = &fleet.c;
+    wait_available(c, &second, 1).await;
+    let routers = [fleet.url.clone(), second];
+    for r in &routers {
+        // The endpoint's router exists from its first request.
+        let (s, _, b) =
+            http::post_json(c, &format!("{r}/v1/chat/completions"), &chat("hi", 2)).await;
+        assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
+    }
+    let example = std::fs::read(common::guest("session_affinity")).unwrap();
+    let big = padded(&example, 20 << 20);
+    let config = switchyard::discovery::etcd::EtcdConfig::new(vec![fleet.etcd.url()]);
+    let endpoint: switchyard::discovery::EndpointPath = "default/mock/generate".parse().unwrap();
+    let pushed = switchyard::discovery::etcd_policy::PushedPolicy::new(&big, "{}");
+    let sha = pushed.sha256.clone();
+    switchyard::discovery::etcd_policy::push(&config, &endpoint, &pushed)
+        .await
+        .unwrap();
+    let (chunks, _) = config
+        .api()
+        .range_prefix(&format!("switchyard/policy-blobs/{sha}/"))
+        .await
+        .unwrap();
+    assert_eq!(chunks.len(), pushed.wasm_base64.len().div_ceil(1 << 20));
+    for r in &routers {
+        let url = format!("{r}/admin/endpoints/default/mock/generate/policy");
+        eventually("the 20 MB policy on every router", || async {
+            admin_get(c, &url).await["sha256"] == sha.as_str()
+        })
+        .await;
+    }
 }
 
 /// A worker stand-in that answers with fixed bytes, in awkward chunks, so that the
