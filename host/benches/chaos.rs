@@ -21,6 +21,10 @@ use bytes::Bytes;
 use common::*;
 use http_body_util::{BodyExt, Full};
 
+#[path = "common/etcd_fleet.rs"]
+mod etcd_fleet;
+use etcd_fleet::EtcdFleet;
+
 /// The same real-etcd helper the integration tests use.
 #[path = "../../tests/common/etcd.rs"]
 #[allow(dead_code)]
@@ -85,47 +89,14 @@ async fn scenario(
     phase_len: Duration,
     freeze: Duration,
 ) -> Vec<String> {
-    let cache = tempfile::tempdir().unwrap();
-    let e = etcd::Etcd::start();
-    let etcd_url = e.url();
     let c = http();
-    let mut workers = Vec::new();
-    for _ in 0..5 {
-        let listen = format!("127.0.0.1:{}", free_port());
-        let p = switchyard(
-            &[
-                "mock-worker",
-                "--listen",
-                &listen,
-                "--model",
-                "mock",
-                "--speedup",
-                "20",
-                "--etcd",
-                &etcd_url,
-                "--ttl",
-                "10",
-                "--fault-marker",
-                "POISON",
-            ],
-            cache.path(),
-        );
-        wait_ok(&c, &format!("http://{listen}/health")).await;
-        workers.push((p, listen));
-    }
-    let listen = format!("127.0.0.1:{}", free_port());
-    let mut args = vec!["serve", "--listen", &listen, "--etcd", &etcd_url];
-    args.extend_from_slice(flags);
-    let _router = switchyard(&args, cache.path());
-    let url = format!("http://{listen}");
-    wait_ok(&c, &format!("{url}/ready")).await;
-    for _ in 0..500 {
-        let page = get_text(&c, &format!("{url}/metrics")).await;
-        if sum(&page, "switchyard_instance_available") == 5.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let EtcdFleet {
+        etcd: e,
+        mut workers,
+        router: _router,
+        url,
+        cache: _cache,
+    } = EtcdFleet::start(&c, 5, &["--fault-marker", "POISON"], flags).await;
 
     let phase = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(AtomicBool::new(false));

@@ -21,57 +21,24 @@ use common::*;
 
 const BODY: &str = r#"{"model":"mock","prompt":"steady load, a short prompt","max_tokens":4}"#;
 
+#[path = "common/etcd_fleet.rs"]
+mod etcd_fleet;
+use etcd_fleet::EtcdFleet;
+
 /// The same real-etcd helper the integration tests use.
 #[path = "../../tests/common/etcd.rs"]
 #[allow(dead_code)]
 mod etcd;
 
 async fn scenario(name: &str, serve_flags: &[&str], seconds: u64) -> String {
-    let cache = tempfile::tempdir().unwrap();
-    let e = etcd::Etcd::start();
-    let etcd_url = e.url();
     let c = http();
-    let mut workers = Vec::new();
-    for _ in 0..4 {
-        let listen = format!("127.0.0.1:{}", free_port());
-        let p = switchyard(
-            &[
-                "mock-worker",
-                "--listen",
-                &listen,
-                "--model",
-                "mock",
-                "--speedup",
-                "20",
-                "--etcd",
-                &etcd_url,
-                "--ttl",
-                "10",
-            ],
-            cache.path(),
-        );
-        wait_ok(&c, &format!("http://{listen}/health")).await;
-        workers.push((p, listen));
-    }
-    let listen = format!("127.0.0.1:{}", free_port());
-    let mut args = vec!["serve", "--listen", &listen, "--etcd", &etcd_url];
-    args.extend_from_slice(serve_flags);
-    let _router = switchyard(&args, cache.path());
-    let url = format!("http://{listen}");
-    wait_ok(&c, &format!("{url}/ready")).await;
-    // Wait until all four are routable.
-    for _ in 0..500 {
-        let page = get_text(&c, &format!("{url}/metrics")).await;
-        if page
-            .lines()
-            .filter(|l| l.starts_with("switchyard_instance_available{") && l.ends_with(" 1"))
-            .count()
-            == 4
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let EtcdFleet {
+        etcd: _etcd,
+        mut workers,
+        router: _router,
+        url,
+        cache: _cache,
+    } = EtcdFleet::start(&c, 4, &[], serve_flags).await;
 
     let stop = Arc::new(AtomicBool::new(false));
     let load_url = format!("{url}/v1/completions");
