@@ -66,10 +66,10 @@ pub struct PolicyInfo {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CallFailure {
     /// The call ran past its time budget and was interrupted.
-    #[error("policy exceeded its time budget of {0:?}")]
+    #[error("policy exceeded its time budget of {0:?} (--policy-budget-ms sets it)")]
     Timeout(Duration),
     /// The guest tried to grow its memory past the cap.
-    #[error("policy exceeded its memory cap of {0} bytes")]
+    #[error("policy exceeded its memory cap of {0} bytes (--policy-memory-mb raises it)")]
     OutOfMemory(usize),
     /// The guest trapped (a panic, an unreachable, a bad canonical-ABI value...).
     #[error("policy trapped: {0}")]
@@ -78,7 +78,10 @@ pub enum CallFailure {
     #[error("policy chose worker {0}, which is not a candidate")]
     NotACandidate(InstanceId),
     /// The guest's growth would take all policy instances together past their limit.
-    #[error("policy instances together reached their memory limit of {0} bytes")]
+    #[error(
+        "policy instances together reached their memory limit of {0} bytes \
+         (--policy-memory-total-mb raises it)"
+    )]
     TotalMemory(usize),
     /// A fresh instance could not be created or configured.
     #[error("policy instance could not be created: {0}")]
