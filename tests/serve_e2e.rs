@@ -465,6 +465,10 @@ async fn a_hundred_policy_swaps_under_load_through_admin_and_etcd_fail_nothing()
         .await
         .unwrap();
     assert_eq!(blobs(&config).await, 0);
+    eventually("the last push applied", || async {
+        admin_get(&c, &policy_url).await["sha256"] == pushed.sha256.as_str()
+    })
+    .await;
 
     // A policy whose name would close a label and forge a line: /metrics stays valid
     // and names it by its cleaned name.

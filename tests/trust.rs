@@ -252,3 +252,108 @@ async fn every_command_reaches_an_etcd_with_tls_and_authentication() {
     })
     .await;
 }
+
+/// Pushed policies are state, not events: a replica started after a push runs it, a
+/// deleted push returns every replica to its configured policy, and a push for a model
+/// whose workers register later applies when they do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_replica_runs_what_etcd_holds_whenever_it_starts() {
+    let etcd = Etcd::start();
+    let url = etcd.url();
+    let c = http::client();
+    let (_worker, _) = mock_worker(&["--etcd", &url]).await;
+    let (_a, a) = serve(&["--etcd", &url, "--admin-token", TOKEN]).await;
+    chat_ok(&c, &a).await;
+    let cli_ok = |args: &[&str]| {
+        let (ok, out, err) = cli(args, &[]);
+        assert!(ok, "{err}");
+        out
+    };
+    let policy_of = |router: String, endpoint: &'static str| {
+        let c = c.clone();
+        async move {
+            let (s, _, b) = http::send(
+                &c,
+                Method::GET,
+                &format!("{router}/admin/endpoints/{endpoint}/policy"),
+                &[("authorization", &format!("Bearer {TOKEN}"))],
+                "",
+                PATIENCE,
+            )
+            .await
+            .unwrap();
+            if s != StatusCode::OK {
+                return String::new();
+            }
+            serde_json::from_slice::<Value>(&b).unwrap()["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        }
+    };
+    let ep = "default/mock/generate";
+    cli_ok(&[
+        "policy",
+        "push",
+        "round-robin",
+        "--etcd",
+        &url,
+        "--endpoint",
+        ep,
+    ]);
+    eventually("the push on the running replica", || {
+        let a = a.clone();
+        async move { policy_of(a, ep).await == "round-robin" }
+    })
+    .await;
+
+    // A replica started after the push runs it too.
+    let (_b, b) = serve(&["--etcd", &url, "--admin-token", TOKEN]).await;
+    chat_ok(&c, &b).await;
+    eventually("the push on the replica started later", || {
+        let b = b.clone();
+        async move { policy_of(b, ep).await == "round-robin" }
+    })
+    .await;
+
+    // Deleting the push returns both to their configured policy.
+    let out = cli_ok(&["policy", "remove", "--etcd", &url, "--endpoint", ep]);
+    assert!(out.contains("removed the push"), "{out}");
+    for r in [&a, &b] {
+        eventually("back to the configured policy", || {
+            let r = r.clone();
+            async move { policy_of(r, ep).await == "kv-cost" }
+        })
+        .await;
+    }
+
+    // A push for a model with no worker yet applies when its first worker registers.
+    let late = "default/late/generate";
+    cli_ok(&[
+        "policy",
+        "push",
+        "round-robin",
+        "--etcd",
+        &url,
+        "--endpoint",
+        late,
+    ]);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let _late_worker = common::procs::switchyard(&[
+        "mock-worker",
+        "--listen",
+        &listen,
+        "--model",
+        "late",
+        "--etcd",
+        &url,
+    ]);
+    common::procs::wait_ok(&format!("http://{listen}/v1/models")).await;
+    for r in [&a, &b] {
+        eventually("the push for the model that came later", || {
+            let r = r.clone();
+            async move { policy_of(r, late).await == "round-robin" }
+        })
+        .await;
+    }
+}

@@ -388,6 +388,15 @@ enum PolicyCommand {
         #[arg(long, env = "SWITCHYARD_POLICY_SIGNING_KEY")]
         sign: Option<PathBuf>,
     },
+    /// Delete the policy pushed for an endpoint: every router watching etcd returns the
+    /// endpoint to its configured policy.
+    Remove {
+        #[command(flatten)]
+        etcd: EtcdArgs,
+        /// Endpoint path namespace/component/endpoint.
+        #[arg(long)]
+        endpoint: EndpointPath,
+    },
     /// Write a new policy project, ready to build: the contract's WIT, the build recipe,
     /// sample test cases and a README saying how to build, check, test and load it.
     New {
@@ -528,6 +537,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             config,
             sign,
         }) => tokio_runtime()?.block_on(policy_push(policy, etcd, endpoint, config, sign)),
+        Command::Policy(PolicyCommand::Remove { etcd, endpoint }) => {
+            tokio_runtime()?.block_on(async {
+                let existed = etcd_policy::remove(&etcd.config()?, &endpoint).await?;
+                if existed {
+                    println!("removed the push for {endpoint}: routers return it to their configured policy");
+                } else {
+                    println!("no push was stored for {endpoint}");
+                }
+                anyhow::Ok(())
+            })
+        }
         Command::Policy(PolicyCommand::New { name, lang, dir }) => {
             let dir = dir.unwrap_or_else(|| PathBuf::from(&name));
             let files = switchyard::policy::scaffold::create(&dir, &name, lang)

@@ -21,6 +21,7 @@ use tokio::net::TcpListener;
 use crate::client::{ClientRegistry, HttpHealthCheck};
 use crate::config::{DiscoveryConfig, PolicySpec, ServeConfig};
 use crate::discovery::etcd::{EtcdDiscovery, list_all};
+use crate::discovery::etcd_policy::{PolicyEvent, PushedPolicy};
 use crate::discovery::fixed::FixedDiscovery;
 use crate::discovery::{Discovery, EndpointPath, InstanceInfo, etcd_policy};
 use crate::http::{Fleet, Gateway, GatewayConfig};
@@ -38,6 +39,20 @@ const GONE_MODEL_GRACE: Duration = Duration::from_secs(600);
 struct EndpointEntry {
     endpoint: EndpointPath,
     block_size: u32,
+}
+
+/// What tells one push from another.
+type PushKey = (String, String, u64, Option<String>);
+
+/// Pushed policies: etcd's view, and what each endpoint's router was made to run.
+#[derive(Default)]
+struct Pushes {
+    /// The push etcd holds for each endpoint.
+    desired: HashMap<EndpointPath, Arc<PushedPolicy>>,
+    /// The push each endpoint was last reconciled to, applied or refused (its sha256,
+    /// config, push time and signature: a new push of the same policy is a new push);
+    /// absent: it runs its configured policy.
+    attempted: HashMap<EndpointPath, PushKey>,
 }
 
 /// The endpoints, their routers and policies.
@@ -58,6 +73,13 @@ pub struct ServeFleet {
     /// What every endpoint's router starts from (its block size and, per endpoint,
     /// `forward_authorization` filled in).
     router_defaults: KvRouterConfig,
+    /// Pushed policies as state: what etcd holds per endpoint, and what each endpoint was
+    /// last reconciled to (see [`ServeFleet::reconcile`]).
+    pushes: Mutex<Pushes>,
+    /// Serialises reconciliations.
+    reconciling: Mutex<()>,
+    /// Keys whose signed pushes are applied (none: every push is).
+    trusted_keys: Vec<crate::discovery::signing::PublicKey>,
     endpoint_forward_authorization: BTreeMap<EndpointPath, bool>,
     engine_metrics: Option<Duration>,
 }
@@ -146,23 +168,16 @@ impl ServeFleet {
             if let Err(e) = self.ensure_router(entry) {
                 tracing::error!(endpoint = %entry.endpoint, error = %e, "cannot set up the endpoint's policy");
             }
+            // A push stored before the endpoint's first instance applies now.
+            self.reconcile(&entry.endpoint);
         }
         self.catalog.store(Arc::new(catalog));
         self.discovered.store(true, Ordering::Relaxed);
     }
 
-    /// Counts and logs a pushed policy refused before it was loaded.
-    fn refuse(&self, endpoint: &EndpointPath, error: PolicyError) {
-        tracing::error!(endpoint = %endpoint, error = %error, "pushed policy refused; the current one keeps serving");
-        if let Some(router) = self.routers.lock().get(endpoint) {
-            router.policy().refused(&error);
-        }
-    }
-
-    /// Swaps `endpoint`'s policy to `spec`, after validation.
+    /// Swaps `endpoint`'s policy to a `.wasm` file's bytes, after validation.
     fn swap(&self, endpoint: &EndpointPath, source: PolicySource, bytes: &[u8], config: &str) {
         let Some(router) = self.routers.lock().get(endpoint).cloned() else {
-            tracing::warn!(endpoint = %endpoint, "a policy was pushed for an endpoint this router does not serve");
             return;
         };
         match router.policy().swap_bytes(source, bytes, config) {
@@ -170,7 +185,114 @@ impl ServeFleet {
                 tracing::info!(endpoint = %endpoint, policy = %s.info.name, sha256 = %s.info.sha256, "policy swapped")
             }
             Err(e) => {
-                tracing::error!(endpoint = %endpoint, error = %e, "pushed policy refused; the current one keeps serving")
+                tracing::error!(endpoint = %endpoint, error = %e, "policy file refused; the current one keeps serving")
+            }
+        }
+    }
+
+    /// Applies what etcd says about pushed policies, then reconciles the endpoints it
+    /// touched.
+    fn apply_push_event(&self, event: PolicyEvent) {
+        let touched: Vec<EndpointPath> = {
+            let mut pushes = self.pushes.lock();
+            match event {
+                PolicyEvent::Put(endpoint, policy) => {
+                    pushes.desired.insert(endpoint.clone(), Arc::new(policy));
+                    vec![endpoint]
+                }
+                PolicyEvent::Delete(endpoint) => {
+                    pushes.desired.remove(&endpoint);
+                    vec![endpoint]
+                }
+                PolicyEvent::Listed(listed) => {
+                    let gone: Vec<EndpointPath> = pushes
+                        .desired
+                        .keys()
+                        .filter(|e| !listed.contains(e))
+                        .cloned()
+                        .collect();
+                    for e in &gone {
+                        pushes.desired.remove(e);
+                    }
+                    gone
+                }
+            }
+        };
+        for endpoint in touched {
+            self.reconcile(&endpoint);
+        }
+    }
+
+    /// Makes `endpoint`'s router run what etcd holds for it: the pushed policy (verified
+    /// against the trusted keys, validated like any swap), or its configured policy when
+    /// etcd holds none. A push already applied (or refused) is not tried again; an
+    /// endpoint with no router yet is reconciled when its router is made.
+    fn reconcile(&self, endpoint: &EndpointPath) {
+        let Some(router) = self.routers.lock().get(endpoint).cloned() else {
+            return;
+        };
+        // One reconciliation at a time per fleet (they compile).
+        let _turn = self.reconciling.lock();
+        let (desired, attempted) = {
+            let pushes = self.pushes.lock();
+            (
+                pushes.desired.get(endpoint).cloned(),
+                pushes.attempted.get(endpoint).cloned(),
+            )
+        };
+        let handle = router.policy();
+        match desired {
+            Some(pushed) => {
+                let key = (
+                    pushed.sha256.clone(),
+                    pushed.config.clone(),
+                    pushed.pushed_at,
+                    pushed.signature.clone(),
+                );
+                if attempted.as_ref() == Some(&key) {
+                    return;
+                }
+                self.pushes.lock().attempted.insert(endpoint.clone(), key);
+                if let Err(why) = pushed.verify(endpoint, &self.trusted_keys) {
+                    let error = PolicyError::Unsigned(why);
+                    tracing::error!(endpoint = %endpoint, error = %error, "pushed policy refused; the current one keeps serving");
+                    handle.refused(&error);
+                    return;
+                }
+                let result = pushed
+                    .wasm()
+                    .map_err(PolicyError::NotAComponent)
+                    .inspect_err(|e| handle.refused(e))
+                    .and_then(|bytes| {
+                        handle.swap_bytes(
+                            PolicySource::Uploaded("etcd".into()),
+                            &bytes,
+                            &pushed.config,
+                        )
+                    });
+                match result {
+                    Ok(s) => {
+                        tracing::info!(endpoint = %endpoint, policy = %s.info.name, sha256 = %s.info.sha256, "pushed policy applied")
+                    }
+                    Err(e) => {
+                        tracing::error!(endpoint = %endpoint, error = %e, "pushed policy refused; the current one keeps serving")
+                    }
+                }
+            }
+            None => {
+                if attempted.is_none() {
+                    return;
+                }
+                self.pushes.lock().attempted.remove(endpoint);
+                let spec = self.spec_for(endpoint);
+                match handle.swap_spec(&spec.spec, &spec.config) {
+                    Ok(_) => {
+                        tracing::info!(endpoint = %endpoint, policy = %spec.spec, "push deleted: back to the configured policy")
+                    }
+                    Err(e) => {
+                        tracing::error!(endpoint = %endpoint, error = %e, "push deleted, but the configured policy was refused; the current one keeps serving")
+                    }
+                }
             }
         }
     }
@@ -328,6 +450,9 @@ pub async fn serve(
         },
         endpoint_forward_authorization: config.endpoint_forward_authorization.clone(),
         engine_metrics: config.engine_metrics,
+        pushes: Mutex::new(Pushes::default()),
+        reconciling: Mutex::new(()),
+        trusted_keys: config.policy_trusted_keys.clone(),
     });
     let mut background = Vec::new();
     match (&config.discovery, static_set) {
@@ -347,37 +472,18 @@ pub async fn serve(
                     tokio::time::sleep(Duration::from_secs(2)).await;
                 }
             }));
-            // Pushes are applied in order, one at a time; a push superseded by a newer one
-            // for the same endpoint before it was applied is skipped.
+            // Pushed policies are state: every event updates what etcd holds, and the
+            // endpoints it touched are reconciled in order, off the async workers.
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-            background.push(etcd_policy::watch(etcd.clone(), move |endpoint, pushed| {
-                let _ = tx.send((endpoint, pushed));
+            background.push(etcd_policy::watch(etcd.clone(), move |event| {
+                let _ = tx.send(event);
             }));
             let fleet3 = fleet.clone();
-            let trusted = Arc::new(config.policy_trusted_keys.clone());
             background.push(tokio::spawn(async move {
-                while let Some(first) = rx.recv().await {
-                    let mut batch = vec![first];
-                    while let Ok(more) = rx.try_recv() {
-                        batch.retain(|(ep, _)| *ep != more.0);
-                        batch.push(more);
-                    }
-                    for (endpoint, pushed) in batch {
-                        let fleet = fleet3.clone();
-                        let trusted = trusted.clone();
-                        // Compiling is CPU work: off the async workers.
-                        let _ = tokio::task::spawn_blocking(move || {
-                            if let Err(why) = pushed.verify(&endpoint, &trusted) {
-                                fleet.refuse(&endpoint, PolicyError::Unsigned(why));
-                                return;
-                            }
-                            match pushed.wasm() {
-                                Ok(bytes) => fleet.swap(&endpoint, PolicySource::Uploaded("etcd".into()), &bytes, &pushed.config),
-                                Err(e) => tracing::error!(endpoint = %endpoint, error = %e, "pushed policy is corrupt"),
-                            }
-                        })
-                        .await;
-                    }
+                while let Some(event) = rx.recv().await {
+                    let fleet = fleet3.clone();
+                    let _ =
+                        tokio::task::spawn_blocking(move || fleet.apply_push_event(event)).await;
                 }
             }));
         }

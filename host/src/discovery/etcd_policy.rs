@@ -201,47 +201,81 @@ async fn resolve(config: &EtcdConfig, mut policy: PushedPolicy) -> Result<Pushed
     if policy.chunks == 0 {
         return Ok(policy);
     }
-    let (mut kvs, _) = config
-        .api()
-        .range_prefix(&format!("{}{}/", blobs(&config.root), policy.sha256))
+    // The keys first, then one chunk per call: each answer stays ~1 MiB, whatever the
+    // policy's size, so every read fits the etcd timeout.
+    let api = config.api();
+    let mut keys = api
+        .keys_with_prefix(&format!("{}{}/", blobs(&config.root), policy.sha256))
         .await
-        .map_err(|e| format!("cannot read the policy's chunks: {e}"))?;
-    if kvs.len() != policy.chunks as usize {
+        .map_err(|e| format!("cannot list the policy's chunks: {e}"))?;
+    if keys.len() != policy.chunks as usize {
         return Err(format!(
             "policy {} has {} of its {} chunks",
             policy.sha256,
-            kvs.len(),
+            keys.len(),
             policy.chunks
         ));
     }
-    kvs.sort_by(|a, b| a.key.cmp(&b.key));
+    keys.sort_by(|a, b| a.key.cmp(&b.key));
     let mut text = Vec::new();
-    for kv in &kvs {
-        text.extend_from_slice(&kv.value);
+    for kv in &keys {
+        let key = String::from_utf8_lossy(&kv.key);
+        let (found, _) = api
+            .range_prefix(&key)
+            .await
+            .map_err(|e| format!("cannot read chunk {key}: {e}"))?;
+        let chunk = found
+            .into_iter()
+            .find(|c| c.key == kv.key)
+            .ok_or_else(|| format!("chunk {key} is gone"))?;
+        text.extend_from_slice(&chunk.value);
     }
     policy.wasm_base64 =
         String::from_utf8(text).map_err(|_| "a policy chunk is not base64 text".to_string())?;
     Ok(policy)
 }
 
-/// Calls `apply(endpoint, policy)` for every stored policy now and for every one pushed
-/// later, forever (reconnecting with backoff). Malformed entries are logged and skipped.
+/// What etcd says about pushed policies.
+#[derive(Debug, Clone)]
+pub enum PolicyEvent {
+    /// The policy stored for an endpoint (on every listing, and when pushed).
+    Put(EndpointPath, PushedPolicy),
+    /// The push for an endpoint was deleted.
+    Delete(EndpointPath),
+    /// A full listing just ended: these endpoints have a push stored, and no other does
+    /// (pushes deleted while the watch was down are gone from it).
+    Listed(Vec<EndpointPath>),
+}
+
+/// Calls `apply` with every stored policy now (then `Listed`), and with every push and
+/// deletion later, forever: after a broken watch it reconnects with backoff and lists
+/// again. Malformed entries are logged and skipped.
 pub fn watch(
     config: EtcdConfig,
-    apply: impl Fn(EndpointPath, PushedPolicy) + Send + Sync + 'static,
+    apply: impl Fn(PolicyEvent) + Send + Sync + 'static,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut delay = config.backoff_initial;
-        // The revision applied last, so that a re-list does not re-apply old pushes.
-        let mut seen: i64 = 0;
         loop {
-            if let Err(e) = cycle(&config, &apply, &mut seen, &mut delay).await {
+            if let Err(e) = cycle(&config, &apply, &mut delay).await {
                 tracing::warn!(error = %e, retry_in = ?delay, "policy watch interrupted");
             }
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(config.backoff_max);
         }
     })
+}
+
+/// Deletes the push for `endpoint`: every router returns it to its configured policy.
+/// Returns whether there was one.
+pub async fn remove(config: &EtcdConfig, endpoint: &EndpointPath) -> Result<bool, DiscoveryError> {
+    let api = config.api();
+    let key = format!("{}{endpoint}", prefix(&config.root));
+    let (found, _) = api.range_prefix(&key).await?;
+    let existed = found.iter().any(|kv| kv.key == key.as_bytes());
+    api.delete(&key, false).await?;
+    collect_garbage(config).await?;
+    Ok(existed)
 }
 
 fn parse(key: &[u8], value: &[u8], root: &str) -> Result<(EndpointPath, PushedPolicy), String> {
@@ -255,40 +289,57 @@ fn parse(key: &[u8], value: &[u8], root: &str) -> Result<(EndpointPath, PushedPo
 }
 
 /// Parses an entry, reads its chunks if it has any, and applies it; logs what is wrong.
+/// Returns its endpoint if the key names one.
 async fn deliver(
     config: &EtcdConfig,
-    apply: &(impl Fn(EndpointPath, PushedPolicy) + Send + Sync),
+    apply: &(impl Fn(PolicyEvent) + Send + Sync),
     key: &[u8],
     value: &[u8],
-) {
+) -> Option<EndpointPath> {
     let parsed = match parse(key, value, &config.root) {
         Ok(p) => p,
         Err(e) => {
             tracing::warn!(error = %e, "skipping a malformed policy entry");
-            return;
+            return endpoint_of(key, &config.root);
         }
     };
-    match resolve(config, parsed.1).await {
-        Ok(policy) => apply(parsed.0, policy),
-        Err(e) => tracing::warn!(error = %e, "skipping a policy whose chunks cannot be read"),
+    let endpoint = parsed.0.clone();
+    // A read that fails (a busy etcd, a chunk not yet visible) is tried three times.
+    for attempt in 1..=3 {
+        match resolve(config, parsed.1.clone()).await {
+            Ok(policy) => {
+                apply(PolicyEvent::Put(parsed.0, policy));
+                break;
+            }
+            Err(e) if attempt < 3 => {
+                tracing::debug!(error = %e, attempt, "cannot read a pushed policy yet");
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+            Err(e) => tracing::warn!(error = %e, "skipping a policy whose chunks cannot be read"),
+        }
     }
+    Some(endpoint)
+}
+
+fn endpoint_of(key: &[u8], root: &str) -> Option<EndpointPath> {
+    String::from_utf8_lossy(key)
+        .strip_prefix(&prefix(root))?
+        .parse()
+        .ok()
 }
 
 async fn cycle(
     config: &EtcdConfig,
-    apply: &(impl Fn(EndpointPath, PushedPolicy) + Send + Sync),
-    seen: &mut i64,
+    apply: &(impl Fn(PolicyEvent) + Send + Sync),
     delay: &mut std::time::Duration,
 ) -> Result<(), DiscoveryError> {
     let api = config.api();
     let (kvs, revision) = api.range_prefix(&prefix(&config.root)).await?;
+    let mut listed = Vec::new();
     for kv in &kvs {
-        if kv.mod_revision <= *seen {
-            continue;
-        }
-        deliver(config, apply, &kv.key, &kv.value).await;
+        listed.extend(deliver(config, apply, &kv.key, &kv.value).await);
     }
-    *seen = (*seen).max(revision);
+    apply(PolicyEvent::Listed(listed));
     let mut watch = api
         .watch_prefix(&prefix(&config.root), revision + 1)
         .await?;
@@ -304,15 +355,16 @@ async fn cycle(
             }
         };
         for event in events {
-            let kv = match event {
-                Event::Put(kv) => kv,
-                Event::Delete(kv) => {
-                    *seen = (*seen).max(kv.mod_revision);
-                    continue;
+            match event {
+                Event::Put(kv) => {
+                    deliver(config, apply, &kv.key, &kv.value).await;
                 }
-            };
-            *seen = (*seen).max(kv.mod_revision);
-            deliver(config, apply, &kv.key, &kv.value).await;
+                Event::Delete(kv) => {
+                    if let Some(endpoint) = endpoint_of(&kv.key, &config.root) {
+                        apply(PolicyEvent::Delete(endpoint));
+                    }
+                }
+            }
         }
     }
 }
