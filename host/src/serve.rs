@@ -67,6 +67,10 @@ pub struct ServeFleet {
     /// [`GONE_MODEL_GRACE`].
     gone: Mutex<HashMap<String, std::time::Instant>>,
     discovered: AtomicBool,
+    /// etcd's pushed policies have been listed and reconciled once (always true without
+    /// etcd): a replica is ready only then, so it never serves with a policy the fleet
+    /// has replaced.
+    policies_listed: AtomicBool,
     /// Created once per endpoint; never removed (an endpoint that loses all instances
     /// keeps its router, which answers 503).
     routers: Mutex<HashMap<EndpointPath, Arc<KvRouter>>>,
@@ -193,6 +197,7 @@ impl ServeFleet {
     /// Applies what etcd says about pushed policies, then reconciles the endpoints it
     /// touched.
     fn apply_push_event(&self, event: PolicyEvent) {
+        let listing = matches!(event, PolicyEvent::Listed(_));
         let touched: Vec<EndpointPath> = {
             let mut pushes = self.pushes.lock();
             match event {
@@ -220,6 +225,9 @@ impl ServeFleet {
         };
         for endpoint in touched {
             self.reconcile(&endpoint);
+        }
+        if listing {
+            self.policies_listed.store(true, Ordering::Relaxed);
         }
     }
 
@@ -323,7 +331,7 @@ impl Fleet for ServeFleet {
     }
 
     fn discovered(&self) -> bool {
-        self.discovered.load(Ordering::Relaxed)
+        self.discovered.load(Ordering::Relaxed) && self.policies_listed.load(Ordering::Relaxed)
     }
 
     fn model_known(&self, model: &str) -> bool {
@@ -440,6 +448,7 @@ pub async fn serve(
         catalog: ArcSwap::from_pointee(BTreeMap::new()),
         gone: Mutex::new(HashMap::new()),
         discovered: AtomicBool::new(false),
+        policies_listed: AtomicBool::new(!matches!(config.discovery, DiscoveryConfig::Etcd(_))),
         routers: Mutex::new(HashMap::new()),
         router_defaults: KvRouterConfig {
             approximate: config.approximate,

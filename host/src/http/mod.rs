@@ -56,7 +56,8 @@ pub trait Fleet: Send + Sync + 'static {
     fn routers(&self) -> Vec<Arc<KvRouter>>;
     /// Known models and their endpoints.
     fn models(&self) -> Vec<(String, EndpointPath)>;
-    /// True once discovery has answered.
+    /// True once discovery has answered (with etcd: instances, and pushed policies
+    /// reconciled).
     fn discovered(&self) -> bool;
     /// True when `model` was served recently but has no router now (its instances are
     /// gone): such requests get 503, not 404.
@@ -263,7 +264,7 @@ impl Gateway {
         if !self.fleet.discovered() {
             return json_response(
                 StatusCode::SERVICE_UNAVAILABLE,
-                &json!({"ready": false, "why": "discovery has not answered yet"}),
+                &json!({"ready": false, "why": "discovery (instances and pushed policies) has not answered yet"}),
             );
         }
         let models = self.fleet.models();
