@@ -31,6 +31,10 @@ use crate::router::subscriber::{self, SubscriberConfig};
 use crate::router::{KvRouter, KvRouterConfig};
 use crate::tokens::{PrefixTokenizer, Tokenizer};
 
+/// Longest time between two listings of the endpoints (a change to the instances prefix
+/// lists them at once).
+const ENDPOINT_RELIST: Duration = Duration::from_secs(30);
+
 /// How long a model whose instances are all gone is answered 503 rather than 404.
 const GONE_MODEL_GRACE: Duration = Duration::from_secs(600);
 
@@ -468,6 +472,13 @@ pub async fn serve(
         (_, Some(set)) => fleet.update_catalog(&set),
         (DiscoveryConfig::Etcd(etcd), None) => {
             let (fleet2, etcd2) = (fleet.clone(), etcd.clone());
+            // Endpoints are listed again as soon as the instances prefix changes (one
+            // watch on it), and every 30 s in any case.
+            let changed = Arc::new(tokio::sync::Notify::new());
+            background.push(crate::discovery::etcd::watch_changes(
+                etcd.clone(),
+                changed.clone(),
+            ));
             background.push(tokio::spawn(async move {
                 loop {
                     match list_all(&etcd2).await {
@@ -478,7 +489,10 @@ pub async fn serve(
                         }
                         Err(e) => tracing::warn!(error = %e, "cannot list endpoints; keeping the last known"),
                     }
-                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    tokio::select! {
+                        _ = changed.notified() => {}
+                        _ = tokio::time::sleep(ENDPOINT_RELIST) => {}
+                    }
                 }
             }));
             // Pushed policies are state: every event updates what etcd holds, and the

@@ -74,6 +74,47 @@ pub(crate) fn parse_kv(kv: &Kv) -> Result<(InstanceInfo, bool), DiscoveryError> 
     Ok((record.into_info(&key, registration)?, draining))
 }
 
+/// Calls `changed.notify_one()` whenever anything under `{root}/instances/` changes (a
+/// registration, a deregistration, an expiry), from one watch on the whole prefix; after
+/// a broken watch it reconnects with backoff and notifies once (a change may have been
+/// missed). Lease renewals change nothing and notify nothing.
+pub fn watch_changes(
+    config: EtcdConfig,
+    changed: std::sync::Arc<tokio::sync::Notify>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let prefix = format!("{}/instances/", config.root.trim_end_matches('/'));
+        let mut delay = config.backoff_initial;
+        loop {
+            let api = config.api();
+            let result: Result<(), DiscoveryError> = async {
+                let (_, revision) = api.range_prefix(&prefix).await?;
+                let mut watch = api.watch_prefix(&prefix, revision + 1).await?;
+                delay = config.backoff_initial;
+                let mut alive = tokio::time::interval(config.timeout);
+                alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        events = watch.next() => {
+                            if !events?.is_empty() {
+                                changed.notify_one();
+                            }
+                        }
+                        _ = alive.tick() => api.status().await?,
+                    }
+                }
+            }
+            .await;
+            if let Err(e) = result {
+                tracing::debug!(error = %e, retry_in = ?delay, "instance watch interrupted");
+            }
+            changed.notify_one();
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(config.backoff_max);
+        }
+    })
+}
+
 /// Lists every registered instance under `root` (all endpoints).
 pub async fn list_all(
     config: &EtcdConfig,
