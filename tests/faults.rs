@@ -410,6 +410,58 @@ async fn a_model_whose_workers_are_all_gone_answers_503_until_one_returns() {
     assert_eq!(s, StatusCode::NOT_FOUND);
 }
 
+/// An endpoint whose workers have all been gone for the grace period is released: its
+/// router, Client and metrics series are gone and the model is unknown (404); when a
+/// worker registers again the endpoint is set up anew and serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_gone_past_its_grace_is_released_and_comes_back_anew() {
+    let etcd = Etcd::start();
+    let (w, _) = mock_worker(&["--etcd", &etcd.url(), "--speedup", "100"]).await;
+    let (_router, url) = serve(&[
+        "--etcd",
+        &etcd.url(),
+        "--admin-token",
+        TOKEN,
+        "--endpoint-grace-secs",
+        "1",
+    ])
+    .await;
+    let c = http::client();
+    assert_eq!(
+        complete(&c, &url, &chat("hi", 1, false)).await.0,
+        StatusCode::OK
+    );
+    let series = |c: http::HttpClient, url: String| async move {
+        let (_, body) = http::get(&c, &format!("{url}/metrics")).await;
+        String::from_utf8_lossy(&body).contains("endpoint=\"default/mock/generate\"")
+    };
+    assert!(series(c.clone(), url.clone()).await);
+    w.terminate();
+    eventually("the endpoint released after its grace", || async {
+        let gone = complete(&c, &url, &chat("hi", 1, false)).await.0 == StatusCode::NOT_FOUND;
+        gone && !series(c.clone(), url.clone()).await
+    })
+    .await;
+    let (s, _, endpoints) = http::send(
+        &c,
+        Method::GET,
+        &format!("{url}/admin/endpoints"),
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+        "",
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(s, StatusCode::OK);
+    let endpoints = String::from_utf8_lossy(&endpoints);
+    assert!(!endpoints.contains("default/mock/generate"), "{endpoints}");
+    let (_w2, _) = mock_worker(&["--etcd", &etcd.url(), "--speedup", "100"]).await;
+    eventually("the endpoint set up anew", || async {
+        complete(&c, &url, &chat("hi", 1, false)).await.0 == StatusCode::OK
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_loris_clients_do_not_stop_others_and_are_cut_off() {
     let (_workers, _router, url) = fleet(1, |_| vec![], &["--client-idle-timeout-secs", "1"]).await;

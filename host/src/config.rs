@@ -66,6 +66,10 @@ pub struct ServeArgs {
     /// which other users of the machine can read).
     #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN_FILE")]
     pub admin_token_file: Option<PathBuf>,
+    /// How long a model whose workers are all gone is answered 503 (then 404), seconds;
+    /// then its endpoint's router, Client and subscriptions are released [default: 600].
+    #[arg(long, env = "SWITCHYARD_ENDPOINT_GRACE_SECS")]
+    pub endpoint_grace_secs: Option<u64>,
     /// Serve the admin API on this address only (e.g. a private interface), with
     /// /metrics and /health; the public listener then has no /admin/ routes.
     #[arg(long, env = "SWITCHYARD_ADMIN_LISTEN")]
@@ -241,6 +245,7 @@ pub struct FileConfig {
     admin_token: Option<String>,
     admin_token_file: Option<PathBuf>,
     admin_listen: Option<SocketAddr>,
+    endpoint_grace_secs: Option<u64>,
     tokenizer: Option<PathBuf>,
     chat_template: Option<PathBuf>,
     tokenizer_cache_tokens: Option<usize>,
@@ -449,6 +454,8 @@ pub struct ServeConfig {
     pub forward_authorization: bool,
     /// Per-endpoint exceptions to `forward_authorization`.
     pub endpoint_forward_authorization: BTreeMap<EndpointPath, bool>,
+    /// How long a model with no instances is answered 503 and its endpoint kept.
+    pub endpoint_grace: Duration,
     /// Where the admin API is served, if not on `listen`.
     pub admin_listen: Option<SocketAddr>,
     /// Keys whose signed etcd pushes are applied (none: every push is).
@@ -872,6 +879,11 @@ impl ServeArgs {
             endpoint_forward_authorization,
             policy_trusted_keys,
             admin_listen: self.admin_listen.or(file.admin_listen),
+            endpoint_grace: Duration::from_secs(
+                self.endpoint_grace_secs
+                    .or(file.endpoint_grace_secs)
+                    .unwrap_or(600),
+            ),
             discovery,
         })
     }

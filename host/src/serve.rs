@@ -35,9 +35,6 @@ use crate::tokens::{PrefixTokenizer, Tokenizer};
 /// lists them at once).
 const ENDPOINT_RELIST: Duration = Duration::from_secs(30);
 
-/// How long a model whose instances are all gone is answered 503 rather than 404.
-const GONE_MODEL_GRACE: Duration = Duration::from_secs(600);
-
 /// What the catalog knows about an endpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct EndpointEntry {
@@ -68,15 +65,15 @@ pub struct ServeFleet {
     /// model → endpoint, replaced whole on every discovery pass.
     catalog: ArcSwap<BTreeMap<String, EndpointEntry>>,
     /// Models that lost their last instance, and when: answered 503 (not 404) for
-    /// [`GONE_MODEL_GRACE`].
-    gone: Mutex<HashMap<String, std::time::Instant>>,
+    /// `endpoint_grace`; then its router, Client and their tasks are released.
+    gone: Mutex<HashMap<String, (std::time::Instant, EndpointPath)>>,
     discovered: AtomicBool,
     /// etcd's pushed policies have been listed and reconciled once (always true without
     /// etcd): a replica is ready only then, so it never serves with a policy the fleet
     /// has replaced.
     policies_listed: AtomicBool,
-    /// Created once per endpoint; never removed (an endpoint that loses all instances
-    /// keeps its router, which answers 503).
+    /// One per endpoint with instances; an endpoint that loses them all keeps its router
+    /// (answering 503) for `endpoint_grace`, then it is released.
     routers: Mutex<HashMap<EndpointPath, Arc<KvRouter>>>,
     /// What every endpoint's router starts from (its block size and, per endpoint,
     /// `forward_authorization` filled in).
@@ -86,6 +83,9 @@ pub struct ServeFleet {
     pushes: Mutex<Pushes>,
     /// Serialises reconciliations.
     reconciling: Mutex<()>,
+    /// How long a model whose instances are all gone is answered 503 (not 404) and its
+    /// endpoint's resources kept.
+    endpoint_grace: Duration,
     /// Keys whose signed pushes are applied (none: every push is).
     trusted_keys: Vec<crate::discovery::signing::PublicKey>,
     endpoint_forward_authorization: BTreeMap<EndpointPath, bool>,
@@ -164,13 +164,27 @@ impl ServeFleet {
                     catalog.insert(model.clone(), entry.clone());
                 } else {
                     tracing::warn!(model, endpoint = %entry.endpoint, "the model has no instances left; answering 503");
-                    gone.insert(model.clone(), std::time::Instant::now());
+                    gone.insert(
+                        model.clone(),
+                        (std::time::Instant::now(), entry.endpoint.clone()),
+                    );
                 }
             }
             for model in catalog.keys() {
                 gone.remove(model);
             }
-            gone.retain(|_, at| at.elapsed() < GONE_MODEL_GRACE);
+            let grace = self.endpoint_grace;
+            let expired: Vec<(String, EndpointPath)> = gone
+                .iter()
+                .filter(|(_, (at, _))| at.elapsed() >= grace)
+                .map(|(m, (_, e))| (m.clone(), e.clone()))
+                .collect();
+            for (model, endpoint) in expired {
+                gone.remove(&model);
+                if !catalog.values().any(|e| e.endpoint == endpoint) {
+                    self.release(&endpoint);
+                }
+            }
         }
         for entry in catalog.values() {
             if let Err(e) = self.ensure_router(entry) {
@@ -181,6 +195,19 @@ impl ServeFleet {
         }
         self.catalog.store(Arc::new(catalog));
         self.discovered.store(true, Ordering::Relaxed);
+    }
+
+    /// Lets go of an endpoint whose instances have been gone for the grace period: its
+    /// router (with its policy, index and metrics series), its Client (discovery watch,
+    /// probes) and the event subscriptions, which end with them. If the endpoint comes
+    /// back it is set up anew (and its push applied again).
+    fn release(&self, endpoint: &EndpointPath) {
+        let router = self.routers.lock().remove(endpoint);
+        self.registry.release(endpoint);
+        self.pushes.lock().attempted.remove(endpoint);
+        if router.is_some() {
+            tracing::info!(endpoint = %endpoint, "endpoint released: no instances for the grace period");
+        }
     }
 
     /// Swaps `endpoint`'s policy to a `.wasm` file's bytes, after validation.
@@ -342,7 +369,7 @@ impl Fleet for ServeFleet {
         self.gone
             .lock()
             .get(model)
-            .is_some_and(|at| at.elapsed() < GONE_MODEL_GRACE)
+            .is_some_and(|(at, _)| at.elapsed() < self.endpoint_grace)
     }
 }
 
@@ -465,6 +492,7 @@ pub async fn serve(
         engine_metrics: config.engine_metrics,
         pushes: Mutex::new(Pushes::default()),
         reconciling: Mutex::new(()),
+        endpoint_grace: config.endpoint_grace,
         trusted_keys: config.policy_trusted_keys.clone(),
     });
     let mut background = Vec::new();
@@ -489,9 +517,11 @@ pub async fn serve(
                         }
                         Err(e) => tracing::warn!(error = %e, "cannot list endpoints; keeping the last known"),
                     }
+                    // A short grace needs listings at least that often to release on time.
+                    let relist = ENDPOINT_RELIST.min(fleet2.endpoint_grace.max(Duration::from_secs(1)));
                     tokio::select! {
                         _ = changed.notified() => {}
-                        _ = tokio::time::sleep(ENDPOINT_RELIST) => {}
+                        _ = tokio::time::sleep(relist) => {}
                     }
                 }
             }));

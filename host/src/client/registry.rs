@@ -45,15 +45,34 @@ impl ClientRegistry {
         let (tx, mut rx) = mpsc::unbounded_channel();
         self.discovery.watch(endpoint.clone(), tx);
         let weak = Arc::downgrade(&client);
-        // Ends when the client is dropped; dropping `rx` then ends the discovery task.
+        // Ends within a second of the client being dropped (released); dropping `rx` then
+        // ends the discovery task and its etcd watch.
         tokio::spawn(async move {
-            while let Some(update) = rx.recv().await {
-                let Some(client) = weak.upgrade() else { return };
-                client.apply(update);
+            let mut check = tokio::time::interval(std::time::Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    update = rx.recv() => {
+                        let (Some(update), Some(client)) = (update, weak.upgrade()) else {
+                            return;
+                        };
+                        client.apply(update);
+                    }
+                    _ = check.tick() => {
+                        if weak.strong_count() == 0 {
+                            return;
+                        }
+                    }
+                }
             }
         });
         clients.insert(endpoint.clone(), client.clone());
         client
+    }
+
+    /// Forgets `endpoint`'s client: once its last user lets go, its discovery watch and
+    /// health probes end. Returns whether there was one.
+    pub fn release(&self, endpoint: &EndpointPath) -> bool {
+        self.clients.lock().remove(endpoint).is_some()
     }
 
     /// Every client created so far.

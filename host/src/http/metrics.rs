@@ -133,11 +133,27 @@ impl Timings {
     fn render(&self, out: &mut String) {
         let _ = prometheus_client::encoding::text::encode_registry(out, &self.registry);
     }
+
+    /// Drops the series of an endpoint the router let go of.
+    pub fn forget(&self, endpoint: &str) {
+        let l = label(endpoint);
+        for family in [
+            &self.decision,
+            &self.policy_call,
+            &self.first_byte,
+            &self.duration,
+        ] {
+            family.remove(&l);
+        }
+    }
 }
 
 /// The front door's own counters.
 #[derive(Debug, Default)]
 pub struct Metrics {
+    /// The endpoints routed at the last scrape: the timing series of those gone since
+    /// are dropped.
+    timed_endpoints: parking_lot::Mutex<std::collections::HashSet<String>>,
     /// Requests answered, by class: 2xx, 4xx, 5xx.
     pub responses_2xx: AtomicU64,
     /// 4xx answers.
@@ -461,6 +477,16 @@ impl Metrics {
                     load(c)
                 );
             }
+        }
+        // Endpoints released since the last scrape leave no series behind.
+        let live: std::collections::HashSet<String> =
+            routers.iter().map(|r| r.endpoint().to_string()).collect();
+        {
+            let mut seen = self.timed_endpoints.lock();
+            for gone in seen.difference(&live) {
+                self.timings.forget(gone);
+            }
+            *seen = live;
         }
         self.timings.render(&mut s);
         s
