@@ -462,6 +462,59 @@ async fn an_endpoint_gone_past_its_grace_is_released_and_comes_back_anew() {
     .await;
 }
 
+/// A model served by two endpoints (two deployments of it) gets a router for each;
+/// requests go to the one with available workers, so when one deployment's workers all
+/// leave the model is still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_served_by_two_endpoints_is_routed_to_the_one_with_workers() {
+    let etcd = Etcd::start();
+    let (_blue, _) = mock_worker(&[
+        "--etcd",
+        &etcd.url(),
+        "--speedup",
+        "100",
+        "--endpoint",
+        "blue/mock/generate",
+    ])
+    .await;
+    let (green, _) = mock_worker(&["--etcd", &etcd.url(), "--speedup", "100"]).await;
+    let (_router, url) = serve(&["--etcd", &etcd.url(), "--admin-token", TOKEN]).await;
+    let c = http::client();
+    let endpoints = || async {
+        let (_, _, b) = http::send(
+            &c,
+            Method::GET,
+            &format!("{url}/admin/endpoints"),
+            &[("authorization", &format!("Bearer {TOKEN}"))],
+            "",
+            PATIENCE,
+        )
+        .await
+        .unwrap();
+        String::from_utf8_lossy(&b).to_string()
+    };
+    eventually("a router for each endpoint", || async {
+        let e = endpoints().await;
+        e.contains("blue/mock/generate") && e.contains("default/mock/generate")
+    })
+    .await;
+    assert_eq!(
+        complete(&c, &url, &chat("hi", 1, false)).await.0,
+        StatusCode::OK
+    );
+    green.terminate();
+    // Once discovery has seen the green workers leave, every request is served by blue.
+    eventually("the model served by the other endpoint", || async {
+        for _ in 0..10 {
+            if complete(&c, &url, &chat("hi", 1, false)).await.0 != StatusCode::OK {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_loris_clients_do_not_stop_others_and_are_cut_off() {
     let (_workers, _router, url) = fleet(1, |_| vec![], &["--client-idle-timeout-secs", "1"]).await;

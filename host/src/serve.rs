@@ -63,10 +63,12 @@ pub struct ServeFleet {
     default_policy: PolicySpec,
     endpoint_policies: BTreeMap<EndpointPath, PolicySpec>,
     /// model → endpoint, replaced whole on every discovery pass.
-    catalog: ArcSwap<BTreeMap<String, EndpointEntry>>,
+    catalog: ArcSwap<BTreeMap<String, Vec<EndpointEntry>>>,
     /// Models that lost their last instance, and when: answered 503 (not 404) for
     /// `endpoint_grace`; then its router, Client and their tasks are released.
-    gone: Mutex<HashMap<String, (std::time::Instant, EndpointPath)>>,
+    gone: Mutex<HashMap<String, std::time::Instant>>,
+    /// Endpoints with a router and no instances, and since when.
+    idle_since: Mutex<HashMap<EndpointPath, std::time::Instant>>,
     discovered: AtomicBool,
     /// etcd's pushed policies have been listed and reconciled once (always true without
     /// etcd): a replica is ready only then, so it never serves with a policy the fleet
@@ -136,57 +138,84 @@ impl ServeFleet {
     }
 
     /// Replaces the catalog from a full list of instances and creates new routers. A
-    /// model missing from the list stays while its Client still holds instances (e.g.
-    /// ones held after a mass lease expiry); then it is remembered as gone.
+    /// model may be served by several endpoints (e.g. two deployments): each gets its
+    /// router, and a request goes to the one with the most available workers. An
+    /// endpoint missing from the list stays while its Client still holds instances (e.g.
+    /// ones held after a mass lease expiry); a model with none left is remembered as
+    /// gone (503), and an endpoint without instances for the grace period is released.
     fn update_catalog(&self, instances: &[InstanceInfo]) {
-        let mut catalog = BTreeMap::new();
+        let mut catalog: BTreeMap<String, Vec<EndpointEntry>> = BTreeMap::new();
         for i in instances {
-            catalog
-                .entry(i.model.clone())
-                .or_insert_with(|| EndpointEntry {
+            let entries = catalog.entry(i.model.clone()).or_default();
+            if !entries.iter().any(|e| e.endpoint == i.endpoint) {
+                entries.push(EndpointEntry {
                     endpoint: i.endpoint.clone(),
                     block_size: i.block_size,
                 });
+            }
         }
         let old = self.catalog.load_full();
-        {
-            let mut gone = self.gone.lock();
-            for (model, entry) in old.iter() {
-                if catalog.contains_key(model) {
-                    continue;
-                }
+        for (model, entries) in old.iter() {
+            for entry in entries {
+                let listed = catalog
+                    .get(model)
+                    .is_some_and(|es| es.iter().any(|e| e.endpoint == entry.endpoint));
                 let holds = self
                     .routers
                     .lock()
                     .get(&entry.endpoint)
                     .is_some_and(|r| !r.client().snapshot().instances.is_empty());
-                if holds {
-                    catalog.insert(model.clone(), entry.clone());
-                } else {
-                    tracing::warn!(model, endpoint = %entry.endpoint, "the model has no instances left; answering 503");
-                    gone.insert(
-                        model.clone(),
-                        (std::time::Instant::now(), entry.endpoint.clone()),
-                    );
+                if !listed && holds {
+                    catalog
+                        .entry(model.clone())
+                        .or_default()
+                        .push(entry.clone());
+                }
+            }
+        }
+        for entries in catalog.values_mut() {
+            entries.sort_by(|a, b| a.endpoint.cmp(&b.endpoint));
+        }
+        {
+            let mut gone = self.gone.lock();
+            for model in old.keys() {
+                if !catalog.contains_key(model) && !gone.contains_key(model) {
+                    tracing::warn!(model, "the model has no instances left; answering 503");
+                    gone.insert(model.clone(), std::time::Instant::now());
                 }
             }
             for model in catalog.keys() {
                 gone.remove(model);
             }
-            let grace = self.endpoint_grace;
-            let expired: Vec<(String, EndpointPath)> = gone
-                .iter()
-                .filter(|(_, (at, _))| at.elapsed() >= grace)
-                .map(|(m, (_, e))| (m.clone(), e.clone()))
-                .collect();
-            for (model, endpoint) in expired {
-                gone.remove(&model);
-                if !catalog.values().any(|e| e.endpoint == endpoint) {
+            gone.retain(|_, at| at.elapsed() < self.endpoint_grace);
+        }
+        // Endpoints with a router but no place in the catalog: released after the grace.
+        let serving: std::collections::HashSet<EndpointPath> = catalog
+            .values()
+            .flatten()
+            .map(|e| e.endpoint.clone())
+            .collect();
+        let idle: Vec<EndpointPath> = self
+            .routers
+            .lock()
+            .keys()
+            .filter(|e| !serving.contains(*e))
+            .cloned()
+            .collect();
+        {
+            let mut since = self.idle_since.lock();
+            since.retain(|e, _| idle.contains(e));
+            for endpoint in idle {
+                let at = *since
+                    .entry(endpoint.clone())
+                    .or_insert_with(std::time::Instant::now);
+                if at.elapsed() >= self.endpoint_grace {
+                    since.remove(&endpoint);
                     self.release(&endpoint);
                 }
             }
         }
-        for entry in catalog.values() {
+        for entry in catalog.values().flatten() {
             if let Err(e) = self.ensure_router(entry) {
                 tracing::error!(endpoint = %entry.endpoint, error = %e, "cannot set up the endpoint's policy");
             }
@@ -338,9 +367,32 @@ impl ServeFleet {
 }
 
 impl Fleet for ServeFleet {
+    /// The router of the model's endpoint with the most available workers; on a tie, the
+    /// one with fewer requests in flight per available worker (so two equal deployments
+    /// share the traffic), then the first by endpoint path.
     fn router_for_model(&self, model: &str) -> Option<Arc<KvRouter>> {
-        let entry = self.catalog.load().get(model).cloned()?;
-        self.ensure_router(&entry).ok()
+        let entries = self.catalog.load().get(model).cloned()?;
+        if let [only] = entries.as_slice() {
+            return self.ensure_router(only).ok();
+        }
+        // (available workers, fewer in flight) and the router.
+        type Score = (usize, std::cmp::Reverse<u64>);
+        let mut best: Option<(Score, Arc<KvRouter>)> = None;
+        for entry in &entries {
+            let Ok(router) = self.ensure_router(entry) else {
+                continue;
+            };
+            let available = router.client().available();
+            let in_flight: u64 = available
+                .iter()
+                .map(|id| u64::from(router.load_of(*id).in_flight))
+                .sum();
+            let score = (available.len(), std::cmp::Reverse(in_flight));
+            if best.as_ref().is_none_or(|(b, _)| score > *b) {
+                best = Some((score, router));
+            }
+        }
+        best.map(|(_, r)| r)
     }
 
     fn router(&self, endpoint: &EndpointPath) -> Option<Arc<KvRouter>> {
@@ -357,7 +409,7 @@ impl Fleet for ServeFleet {
         self.catalog
             .load()
             .iter()
-            .map(|(m, e)| (m.clone(), e.endpoint.clone()))
+            .filter_map(|(m, es)| Some((m.clone(), es.first()?.endpoint.clone())))
             .collect()
     }
 
@@ -369,7 +421,7 @@ impl Fleet for ServeFleet {
         self.gone
             .lock()
             .get(model)
-            .is_some_and(|(at, _)| at.elapsed() < self.endpoint_grace)
+            .is_some_and(|at| at.elapsed() < self.endpoint_grace)
     }
 }
 
@@ -478,6 +530,7 @@ pub async fn serve(
         endpoint_policies: config.endpoint_policies.clone(),
         catalog: ArcSwap::from_pointee(BTreeMap::new()),
         gone: Mutex::new(HashMap::new()),
+        idle_since: Mutex::new(HashMap::new()),
         discovered: AtomicBool::new(false),
         policies_listed: AtomicBool::new(!matches!(config.discovery, DiscoveryConfig::Etcd(_))),
         routers: Mutex::new(HashMap::new()),
