@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::etcd::Etcd;
 use common::http::{self, HttpClient, post_json};
 use common::procs::{Proc, mock_worker, serve};
-use common::router::{PATIENCE, TOKEN, available, eventually, instance, metric};
+use common::router::{PATIENCE, TOKEN, admin_get_text, available, eventually, instance, metric};
 use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -442,18 +442,8 @@ async fn an_endpoint_gone_past_its_grace_is_released_and_comes_back_anew() {
         gone && !series(c.clone(), url.clone()).await
     })
     .await;
-    let (s, _, endpoints) = http::send(
-        &c,
-        Method::GET,
-        &format!("{url}/admin/endpoints"),
-        &[("authorization", &format!("Bearer {TOKEN}"))],
-        "",
-        PATIENCE,
-    )
-    .await
-    .unwrap();
+    let (s, endpoints) = admin_get_text(&c, &format!("{url}/admin/endpoints")).await;
     assert_eq!(s, StatusCode::OK);
-    let endpoints = String::from_utf8_lossy(&endpoints);
     assert!(!endpoints.contains("default/mock/generate"), "{endpoints}");
     let (_w2, _) = mock_worker(&["--etcd", &etcd.url(), "--speedup", "100"]).await;
     eventually("the endpoint set up anew", || async {
@@ -481,17 +471,9 @@ async fn a_model_served_by_two_endpoints_is_routed_to_the_one_with_workers() {
     let (_router, url) = serve(&["--etcd", &etcd.url(), "--admin-token", TOKEN]).await;
     let c = http::client();
     let endpoints = || async {
-        let (_, _, b) = http::send(
-            &c,
-            Method::GET,
-            &format!("{url}/admin/endpoints"),
-            &[("authorization", &format!("Bearer {TOKEN}"))],
-            "",
-            PATIENCE,
-        )
-        .await
-        .unwrap();
-        String::from_utf8_lossy(&b).to_string()
+        admin_get_text(&c, &format!("{url}/admin/endpoints"))
+            .await
+            .1
     };
     eventually("a router for each endpoint", || async {
         let e = endpoints().await;

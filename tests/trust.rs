@@ -10,8 +10,8 @@ use std::process::Command;
 use common::etcd::Etcd;
 use common::http;
 use common::procs::{free_port, mock_worker, serve};
-use common::router::{PATIENCE, TOKEN, eventually, metric};
-use hyper::{Method, StatusCode};
+use common::router::{TOKEN, admin_get_text, eventually, metric};
+use hyper::StatusCode;
 use serde_json::{Value, json};
 
 /// Runs `switchyard ARGS` to completion with `env`: (success, stdout, stderr).
@@ -34,18 +34,13 @@ fn path(p: &Path) -> &str {
 }
 
 async fn policy_name(c: &http::HttpClient, admin: &str) -> String {
-    let (s, _, b) = http::send(
+    let (s, b) = admin_get_text(
         c,
-        Method::GET,
         &format!("{admin}/admin/endpoints/default/mock/generate/policy"),
-        &[("authorization", &format!("Bearer {TOKEN}"))],
-        "",
-        PATIENCE,
     )
-    .await
-    .unwrap();
-    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
-    serde_json::from_slice::<Value>(&b).unwrap()["name"]
+    .await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    serde_json::from_str::<Value>(&b).unwrap()["name"]
         .as_str()
         .unwrap()
         .to_string()
@@ -94,18 +89,9 @@ async fn a_router_requiring_signatures_applies_only_signed_pushes() {
     let c = http::client();
     chat_ok(&c, &router).await;
     assert_eq!(policy_name(&c, &admin).await, "kv-cost");
-    let (s, _, b) = http::send(
-        &c,
-        Method::GET,
-        &format!("{router}/admin/endpoints"),
-        &[("authorization", &format!("Bearer {TOKEN}"))],
-        "",
-        PATIENCE,
-    )
-    .await
-    .unwrap();
+    let (s, b) = admin_get_text(&c, &format!("{router}/admin/endpoints")).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
-    assert!(String::from_utf8_lossy(&b).contains("admin listener"));
+    assert!(b.contains("admin listener"), "{b}");
     let (s, _) = http::get(&c, &format!("{admin}/v1/models")).await;
     assert_eq!(
         s,
@@ -272,20 +258,12 @@ async fn every_replica_runs_what_etcd_holds_whenever_it_starts() {
     let policy_of = |router: String, endpoint: &'static str| {
         let c = c.clone();
         async move {
-            let (s, _, b) = http::send(
-                &c,
-                Method::GET,
-                &format!("{router}/admin/endpoints/{endpoint}/policy"),
-                &[("authorization", &format!("Bearer {TOKEN}"))],
-                "",
-                PATIENCE,
-            )
-            .await
-            .unwrap();
+            let (s, b) =
+                admin_get_text(&c, &format!("{router}/admin/endpoints/{endpoint}/policy")).await;
             if s != StatusCode::OK {
                 return String::new();
             }
-            serde_json::from_slice::<Value>(&b).unwrap()["name"]
+            serde_json::from_str::<Value>(&b).unwrap()["name"]
                 .as_str()
                 .unwrap_or_default()
                 .to_string()

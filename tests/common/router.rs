@@ -22,6 +22,21 @@ pub async fn eventually<F: std::future::Future<Output = bool>>(
     }
 }
 
+/// `GET url` with the admin token: the status and the body as text.
+pub async fn admin_get_text(c: &HttpClient, url: &str) -> (StatusCode, String) {
+    let (status, _, body) = http::send(
+        c,
+        Method::GET,
+        url,
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+        "",
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
 /// The endpoint's instances from the admin API (`{"panic": .., "instances": [..]}`).
 pub async fn instances(c: &HttpClient, router: &str) -> Value {
     let (status, _, body) = http::send(
