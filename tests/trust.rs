@@ -33,17 +33,30 @@ fn path(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-async fn policy_name(c: &http::HttpClient, admin: &str) -> String {
-    let (s, b) = admin_get_text(
-        c,
-        &format!("{admin}/admin/endpoints/default/mock/generate/policy"),
-    )
-    .await;
-    assert_eq!(s, StatusCode::OK, "{b}");
+/// The endpoint mock workers register under.
+const EP: &str = "default/mock/generate";
+
+/// The name of the policy `router` runs for `endpoint` (empty if the admin API has no
+/// such endpoint yet).
+async fn policy_of(c: &http::HttpClient, router: &str, endpoint: &str) -> String {
+    let (s, b) = admin_get_text(c, &format!("{router}/admin/endpoints/{endpoint}/policy")).await;
+    if s != StatusCode::OK {
+        return String::new();
+    }
     serde_json::from_str::<Value>(&b).unwrap()["name"]
         .as_str()
-        .unwrap()
+        .unwrap_or_default()
         .to_string()
+}
+
+/// `switchyard policy push round-robin --endpoint ENDPOINT ARGS...`, which must succeed;
+/// its output.
+fn push_round_robin(endpoint: &str, args: &[&str]) -> String {
+    let mut all = vec!["policy", "push", "round-robin", "--endpoint", endpoint];
+    all.extend_from_slice(args);
+    let (ok, out, err) = cli(&all, &[]);
+    assert!(ok, "{err}");
+    out
 }
 
 async fn chat_ok(c: &http::HttpClient, router: &str) {
@@ -88,7 +101,7 @@ async fn a_router_requiring_signatures_applies_only_signed_pushes() {
     let admin = format!("http://{admin}");
     let c = http::client();
     chat_ok(&c, &router).await;
-    assert_eq!(policy_name(&c, &admin).await, "kv-cost");
+    assert_eq!(policy_of(&c, &admin, EP).await, "kv-cost");
     let (s, b) = admin_get_text(&c, &format!("{router}/admin/endpoints")).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
     assert!(b.contains("admin listener"), "{b}");
@@ -100,19 +113,9 @@ async fn a_router_requiring_signatures_applies_only_signed_pushes() {
     );
 
     let push = |extra: &[&str]| {
-        let mut args = vec![
-            "policy",
-            "push",
-            "round-robin",
-            "--etcd",
-            &url,
-            "--endpoint",
-            "default/mock/generate",
-        ];
+        let mut args = vec!["--etcd", url.as_str()];
         args.extend_from_slice(extra);
-        let (ok, out, err) = cli(&args, &[]);
-        assert!(ok, "{err}");
-        out
+        push_round_robin(EP, &args)
     };
     let unsigned = |c: http::HttpClient, admin: String| async move {
         metric(
@@ -136,13 +139,13 @@ async fn a_router_requiring_signatures_applies_only_signed_pushes() {
         async move { unsigned(c, admin).await == 2.0 }
     })
     .await;
-    assert_eq!(policy_name(&c, &admin).await, "kv-cost");
+    assert_eq!(policy_of(&c, &admin, EP).await, "kv-cost");
     chat_ok(&c, &router).await;
 
     push(&["--sign", path(&ops)]);
     eventually("the signed push applied", || {
         let (c, admin) = (c.clone(), admin.clone());
-        async move { policy_name(&c, &admin).await == "round-robin" }
+        async move { policy_of(&c, &admin, EP).await == "round-robin" }
     })
     .await;
     chat_ok(&c, &router).await;
@@ -222,19 +225,10 @@ async fn every_command_reaches_an_etcd_with_tls_and_authentication() {
     assert!(ok, "{err}");
     assert!(out.contains(&worker), "{out}");
 
-    let mut push_args = vec![
-        "policy",
-        "push",
-        "round-robin",
-        "--endpoint",
-        "default/mock/generate",
-    ];
-    push_args.extend_from_slice(&access);
-    let (ok, _, err) = cli(&push_args, &[]);
-    assert!(ok, "{err}");
+    push_round_robin(EP, &access);
     eventually("the pushed policy", || {
         let (c, router) = (c.clone(), router.clone());
-        async move { policy_name(&c, &router).await == "round-robin" }
+        async move { policy_of(&c, &router, EP).await == "round-robin" }
     })
     .await;
 }
@@ -250,69 +244,32 @@ async fn every_replica_runs_what_etcd_holds_whenever_it_starts() {
     let (_worker, _) = mock_worker(&["--etcd", &url]).await;
     let (_a, a) = serve(&["--etcd", &url, "--admin-token", TOKEN]).await;
     chat_ok(&c, &a).await;
-    let cli_ok = |args: &[&str]| {
-        let (ok, out, err) = cli(args, &[]);
-        assert!(ok, "{err}");
-        out
-    };
-    let policy_of = |router: String, endpoint: &'static str| {
-        let c = c.clone();
-        async move {
-            let (s, b) =
-                admin_get_text(&c, &format!("{router}/admin/endpoints/{endpoint}/policy")).await;
-            if s != StatusCode::OK {
-                return String::new();
-            }
-            serde_json::from_str::<Value>(&b).unwrap()["name"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string()
-        }
-    };
-    let ep = "default/mock/generate";
-    cli_ok(&[
-        "policy",
-        "push",
-        "round-robin",
-        "--etcd",
-        &url,
-        "--endpoint",
-        ep,
-    ]);
-    eventually("the push on the running replica", || {
-        let a = a.clone();
-        async move { policy_of(a, ep).await == "round-robin" }
+    push_round_robin(EP, &["--etcd", &url]);
+    eventually("the push on the running replica", || async {
+        policy_of(&c, &a, EP).await == "round-robin"
     })
     .await;
 
     // A replica started after the push runs it from the moment it is ready (it is not
     // ready before its policies are reconciled).
     let (_b, b) = serve(&["--etcd", &url, "--admin-token", TOKEN]).await;
-    assert_eq!(policy_of(b.clone(), ep).await, "round-robin");
+    assert_eq!(policy_of(&c, &b, EP).await, "round-robin");
     chat_ok(&c, &b).await;
 
     // Deleting the push returns both to their configured policy.
-    let out = cli_ok(&["policy", "remove", "--etcd", &url, "--endpoint", ep]);
+    let (ok, out, err) = cli(&["policy", "remove", "--etcd", &url, "--endpoint", EP], &[]);
+    assert!(ok, "{err}");
     assert!(out.contains("removed the push"), "{out}");
     for r in [&a, &b] {
-        eventually("back to the configured policy", || {
-            let r = r.clone();
-            async move { policy_of(r, ep).await == "kv-cost" }
+        eventually("back to the configured policy", || async {
+            policy_of(&c, r, EP).await == "kv-cost"
         })
         .await;
     }
 
     // A push for a model with no worker yet applies when its first worker registers.
     let late = "default/late/generate";
-    cli_ok(&[
-        "policy",
-        "push",
-        "round-robin",
-        "--etcd",
-        &url,
-        "--endpoint",
-        late,
-    ]);
+    push_round_robin(late, &["--etcd", &url]);
     let listen = format!("127.0.0.1:{}", free_port());
     let _late_worker = common::procs::switchyard(&[
         "mock-worker",
@@ -339,9 +296,8 @@ async fn every_replica_runs_what_etcd_holds_whenever_it_starts() {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     for r in [&a, &b] {
-        eventually("the push for the model that came later", || {
-            let r = r.clone();
-            async move { policy_of(r, late).await == "round-robin" }
+        eventually("the push for the model that came later", || async {
+            policy_of(&c, r, late).await == "round-robin"
         })
         .await;
     }

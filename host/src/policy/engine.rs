@@ -121,13 +121,6 @@ pub(crate) struct EngineInner {
     pub(crate) memory: Arc<MemoryBudget>,
 }
 
-impl EngineInner {
-    /// The cap on all instances' memory together.
-    pub(crate) fn total_memory_cap(&self) -> usize {
-        self.config.total_memory_cap
-    }
-}
-
 const MAX_COMPILED_IN_MEMORY: usize = 32;
 
 /// Most compiles running or waiting at once; more are refused as busy.

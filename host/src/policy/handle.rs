@@ -184,9 +184,6 @@ pub struct PolicyHandle {
     rollbacks: AtomicU64,
     totals: Totals,
     seed_base: u64,
-    /// Time spent in policy calls (nanoseconds) and their number, for metrics.
-    call_nanos: AtomicU64,
-    calls: AtomicU64,
 }
 
 impl PolicyHandle {
@@ -208,8 +205,6 @@ impl PolicyHandle {
             rollbacks: AtomicU64::new(0),
             totals: Totals::default(),
             seed_base,
-            call_nanos: AtomicU64::new(0),
-            calls: AtomicU64::new(0),
         })
     }
 
@@ -243,9 +238,6 @@ impl PolicyHandle {
         let started = std::time::Instant::now();
         let result = active.policy.call(&req, candidates);
         decision.call_time = started.elapsed();
-        self.call_nanos
-            .fetch_add(decision.call_time.as_nanos() as u64, Ordering::Relaxed);
-        self.calls.fetch_add(1, Ordering::Relaxed);
         match result {
             Ok(outcome) => {
                 self.consecutive_failures.store(0, Ordering::Relaxed);
@@ -466,14 +458,6 @@ impl PolicyHandle {
             rate_rollbacks: t.rate_rollbacks.load(Ordering::Relaxed),
             refusals: t.refusals.each_ref().map(|n| n.load(Ordering::Relaxed)),
         }
-    }
-
-    /// Policy calls made through this handle and the total time they took.
-    pub fn call_time(&self) -> (u64, std::time::Duration) {
-        (
-            self.calls.load(Ordering::Relaxed),
-            std::time::Duration::from_nanos(self.call_nanos.load(Ordering::Relaxed)),
-        )
     }
 
     /// The current policy.

@@ -649,7 +649,7 @@ impl Shared {
         }
         let text = describe_error(e);
         if text.contains("all policy instances together") {
-            return CallFailure::TotalMemory(self.engine.inner.total_memory_cap());
+            return CallFailure::TotalMemory(cfg.total_memory_cap);
         }
         if text.contains("growing memory") || text.contains("memory") && text.contains("limit") {
             return CallFailure::OutOfMemory(cfg.memory_cap);
