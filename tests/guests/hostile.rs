@@ -35,4 +35,25 @@ fn reject(reason: &str) -> Rejection {
 
 struct Hostile;
 
+/// The `Guest` of a hostile guest that configures itself with `{"after": N}` and names
+/// itself after its crate: only its `choose` is its own.
+#[allow(unused_macros)]
+macro_rules! hostile_choose {
+    ($(#[$doc:meta])* fn choose($req:ident: Request, $candidates:ident: Candidates) -> Result<u64, Rejection> $body:block) => {
+        #[allow(unused_variables)]
+        impl Guest for Hostile {
+            fn configure(config: String) -> Result<(), String> {
+                configure_after(&config)
+            }
+
+            fn describe() -> Info {
+                describe_self()
+            }
+
+            $(#[$doc])*
+            fn choose($req: Request, $candidates: Candidates) -> Result<u64, Rejection> $body
+        }
+    };
+}
+
 export!(Hostile);

@@ -2,16 +2,7 @@
 
 include!("../../hostile.rs");
 
-#[allow(unused_variables)]
-impl Guest for Hostile {
-    fn configure(config: String) -> Result<(), String> {
-        configure_after(&config)
-    }
-
-    fn describe() -> Info {
-        describe_self()
-    }
-
+hostile_choose! {
     /// Allocates without bound: only the host's memory cap stops it.
     fn choose(req: Request, candidates: Candidates) -> Result<u64, Rejection> {
         if !misbehave(&req) {

@@ -2,16 +2,7 @@
 
 include!("../../hostile.rs");
 
-#[allow(unused_variables)]
-impl Guest for Hostile {
-    fn configure(config: String) -> Result<(), String> {
-        configure_after(&config)
-    }
-
-    fn describe() -> Info {
-        describe_self()
-    }
-
+hostile_choose! {
     /// Panics on every decision (the guest aborts, the host sees a trap).
     fn choose(req: Request, candidates: Candidates) -> Result<u64, Rejection> {
         if !misbehave(&req) {

@@ -2,16 +2,7 @@
 
 include!("../../hostile.rs");
 
-#[allow(unused_variables)]
-impl Guest for Hostile {
-    fn configure(config: String) -> Result<(), String> {
-        configure_after(&config)
-    }
-
-    fn describe() -> Info {
-        describe_self()
-    }
-
+hostile_choose! {
     /// Tries to reach outside the sandbox. Picks the first candidate when everything was
     /// denied, and rejects with a description of what leaked otherwise.
     fn choose(req: Request, candidates: Candidates) -> Result<u64, Rejection> {

@@ -2,16 +2,7 @@
 
 include!("../../hostile.rs");
 
-#[allow(unused_variables)]
-impl Guest for Hostile {
-    fn configure(config: String) -> Result<(), String> {
-        configure_after(&config)
-    }
-
-    fn describe() -> Info {
-        describe_self()
-    }
-
+hostile_choose! {
     /// Answers with the first candidate, through an `f64`: exact below 2^53, rounded
     /// (to an ID that is not a candidate) above.
     fn choose(req: Request, candidates: Candidates) -> Result<u64, Rejection> {

@@ -2,16 +2,7 @@
 
 include!("../../hostile.rs");
 
-#[allow(unused_variables)]
-impl Guest for Hostile {
-    fn configure(config: String) -> Result<(), String> {
-        configure_after(&config)
-    }
-
-    fn describe() -> Info {
-        describe_self()
-    }
-
+hostile_choose! {
     /// After `after` decisions, sleeps before answering: it waits on a clock, which a
     /// policy may not do.
     fn choose(req: Request, candidates: Candidates) -> Result<u64, Rejection> {
