@@ -97,10 +97,10 @@ fn cache_key(dir: &Path) -> std::io::Result<ring::hmac::Key> {
     #[cfg(unix)]
     builder.mode(0o700);
     builder.create(dir)?;
-    let mut fresh = [0u8; TAG_LEN];
-    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut fresh)
-        .map_err(|_| Error::other("no system randomness for the cache key"))?;
     if !path.exists() {
+        let mut fresh = [0u8; TAG_LEN];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut fresh)
+            .map_err(|_| Error::other("no system randomness for the cache key"))?;
         // Written whole under another name, then linked into place: a router starting
         // at the same moment sees no key or the whole key, and one key wins.
         let tmp = dir.join(format!("key.tmp{}", std::process::id()));
