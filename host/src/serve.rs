@@ -539,6 +539,12 @@ pub async fn serve(
             tls: config.gateway.tls.clone(),
             central_events,
             forward_authorization: config.forward_authorization,
+            // Three missed scrapes before a worker's report stops counting.
+            report_ttl: config
+                .engine_metrics
+                .map_or(crate::kv::load::REPORT_TTL, |every| {
+                    (every * 3).max(crate::kv::load::REPORT_TTL)
+                }),
             ..KvRouterConfig::new(16)
         },
         endpoint_forward_authorization: config.endpoint_forward_authorization.clone(),

@@ -322,6 +322,10 @@ impl Metrics {
             f.declare(name, kind);
         }
         f.help(
+            "switchyard_instance_in_flight",
+            "requests this router has in flight on the instance (the policy sees the worker's own report plus these)",
+        );
+        f.help(
             "switchyard_unpredicted_cache_hits_total",
             "responses whose worker reported a cached prefix the router had not predicted on that worker (many: tokenization differs)",
         );
@@ -423,7 +427,7 @@ impl Metrics {
                 f.sample(
                     "switchyard_instance_in_flight",
                     labels,
-                    r.load_of(*id).in_flight,
+                    r.load_of(*id).booked,
                 );
             }
         }

@@ -5,6 +5,15 @@
 //! prompt tokens as pending prefill. Its prefill is marked done at its first token, and
 //! everything is released when it ends, fails or is cancelled — or, as a backstop, when
 //! it is older than a hard expiry, so nothing can leak.
+//!
+//! Requests in flight agree across router replicas: a worker's report (its engine's
+//! running + waiting requests) counts every replica's requests and other clients' too, so
+//! the in-flight count a policy sees is that report plus this router's bookings since it
+//! (requests booked since count +1, requests ended since count −1, so one that started
+//! and ended in between counts 0), never less than this router's own bookings. Replicas
+//! that read the same report differ only by their own requests since it: within one
+//! report interval. A report older than its lifetime is ignored (the count falls back to
+//! this router's own bookings), so a worker whose metrics stop cannot freeze its load.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -40,9 +49,12 @@ pub struct WorkerLoad {
     pub active_blocks: u32,
     /// Prompt tokens routed and not yet prefilled.
     pub pending_prefill_tokens: u64,
-    /// Requests in flight.
+    /// Requests in flight on the worker: its fresh report plus this router's bookings
+    /// since, or this router's bookings alone (see the module's documentation).
     pub in_flight: u32,
-    /// The worker's own report, if any.
+    /// Requests this router has in flight on the worker.
+    pub booked: u32,
+    /// The worker's own report, if any (fresh or not).
     pub reported: Option<ReportedLoad>,
 }
 
@@ -53,6 +65,23 @@ struct Worker {
     pending_prefill_tokens: u64,
     in_flight: u32,
     reported: Option<ReportedLoad>,
+    /// When `reported` arrived.
+    reported_at: Option<Instant>,
+    /// Bookings made minus bookings released since `reported` arrived.
+    since_report: i64,
+}
+
+impl Worker {
+    /// Requests in flight on the worker as a whole (see the module's documentation).
+    fn in_flight(&self, now: Instant, report_ttl: Duration) -> u32 {
+        match (self.reported, self.reported_at) {
+            (Some(r), Some(at)) if now.saturating_duration_since(at) <= report_ttl => {
+                let seen = i64::from(r.running) + i64::from(r.waiting) + self.since_report;
+                seen.clamp(i64::from(self.in_flight), i64::from(u32::MAX)) as u32
+            }
+            _ => self.in_flight,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -64,19 +93,35 @@ struct Booking {
     booked_at: Instant,
 }
 
+/// How long a worker's report counts by default.
+pub const REPORT_TTL: Duration = Duration::from_secs(5);
+
 /// Per-worker load. Pure; the caller serialises access.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LoadTracker {
     workers: HashMap<InstanceId, Worker>,
     requests: HashMap<RequestId, Booking>,
     /// When [`LoadTracker::maybe_expire`] sweeps next.
     next_sweep: Option<Instant>,
+    /// How long a report counts towards the in-flight count.
+    report_ttl: Duration,
+}
+
+impl Default for LoadTracker {
+    fn default() -> LoadTracker {
+        LoadTracker::new(REPORT_TTL)
+    }
 }
 
 impl LoadTracker {
-    /// No load.
-    pub fn new() -> LoadTracker {
-        LoadTracker::default()
+    /// No load; workers' reports count for `report_ttl` after they arrive.
+    pub fn new(report_ttl: Duration) -> LoadTracker {
+        LoadTracker {
+            workers: HashMap::new(),
+            requests: HashMap::new(),
+            next_sweep: None,
+            report_ttl,
+        }
     }
 
     /// Books a request routed to `worker`. Booking the same request twice replaces the
@@ -96,6 +141,7 @@ impl LoadTracker {
         }
         w.pending_prefill_tokens += uncached_tokens;
         w.in_flight += 1;
+        w.since_report += 1;
         self.requests.insert(
             req,
             Booking {
@@ -135,6 +181,7 @@ impl LoadTracker {
             }
             w.pending_prefill_tokens -= b.pending;
             w.in_flight -= 1;
+            w.since_report -= 1;
         }
         true
     }
@@ -163,26 +210,31 @@ impl LoadTracker {
         self.expire(now, max_age)
     }
 
-    /// Records what `worker` reported about itself.
-    pub fn report(&mut self, worker: InstanceId, load: ReportedLoad) {
-        self.workers.entry(worker).or_default().reported = Some(load);
+    /// Records what `worker` reported about itself at `now`.
+    pub fn report(&mut self, worker: InstanceId, load: ReportedLoad, now: Instant) {
+        let w = self.workers.entry(worker).or_default();
+        w.reported = Some(load);
+        w.reported_at = Some(now);
+        w.since_report = 0;
     }
 
     /// Forgets `worker`'s report (its bookings stay until their requests end).
     pub fn forget_report(&mut self, worker: InstanceId) {
         if let Some(w) = self.workers.get_mut(&worker) {
             w.reported = None;
+            w.reported_at = None;
         }
     }
 
-    /// `worker`'s current load.
-    pub fn load(&self, worker: InstanceId) -> WorkerLoad {
+    /// `worker`'s load at `now`.
+    pub fn load(&self, worker: InstanceId, now: Instant) -> WorkerLoad {
         self.workers
             .get(&worker)
             .map_or_else(WorkerLoad::default, |w| WorkerLoad {
                 active_blocks: w.blocks.len() as u32,
                 pending_prefill_tokens: w.pending_prefill_tokens,
-                in_flight: w.in_flight,
+                in_flight: w.in_flight(now, self.report_ttl),
+                booked: w.in_flight,
                 reported: w.reported,
             })
     }
@@ -222,18 +274,18 @@ mod tests {
     #[test]
     fn shared_prefixes_count_once_and_prefill_clears_at_first_token() {
         let now = Instant::now();
-        let mut t = LoadTracker::new();
+        let mut t = LoadTracker::default();
         t.book(RequestId(1), InstanceId(7), &b(&[1, 2, 3]), 48, now);
         t.book(RequestId(2), InstanceId(7), &b(&[1, 2, 4]), 16, now);
-        let l = t.load(InstanceId(7));
+        let l = t.load(InstanceId(7), now);
         assert_eq!(
             (l.active_blocks, l.pending_prefill_tokens, l.in_flight),
             (4, 64, 2)
         );
         t.prefill_done(RequestId(1));
-        assert_eq!(t.load(InstanceId(7)).pending_prefill_tokens, 16);
+        assert_eq!(t.load(InstanceId(7), now).pending_prefill_tokens, 16);
         t.finish(RequestId(1));
-        let l = t.load(InstanceId(7));
+        let l = t.load(InstanceId(7), now);
         assert_eq!(
             (l.active_blocks, l.pending_prefill_tokens, l.in_flight),
             (3, 16, 1)
@@ -244,7 +296,7 @@ mod tests {
     #[test]
     fn booked_blocks_extend_a_cached_prefix() {
         let now = Instant::now();
-        let mut t = LoadTracker::new();
+        let mut t = LoadTracker::default();
         t.book(RequestId(1), InstanceId(7), &b(&[1, 2, 3]), 48, now);
         let prompt = b(&[1, 2, 3, 9]);
         assert_eq!(t.extend_overlap(InstanceId(7), &prompt, 0), 3);
@@ -261,7 +313,7 @@ mod tests {
     #[test]
     fn a_hard_expiry_frees_what_was_left_behind() {
         let now = Instant::now();
-        let mut t = LoadTracker::new();
+        let mut t = LoadTracker::default();
         t.book(RequestId(1), InstanceId(1), &b(&[1]), 10, now);
         t.book(
             RequestId(2),
@@ -274,14 +326,14 @@ mod tests {
             t.expire(now + Duration::from_secs(61), Duration::from_secs(60)),
             1
         );
-        assert_eq!(t.load(InstanceId(1)).in_flight, 1);
+        assert_eq!(t.load(InstanceId(1), now).in_flight, 1);
     }
 
     #[test]
     fn sweeps_run_at_most_once_a_second() {
         let now = Instant::now();
         let max_age = Duration::from_secs(60);
-        let mut t = LoadTracker::new();
+        let mut t = LoadTracker::default();
         t.book(RequestId(1), InstanceId(1), &b(&[1]), 10, now);
         assert_eq!(
             t.maybe_expire(now + Duration::from_millis(59_500), max_age),
@@ -298,6 +350,79 @@ mod tests {
             1
         );
         assert_eq!(t.in_flight(), 0);
+    }
+
+    fn report(running: u32, waiting: u32) -> ReportedLoad {
+        ReportedLoad {
+            running,
+            waiting,
+            ..ReportedLoad::default()
+        }
+    }
+
+    #[test]
+    fn replicas_reading_the_same_report_agree_within_their_own_requests() {
+        let now = Instant::now();
+        let w = InstanceId(7);
+        let (mut a, mut b) = (LoadTracker::default(), LoadTracker::default());
+        for r in 1..=3 {
+            a.book(RequestId(r), w, &[], 0, now);
+        }
+        for r in 1..=2 {
+            b.book(RequestId(r), w, &[], 0, now);
+        }
+        // Before any report each replica sees only its own requests.
+        assert_eq!((a.load(w, now).in_flight, b.load(w, now).in_flight), (3, 2));
+        // The engine counts both replicas' five requests and one from elsewhere.
+        let later = now + Duration::from_millis(10);
+        a.report(w, report(4, 2), later);
+        b.report(w, report(4, 2), later);
+        assert_eq!(
+            (a.load(w, later).in_flight, b.load(w, later).in_flight),
+            (6, 6)
+        );
+        // A request booked since the report counts on the replica that booked it only.
+        a.book(RequestId(4), w, &[], 0, later);
+        assert_eq!(
+            (a.load(w, later).in_flight, b.load(w, later).in_flight),
+            (7, 6)
+        );
+        // One that ended since the report no longer counts; one that started and ended
+        // since it never did.
+        b.finish(RequestId(1));
+        a.finish(RequestId(4));
+        assert_eq!(
+            (a.load(w, later).in_flight, b.load(w, later).in_flight),
+            (6, 5)
+        );
+        let l = a.load(w, later);
+        assert_eq!((l.booked, l.reported.map(|r| r.running)), (3, Some(4)));
+    }
+
+    #[test]
+    fn a_report_never_hides_this_routers_own_requests_and_expires() {
+        let now = Instant::now();
+        let w = InstanceId(1);
+        let mut t = LoadTracker::new(Duration::from_secs(3));
+        for r in 1..=4 {
+            t.book(RequestId(r), w, &[], 0, now);
+        }
+        // A scrape that left before these requests reached the worker says 0.
+        t.report(w, report(0, 0), now);
+        for r in 1..=4 {
+            t.finish(RequestId(r));
+            t.book(RequestId(10 + r), w, &[], 0, now);
+        }
+        assert_eq!(t.load(w, now).in_flight, 4, "at least this router's own");
+        // A report of absurd size saturates instead of wrapping.
+        t.report(w, report(u32::MAX, u32::MAX), now);
+        assert_eq!(t.load(w, now).in_flight, u32::MAX);
+        // A worker whose reports stop: after the lifetime, this router's own count.
+        t.report(w, report(40, 0), now);
+        assert_eq!(t.load(w, now + Duration::from_secs(3)).in_flight, 40);
+        assert_eq!(t.load(w, now + Duration::from_secs(4)).in_flight, 4);
+        t.forget_report(w);
+        assert_eq!(t.load(w, now).in_flight, 4);
     }
 
     #[derive(Debug, Clone)]
@@ -318,7 +443,7 @@ mod tests {
             ], 0..200)
         ) {
             let now = Instant::now();
-            let mut t = LoadTracker::new();
+            let mut t = LoadTracker::default();
             for op in ops {
                 match op {
                     Op::Book(r, w, bl, tok) => t.book(RequestId(r), InstanceId(w), &b(&bl), tok, now),
@@ -331,7 +456,7 @@ mod tests {
             }
             prop_assert_eq!(t.in_flight(), 0);
             for w in 0..4 {
-                prop_assert_eq!(t.load(InstanceId(w)), WorkerLoad::default());
+                prop_assert_eq!(t.load(InstanceId(w), now), WorkerLoad::default());
             }
         }
     }

@@ -66,6 +66,8 @@ pub struct KvRouterConfig {
     pub central_events: Option<Arc<central_events::CentralEvents>>,
     /// Pass clients' `Authorization` header on to this endpoint's workers.
     pub forward_authorization: bool,
+    /// How long a worker's load report counts towards its requests in flight.
+    pub report_ttl: Duration,
 }
 
 impl KvRouterConfig {
@@ -80,6 +82,7 @@ impl KvRouterConfig {
             tls: crate::http::upstream::Tls::default(),
             central_events: None,
             forward_authorization: false,
+            report_ttl: crate::kv::load::REPORT_TTL,
         }
     }
 }
@@ -241,6 +244,7 @@ impl KvRouter {
             events: OverlapIndex::new(),
             predicted: ApproxIndex::new(config.approximate.ttl, config.approximate.max_blocks),
         };
+        let load = Mutex::new(LoadTracker::new(config.report_ttl));
         KvRouter {
             endpoint: client.endpoint().clone(),
             hasher: BlockHasher::new(config.block_size, config.hash_seed),
@@ -248,7 +252,7 @@ impl KvRouter {
             policy,
             config,
             index: RwLock::new(index),
-            load: Mutex::new(LoadTracker::new()),
+            load,
             next_request: AtomicU64::new(1),
             expired_bookings: AtomicU64::new(0),
             cache_reports: CacheReports::default(),
@@ -457,9 +461,10 @@ impl KvRouter {
             }
         });
         let mut candidates = Candidates::with_capacity(available.len());
+        let now = Instant::now();
         let load = self.load.lock();
         for &id in available.iter().filter(|id| !exclude.contains(id)) {
-            let l = load.load(id);
+            let l = load.load(id, now);
             let cached = overlaps
                 .binary_search_by_key(&id, |(w, _)| *w)
                 .map_or(0, |i| overlaps[i].1);
@@ -523,7 +528,7 @@ impl KvRouter {
 
     /// Current load of `worker`.
     pub fn load_of(&self, worker: InstanceId) -> crate::kv::load::WorkerLoad {
-        self.load.lock().load(worker)
+        self.load.lock().load(worker, Instant::now())
     }
 
     /// Blocks the index says `worker` holds.
@@ -608,7 +613,7 @@ impl KvRouter {
 
     pub(crate) fn report_load(&self, worker: InstanceId, load: ReportedLoad) {
         self.capacities.lock().insert(worker, load.kv_total_blocks);
-        self.load.lock().report(worker, load);
+        self.load.lock().report(worker, load, Instant::now());
     }
 
     /// Load read from the worker's engine metrics; `size_known` when they gave the cache
@@ -622,7 +627,7 @@ impl KvRouter {
         if size_known {
             self.capacities.lock().insert(worker, load.kv_total_blocks);
         }
-        self.load.lock().report(worker, load);
+        self.load.lock().report(worker, load, Instant::now());
     }
 
     /// `worker`'s KV cache size in blocks, if its reports said.
