@@ -180,3 +180,83 @@ fn another_program_can_be_the_client() {
         "{outcomes:?}"
     );
 }
+
+/// Three router replicas in front of the same workers, the replay's client sending them
+/// requests in turn (as a load balancer would): kv-cost through them routes as well as
+/// through one router, because each replica adds the workers' own load reports to its
+/// third of the requests instead of believing the workers three times emptier.
+#[test]
+fn three_router_replicas_route_as_well_as_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.jsonl");
+    let generated = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args([
+            "trace-gen",
+            "--requests",
+            "300",
+            "--rate",
+            "10",
+            "--seed",
+            "3",
+        ])
+        // No long documents: a handful of 16k-token prefills would make the mean TTFT
+        // of a run this short a matter of luck.
+        .args(["--long-fraction", "0"])
+        .output()
+        .unwrap();
+    assert!(generated.status.success());
+    std::fs::write(&trace, &generated.stdout).unwrap();
+    let json = dir.path().join("out.json");
+    let mut replay = Command::new(env!("CARGO_BIN_EXE_switchyard"));
+    replay.args([
+        "replay",
+        trace.to_str().unwrap(),
+        "--policy",
+        "kv-cost",
+        "--routers",
+        "3",
+        "--workers",
+        "4",
+        "--kv-blocks",
+        "2048",
+        "--block-size",
+        "16",
+        // Slow enough that four routers' CPU time in a debug build is not simulated
+        // as seconds of queueing.
+        "--speedup",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+        "--chart",
+        dir.path().join("ttft.svg").to_str().unwrap(),
+    ]);
+    let stdout = run(replay);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let summary = |name: &str| {
+        v["summary"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["policy"] == name)
+            .unwrap_or_else(|| panic!("no run named {name}: {stdout}"))
+            .clone()
+    };
+    let (one, three) = (summary("kv-cost x1 routers"), summary("kv-cost x3 routers"));
+    for s in [&one, &three] {
+        assert_eq!(s["failed"], 0, "{stdout}");
+        assert_eq!(s["requests"], 300, "{stdout}");
+    }
+    let f = |s: &serde_json::Value, k: &str| s[k].as_f64().unwrap();
+    assert!(
+        f(&three, "ttft_mean_s") <= 1.25 * f(&one, "ttft_mean_s"),
+        "three replicas' mean TTFT is more than 25 % above one router's:\n{stdout}"
+    );
+    assert!(
+        f(&three, "load_skew") <= f(&one, "load_skew") * 1.1,
+        "three replicas skew the load more than one router:\n{stdout}"
+    );
+    assert!(
+        f(&three, "hit_rate") >= f(&one, "hit_rate") - 0.05,
+        "three replicas find fewer cached prefixes than one router:\n{stdout}"
+    );
+}

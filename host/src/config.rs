@@ -17,7 +17,7 @@ use crate::http::GatewayConfig;
 use crate::policy::RuntimeConfig;
 
 /// Flags of `switchyard serve`.
-#[derive(Debug, Default, clap::Args)]
+#[derive(Debug, Default, Clone, clap::Args)]
 pub struct ServeArgs {
     /// TOML configuration file (see the README for its keys).
     #[arg(long, env = "SWITCHYARD_CONFIG")]

@@ -36,6 +36,11 @@ pub struct LocalFleetConfig {
     pub prediction_ttl_secs: Option<f64>,
     /// The workers' and the router's `tokenizer.json` [default: the built-in one].
     pub tokenizer: Option<std::path::PathBuf>,
+    /// Router replicas in front of the same workers, each with its own listener and
+    /// state, as several `switchyard serve` processes would be (at least one).
+    pub routers: usize,
+    /// How often the routers read the workers' `/metrics` [default: the router's].
+    pub engine_metrics_ms: Option<u64>,
 }
 
 /// How the router of a local fleet learns what the workers cache.
@@ -78,8 +83,15 @@ impl std::fmt::Display for KvEventsMode {
 pub struct LocalFleet {
     /// The mock workers.
     pub workers: Vec<MockWorker>,
-    /// The router's base URL.
+    /// The (first) router's base URL.
     pub url: String,
+    /// Every router replica's base URL.
+    pub urls: Vec<String>,
+    routers: Vec<RouterTask>,
+}
+
+/// One in-process router.
+struct RouterTask {
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Result<(), ServeError>>,
 }
@@ -152,52 +164,78 @@ impl LocalFleet {
             admin_token: config.admin_token.clone(),
             availability: Some(config.availability),
             shutdown_grace_secs: Some(5),
+            engine_metrics_ms: config.engine_metrics_ms,
             ..Default::default()
         };
-        let serve_config = args.resolve()?;
-        let listener = TcpListener::bind(config.listen).await?;
-        let url = format!("http://{}", listener.local_addr()?);
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(serve(serve_config, listener, async move {
-            let _ = stopped.await;
-        }));
+        let mut urls = Vec::new();
+        let mut routers = Vec::new();
+        for i in 0..config.routers.max(1) {
+            let serve_config = args.clone().resolve()?;
+            // Replicas after the first take any free port.
+            let addr = if i == 0 {
+                config.listen
+            } else {
+                SocketAddr::new(config.listen.ip(), 0)
+            };
+            let listener = TcpListener::bind(addr).await?;
+            urls.push(format!("http://{}", listener.local_addr()?));
+            let (stop, stopped) = oneshot::channel::<()>();
+            let task = tokio::spawn(serve(serve_config, listener, async move {
+                let _ = stopped.await;
+            }));
+            routers.push(RouterTask {
+                stop: Some(stop),
+                task,
+            });
+        }
         Ok(LocalFleet {
             workers,
-            url,
-            stop: Some(stop),
-            task,
+            url: urls[0].clone(),
+            urls,
+            routers,
         })
     }
 
-    /// Waits until the router is ready, or returns its startup error.
+    /// Waits until every router is ready, or returns a startup error.
     pub async fn ready(&mut self) -> Result<(), String> {
-        let probe = format!("{}/ready", self.url);
         let http: hyper_util::client::legacy::Client<_, http_body_util::Empty<bytes::Bytes>> =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .build_http();
-        for _ in 0..600 {
-            if self.task.is_finished() {
-                return Err(match (&mut self.task).await {
-                    Ok(Err(e)) => e.to_string(),
-                    other => format!("the router stopped: {other:?}"),
-                });
+        for (url, router) in self.urls.iter().zip(&mut self.routers) {
+            let probe = format!("{url}/ready");
+            let mut ready = false;
+            for _ in 0..600 {
+                if router.task.is_finished() {
+                    return Err(match (&mut router.task).await {
+                        Ok(Err(e)) => e.to_string(),
+                        other => format!("the router stopped: {other:?}"),
+                    });
+                }
+                if let Ok(r) = http.get(probe.parse().expect("valid URL")).await
+                    && r.status().is_success()
+                {
+                    ready = true;
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             }
-            if let Ok(r) = http.get(probe.parse().expect("valid URL")).await
-                && r.status().is_success()
-            {
-                return Ok(());
+            if !ready {
+                return Err(format!("the router at {url} did not become ready"));
             }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
-        Err("the router did not become ready".into())
+        Ok(())
     }
 
-    /// Stops the router (letting open requests finish) and the workers.
+    /// Stops the routers (letting open requests finish) and the workers.
     pub async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+        for router in &mut self.routers {
+            if let Some(stop) = router.stop.take() {
+                let _ = stop.send(());
+            }
         }
-        let _ = (&mut self.task).await;
+        for router in &mut self.routers {
+            let _ = (&mut router.task).await;
+        }
         for w in self.workers {
             w.shutdown().await;
         }

@@ -197,6 +197,11 @@ struct ReplayArgs {
     /// Its CPU time and peak memory are reported; every run then sends text prompts.
     #[arg(long = "router")]
     routers: Vec<String>,
+    /// Router replicas: with N above 1, every policy also runs through N in-process
+    /// routers sharing the workers (each with its own state, as N `serve` processes),
+    /// the requests sent to them in turn, beside its run through one.
+    #[arg(long = "routers", default_value_t = 1)]
+    replicas: usize,
     /// Where the external routers' output goes.
     #[arg(long, default_value = "replay-logs")]
     router_logs: PathBuf,
@@ -791,6 +796,11 @@ async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         );
     }
     config.client = args.client.clone();
+    config.replicas = args.replicas.max(1);
+    anyhow::ensure!(
+        config.replicas == 1 || config.client.is_none(),
+        "--routers N drives its replicas with the replay's own client; drop --client"
+    );
     if !config.routers.is_empty() || config.client.is_some() {
         std::fs::create_dir_all(&args.router_logs)?;
         config.logs = args.router_logs.clone();
@@ -867,6 +877,8 @@ async fn demo(
         prediction_ttl_secs: None,
         tokenizer: None,
         admin_token: Some(token.into()),
+        routers: 1,
+        engine_metrics_ms: None,
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e} (pick another port with --listen)"))?;

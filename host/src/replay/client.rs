@@ -172,6 +172,7 @@ pub async fn run(
         span,
         router: None,
         live: None,
+        worker_requests: Vec::new(),
     })
 }
 

@@ -59,6 +59,9 @@ pub struct ReplayConfig {
     pub tokenizer: Option<PathBuf>,
     /// Another program as the client (see [`client`]); `None`: the replay's own.
     pub client: Option<String>,
+    /// Above 1: every policy also runs through this many router replicas sharing the
+    /// workers, requests sent to them in turn.
+    pub replicas: usize,
 }
 
 impl ReplayConfig {
@@ -85,6 +88,7 @@ impl ReplayConfig {
             kv_events: vec![crate::local::KvEventsMode::Zmq],
             tokenizer: None,
             client: None,
+            replicas: 1,
         }
     }
 }
@@ -155,6 +159,8 @@ pub struct PolicyRun {
     /// The router's own latency histograms, when it exposes Switchyard's `/metrics`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub live: Option<LiveTimings>,
+    /// Requests each mock worker finished.
+    pub worker_requests: Vec<u64>,
 }
 
 /// How prompts are sent.
@@ -206,15 +212,28 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
     } else {
         config.kv_events.clone()
     };
-    let runs_of = modes
-        .iter()
-        .flat_map(|m| config.policies.iter().map(move |p| (*m, p)));
-    for (mode, policy) in runs_of {
-        let name = if modes.len() > 1 {
+    let replicas: Vec<usize> = if config.replicas > 1 {
+        vec![1, config.replicas]
+    } else {
+        vec![1]
+    };
+    let mut runs_of = Vec::new();
+    for mode in &modes {
+        for policy in &config.policies {
+            for routers in &replicas {
+                runs_of.push((*mode, policy, *routers));
+            }
+        }
+    }
+    for (mode, policy, routers) in runs_of {
+        let mut name = if modes.len() > 1 {
             format!("{policy} ({mode})")
         } else {
             policy.clone()
         };
+        if config.replicas > 1 {
+            name = format!("{name} x{routers} routers");
+        }
         let mut engine = config.engine.clone();
         engine.speedup = config.speedup;
         let (spec, policy_config) = policy.split_once('=').unwrap_or((policy.as_str(), "{}"));
@@ -234,13 +253,20 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
             prediction_ttl_secs: Some(
                 crate::router::Approximate::default().ttl.as_secs_f64() / config.speedup,
             ),
+            routers,
+            // The workers' metrics read once a second of their simulated time.
+            engine_metrics_ms: Some(((1000.0 / config.speedup) as u64).max(20)),
         })
         .await
         .map_err(|e| e.to_string())?;
         fleet.ready().await?;
-        let run = drive(config, &name, &fleet.url, reqs.clone(), prompts).await;
+        let run = drive(config, &name, &fleet.urls, reqs.clone(), prompts).await;
+        let worker_requests = fleet.workers.iter().map(|w| w.stats().finished).collect();
         fleet.stop().await;
-        runs.push(run?);
+        runs.push(PolicyRun {
+            worker_requests,
+            ..run?
+        });
     }
     for router in &config.routers {
         runs.push(replay_external(config, router, reqs.clone()).await?);
@@ -293,9 +319,18 @@ async fn replay_external(
     let url = format!("http://127.0.0.1:{port}");
     let ready = router_ready(&url, &mut process).await;
     let result = match ready {
-        Ok(()) => match drive(config, &router.name, &url, reqs, Prompts::Text).await {
+        Ok(()) => match drive(
+            config,
+            &router.name,
+            std::slice::from_ref(&url),
+            reqs,
+            Prompts::Text,
+        )
+        .await
+        {
             Ok(mut run) => {
                 run.router = Some(process.cost());
+                run.worker_requests = workers.iter().map(|w| w.stats().finished).collect();
                 if let Some(text) = scrape(&format!("{url}/metrics")).await {
                     let _ = std::fs::write(
                         config
@@ -320,17 +355,18 @@ async fn replay_external(
     result
 }
 
-/// One run's requests, by the replay's own client or by the configured one.
+/// One run's requests, by the replay's own client (sent to the routers in turn) or by
+/// the configured one (to the first).
 async fn drive(
     config: &ReplayConfig,
     name: &str,
-    url: &str,
+    urls: &[String],
     reqs: Arc<Vec<TraceRequest>>,
     prompts: Prompts,
 ) -> Result<PolicyRun, String> {
     match &config.client {
-        Some(template) => client::run(config, template, name, url, &reqs).await,
-        None => Ok(replay_once(config, name, url, reqs, prompts).await),
+        Some(template) => client::run(config, template, name, &urls[0], &reqs).await,
+        None => Ok(replay_once(config, name, urls, reqs, prompts).await),
     }
 }
 
@@ -387,7 +423,7 @@ async fn router_ready(url: &str, process: &mut RouterProcess) -> Result<(), Stri
 async fn replay_once(
     config: &ReplayConfig,
     policy: &str,
-    url: &str,
+    urls: &[String],
     reqs: Arc<Vec<TraceRequest>>,
     prompts: Prompts,
 ) -> PolicyRun {
@@ -421,7 +457,8 @@ async fn replay_once(
             break;
         }
         tokio::time::sleep_until(tokio::time::Instant::from_std(start + at)).await;
-        let (http, url, reqs, done) = (http.clone(), url.to_string(), reqs.clone(), done.clone());
+        let url = urls[i % urls.len()].clone();
+        let (http, reqs, done) = (http.clone(), reqs.clone(), done.clone());
         let max_output = config.max_output;
         tasks.push(tokio::spawn(async move {
             let r = &reqs[i];
@@ -468,6 +505,7 @@ async fn replay_once(
         span: last.as_secs_f64() * speedup,
         router: None,
         live: None,
+        worker_requests: Vec::new(),
     }
 }
 

@@ -28,6 +28,17 @@ pub struct Summary {
     pub throughput: f64,
     /// Cached prompt tokens / prompt tokens.
     pub hit_rate: f64,
+    /// The busiest worker's requests over the mean worker's (1: even; NaN: unknown).
+    pub skew: f64,
+}
+
+/// The busiest worker's requests over the mean worker's.
+pub fn skew(per_worker: &[u64]) -> f64 {
+    let total: u64 = per_worker.iter().sum();
+    match per_worker.iter().max() {
+        Some(&max) if total > 0 => max as f64 * per_worker.len() as f64 / total as f64,
+        _ => f64::NAN,
+    }
 }
 
 /// Summarises a run.
@@ -66,6 +77,7 @@ pub fn summarise(run: &PolicyRun) -> Summary {
         } else {
             cached as f64 / prompt as f64
         },
+        skew: skew(&run.worker_requests),
     }
 }
 
@@ -74,17 +86,17 @@ pub fn table(runs: &[PolicyRun], bound: Bounds) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| policy | requests | failed | TTFT mean | p50 | p90 | p99 | E2E mean | p90 | throughput | hit rate | bound: fleet capacity | bound: infinite | router CPU | router peak RSS |"
+        "| policy | requests | failed | TTFT mean | p50 | p90 | p99 | E2E mean | p90 | throughput | hit rate | bound: fleet capacity | bound: infinite | load skew | router CPU | router peak RSS |"
     );
     let _ = writeln!(
         s,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     for r in runs {
         let m = summarise(r);
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {:.3} s | {:.3} s | {:.3} s | {:.3} s | {:.2} s | {:.2} s | {:.2} req/s | {:.1} % | {:.1} % | {:.1} % | {} | {} |",
+            "| {} | {} | {} | {:.3} s | {:.3} s | {:.3} s | {:.3} s | {:.2} s | {:.2} s | {:.2} req/s | {:.1} % | {:.1} % | {:.1} % | {:.2} | {} | {} |",
             r.policy,
             m.requests,
             m.failed,
@@ -98,6 +110,7 @@ pub fn table(runs: &[PolicyRun], bound: Bounds) -> String {
             m.hit_rate * 100.0,
             bound.capacity * 100.0,
             bound.infinite * 100.0,
+            m.skew,
             r.router.map_or("in process".to_string(), |c| format!(
                 "{:.1} s ({:.1} ms/req)",
                 c.cpu_secs,
@@ -155,6 +168,7 @@ pub fn json(runs: &[PolicyRun], bound: Bounds) -> serde_json::Value {
                 "policy": r.policy, "requests": m.requests, "failed": m.failed,
                 "ttft_mean_s": m.ttft[0], "ttft_p50_s": m.ttft[1], "ttft_p90_s": m.ttft[2], "ttft_p99_s": m.ttft[3],
                 "e2e_mean_s": m.e2e[0], "e2e_p90_s": m.e2e[1], "throughput_rps": m.throughput, "hit_rate": m.hit_rate,
+                "load_skew": (!m.skew.is_nan()).then_some(m.skew),
                 "router_cpu_s": r.router.map(|c| c.cpu_secs), "router_peak_rss_mib": r.router.map(|c| c.peak_rss_mib),
             })
         })
