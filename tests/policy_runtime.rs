@@ -891,6 +891,61 @@ fn compiles_are_serialised_deduplicated_and_bounded_in_time() {
     }
 }
 
+/// `bytes` with a custom section appended: the same policy, another sha256 (a compile
+/// of its own).
+fn variant(bytes: &[u8], n: u8) -> Vec<u8> {
+    let name = b"variant";
+    let body_len = 1 + name.len() + 1;
+    let mut out = bytes.to_vec();
+    out.extend_from_slice(&[0, body_len as u8, name.len() as u8]);
+    out.extend_from_slice(name);
+    out.push(n);
+    out
+}
+
+/// The worst case of the compile queue: eight different policies uploaded at once. At
+/// most four compile or wait; the rest are answered `busy` at once (never queued without
+/// bound), and a refused one loads when tried again: nothing is lost.
+#[test]
+fn compiles_beyond_the_queue_are_refused_as_busy_and_load_when_retried() {
+    let bytes = std::fs::read(guest("session_affinity")).unwrap();
+    let engine = PolicyEngine::new(RuntimeConfig {
+        cache_dir: None,
+        ..runtime()
+    })
+    .unwrap();
+    let variants: Vec<Vec<u8>> = (0..8).map(|n| variant(&bytes, n)).collect();
+    let start = std::sync::Barrier::new(variants.len());
+    let results: Vec<Result<(), PolicyError>> = std::thread::scope(|s| {
+        let loads: Vec<_> = variants
+            .iter()
+            .map(|v| {
+                let (engine, start) = (&engine, &start);
+                s.spawn(move || {
+                    start.wait();
+                    engine
+                        .load(PolicySource::Uploaded("test".into()), v, "{}")
+                        .map(|_| ())
+                })
+            })
+            .collect();
+        loads.into_iter().map(|l| l.join().unwrap()).collect()
+    });
+    let busy: Vec<usize> = (0..results.len())
+        .filter(|&i| matches!(results[i], Err(PolicyError::Busy(_))))
+        .collect();
+    let loaded = results.iter().filter(|r| r.is_ok()).count();
+    assert_eq!(busy.len() + loaded, 8, "{results:?}");
+    assert!(!busy.is_empty() && loaded >= 4, "{results:?}");
+    for &i in &busy {
+        let msg = results[i].as_ref().unwrap_err().to_string();
+        assert!(msg.contains("already compiling"), "{msg}");
+        engine
+            .load(PolicySource::Uploaded("test".into()), &variants[i], "{}")
+            .unwrap_or_else(|e| panic!("variant {i} refused when tried alone: {e}"));
+    }
+}
+
 /// A request never waits for an instance to be made. This policy takes a long time to
 /// configure; once its only warm instance is discarded (the policy trapped), the next
 /// decision is made at once by the fallback, counted as `no_warm_instance`, and not held
