@@ -83,16 +83,14 @@ impl std::fmt::Display for KvEventsMode {
 pub struct LocalFleet {
     /// The mock workers.
     pub workers: Vec<MockWorker>,
-    /// The (first) router's base URL.
-    pub url: String,
-    /// Every router replica's base URL.
+    /// Every router replica's base URL (the first is [`LocalFleet::url`]).
     pub urls: Vec<String>,
     routers: Vec<RouterTask>,
 }
 
 /// One in-process router.
 struct RouterTask {
-    stop: Option<oneshot::Sender<()>>,
+    stop: oneshot::Sender<()>,
     task: tokio::task::JoinHandle<Result<(), ServeError>>,
 }
 
@@ -183,17 +181,18 @@ impl LocalFleet {
             let task = tokio::spawn(serve(serve_config, listener, async move {
                 let _ = stopped.await;
             }));
-            routers.push(RouterTask {
-                stop: Some(stop),
-                task,
-            });
+            routers.push(RouterTask { stop, task });
         }
         Ok(LocalFleet {
             workers,
-            url: urls[0].clone(),
             urls,
             routers,
         })
+    }
+
+    /// The first router's base URL.
+    pub fn url(&self) -> &str {
+        &self.urls[0]
     }
 
     /// Waits until every router is ready, or returns a startup error.
@@ -227,14 +226,17 @@ impl LocalFleet {
     }
 
     /// Stops the routers (letting open requests finish) and the workers.
-    pub async fn stop(mut self) {
-        for router in &mut self.routers {
-            if let Some(stop) = router.stop.take() {
-                let _ = stop.send(());
-            }
-        }
-        for router in &mut self.routers {
-            let _ = (&mut router.task).await;
+    pub async fn stop(self) {
+        let tasks: Vec<_> = self
+            .routers
+            .into_iter()
+            .map(|router| {
+                let _ = router.stop.send(());
+                router.task
+            })
+            .collect();
+        for task in tasks {
+            let _ = task.await;
         }
         for w in self.workers {
             w.shutdown().await;

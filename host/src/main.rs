@@ -883,7 +883,7 @@ async fn demo(
     .await
     .map_err(|e| anyhow::anyhow!("{e} (pick another port with --listen)"))?;
     fleet.ready().await.map_err(|e| anyhow::anyhow!(e))?;
-    let url = fleet.url.clone();
+    let url = fleet.url().to_string();
     println!("Switchyard demo: {count} mock workers serving `{model}` behind the router at {url}");
     for w in &fleet.workers {
         println!("  mock worker {}", w.url());

@@ -64,9 +64,8 @@ struct Worker {
     blocks: HashMap<BlockHash, u32, PassThrough>,
     pending_prefill_tokens: u64,
     in_flight: u32,
-    reported: Option<ReportedLoad>,
-    /// When `reported` arrived.
-    reported_at: Option<Instant>,
+    /// The worker's last report and when it arrived.
+    reported: Option<(ReportedLoad, Instant)>,
     /// Bookings made minus bookings released since `reported` arrived.
     since_report: i64,
 }
@@ -74,8 +73,8 @@ struct Worker {
 impl Worker {
     /// Requests in flight on the worker as a whole (see the module's documentation).
     fn in_flight(&self, now: Instant, report_ttl: Duration) -> u32 {
-        match (self.reported, self.reported_at) {
-            (Some(r), Some(at)) if now.saturating_duration_since(at) <= report_ttl => {
+        match self.reported {
+            Some((r, at)) if now.saturating_duration_since(at) <= report_ttl => {
                 let seen = i64::from(r.running) + i64::from(r.waiting) + self.since_report;
                 seen.clamp(i64::from(self.in_flight), i64::from(u32::MAX)) as u32
             }
@@ -213,8 +212,7 @@ impl LoadTracker {
     /// Records what `worker` reported about itself at `now`.
     pub fn report(&mut self, worker: InstanceId, load: ReportedLoad, now: Instant) {
         let w = self.workers.entry(worker).or_default();
-        w.reported = Some(load);
-        w.reported_at = Some(now);
+        w.reported = Some((load, now));
         w.since_report = 0;
     }
 
@@ -222,7 +220,6 @@ impl LoadTracker {
     pub fn forget_report(&mut self, worker: InstanceId) {
         if let Some(w) = self.workers.get_mut(&worker) {
             w.reported = None;
-            w.reported_at = None;
         }
     }
 
@@ -235,7 +232,7 @@ impl LoadTracker {
                 pending_prefill_tokens: w.pending_prefill_tokens,
                 in_flight: w.in_flight(now, self.report_ttl),
                 booked: w.in_flight,
-                reported: w.reported,
+                reported: w.reported.map(|(r, _)| r),
             })
     }
 
