@@ -40,6 +40,8 @@ fn main() {
                 "loud",
                 "sleeps",
                 "flaky",
+                "picks_last",
+                "picks_first",
             ][..],
         ),
     ];

@@ -672,9 +672,24 @@ async fn streams_pass_through_byte_for_byte_and_bad_requests_get_the_documented_
         assert_eq!(count, Some(1.0), "{name}\n{text}");
     }
     assert!(
-        text.contains("switchyard_policy_call_seconds_bucket{le="),
+        text.lines()
+            .any(|l| l.starts_with("switchyard_policy_call_seconds_bucket{") && l.contains("le=\"")),
         "{text}"
     );
+    // Every family says what it is: HELP and TYPE before its samples.
+    let mut helped = std::collections::HashSet::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            helped.insert(rest.split(' ').next().unwrap_or_default().to_string());
+        } else if !line.starts_with('#') && !line.is_empty() {
+            let name = line.split(['{', ' ']).next().unwrap_or_default();
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s).filter(|f| helped.contains(*f)))
+                .unwrap_or(name);
+            assert!(helped.contains(family), "{name} has no HELP\n{text}");
+        }
+    }
 
     let completions = format!("{url}/v1/chat/completions");
     let cases: Vec<(Vec<u8>, StatusCode, &str)> = vec![

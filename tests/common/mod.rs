@@ -26,6 +26,8 @@ pub fn guest(name: &str) -> PathBuf {
         "bad_config" => env!("SWITCHYARD_BAD_CONFIG_WASM"),
         "wrong_world" => env!("SWITCHYARD_WRONG_WORLD_WASM"),
         "rounds_ids" => env!("SWITCHYARD_ROUNDS_IDS_WASM"),
+        "picks_last" => env!("SWITCHYARD_PICKS_LAST_WASM"),
+        "picks_first" => env!("SWITCHYARD_PICKS_FIRST_WASM"),
         "imports_http" => env!("SWITCHYARD_IMPORTS_HTTP_WASM"),
         "loud" => env!("SWITCHYARD_LOUD_WASM"),
         "sleeps" => env!("SWITCHYARD_SLEEPS_WASM"),

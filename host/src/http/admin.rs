@@ -7,6 +7,11 @@
 //! | `GET /admin/endpoints/{ns}/{component}/{endpoint}/policy` | the current policy: name, version, sha256, loaded at, decisions, failures, fallbacks |
 //! | `PUT /admin/endpoints/{path}/policy` | body: a `.wasm` component (or `?builtin=NAME`); config in the `x-policy-config` header; validated (canary) before the swap, 400 with the reason if refused |
 //! | `POST /admin/endpoints/{path}/policy/rollback` | back to the previous policy |
+//! | `PUT /admin/endpoints/{path}/shadow` | body as for `policy` (and `?sample=0.25` for a share of the decisions); validated, then decides beside the live policy without serving |
+//! | `GET /admin/endpoints/{path}/shadow` | the shadow and how its decisions compare with the live policy's (`null` if none) |
+//! | `DELETE /admin/endpoints/{path}/shadow` | removes the shadow |
+//! | `POST /admin/endpoints/{path}/shadow/promote` | the shadow becomes the live policy in one step (the live one becomes the rollback target) |
+//! | `GET /admin/endpoints/{path}/quality` | the live decisions' quality: overlap achieved against the best available, predicted against reported cached tokens, decisions per worker, requests not routed by kind |
 //! | `GET /admin/endpoints/{path}/instances` | instances with availability, load and where their cache view comes from |
 //! | `POST /admin/endpoints/{path}/explain` | body: an OpenAI completion or chat request; answers what the router would do with it (prompt tokens and blocks, every candidate's overlap, load and cache view, the chosen worker and who decided) without forwarding it |
 
@@ -23,6 +28,7 @@ use crate::client::Availability;
 use crate::discovery::EndpointPath;
 use crate::policy::{PolicySource, PolicyStatus};
 use crate::router::KvRouter;
+use crate::router::shadow::ShadowStatus;
 
 use crate::policy::MAX_POLICY_BYTES;
 
@@ -92,6 +98,32 @@ pub(crate) async fn handle(
         (Method::GET, "instances") => Ok(json_response(StatusCode::OK, &instances_json(&router))),
         (Method::PUT | Method::POST, "policy") => upload(&router, req).await,
         (Method::POST, "explain") => explain(gw, &router, req).await,
+        (Method::GET, "shadow") => Ok(json_response(
+            StatusCode::OK,
+            &router
+                .shadow_status()
+                .map_or(Value::Null, |s| shadow_json(&s)),
+        )),
+        (Method::PUT | Method::POST, "shadow") => upload_shadow(&router, req).await,
+        (Method::DELETE, "shadow") => match router.detach_shadow() {
+            Some(status) => Ok(json_response(StatusCode::OK, &shadow_json(&status))),
+            None => Err(ApiError::Refused(
+                "there is no shadow policy to remove".into(),
+            )),
+        },
+        (Method::POST, "shadow/promote") => {
+            let r = router.clone();
+            match tokio::task::spawn_blocking(move || r.promote_shadow())
+                .await
+                .map_err(|e| ApiError::Refused(format!("promote panicked: {e}")))?
+            {
+                Ok(status) => Ok(json_response(StatusCode::OK, &status_json(&status))),
+                Err(e) => Err(ApiError::Refused(format!(
+                    "not promoted; the live policy keeps serving: {e}"
+                ))),
+            }
+        }
+        (Method::GET, "quality") => Ok(json_response(StatusCode::OK, &quality_json(&router))),
         (Method::POST, "policy/rollback") => match router.policy().rollback() {
             Some(status) => Ok(json_response(StatusCode::OK, &status_json(&status))),
             None => Err(ApiError::Refused(
@@ -109,10 +141,24 @@ fn split_action(rest: &str) -> Option<(&str, &str)> {
     Some((&rest[..third], &rest[third + 1..]))
 }
 
-async fn upload(
-    router: &Arc<KvRouter>,
-    req: Request<Incoming>,
-) -> Result<Response<Body>, ApiError> {
+/// A policy as an upload names it: a built-in's name, or `.wasm` bytes; with its
+/// configuration (`x-policy-config`) and, for a shadow, the share of decisions
+/// (`?sample=`).
+struct Upload {
+    builtin: Option<String>,
+    bytes: bytes::Bytes,
+    config: String,
+    sample: f64,
+}
+
+fn query_value<'a>(req: &'a Request<Incoming>, key: &str) -> Option<&'a str> {
+    req.uri().query().and_then(|q| {
+        q.split('&')
+            .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+    })
+}
+
+async fn read_upload(req: Request<Incoming>) -> Result<Upload, ApiError> {
     let config = req
         .headers()
         .get("x-policy-config")
@@ -123,11 +169,7 @@ async fn upload(
         })
         .transpose()?
         .unwrap_or_else(|| "{}".to_string());
-    let builtin = req
-        .uri()
-        .query()
-        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("builtin=")))
-        .map(str::to_string);
+    let builtin = query_value(&req, "builtin").map(str::to_string);
     // Only a built-in's name: never a path on the router's disk.
     if let Some(name) = &builtin
         && crate::policy::builtin(name).is_none()
@@ -139,6 +181,18 @@ async fn upload(
             known.join(", ")
         )));
     }
+    let sample = match query_value(&req, "sample") {
+        None => 1.0,
+        Some(v) => match v.parse::<f64>() {
+            Ok(x) if x > 0.0 && x <= 1.0 => x,
+            _ => {
+                return Err(ApiError::Refused(format!(
+                    "`sample={}` must be a share of the decisions in (0, 1]",
+                    crate::policy::guest_text(v)
+                )));
+            }
+        },
+    };
     let bytes = match Limited::new(req.into_body(), MAX_POLICY_BYTES)
         .collect()
         .await
@@ -152,11 +206,28 @@ async fn upload(
         }
         Err(e) => return Err(ApiError::Refused(format!("cannot read the policy: {e}"))),
     };
+    Ok(Upload {
+        builtin,
+        bytes,
+        config,
+        sample,
+    })
+}
+
+async fn upload(
+    router: &Arc<KvRouter>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    let u = read_upload(req).await?;
     let handle = router.policy().clone();
     // Compiling takes milliseconds of CPU: keep it off the async workers.
-    let result = tokio::task::spawn_blocking(move || match builtin {
-        Some(name) => handle.swap_spec(&name, &config),
-        None => handle.swap_bytes(PolicySource::Uploaded("admin API".into()), &bytes, &config),
+    let result = tokio::task::spawn_blocking(move || match u.builtin {
+        Some(name) => handle.swap_spec(&name, &u.config),
+        None => handle.swap_bytes(
+            PolicySource::Uploaded("admin API".into()),
+            &u.bytes,
+            &u.config,
+        ),
     })
     .await
     .map_err(|e| ApiError::Refused(format!("policy load panicked: {e}")))?;
@@ -164,6 +235,36 @@ async fn upload(
         Ok(status) => Ok(json_response(StatusCode::OK, &status_json(&status))),
         Err(e) => Err(ApiError::Refused(format!(
             "policy refused; the current policy keeps serving: {e}"
+        ))),
+    }
+}
+
+/// `PUT .../shadow`: loads a policy like an upload and attaches it as the shadow.
+async fn upload_shadow(
+    router: &Arc<KvRouter>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    let u = read_upload(req).await?;
+    let router = router.clone();
+    let result = tokio::task::spawn_blocking(move || {
+        let handle = router.policy();
+        let loaded = match u.builtin {
+            Some(name) => handle.engine().load_spec(&name, &u.config),
+            None => handle.engine().load(
+                PolicySource::Uploaded("admin API (shadow)".into()),
+                &u.bytes,
+                &u.config,
+            ),
+        }
+        .inspect_err(|e| handle.refused(e))?;
+        router.attach_shadow(loaded, u.sample)
+    })
+    .await
+    .map_err(|e| ApiError::Refused(format!("shadow load panicked: {e}")))?;
+    match result {
+        Ok(status) => Ok(json_response(StatusCode::OK, &shadow_json(&status))),
+        Err(e) => Err(ApiError::Refused(format!(
+            "shadow refused; nothing changed: {e}"
         ))),
     }
 }
@@ -323,7 +424,81 @@ fn endpoint_json(r: &KvRouter) -> Value {
     json!({
         "endpoint": r.endpoint().to_string(),
         "policy": status_json(&r.policy().status()),
+        "history": history_json(r),
+        "shadow": r.shadow_status().map_or(Value::Null, |s| shadow_json(&s)),
+        "quality": quality_json(r),
         "instances": instances_json(r)["instances"],
+    })
+}
+
+/// The endpoint's policy changes, oldest first.
+fn history_json(r: &KvRouter) -> Value {
+    r.policy()
+        .changes()
+        .iter()
+        .map(|c| {
+            json!({
+                "at": secs(c.at),
+                "kind": c.kind,
+                "policy": c.policy,
+                "sha256": c.sha256,
+                "detail": c.detail,
+            })
+        })
+        .collect()
+}
+
+/// A shadow: its identity and what it did since it was attached.
+pub fn shadow_json(s: &ShadowStatus) -> Value {
+    let t = &s.tally;
+    json!({
+        "name": s.info.name,
+        "version": s.info.version,
+        "sha256": s.info.sha256,
+        "source": s.info.source.to_string(),
+        "config": s.info.config,
+        "sample": s.sample,
+        "attached_at": secs(s.attached_at),
+        "offered": t.offered,
+        "dropped": t.dropped,
+        "compared": t.compared,
+        "agreed": t.agreed,
+        "agreement": t.agreement(),
+        "rejected": t.rejected,
+        "live_rejected": t.live_rejected,
+        "failures": t.failures,
+        "overlap_ratio": {"shadow": t.shadow_overlap_ratio(), "live": t.live_overlap_ratio()},
+        "mean_predicted_cost": {"shadow": t.shadow_mean_cost(), "live": t.live_mean_cost()},
+        "calls": t.calls,
+        "mean_call_us": t.mean_call().map(|d| d.as_secs_f64() * 1e6),
+    })
+}
+
+/// The live policy's decision quality over the endpoint's life.
+fn quality_json(r: &KvRouter) -> Value {
+    use std::sync::atomic::Ordering::Relaxed;
+    let q = r.quality();
+    let unrouted: serde_json::Map<String, Value> = crate::router::quality::UNROUTED
+        .iter()
+        .zip(&q.unrouted)
+        .map(|(k, n)| ((*k).to_string(), json!(n.load(Relaxed))))
+        .collect();
+    let by_instance: serde_json::Map<String, Value> = q
+        .by_instance()
+        .into_iter()
+        .map(|(id, n)| (id.to_string(), json!(n)))
+        .collect();
+    json!({
+        "routed": q.routed.load(Relaxed),
+        "chosen_overlap_blocks": q.chosen_overlap_blocks.load(Relaxed),
+        "best_overlap_blocks": q.best_overlap_blocks.load(Relaxed),
+        "overlap_ratio": q.overlap_ratio(),
+        "cache_reports": q.cache_reports.load(Relaxed),
+        "predicted_cached_tokens": q.predicted_cached_tokens.load(Relaxed),
+        "reported_cached_tokens": q.reported_cached_tokens.load(Relaxed),
+        "unrouted": unrouted,
+        "decisions_by_instance": by_instance,
+        "decisions": r.policy().totals().decisions,
     })
 }
 

@@ -1,19 +1,24 @@
 //! Prometheus metrics: counters kept by the front door, plus gauges read from the
 //! routers, clients and policies at scrape time.
 
-use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::client::Availability;
 use crate::policy::{CallFailure, PolicyError};
 use crate::router::KvRouter;
+use crate::router::shadow::ShadowCounters;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EndpointLabel {
@@ -130,10 +135,6 @@ impl Timings {
             .observe(took.as_secs_f64());
     }
 
-    fn render(&self, out: &mut String) {
-        let _ = prometheus_client::encoding::text::encode_registry(out, &self.registry);
-    }
-
     /// Drops the series of an endpoint the router let go of.
     pub fn forget(&self, endpoint: &str) {
         let l = label(endpoint);
@@ -202,286 +203,14 @@ impl Metrics {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Renders everything in the Prometheus text format.
+    /// Renders everything in the Prometheus text format (version 0.0.4), through the
+    /// `prometheus-client` encoder: the histograms are its own metrics, every other
+    /// value is read at scrape time by a collector, and every family has its HELP.
     pub fn render(
         &self,
         routers: &[std::sync::Arc<KvRouter>],
         prefix: crate::tokens::prefix::PrefixStats,
     ) -> String {
-        let mut s = String::new();
-        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let _ = writeln!(s, "# TYPE switchyard_responses_total counter");
-        for (class, c) in [
-            ("2xx", &self.responses_2xx),
-            ("4xx", &self.responses_4xx),
-            ("5xx", &self.responses_5xx),
-        ] {
-            let _ = writeln!(
-                s,
-                "switchyard_responses_total{{class=\"{class}\"}} {}",
-                load(c)
-            );
-        }
-        for (name, help, c) in [
-            (
-                "switchyard_retries_total",
-                "attempts on another worker after a failure",
-                &self.retries,
-            ),
-            (
-                "switchyard_upstream_failures_total",
-                "upstream attempts failed before the first byte",
-                &self.upstream_failures,
-            ),
-            (
-                "switchyard_stream_errors_total",
-                "streams broken after they started",
-                &self.stream_errors,
-            ),
-            (
-                "switchyard_busy_answers_total",
-                "attempts a worker answered 429 or 503 (skipped for its Retry-After, not ejected)",
-                &self.busy,
-            ),
-            (
-                "switchyard_poison_requests_total",
-                "requests that failed on two workers, treated as their own fault",
-                &self.poison,
-            ),
-            (
-                "switchyard_stream_stalls_total",
-                "streams ended because the worker was silent for the idle timeout",
-                &self.stalls,
-            ),
-            (
-                "switchyard_local_failures_total",
-                "attempts that failed because the router ran out of a resource (not blamed on the worker)",
-                &self.local_failures,
-            ),
-            (
-                "switchyard_shed_requests_total",
-                "requests answered 503 at the in-flight limit",
-                &self.shed,
-            ),
-            (
-                "switchyard_accept_errors_total",
-                "failed accepts on the listening socket",
-                &self.accept_errors,
-            ),
-            (
-                "switchyard_refused_connections_total",
-                "client connections refused at the connection limit",
-                &self.refused_connections,
-            ),
-            (
-                "switchyard_prompt_tokens_total",
-                "prompt tokens reported by workers",
-                &self.prompt_tokens,
-            ),
-            (
-                "switchyard_cached_prompt_tokens_total",
-                "prompt tokens the workers found cached",
-                &self.cached_tokens,
-            ),
-        ] {
-            let _ = writeln!(
-                s,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-                load(c)
-            );
-        }
-        // Per-endpoint and per-instance series: each family's samples written together
-        // under its TYPE line, as the text format requires.
-        let mut f = Families::default();
-        f.declare("switchyard_instance_upstream_failures_total", "counter");
-        for (id, n) in self.failures_by_instance.lock().iter() {
-            f.sample(
-                "switchyard_instance_upstream_failures_total",
-                format!("instance=\"{id}\""),
-                n,
-            );
-        }
-        for (name, kind) in [
-            ("switchyard_decisions_total", "counter"),
-            ("switchyard_policy_failures_total", "counter"),
-            ("switchyard_policy_fallbacks_total", "counter"),
-            ("switchyard_policy_refusals_total", "counter"),
-            ("switchyard_policy_rejections_total", "counter"),
-            ("switchyard_policy_rollbacks_total", "counter"),
-            ("switchyard_policy_info", "gauge"),
-            ("switchyard_instance_down_reports_total", "counter"),
-            ("switchyard_ejections_total", "counter"),
-            ("switchyard_ejections_refused_total", "counter"),
-            ("switchyard_held_removals_total", "counter"),
-            ("switchyard_panic_mode", "gauge"),
-            ("switchyard_expired_bookings_total", "counter"),
-            ("switchyard_unpredicted_cache_hits_total", "counter"),
-            ("switchyard_instance_available", "gauge"),
-            ("switchyard_instance_in_flight", "gauge"),
-        ] {
-            f.declare(name, kind);
-        }
-        f.help(
-            "switchyard_instance_in_flight",
-            "requests this router has in flight on the instance (the policy sees the worker's own report plus these)",
-        );
-        f.help(
-            "switchyard_unpredicted_cache_hits_total",
-            "responses whose worker reported a cached prefix the router had not predicted on that worker (many: tokenization differs)",
-        );
-        for r in routers {
-            let ep = r.endpoint().to_string();
-            let on = format!("endpoint=\"{ep}\"");
-            let st = r.policy().status();
-            // Totals over every policy the endpoint has had: counters never go down.
-            let t = r.policy().totals();
-            f.sample("switchyard_decisions_total", on.clone(), t.decisions);
-            f.sample("switchyard_policy_failures_total", on.clone(), t.failures);
-            for (reason, n) in CallFailure::REASONS.iter().zip(t.fallbacks) {
-                f.sample(
-                    "switchyard_policy_fallbacks_total",
-                    format!("{on},reason=\"{reason}\""),
-                    n,
-                );
-            }
-            for (reason, n) in PolicyError::REASONS.iter().zip(t.refusals) {
-                f.sample(
-                    "switchyard_policy_refusals_total",
-                    format!("{on},reason=\"{reason}\""),
-                    n,
-                );
-            }
-            f.sample(
-                "switchyard_policy_rejections_total",
-                on.clone(),
-                t.rejections,
-            );
-            for (reason, n) in [
-                ("operator", t.manual_rollbacks),
-                ("failures", t.automatic_rollbacks),
-                ("failure_rate", t.rate_rollbacks),
-            ] {
-                f.sample(
-                    "switchyard_policy_rollbacks_total",
-                    format!("{on},reason=\"{reason}\""),
-                    n,
-                );
-            }
-            // Which policy serves now (name and version are label-safe: see
-            // `policy::guest_label`).
-            f.sample(
-                "switchyard_policy_info",
-                format!(
-                    "{on},policy=\"{}\",version=\"{}\",generation=\"{}\"",
-                    st.info.name, st.info.version, st.generation
-                ),
-                1,
-            );
-            let counters = r.client().counters();
-            f.sample(
-                "switchyard_instance_down_reports_total",
-                on.clone(),
-                counters.reported_down.load(Ordering::Relaxed),
-            );
-            for (kind, c) in [
-                ("unreachable", &counters.ejected_unreachable),
-                ("failing", &counters.ejected_failing),
-                ("unhealthy", &counters.ejected_unhealthy),
-            ] {
-                f.sample(
-                    "switchyard_ejections_total",
-                    format!("{on},kind=\"{kind}\""),
-                    c.load(Ordering::Relaxed),
-                );
-            }
-            f.sample(
-                "switchyard_ejections_refused_total",
-                on.clone(),
-                counters.ejections_refused.load(Ordering::Relaxed),
-            );
-            f.sample(
-                "switchyard_held_removals_total",
-                on.clone(),
-                counters.held_removals.load(Ordering::Relaxed),
-            );
-            f.sample(
-                "switchyard_expired_bookings_total",
-                on.clone(),
-                r.expired_bookings(),
-            );
-            f.sample(
-                "switchyard_unpredicted_cache_hits_total",
-                on.clone(),
-                r.unpredicted_cache_hits(),
-            );
-            let snapshot = r.client().snapshot();
-            f.sample(
-                "switchyard_panic_mode",
-                on.clone(),
-                u8::from(snapshot.panic),
-            );
-            for (id, state) in &snapshot.instances {
-                let up = u8::from(state.availability == Availability::Available);
-                let labels = format!("{on},instance=\"{id}\"");
-                f.sample("switchyard_instance_available", labels.clone(), up);
-                f.sample(
-                    "switchyard_instance_in_flight",
-                    labels,
-                    r.load_of(*id).booked,
-                );
-            }
-        }
-        f.write(&mut s);
-        for (name, help, v) in [
-            (
-                "switchyard_token_prefix_hits_total",
-                "text prompts that reused the tokens of an earlier prompt's prefix",
-                prefix.hits,
-            ),
-            (
-                "switchyard_token_prefix_misses_total",
-                "long text prompts tokenized from the start",
-                prefix.misses,
-            ),
-            (
-                "switchyard_token_prefix_mismatches_total",
-                "audits that found reused tokens wrong (reuse is then off)",
-                prefix.mismatches,
-            ),
-        ] {
-            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
-        }
-        let _ = writeln!(
-            s,
-            "# HELP switchyard_token_prefix_cached_tokens tokens held for reuse\n# TYPE switchyard_token_prefix_cached_tokens gauge\nswitchyard_token_prefix_cached_tokens {}",
-            prefix.tokens
-        );
-        // Central mode's sockets are shared by every endpoint: said once.
-        if let Some(hub) = routers.iter().find_map(|r| r.central_events()) {
-            for (name, help, c) in [
-                (
-                    "switchyard_kv_events_unrouted_total",
-                    "engine KV event batches on the bound sockets under a topic no worker names",
-                    &hub.unrouted,
-                ),
-                (
-                    "switchyard_kv_events_dropped_total",
-                    "engine KV event batches on the bound sockets dropped at a full worker queue (seen as gaps)",
-                    &hub.dropped,
-                ),
-                (
-                    "switchyard_kv_events_malformed_frames_total",
-                    "messages on the bound sockets that were not [topic, seq, payload]",
-                    &hub.malformed,
-                ),
-            ] {
-                let _ = writeln!(
-                    s,
-                    "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-                    load(c)
-                );
-            }
-        }
         // Endpoints released since the last scrape leave no series behind.
         let live: std::collections::HashSet<String> =
             routers.iter().map(|r| r.endpoint().to_string()).collect();
@@ -492,60 +221,607 @@ impl Metrics {
             }
             *seen = live;
         }
-        self.timings.render(&mut s);
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let front = FRONT_DOOR
+            .iter()
+            .zip(self.front_door())
+            .map(|((name, help), c)| (*name, *help, load(c)))
+            .collect();
+        let scrape = Scrape {
+            responses: [
+                ("2xx", load(&self.responses_2xx)),
+                ("4xx", load(&self.responses_4xx)),
+                ("5xx", load(&self.responses_5xx)),
+            ],
+            front,
+            failures_by_instance: self
+                .failures_by_instance
+                .lock()
+                .iter()
+                .map(|(id, n)| (*id, *n))
+                .collect(),
+            routers: routers.to_vec(),
+            prefix,
+        };
+        let mut registry = Registry::with_prefix("switchyard");
+        registry.register_collector(Box::new(scrape));
+        let mut s = String::new();
+        let _ = prometheus_text::encode(&mut s, &registry);
+        let _ = prometheus_text::encode(&mut s, &self.timings.registry);
         s
     }
-}
 
-/// Metric families written by hand: each family's HELP and TYPE, then all its samples
-/// together (the text format allows a family only once), in the order declared.
-#[derive(Default)]
-struct Families {
-    order: Vec<&'static str>,
-    by_name: std::collections::HashMap<&'static str, HandFamily>,
-}
-
-#[derive(Default)]
-struct HandFamily {
-    kind: &'static str,
-    help: Option<&'static str>,
-    samples: String,
-}
-
-impl Families {
-    fn declare(&mut self, name: &'static str, kind: &'static str) {
-        self.order.push(name);
-        self.by_name.insert(
-            name,
-            HandFamily {
-                kind,
-                ..HandFamily::default()
-            },
-        );
+    fn front_door(&self) -> [&AtomicU64; FRONT_DOOR.len()] {
+        [
+            &self.retries,
+            &self.upstream_failures,
+            &self.stream_errors,
+            &self.busy,
+            &self.poison,
+            &self.stalls,
+            &self.local_failures,
+            &self.shed,
+            &self.accept_errors,
+            &self.refused_connections,
+            &self.prompt_tokens,
+            &self.cached_tokens,
+        ]
     }
+}
 
-    fn help(&mut self, name: &'static str, help: &'static str) {
-        if let Some(f) = self.by_name.get_mut(name) {
-            f.help = Some(help);
+/// The front door's unlabelled counters: name (without `switchyard_` and `_total`) and
+/// help, in [`Metrics::front_door`] order.
+const FRONT_DOOR: [(&str, &str); 12] = [
+    ("retries", "Attempts on another worker after a failure"),
+    (
+        "upstream_failures",
+        "Upstream attempts failed before the first byte",
+    ),
+    ("stream_errors", "Streams broken after they started"),
+    (
+        "busy_answers",
+        "Attempts a worker answered 429 or 503 (skipped for its Retry-After, not ejected)",
+    ),
+    (
+        "poison_requests",
+        "Requests that failed on two workers, treated as their own fault",
+    ),
+    (
+        "stream_stalls",
+        "Streams ended because the worker was silent for the idle timeout",
+    ),
+    (
+        "local_failures",
+        "Attempts that failed because the router ran out of a resource (not blamed on the worker)",
+    ),
+    (
+        "shed_requests",
+        "Requests answered 503 at the in-flight limit",
+    ),
+    ("accept_errors", "Failed accepts on the listening socket"),
+    (
+        "refused_connections",
+        "Client connections refused at the connection limit",
+    ),
+    ("prompt_tokens", "Prompt tokens reported by workers"),
+    (
+        "cached_prompt_tokens",
+        "Prompt tokens the workers found cached",
+    ),
+];
+
+type Labels = Vec<(&'static str, String)>;
+
+/// One family's samples: its labels (empty for a single unlabelled sample) and value.
+type Samples<V> = Vec<(Labels, V)>;
+
+/// Everything read at scrape time, encoded by `prometheus-client`.
+struct Scrape {
+    responses: [(&'static str, u64); 3],
+    front: Vec<(&'static str, &'static str, u64)>,
+    failures_by_instance: Vec<(crate::ids::InstanceId, u64)>,
+    routers: Vec<std::sync::Arc<KvRouter>>,
+    prefix: crate::tokens::prefix::PrefixStats,
+}
+
+impl std::fmt::Debug for Scrape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Scrape")
+    }
+}
+
+fn family<M: EncodeMetric>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    samples: &[(Labels, M)],
+) -> std::fmt::Result {
+    if samples.is_empty() {
+        return Ok(());
+    }
+    let mut m = enc.encode_descriptor(name, help, None, kind)?;
+    if let [(labels, metric)] = samples
+        && labels.is_empty()
+    {
+        return metric.encode(m);
+    }
+    for (labels, metric) in samples {
+        metric.encode(m.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+fn counters(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: Samples<u64>,
+) -> std::fmt::Result {
+    let s: Vec<_> = samples
+        .into_iter()
+        .map(|(l, v)| (l, ConstCounter::new(v)))
+        .collect();
+    family(enc, name, help, MetricType::Counter, &s)
+}
+
+fn gauges(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: Samples<i64>,
+) -> std::fmt::Result {
+    let s: Vec<_> = samples
+        .into_iter()
+        .map(|(l, v)| (l, ConstGauge::new(v)))
+        .collect();
+    family(enc, name, help, MetricType::Gauge, &s)
+}
+
+/// Per-router samples of one family: `f` gives each router's rows (labels after
+/// `endpoint`, value).
+fn per_router<V>(
+    routers: &[std::sync::Arc<KvRouter>],
+    mut f: impl FnMut(&KvRouter) -> Vec<(Labels, V)>,
+) -> Samples<V> {
+    let mut out = Vec::new();
+    for r in routers {
+        let ep = r.endpoint().to_string();
+        for (labels, v) in f(r) {
+            let mut all = vec![("endpoint", ep.clone())];
+            all.extend(labels);
+            out.push((all, v));
         }
     }
+    out
+}
 
-    fn sample(&mut self, name: &'static str, labels: String, value: impl std::fmt::Display) {
-        let f = self
-            .by_name
-            .get_mut(name)
-            .expect("a metric family is declared before its samples");
-        let _ = writeln!(f.samples, "{name}{{{labels}}} {value}");
-    }
-
-    fn write(mut self, out: &mut String) {
-        for name in self.order {
-            let f = self.by_name.remove(name).expect("declared");
-            if let Some(help) = f.help {
-                let _ = writeln!(out, "# HELP {name} {help}");
+impl Collector for Scrape {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        let e = &mut enc;
+        let rs = &self.routers;
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        counters(
+            e,
+            "responses",
+            "Requests answered, by status class",
+            self.responses
+                .iter()
+                .map(|(class, n)| (vec![("class", (*class).to_string())], *n))
+                .collect(),
+        )?;
+        for (name, help, v) in &self.front {
+            counters(e, name, help, vec![(vec![], *v)])?;
+        }
+        counters(
+            e,
+            "instance_upstream_failures",
+            "Failed upstream attempts per instance",
+            self.failures_by_instance
+                .iter()
+                .map(|(id, n)| (vec![("instance", id.to_string())], *n))
+                .collect(),
+        )?;
+        // Totals over every policy the endpoint has had: counters never go down.
+        counters(
+            e,
+            "decisions",
+            "Routing decisions made, whichever policy was live",
+            per_router(rs, |r| vec![(vec![], r.policy().totals().decisions)]),
+        )?;
+        counters(
+            e,
+            "policy_failures",
+            "Policy calls that failed by the policy's fault (the native kv-cost decided)",
+            per_router(rs, |r| vec![(vec![], r.policy().totals().failures)]),
+        )?;
+        counters(
+            e,
+            "policy_fallbacks",
+            "Decisions the native kv-cost made because the policy call failed, by reason",
+            per_router(rs, |r| {
+                let t = r.policy().totals();
+                CallFailure::REASONS
+                    .iter()
+                    .zip(t.fallbacks)
+                    .map(|(reason, n)| (vec![("reason", (*reason).to_string())], n))
+                    .collect()
+            }),
+        )?;
+        counters(
+            e,
+            "policy_refusals",
+            "Policies refused on their way in (not loaded, the live one kept serving), by reason",
+            per_router(rs, |r| {
+                let t = r.policy().totals();
+                PolicyError::REASONS
+                    .iter()
+                    .zip(t.refusals)
+                    .map(|(reason, n)| (vec![("reason", (*reason).to_string())], n))
+                    .collect()
+            }),
+        )?;
+        counters(
+            e,
+            "policy_rejections",
+            "Requests a policy rejected on purpose",
+            per_router(rs, |r| vec![(vec![], r.policy().totals().rejections)]),
+        )?;
+        counters(
+            e,
+            "policy_rollbacks",
+            "Policy rollbacks, by who asked: the operator, a run of failures, a failure rate",
+            per_router(rs, |r| {
+                let t = r.policy().totals();
+                [
+                    ("operator", t.manual_rollbacks),
+                    ("failures", t.automatic_rollbacks),
+                    ("failure_rate", t.rate_rollbacks),
+                ]
+                .into_iter()
+                .map(|(reason, n)| (vec![("reason", reason.to_string())], n))
+                .collect()
+            }),
+        )?;
+        gauges(
+            e,
+            "policy_info",
+            "The live policy of each endpoint: its name, version and generation (always 1)",
+            per_router(rs, |r| {
+                let st = r.policy().status();
+                vec![(
+                    vec![
+                        ("policy", st.info.name.clone()),
+                        ("version", st.info.version.clone()),
+                        ("generation", st.generation.to_string()),
+                    ],
+                    1,
+                )]
+            }),
+        )?;
+        let client = |f: fn(&crate::client::ClientCounters) -> &AtomicU64| {
+            per_router(rs, move |r| vec![(vec![], load(f(r.client().counters())))])
+        };
+        counters(
+            e,
+            "instance_down_reports",
+            "Instances reported down by the proxy or the health checks",
+            client(|c| &c.reported_down),
+        )?;
+        counters(
+            e,
+            "ejections",
+            "Instances ejected, by kind: unreachable, failing (outlier detection), unhealthy (probes)",
+            per_router(rs, |r| {
+                let c = r.client().counters();
+                [
+                    ("unreachable", &c.ejected_unreachable),
+                    ("failing", &c.ejected_failing),
+                    ("unhealthy", &c.ejected_unhealthy),
+                ]
+                .into_iter()
+                .map(|(kind, n)| (vec![("kind", kind.to_string())], load(n)))
+                .collect()
+            }),
+        )?;
+        counters(
+            e,
+            "ejections_refused",
+            "Ejections refused because too many instances were out already",
+            client(|c| &c.ejections_refused),
+        )?;
+        counters(
+            e,
+            "held_removals",
+            "Instances kept routable after discovery removed them, while requests were in flight",
+            client(|c| &c.held_removals),
+        )?;
+        gauges(
+            e,
+            "panic_mode",
+            "1 while too few instances are available and every instance not known unreachable is routed to",
+            per_router(rs, |r| {
+                vec![(vec![], i64::from(r.client().snapshot().panic))]
+            }),
+        )?;
+        counters(
+            e,
+            "expired_bookings",
+            "Load bookings released by the hard expiry (each one a leak)",
+            per_router(rs, |r| vec![(vec![], r.expired_bookings())]),
+        )?;
+        counters(
+            e,
+            "unpredicted_cache_hits",
+            "Responses whose worker reported a cached prefix the router had not predicted on that worker (many: tokenization differs)",
+            per_router(rs, |r| vec![(vec![], r.unpredicted_cache_hits())]),
+        )?;
+        let instances =
+            |f: fn(&KvRouter, crate::ids::InstanceId, &crate::client::InstanceState) -> i64| {
+                per_router(rs, move |r| {
+                    r.client()
+                        .snapshot()
+                        .instances
+                        .iter()
+                        .map(|(id, st)| (vec![("instance", id.to_string())], f(r, *id, st)))
+                        .collect()
+                })
+            };
+        gauges(
+            e,
+            "instance_available",
+            "1 while the instance is available (routed to)",
+            instances(|_, _, st| i64::from(st.availability == Availability::Available)),
+        )?;
+        gauges(
+            e,
+            "instance_in_flight",
+            "Requests this router has in flight on the instance (the policy sees the worker's own report plus these)",
+            instances(|r, id, _| i64::from(r.load_of(id).booked)),
+        )?;
+        self.quality(e)?;
+        self.shadows(e)?;
+        let p = &self.prefix;
+        counters(
+            e,
+            "token_prefix_hits",
+            "Text prompts that reused the tokens of an earlier prompt's prefix",
+            vec![(vec![], p.hits)],
+        )?;
+        counters(
+            e,
+            "token_prefix_misses",
+            "Long text prompts tokenized from the start",
+            vec![(vec![], p.misses)],
+        )?;
+        counters(
+            e,
+            "token_prefix_mismatches",
+            "Audits that found reused tokens wrong (reuse is then off)",
+            vec![(vec![], p.mismatches)],
+        )?;
+        gauges(
+            e,
+            "token_prefix_cached_tokens",
+            "Tokens held for reuse",
+            vec![(vec![], i64::try_from(p.tokens).unwrap_or(i64::MAX))],
+        )?;
+        // Central mode's sockets are shared by every endpoint: said once.
+        if let Some(hub) = rs.iter().find_map(|r| r.central_events()) {
+            for (name, help, c) in [
+                (
+                    "kv_events_unrouted",
+                    "Engine KV event batches on the bound sockets under a topic no worker names",
+                    &hub.unrouted,
+                ),
+                (
+                    "kv_events_dropped",
+                    "Engine KV event batches on the bound sockets dropped at a full worker queue (seen as gaps)",
+                    &hub.dropped,
+                ),
+                (
+                    "kv_events_malformed_frames",
+                    "Messages on the bound sockets that were not [topic, seq, payload]",
+                    &hub.malformed,
+                ),
+            ] {
+                counters(e, name, help, vec![(vec![], load(c))])?;
             }
-            let _ = writeln!(out, "# TYPE {name} {}", f.kind);
-            out.push_str(&f.samples);
         }
+        Ok(())
+    }
+}
+
+impl Scrape {
+    /// The live policy's decision quality.
+    fn quality(&self, e: &mut DescriptorEncoder) -> std::fmt::Result {
+        let rs = &self.routers;
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        counters(
+            e,
+            "decision_overlap_blocks",
+            "Over routed requests, leading prompt blocks cached on the chosen worker (of=chosen) and on the candidate holding the most (of=best); chosen/best is the block-weighted share of the available cache the decisions used",
+            per_router(rs, |r| {
+                let q = r.quality();
+                vec![
+                    (
+                        vec![("of", "chosen".into())],
+                        load(&q.chosen_overlap_blocks),
+                    ),
+                    (vec![("of", "best".into())], load(&q.best_overlap_blocks)),
+                ]
+            }),
+        )?;
+        counters(
+            e,
+            "instance_decisions",
+            "Requests routed to each instance",
+            per_router(rs, |r| {
+                r.quality()
+                    .by_instance()
+                    .into_iter()
+                    .map(|(id, n)| (vec![("instance", id.to_string())], n))
+                    .collect()
+            }),
+        )?;
+        counters(
+            e,
+            "unrouted_requests",
+            "Requests not routed, by kind: no_instances, busy (every worker asked for a pause), or the policy's rejection (all_busy, no_fit, refused)",
+            per_router(rs, |r| {
+                crate::router::quality::UNROUTED
+                    .iter()
+                    .zip(&r.quality().unrouted)
+                    .map(|(kind, n)| (vec![("kind", (*kind).to_string())], load(n)))
+                    .collect()
+            }),
+        )?;
+        counters(
+            e,
+            "cache_reports",
+            "Responses whose worker reported its cached prompt tokens",
+            per_router(rs, |r| vec![(vec![], load(&r.quality().cache_reports))]),
+        )?;
+        counters(
+            e,
+            "predicted_cached_tokens",
+            "Over those responses, the prompt tokens the router predicted cached on the worker it chose",
+            per_router(rs, |r| {
+                vec![(vec![], load(&r.quality().predicted_cached_tokens))]
+            }),
+        )?;
+        counters(
+            e,
+            "reported_cached_tokens",
+            "Over those responses, the prompt tokens the worker reported cached",
+            per_router(rs, |r| {
+                vec![(vec![], load(&r.quality().reported_cached_tokens))]
+            }),
+        )
+    }
+
+    /// Every shadow identity each endpoint has run (the attached one marked by
+    /// `shadow_info`).
+    fn shadows(&self, e: &mut DescriptorEncoder) -> std::fmt::Result {
+        let rs = &self.routers;
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        gauges(
+            e,
+            "shadow_info",
+            "The shadow policy attached to each endpoint (always 1)",
+            per_router(rs, |r| {
+                r.shadow_status()
+                    .map(|s| {
+                        (
+                            vec![
+                                ("shadow", crate::policy::policy_label(&s.info)),
+                                ("sample", s.sample.to_string()),
+                            ],
+                            1,
+                        )
+                    })
+                    .into_iter()
+                    .collect()
+            }),
+        )?;
+        let each = |f: &dyn Fn(&ShadowCounters) -> Vec<(Labels, u64)>| {
+            per_router(rs, |r| {
+                let mut rows = Vec::new();
+                for (label, c) in r.shadow_series().all() {
+                    for (mut labels, v) in f(&c) {
+                        labels.insert(0, ("shadow", label.clone()));
+                        rows.push((labels, v));
+                    }
+                }
+                rows
+            })
+        };
+        for (name, help, pick) in [
+            (
+                "shadow_offered",
+                "Live decisions offered to the shadow",
+                (|c: &ShadowCounters| &c.offered) as fn(&ShadowCounters) -> &AtomicU64,
+            ),
+            (
+                "shadow_dropped",
+                "Live decisions dropped because the shadow's queue was full (the live path never waits)",
+                |c| &c.dropped,
+            ),
+            (
+                "shadow_compared",
+                "Decisions where both the live policy and the shadow chose a worker",
+                |c| &c.compared,
+            ),
+            (
+                "shadow_agreements",
+                "Compared decisions where the shadow chose the live policy's worker",
+                |c| &c.agreed,
+            ),
+            ("shadow_rejections", "Requests the shadow rejected", |c| {
+                &c.rejected
+            }),
+        ] {
+            counters(e, name, help, each(&|c| vec![(vec![], load(pick(c)))]))?;
+        }
+        counters(
+            e,
+            "shadow_failures",
+            "Shadow calls that failed, by reason (contained: the live path is not touched)",
+            each(&|c| {
+                CallFailure::REASONS
+                    .iter()
+                    .zip(&c.failures)
+                    .map(|(reason, n)| (vec![("reason", (*reason).to_string())], load(n)))
+                    .collect()
+            }),
+        )?;
+        counters(
+            e,
+            "shadow_overlap_blocks",
+            "Over compared decisions, leading prompt blocks cached on the shadow's choice, the live choice and the best candidate",
+            each(&|c| {
+                vec![
+                    (
+                        vec![("of", "shadow".into())],
+                        load(&c.shadow_overlap_blocks),
+                    ),
+                    (vec![("of", "live".into())], load(&c.live_overlap_blocks)),
+                    (vec![("of", "best".into())], load(&c.best_overlap_blocks)),
+                ]
+            }),
+        )?;
+        let costs: Samples<ConstCounter<f64>> = per_router(rs, |r| {
+            let mut rows = Vec::new();
+            for (label, c) in r.shadow_series().all() {
+                for (of, v) in [("shadow", c.shadow_cost()), ("live", c.live_cost())] {
+                    rows.push((
+                        vec![("shadow", label.clone()), ("of", of.to_string())],
+                        ConstCounter::new(v),
+                    ));
+                }
+            }
+            rows
+        });
+        family(
+            e,
+            "shadow_predicted_cost",
+            "Over compared decisions, the kv-cost model's predicted cost (default weights) of the shadow's and the live choices",
+            MetricType::Counter,
+            &costs,
+        )?;
+        let calls: Samples<Histogram> = per_router(rs, |r| {
+            r.shadow_series()
+                .all()
+                .into_iter()
+                .map(|(label, c)| (vec![("shadow", label)], c.call_seconds.clone()))
+                .collect()
+        });
+        family(
+            e,
+            "shadow_call_seconds",
+            "The shadow's own call time, on its own thread",
+            MetricType::Histogram,
+            &calls,
+        )
     }
 }

@@ -206,7 +206,7 @@ impl Gateway {
             (&Method::GET, "/ready") => Ok(self.ready()),
             (&Method::GET, "/metrics") => Ok(text_response(
                 StatusCode::OK,
-                "text/plain; version=0.0.4",
+                prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
                 self.metrics
                     .render(&self.fleet.routers(), self.tokenizer.stats()),
             )),

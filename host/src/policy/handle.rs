@@ -47,6 +47,8 @@ pub struct Decision {
     pub generation: u64,
     /// The request's sequence number on this handle.
     pub sequence: u64,
+    /// The random number the policy was given (`Request::seed`).
+    pub seed: u64,
     /// Why the policy call failed, when the fallback decided.
     pub failure: Option<CallFailure>,
     /// How long the policy's own call took (zero when there were no candidates).
@@ -121,6 +123,26 @@ struct Totals {
 /// Earlier policies kept for rollbacks (with a few warm instances each).
 const HISTORY: usize = 4;
 
+/// Changes of an endpoint's policy kept for the admin API and page, at most.
+pub const CHANGES: usize = 64;
+
+/// One change of an endpoint's policy: a swap, a refusal, a rollback, a shadow attached,
+/// removed or promoted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyChange {
+    /// When.
+    pub at: SystemTime,
+    /// `loaded`, `swap`, `refused`, `rollback`, `auto_rollback`, `shadow`,
+    /// `shadow_removed` or `promote`.
+    pub kind: &'static str,
+    /// The policy concerned (`name@version`; empty for a refusal before it loaded).
+    pub policy: String,
+    /// Its sha256 (empty when unknown).
+    pub sha256: String,
+    /// What happened, in words.
+    pub detail: String,
+}
+
 struct Active {
     policy: LoadedPolicy,
     /// The native fallback's configuration: the policy's own if it is `kv-cost`.
@@ -184,12 +206,26 @@ pub struct PolicyHandle {
     rollbacks: AtomicU64,
     totals: Totals,
     seed_base: u64,
+    /// The most recent changes, oldest first (at most [`CHANGES`]).
+    changes: Mutex<VecDeque<PolicyChange>>,
+}
+
+/// `name@version` of a policy.
+pub fn policy_label(info: &PolicyInfo) -> String {
+    format!("{}@{}", info.name, info.version)
 }
 
 impl PolicyHandle {
     /// A handle serving `initial`, which must pass its canary first.
     pub fn new(engine: PolicyEngine, initial: LoadedPolicy) -> Result<PolicyHandle, PolicyError> {
         initial.canary()?;
+        let loaded = PolicyChange {
+            at: SystemTime::now(),
+            kind: "loaded",
+            policy: policy_label(initial.info()),
+            sha256: initial.info().sha256.clone(),
+            detail: format!("serving from {}", initial.info().source),
+        };
         let seed_base = {
             use std::hash::{BuildHasher, RandomState};
             RandomState::new().hash_one(SystemTime::now())
@@ -205,6 +241,7 @@ impl PolicyHandle {
             rollbacks: AtomicU64::new(0),
             totals: Totals::default(),
             seed_base,
+            changes: Mutex::new(VecDeque::from([loaded])),
         })
     }
 
@@ -229,6 +266,7 @@ impl PolicyHandle {
             decider: Decider::Policy,
             generation: active.generation,
             sequence,
+            seed: req.seed,
             failure: None,
             call_time: std::time::Duration::ZERO,
         };
@@ -329,6 +367,11 @@ impl PolicyHandle {
         let old = self.current.swap(Active::new(new, generation));
         self.remember(old.policy.clone());
         self.consecutive_failures.store(0, Ordering::Relaxed);
+        self.note(
+            "swap",
+            self.current.load().policy.info(),
+            format!("replaced {}", policy_label(old.policy.info())),
+        );
         tracing::info!(
             from = %old.policy.info().name,
             to = %self.current.load().policy.info().name,
@@ -365,6 +408,37 @@ impl PolicyHandle {
     /// Counts a policy refused on its way in.
     pub fn refused(&self, e: &PolicyError) {
         self.totals.refusals[e.reason_index()].fetch_add(1, Ordering::Relaxed);
+        self.push_change(PolicyChange {
+            at: SystemTime::now(),
+            kind: "refused",
+            policy: String::new(),
+            sha256: String::new(),
+            detail: e.to_string(),
+        });
+    }
+
+    /// Records a change of this endpoint's policy (or of its shadow).
+    pub fn note(&self, kind: &'static str, policy: &PolicyInfo, detail: String) {
+        self.push_change(PolicyChange {
+            at: SystemTime::now(),
+            kind,
+            policy: policy_label(policy),
+            sha256: policy.sha256.clone(),
+            detail,
+        });
+    }
+
+    fn push_change(&self, change: PolicyChange) {
+        let mut changes = self.changes.lock();
+        changes.push_back(change);
+        while changes.len() > CHANGES {
+            changes.pop_front();
+        }
+    }
+
+    /// The most recent changes, oldest first.
+    pub fn changes(&self) -> Vec<PolicyChange> {
+        self.changes.lock().iter().cloned().collect()
     }
 
     /// Keeps a replaced policy for rollbacks (once, most recent last, at most
@@ -391,6 +465,14 @@ impl PolicyHandle {
         self.consecutive_failures.store(0, Ordering::Relaxed);
         self.rollbacks.fetch_add(1, Ordering::Relaxed);
         self.totals.manual_rollbacks.fetch_add(1, Ordering::Relaxed);
+        self.note(
+            "rollback",
+            self.current.load().policy.info(),
+            format!(
+                "the operator rolled back from {}",
+                policy_label(old.policy.info())
+            ),
+        );
         tracing::warn!(from = %old.policy.info().name, generation, "policy rolled back");
         drop(_guard);
         Some(self.status())
@@ -434,6 +516,11 @@ impl PolicyHandle {
             "policy rolled back to the last good policy"
         );
         target.refill_soon();
+        self.note(
+            "auto_rollback",
+            target.info(),
+            format!("{} {why}", policy_label(failing.policy.info())),
+        );
         // The failing policy is dropped, not kept as a rollback target.
         self.current.store(Active::new(target, generation));
         self.consecutive_failures.store(0, Ordering::Relaxed);

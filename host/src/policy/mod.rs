@@ -30,7 +30,10 @@ mod types;
 pub use builtin::{BUILTINS, Builtin, builtin};
 pub use cache::CacheOutcome;
 pub use engine::{PolicyEngine, RuntimeConfig};
-pub use handle::{Decider, Decision, DecisionOutcome, PolicyHandle, PolicyStatus, PolicyTotals};
+pub use handle::{
+    Decider, Decision, DecisionOutcome, PolicyChange, PolicyHandle, PolicyStatus, PolicyTotals,
+    policy_label,
+};
 pub use loaded::{CallFailure, CallOutcome, LoadedPolicy, PolicyInfo, PolicySource};
 pub use types::{
     CandidateRow, Candidates, MAX_GUEST_LABEL, MAX_GUEST_TEXT, Rejection, RejectionKind, Request,

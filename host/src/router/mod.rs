@@ -8,12 +8,15 @@
 pub mod central_events;
 pub mod engine_subscriber;
 pub mod metrics_scraper;
+pub mod quality;
+pub mod shadow;
 pub mod subscriber;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwapOption;
 use parking_lot::{Mutex, RwLock};
 
 use crate::client::Client;
@@ -26,8 +29,11 @@ use crate::kv::hash::BlockHasher;
 use crate::kv::index::OverlapIndex;
 use crate::kv::load::{LoadTracker, ReportedLoad};
 use crate::policy::{
-    CandidateRow, Candidates, Decider, Decision, DecisionOutcome, PolicyHandle, Rejection, Request,
+    CandidateRow, Candidates, Decider, Decision, DecisionOutcome, LoadedPolicy, PolicyError,
+    PolicyHandle, PolicyStatus, Rejection, Request, policy_label,
 };
+use quality::DecisionQuality;
+use shadow::{Shadow, ShadowSeries, ShadowStatus};
 
 /// Approximate mode, for workers that publish no KV events: the router's decisions
 /// become predicted cache contents.
@@ -213,6 +219,12 @@ pub struct KvRouter {
     /// Workers' KV cache sizes in blocks, where their load reports say.
     capacities: Mutex<std::collections::HashMap<InstanceId, u64>>,
     scrape_stats: metrics_scraper::ScrapeStats,
+    quality: DecisionQuality,
+    /// The candidate policy deciding beside the live one, if any.
+    shadow: ArcSwapOption<Shadow>,
+    /// Serialises attaching, removing and promoting shadows.
+    shadow_lock: Mutex<()>,
+    shadow_series: ShadowSeries,
 }
 
 /// Responses in a row whose worker reported a cached prefix that the router had not
@@ -260,7 +272,91 @@ impl KvRouter {
             views: RwLock::new(std::collections::HashMap::new()),
             capacities: Mutex::new(std::collections::HashMap::new()),
             scrape_stats: metrics_scraper::ScrapeStats::default(),
+            quality: DecisionQuality::default(),
+            shadow: ArcSwapOption::empty(),
+            shadow_lock: Mutex::new(()),
+            shadow_series: ShadowSeries::default(),
         }
+    }
+
+    /// How good the live decisions have been.
+    pub fn quality(&self) -> &DecisionQuality {
+        &self.quality
+    }
+
+    /// The counters of every shadow identity this endpoint has run.
+    pub fn shadow_series(&self) -> &ShadowSeries {
+        &self.shadow_series
+    }
+
+    /// Attaches `policy` (loaded by the caller; it must pass its canary here) as the
+    /// endpoint's shadow, offered a `sample` share of the decisions. Replaces any
+    /// shadow attached before.
+    pub fn attach_shadow(
+        &self,
+        policy: LoadedPolicy,
+        sample: f64,
+    ) -> Result<ShadowStatus, PolicyError> {
+        if let Err(e) = policy.canary() {
+            self.policy.refused(&e);
+            return Err(e);
+        }
+        let _guard = self.shadow_lock.lock();
+        let label = policy_label(policy.info());
+        let counters = self.shadow_series.counters(&label, Some(&label));
+        let info = policy.info().clone();
+        let shadow = Shadow::start(policy, sample, counters, &self.endpoint.to_string())
+            .map_err(|e| PolicyError::Canary(format!("cannot start the shadow's thread: {e}")))?;
+        let status = shadow.status();
+        self.shadow.store(Some(Arc::new(shadow)));
+        self.policy.note(
+            "shadow",
+            &info,
+            format!(
+                "deciding beside the live policy on {:.0} % of requests",
+                status.sample * 100.0
+            ),
+        );
+        Ok(status)
+    }
+
+    /// Removes the shadow; what it did is returned. Its thread finishes the decisions
+    /// already queued.
+    pub fn detach_shadow(&self) -> Option<ShadowStatus> {
+        let _guard = self.shadow_lock.lock();
+        let old = self.shadow.swap(None)?;
+        let status = old.status();
+        self.policy
+            .note("shadow_removed", &status.info, "shadow removed".into());
+        Some(status)
+    }
+
+    /// The shadow now, if one is attached.
+    pub fn shadow_status(&self) -> Option<ShadowStatus> {
+        self.shadow.load().as_ref().map(|s| s.status())
+    }
+
+    /// Makes the shadow the live policy in one step (a swap: the live one becomes the
+    /// rollback target) and removes it as a shadow. Refused when there is no shadow.
+    pub fn promote_shadow(&self) -> Result<PolicyStatus, PolicyError> {
+        let _guard = self.shadow_lock.lock();
+        let Some(shadow) = self.shadow.load_full() else {
+            return Err(PolicyError::Canary(
+                "there is no shadow policy to promote".into(),
+            ));
+        };
+        let was = shadow.status();
+        let status = self.policy.swap(shadow.policy().clone())?;
+        self.shadow.store(None);
+        self.policy.note(
+            "promote",
+            &was.info,
+            format!(
+                "shadow promoted after {} compared decisions ({} agreed)",
+                was.tally.compared, was.tally.agreed
+            ),
+        );
+        Ok(status)
     }
 
     /// The endpoint.
@@ -290,6 +386,8 @@ impl KvRouter {
     pub fn note_cache_report(&self, predicted_blocks: u32, cached_tokens: u64) {
         let r = &self.cache_reports;
         let block = u64::from(self.config.block_size.max(1));
+        self.quality
+            .cache_report(u64::from(predicted_blocks) * block, cached_tokens);
         if predicted_blocks > 0 && cached_tokens > 0 {
             r.streak.store(0, Ordering::Relaxed);
             return;
@@ -382,25 +480,41 @@ impl KvRouter {
                 .map(|(_, left)| *left)
                 .min()
             {
+                self.quality.unrouted(1);
                 return Err(RouteError::Busy {
                     endpoint: self.endpoint.to_string(),
                     retry_after,
                 });
             }
+            self.quality.unrouted(0);
             return Err(RouteError::NoInstances {
                 endpoint: self.endpoint.to_string(),
                 excluded: exclude.len(),
             });
         }
         let prompt_blocks = hashes.len() as u32;
-        let decision = self.policy.decide(
-            self.request(prompt_tokens, hashes, session_key),
-            &candidates,
-        );
+        let request = self.request(prompt_tokens, hashes, session_key);
+        let decision = self.policy.decide(request, &candidates);
+        if let Some(shadow) = &*self.shadow.load() {
+            let live = match &decision.outcome {
+                DecisionOutcome::Chosen(id) => Some(*id),
+                _ => None,
+            };
+            let seen = Request {
+                sequence: decision.sequence,
+                seed: decision.seed,
+                ..request
+            };
+            shadow.offer(decision.sequence, &seen, &candidates, live);
+        }
         let worker = match &decision.outcome {
             DecisionOutcome::Chosen(id) => *id,
-            DecisionOutcome::Rejected(r) => return Err(RouteError::Rejected(r.clone())),
+            DecisionOutcome::Rejected(r) => {
+                self.quality.unrouted(quality::rejection_index(r.kind));
+                return Err(RouteError::Rejected(r.clone()));
+            }
             DecisionOutcome::NoCandidates => {
+                self.quality.unrouted(0);
                 return Err(RouteError::NoInstances {
                     endpoint: self.endpoint.to_string(),
                     excluded: exclude.len(),
@@ -409,6 +523,11 @@ impl KvRouter {
         };
         debug_assert!(decision.decider == Decider::Fallback || candidates.contains(worker));
         let overlap_blocks = candidates.overlap_of(worker).unwrap_or(0);
+        let best = (0..candidates.len())
+            .map(|i| candidates.row(i).overlap_blocks)
+            .max()
+            .unwrap_or(0);
+        self.quality.routed(worker, overlap_blocks, best);
         let request = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
         let uncached = u64::from(prompt_tokens)
             .saturating_sub(u64::from(overlap_blocks) * u64::from(self.config.block_size));
@@ -659,5 +778,6 @@ impl KvRouter {
         self.views.write().remove(&worker);
         self.capacities.lock().remove(&worker);
         self.load.lock().forget_report(worker);
+        self.quality.forget(worker);
     }
 }

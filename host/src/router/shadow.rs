@@ -1,0 +1,452 @@
+//! Shadow policies: a candidate policy decides beside the live one, on the same requests
+//! and candidates, without ever serving. The live path only clones the candidate list
+//! into a bounded queue (`try_send`: when the shadow falls behind, decisions are dropped
+//! and counted, never waited for); one thread per shadow drains it, calls the shadow and
+//! records how its choices compare with the live policy's.
+//!
+//! Counters live in [`ShadowCounters`], one set per shadow identity (`name@version`) on
+//! an endpoint, so that re-attaching the same shadow continues its series (Prometheus
+//! counters never go back) while the admin API reports the current attachment alone
+//! (its counters minus those at attach time).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::time::{Duration, Instant, SystemTime};
+
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+
+use crate::ids::InstanceId;
+use crate::policy::{CallFailure, CallOutcome, Candidates, LoadedPolicy, Request};
+
+/// Decisions waiting for the shadow, at most; past that they are dropped.
+pub const SHADOW_QUEUE: usize = 1024;
+
+/// Shadow identities (`name@version`) whose counters an endpoint keeps, at most; the
+/// oldest one not attached is forgotten past that.
+pub const SHADOW_SERIES: usize = 8;
+
+/// Times the shadow's thread waits 1 ms for a warm instance before it counts the call
+/// as failed.
+const NO_INSTANCE_RETRIES: u32 = 100;
+
+/// What the live path hands the shadow: the request as the live policy saw it, its
+/// candidates, and what the live policy chose (`None`: it rejected the request).
+struct Job {
+    request: Request,
+    candidates: Candidates,
+    live: Option<InstanceId>,
+}
+
+/// Everything recorded about one shadow identity on one endpoint. Only its thread
+/// writes (dropped decisions are counted by the live path).
+#[derive(Debug)]
+pub struct ShadowCounters {
+    /// Decisions handed to the shadow's queue.
+    pub offered: AtomicU64,
+    /// Decisions dropped at a full queue.
+    pub dropped: AtomicU64,
+    /// Decisions where both the live policy and the shadow chose a worker.
+    pub compared: AtomicU64,
+    /// Of those, the decisions where both chose the same worker.
+    pub agreed: AtomicU64,
+    /// Requests the shadow rejected.
+    pub rejected: AtomicU64,
+    /// Requests the live policy rejected (not compared).
+    pub live_rejected: AtomicU64,
+    /// Failed shadow calls, by [`CallFailure::REASONS`] index.
+    pub failures: [AtomicU64; CallFailure::REASONS.len()],
+    /// Over compared decisions: leading prompt blocks cached on the shadow's choice.
+    pub shadow_overlap_blocks: AtomicU64,
+    /// ... on the live choice.
+    pub live_overlap_blocks: AtomicU64,
+    /// ... on the best candidate.
+    pub best_overlap_blocks: AtomicU64,
+    /// Over compared decisions, the kv-cost model's predicted cost of the shadow's
+    /// choice (f64 bits; one writer).
+    shadow_cost: AtomicU64,
+    /// ... of the live choice.
+    live_cost: AtomicU64,
+    /// Shadow calls made.
+    pub calls: AtomicU64,
+    /// Their summed time, nanoseconds.
+    pub call_nanos: AtomicU64,
+    /// The shadow's own call time.
+    pub call_seconds: Histogram,
+}
+
+impl Default for ShadowCounters {
+    fn default() -> Self {
+        ShadowCounters {
+            offered: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+            compared: AtomicU64::new(0),
+            agreed: AtomicU64::new(0),
+            rejected: AtomicU64::new(0),
+            live_rejected: AtomicU64::new(0),
+            failures: Default::default(),
+            shadow_overlap_blocks: AtomicU64::new(0),
+            live_overlap_blocks: AtomicU64::new(0),
+            best_overlap_blocks: AtomicU64::new(0),
+            shadow_cost: AtomicU64::new(0f64.to_bits()),
+            live_cost: AtomicU64::new(0f64.to_bits()),
+            calls: AtomicU64::new(0),
+            call_nanos: AtomicU64::new(0),
+            call_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 20)),
+        }
+    }
+}
+
+fn add_f64(cell: &AtomicU64, v: f64) {
+    // One writer (the shadow's thread): load and store cannot lose an update.
+    let now = f64::from_bits(cell.load(Ordering::Relaxed)) + v;
+    cell.store(now.to_bits(), Ordering::Relaxed);
+}
+
+/// A point-in-time copy of [`ShadowCounters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ShadowTally {
+    /// See [`ShadowCounters::offered`].
+    pub offered: u64,
+    /// See [`ShadowCounters::dropped`].
+    pub dropped: u64,
+    /// See [`ShadowCounters::compared`].
+    pub compared: u64,
+    /// See [`ShadowCounters::agreed`].
+    pub agreed: u64,
+    /// See [`ShadowCounters::rejected`].
+    pub rejected: u64,
+    /// See [`ShadowCounters::live_rejected`].
+    pub live_rejected: u64,
+    /// Failed calls of every kind.
+    pub failures: u64,
+    /// See [`ShadowCounters::shadow_overlap_blocks`].
+    pub shadow_overlap_blocks: u64,
+    /// See [`ShadowCounters::live_overlap_blocks`].
+    pub live_overlap_blocks: u64,
+    /// See [`ShadowCounters::best_overlap_blocks`].
+    pub best_overlap_blocks: u64,
+    /// Summed predicted cost of the shadow's choices.
+    pub shadow_cost: f64,
+    /// Summed predicted cost of the live choices.
+    pub live_cost: f64,
+    /// Calls made and their summed time, seconds.
+    pub calls: u64,
+    /// Summed call time, seconds.
+    pub call_seconds: f64,
+}
+
+impl ShadowCounters {
+    /// The shadow's predicted cost sum.
+    pub fn shadow_cost(&self) -> f64 {
+        f64::from_bits(self.shadow_cost.load(Ordering::Relaxed))
+    }
+
+    /// The live policy's predicted cost sum.
+    pub fn live_cost(&self) -> f64 {
+        f64::from_bits(self.live_cost.load(Ordering::Relaxed))
+    }
+
+    /// The counters now.
+    pub fn tally(&self) -> ShadowTally {
+        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        ShadowTally {
+            offered: l(&self.offered),
+            dropped: l(&self.dropped),
+            compared: l(&self.compared),
+            agreed: l(&self.agreed),
+            rejected: l(&self.rejected),
+            live_rejected: l(&self.live_rejected),
+            failures: self.failures.iter().map(l).sum(),
+            shadow_overlap_blocks: l(&self.shadow_overlap_blocks),
+            live_overlap_blocks: l(&self.live_overlap_blocks),
+            best_overlap_blocks: l(&self.best_overlap_blocks),
+            shadow_cost: self.shadow_cost(),
+            live_cost: self.live_cost(),
+            calls: l(&self.calls),
+            call_seconds: l(&self.call_nanos) as f64 * 1e-9,
+        }
+    }
+}
+
+impl ShadowTally {
+    /// What happened between `earlier` and `self`.
+    pub fn since(&self, earlier: &ShadowTally) -> ShadowTally {
+        ShadowTally {
+            offered: self.offered - earlier.offered,
+            dropped: self.dropped - earlier.dropped,
+            compared: self.compared - earlier.compared,
+            agreed: self.agreed - earlier.agreed,
+            rejected: self.rejected - earlier.rejected,
+            live_rejected: self.live_rejected - earlier.live_rejected,
+            failures: self.failures - earlier.failures,
+            shadow_overlap_blocks: self.shadow_overlap_blocks - earlier.shadow_overlap_blocks,
+            live_overlap_blocks: self.live_overlap_blocks - earlier.live_overlap_blocks,
+            best_overlap_blocks: self.best_overlap_blocks - earlier.best_overlap_blocks,
+            shadow_cost: self.shadow_cost - earlier.shadow_cost,
+            live_cost: self.live_cost - earlier.live_cost,
+            calls: self.calls - earlier.calls,
+            call_seconds: self.call_seconds - earlier.call_seconds,
+        }
+    }
+
+    /// Share of compared decisions where the shadow chose the live policy's worker.
+    pub fn agreement(&self) -> Option<f64> {
+        (self.compared > 0).then(|| self.agreed as f64 / self.compared as f64)
+    }
+
+    /// Block-weighted overlap of the shadow's choices against the best available (1 when
+    /// no candidate held any of the prompts).
+    pub fn shadow_overlap_ratio(&self) -> Option<f64> {
+        ratio(
+            self.shadow_overlap_blocks,
+            self.best_overlap_blocks,
+            self.compared,
+        )
+    }
+
+    /// The same for the live policy's choices.
+    pub fn live_overlap_ratio(&self) -> Option<f64> {
+        ratio(
+            self.live_overlap_blocks,
+            self.best_overlap_blocks,
+            self.compared,
+        )
+    }
+
+    /// Mean predicted cost of the shadow's choices (kv-cost model, default weights).
+    pub fn shadow_mean_cost(&self) -> Option<f64> {
+        (self.compared > 0).then(|| self.shadow_cost / self.compared as f64)
+    }
+
+    /// Mean predicted cost of the live choices.
+    pub fn live_mean_cost(&self) -> Option<f64> {
+        (self.compared > 0).then(|| self.live_cost / self.compared as f64)
+    }
+
+    /// Mean shadow call time.
+    pub fn mean_call(&self) -> Option<Duration> {
+        (self.calls > 0).then(|| Duration::from_secs_f64(self.call_seconds / self.calls as f64))
+    }
+}
+
+/// Achieved over best blocks: 1 when nothing was available to achieve.
+pub fn ratio(achieved: u64, best: u64, decisions: u64) -> Option<f64> {
+    (decisions > 0).then(|| {
+        if best == 0 {
+            1.0
+        } else {
+            achieved as f64 / best as f64
+        }
+    })
+}
+
+/// A shadow attached to an endpoint. Dropping it closes the queue: its thread finishes
+/// what is queued and ends.
+pub struct Shadow {
+    policy: LoadedPolicy,
+    /// One decision in this many is offered (1: every one).
+    every: u64,
+    tx: SyncSender<Job>,
+    counters: Arc<ShadowCounters>,
+    baseline: ShadowTally,
+    attached_at: SystemTime,
+}
+
+impl std::fmt::Debug for Shadow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shadow")
+            .field("policy", &self.policy.info().name)
+            .field("every", &self.every)
+            .finish()
+    }
+}
+
+/// What the admin API shows of an attached shadow.
+#[derive(Debug, Clone)]
+pub struct ShadowStatus {
+    /// The shadow's identity.
+    pub info: crate::policy::PolicyInfo,
+    /// The share of decisions offered to it.
+    pub sample: f64,
+    /// When it was attached.
+    pub attached_at: SystemTime,
+    /// What it did since.
+    pub tally: ShadowTally,
+}
+
+/// The kv-cost model's weights used to price every choice a shadow is compared on.
+fn pricing() -> switchyard_cost_model::KvCostConfig {
+    switchyard_cost_model::KvCostConfig::default()
+}
+
+impl Shadow {
+    /// Attaches `policy` (already validated) as a shadow offered a `sample` share of the
+    /// decisions (clamped to (0, 1]), recording into `counters`.
+    pub fn start(
+        policy: LoadedPolicy,
+        sample: f64,
+        counters: Arc<ShadowCounters>,
+        endpoint: &str,
+    ) -> std::io::Result<Shadow> {
+        let sample = if sample.is_finite() && sample > 0.0 {
+            sample.min(1.0)
+        } else {
+            1.0
+        };
+        let every = (1.0 / sample).round().max(1.0) as u64;
+        let (tx, rx) = std::sync::mpsc::sync_channel(SHADOW_QUEUE);
+        policy.prepare();
+        let (p, c) = (policy.clone(), counters.clone());
+        std::thread::Builder::new()
+            .name(format!("shadow {endpoint}"))
+            .spawn(move || drain(&p, &c, &rx))?;
+        Ok(Shadow {
+            baseline: counters.tally(),
+            policy,
+            every,
+            tx,
+            counters,
+            attached_at: SystemTime::now(),
+        })
+    }
+
+    /// The shadow policy.
+    pub fn policy(&self) -> &LoadedPolicy {
+        &self.policy
+    }
+
+    /// Offers one live decision (decision number `sequence`); never blocks.
+    pub fn offer(
+        &self,
+        sequence: u64,
+        request: &Request,
+        candidates: &Candidates,
+        live: Option<InstanceId>,
+    ) {
+        if !sequence.is_multiple_of(self.every) {
+            return;
+        }
+        self.counters.offered.fetch_add(1, Ordering::Relaxed);
+        let job = Job {
+            request: *request,
+            candidates: candidates.clone(),
+            live,
+        };
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.tx.try_send(job) {
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Identity and what it did since it was attached.
+    pub fn status(&self) -> ShadowStatus {
+        ShadowStatus {
+            info: self.policy.info().clone(),
+            sample: 1.0 / self.every as f64,
+            attached_at: self.attached_at,
+            tally: self.counters.tally().since(&self.baseline),
+        }
+    }
+}
+
+/// The shadow's thread: decide every queued request and compare.
+fn drain(policy: &LoadedPolicy, counters: &ShadowCounters, rx: &Receiver<Job>) {
+    let pricing = pricing();
+    while let Ok(job) = rx.recv() {
+        let started = Instant::now();
+        let mut result = policy.call(&job.request, &job.candidates);
+        // Off the request path a missing instance is worth a short wait (the warmer is
+        // making one after a trap): bounded, then counted like any failure.
+        for _ in 0..NO_INSTANCE_RETRIES {
+            if !matches!(result, Err(CallFailure::NoWarmInstance)) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+            result = policy.call(&job.request, &job.candidates);
+        }
+        let took = started.elapsed();
+        counters.call_seconds.observe(took.as_secs_f64());
+        counters.calls.fetch_add(1, Ordering::Relaxed);
+        counters.call_nanos.fetch_add(
+            u64::try_from(took.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        let shadow = match result {
+            Ok(CallOutcome::Chosen(id)) => id,
+            Ok(CallOutcome::Rejected(_)) => {
+                counters.rejected.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            Err(failure) => {
+                counters.failures[failure.reason_index()].fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+        };
+        let Some(live) = job.live else {
+            counters.live_rejected.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        let c = &job.candidates;
+        let best = c.view().overlap_blocks.iter().copied().max().unwrap_or(0);
+        let shape = switchyard_cost_model::RequestShape {
+            prompt_blocks: job.request.prompt_blocks,
+            block_size: job.request.block_size,
+            seed: job.request.seed,
+        };
+        let price = |id: InstanceId| {
+            c.position(id).map_or(0.0, |i| {
+                switchyard_cost_model::cost(&pricing, &shape, &c.view(), i)
+            })
+        };
+        let add = |cell: &AtomicU64, v: u32| cell.fetch_add(u64::from(v), Ordering::Relaxed);
+        counters.compared.fetch_add(1, Ordering::Relaxed);
+        if shadow == live {
+            counters.agreed.fetch_add(1, Ordering::Relaxed);
+        }
+        add(
+            &counters.shadow_overlap_blocks,
+            c.overlap_of(shadow).unwrap_or(0),
+        );
+        add(
+            &counters.live_overlap_blocks,
+            c.overlap_of(live).unwrap_or(0),
+        );
+        add(&counters.best_overlap_blocks, best);
+        add_f64(&counters.shadow_cost, price(shadow));
+        add_f64(&counters.live_cost, price(live));
+    }
+}
+
+/// The shadow counters an endpoint keeps, by shadow identity (`name@version`).
+#[derive(Debug, Default)]
+pub struct ShadowSeries {
+    by_label: parking_lot::Mutex<Vec<(String, Arc<ShadowCounters>)>>,
+}
+
+impl ShadowSeries {
+    /// The counters of `label`, made if new; past [`SHADOW_SERIES`] the oldest other
+    /// than `keep` is forgotten.
+    pub fn counters(&self, label: &str, keep: Option<&str>) -> Arc<ShadowCounters> {
+        let mut all = self.by_label.lock();
+        if let Some((_, c)) = all.iter().find(|(l, _)| l == label) {
+            return c.clone();
+        }
+        let c = Arc::new(ShadowCounters::default());
+        all.push((label.to_string(), c.clone()));
+        while all.len() > SHADOW_SERIES {
+            let Some(i) = all
+                .iter()
+                .position(|(l, _)| l != label && Some(l.as_str()) != keep)
+            else {
+                break;
+            };
+            all.remove(i);
+        }
+        c
+    }
+
+    /// Every identity's counters, oldest first.
+    pub fn all(&self) -> Vec<(String, Arc<ShadowCounters>)> {
+        self.by_label.lock().clone()
+    }
+}
