@@ -11,6 +11,7 @@
 #   componentize-py (PyPI)  builds the Python policy scaffold (`policy new --lang python`)
 #   node, npm     (Debian)  build the JavaScript policy scaffold (its package.json pins
 #                           componentize-js, which npm fetches)
+#   chromium      (Debian)  the admin page is tested in a real headless browser
 #   wasm32-wasip2 (rustup)  the policies' target (the build adds it too)
 #
 # Extra arguments go to `cargo test`, e.g. `tools/test.sh --test faults`.
@@ -78,6 +79,14 @@ if ! command -v npm >/dev/null 2>&1; then
     as_root apt-get install -y -q --no-install-recommends nodejs npm
 fi
 echo "node $(node --version), npm $(npm --version)"
+if ! command -v chromium >/dev/null 2>&1; then
+    echo "installing chromium (Debian)"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -q
+    as_root apt-get install -y -q chromium
+fi
+chromium_version="$(chromium --version)"
+echo "$chromium_version"
 
 installed_targets="$(rustup target list --installed)"
 grep -qx wasm32-wasip2 <<<"$installed_targets" || rustup target add wasm32-wasip2

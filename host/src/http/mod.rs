@@ -157,7 +157,7 @@ impl Gateway {
             .pool_timer(hyper_util::rt::TokioTimer::new())
             .pool_max_idle_per_host(256)
             .build(connector);
-        Arc::new(Gateway {
+        let gw = Arc::new(Gateway {
             config,
             fleet,
             tokenizer,
@@ -165,7 +165,22 @@ impl Gateway {
             metrics: Metrics::default(),
             draining: AtomicBool::new(false),
             in_flight: Arc::new(AtomicUsize::new(0)),
-        })
+        });
+        // The admin page's trends: one point a second for as long as the gateway lives
+        // (the task holds it weakly).
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let weak = Arc::downgrade(&gw);
+            rt.spawn(async move {
+                let mut every = tokio::time::interval(Duration::from_secs(1));
+                every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    every.tick().await;
+                    let Some(gw) = weak.upgrade() else { return };
+                    gw.metrics.trends.sample(&gw.fleet.routers());
+                }
+            });
+        }
+        gw
     }
 
     /// The front door's counters.
@@ -293,6 +308,11 @@ pub(crate) fn json_response(status: StatusCode, v: &serde_json::Value) -> Respon
     text_response(status, "application/json", v.to_string())
 }
 
+/// A complete body from text.
+pub(crate) fn full_body(body: String) -> Body {
+    Full::new(Bytes::from(body)).map_err(|e| match e {}).boxed()
+}
+
 pub(crate) fn text_response(
     status: StatusCode,
     content_type: &str,
@@ -301,7 +321,7 @@ pub(crate) fn text_response(
     Response::builder()
         .status(status)
         .header("content-type", content_type)
-        .body(Full::new(Bytes::from(body)).map_err(|e| match e {}).boxed())
+        .body(full_body(body))
         .expect("valid response")
 }
 

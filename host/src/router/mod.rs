@@ -545,13 +545,15 @@ impl KvRouter {
         if !self.is_exact(worker) {
             self.index.write().predicted.record(worker, hashes, now);
         }
+        let decision_time = started.elapsed();
+        self.quality.record_latency(decision_time);
         Ok(Routed {
             worker,
             request,
             overlap_blocks,
             prompt_blocks,
             decision,
-            decision_time: started.elapsed(),
+            decision_time,
         })
     }
 

@@ -41,6 +41,53 @@ pub struct DecisionQuality {
     /// ... and the tokens the worker reported cached.
     pub reported_cached_tokens: AtomicU64,
     by_instance: Mutex<BTreeMap<InstanceId, u64>>,
+    /// Decision times: bucket 0 under 1 µs, bucket `i` under 2^i µs, the last one the rest.
+    latency: [AtomicU64; LATENCY_BUCKETS],
+}
+
+/// Buckets of [`DecisionQuality`]'s decision-time histogram (the last is unbounded).
+pub const LATENCY_BUCKETS: usize = 24;
+
+/// The upper bound of latency bucket `i`, µs (infinite for the last).
+pub fn latency_bound_us(i: usize) -> f64 {
+    if i + 1 >= LATENCY_BUCKETS {
+        f64::INFINITY
+    } else {
+        (1u64 << i) as f64
+    }
+}
+
+/// The `q` quantile, µs, of the decisions counted between two readings of the latency
+/// buckets (`None` when there were none); interpolated within its bucket.
+pub fn latency_quantile(
+    q: f64,
+    now: &[u64; LATENCY_BUCKETS],
+    then: &[u64; LATENCY_BUCKETS],
+) -> Option<f64> {
+    let d: Vec<u64> = now
+        .iter()
+        .zip(then)
+        .map(|(a, b)| a.saturating_sub(*b))
+        .collect();
+    let total: u64 = d.iter().sum();
+    if total == 0 {
+        return None;
+    }
+    let rank = q * total as f64;
+    let mut seen = 0.0;
+    for (i, n) in d.iter().enumerate() {
+        let n = *n as f64;
+        if seen + n >= rank && n > 0.0 {
+            let low = if i == 0 { 0.0 } else { latency_bound_us(i - 1) };
+            let high = latency_bound_us(i);
+            if !high.is_finite() {
+                return Some(low);
+            }
+            return Some(low + (high - low) * ((rank - seen) / n).clamp(0.0, 1.0));
+        }
+        seen += n;
+    }
+    None
 }
 
 impl DecisionQuality {
@@ -53,6 +100,22 @@ impl DecisionQuality {
         self.best_overlap_blocks
             .fetch_add(u64::from(best), Ordering::Relaxed);
         *self.by_instance.lock().entry(worker).or_default() += 1;
+    }
+
+    /// One decision took `took`.
+    pub fn record_latency(&self, took: std::time::Duration) {
+        let us = took.as_micros();
+        let i = if us == 0 {
+            0
+        } else {
+            ((128 - us.leading_zeros()) as usize).min(LATENCY_BUCKETS - 1)
+        };
+        self.latency[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The decision-time buckets now.
+    pub fn latency_counts(&self) -> [u64; LATENCY_BUCKETS] {
+        self.latency.each_ref().map(|c| c.load(Ordering::Relaxed))
     }
 
     /// A request was not routed.
@@ -92,5 +155,32 @@ impl DecisionQuality {
             l(&self.best_overlap_blocks),
             l(&self.routed),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn latency_quantiles_come_from_the_decisions_between_two_readings() {
+        let q = DecisionQuality::default();
+        for _ in 0..90 {
+            q.record_latency(Duration::from_micros(3)); // bucket (2, 4]
+        }
+        let then = q.latency_counts();
+        for _ in 0..99 {
+            q.record_latency(Duration::from_micros(20)); // (16, 32]
+        }
+        q.record_latency(Duration::from_millis(3)); // (2048, 4096]
+        let now = q.latency_counts();
+        let p50 = latency_quantile(0.5, &now, &then).unwrap();
+        assert!((16.0..=32.0).contains(&p50), "{p50}");
+        let p999 = latency_quantile(0.999, &now, &then).unwrap();
+        assert!((2048.0..=4096.0).contains(&p999), "{p999}");
+        assert_eq!(latency_quantile(0.5, &then, &then), None);
+        q.record_latency(Duration::from_secs(100_000));
+        assert_eq!(q.latency_counts()[LATENCY_BUCKETS - 1], 1);
     }
 }
