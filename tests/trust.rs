@@ -304,3 +304,107 @@ async fn every_replica_runs_what_etcd_holds_whenever_it_starts() {
         .await;
     }
 }
+
+/// The shadow of an endpoint, from the admin API (`Null` when none).
+async fn shadow_of(c: &http::HttpClient, router: &str) -> Value {
+    let (s, b) = admin_get_text(c, &format!("{router}/admin/endpoints/{EP}/shadow")).await;
+    if s != StatusCode::OK {
+        return Value::Null;
+    }
+    serde_json::from_str(&b).unwrap()
+}
+
+/// A shadow pushed through etcd is attached by a replica already running and by one
+/// started after the push, beside the live policy, which keeps serving; removing it
+/// removes it everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_pushed_through_etcd_reaches_every_replica_and_leaves_with_its_push() {
+    let etcd = Etcd::start();
+    let url = etcd.url();
+    let (_worker, _) = mock_worker(&["--etcd", &url]).await;
+    let (_r1, first) = serve(&["--etcd", &url, "--admin-token", TOKEN]).await;
+    let c = http::client();
+    chat_ok(&c, &first).await;
+    let (ok, out, err) = cli(
+        &[
+            "policy",
+            "push",
+            "round-robin",
+            "--shadow",
+            "--sample",
+            "0.5",
+            "--etcd",
+            &url,
+            "--endpoint",
+            EP,
+        ],
+        &[],
+    );
+    assert!(ok, "{err}");
+    assert!(out.contains("pushed shadow round-robin"), "{out}");
+    let (ok, _, err) = cli(
+        &[
+            "policy",
+            "push",
+            "round-robin",
+            "--shadow",
+            "--sample",
+            "1.5",
+            "--etcd",
+            &url,
+            "--endpoint",
+            EP,
+        ],
+        &[],
+    );
+    assert!(!ok && err.contains("(0, 1]"), "{err}");
+    let (_r2, second) = serve(&["--etcd", &url, "--admin-token", TOKEN]).await;
+    chat_ok(&c, &second).await;
+    for router in [&first, &second] {
+        eventually("the shadow attached", || {
+            let (c, router) = (c.clone(), router.clone());
+            async move {
+                let s = shadow_of(&c, &router).await;
+                s["name"] == "round-robin" && s["sample"] == 0.5
+            }
+        })
+        .await;
+        assert_eq!(
+            policy_of(&c, router, EP).await,
+            "kv-cost",
+            "the live policy is unchanged"
+        );
+    }
+    for _ in 0..4 {
+        chat_ok(&c, &first).await;
+    }
+    eventually("the shadow offered half the decisions", || {
+        let (c, first) = (c.clone(), first.clone());
+        async move { shadow_of(&c, &first).await["offered"].as_u64() >= Some(2) }
+    })
+    .await;
+
+    let (ok, out, err) = cli(
+        &[
+            "policy",
+            "remove",
+            "--shadow",
+            "--etcd",
+            &url,
+            "--endpoint",
+            EP,
+        ],
+        &[],
+    );
+    assert!(ok, "{err}");
+    assert!(out.contains("removed the shadow"), "{out}");
+    for router in [&first, &second] {
+        eventually("the shadow removed", || {
+            let (c, router) = (c.clone(), router.clone());
+            async move { shadow_of(&c, &router).await.is_null() }
+        })
+        .await;
+        assert_eq!(policy_of(&c, router, EP).await, "kv-cost");
+        chat_ok(&c, router).await;
+    }
+}

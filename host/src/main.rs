@@ -392,6 +392,14 @@ enum PolicyCommand {
         /// with --policy-trusted-key apply only pushes signed by a key they trust.
         #[arg(long, env = "SWITCHYARD_POLICY_SIGNING_KEY")]
         sign: Option<PathBuf>,
+        /// Push it as the endpoint's shadow: it decides beside the live policy on every
+        /// replica, is compared with it, and never serves (promote it through the admin
+        /// API, or push it without --shadow).
+        #[arg(long)]
+        shadow: bool,
+        /// With --shadow: the share of decisions the shadow is offered, in (0, 1].
+        #[arg(long, default_value_t = 1.0, requires = "shadow")]
+        sample: f64,
     },
     /// Delete the policy pushed for an endpoint: every router watching etcd returns the
     /// endpoint to its configured policy.
@@ -401,6 +409,9 @@ enum PolicyCommand {
         /// Endpoint path namespace/component/endpoint.
         #[arg(long)]
         endpoint: EndpointPath,
+        /// Delete the pushed shadow instead: every router removes it.
+        #[arg(long)]
+        shadow: bool,
     },
     /// Write a new policy project, ready to build: the contract's WIT, the build recipe,
     /// sample test cases and a README saying how to build, check, test and load it.
@@ -541,18 +552,35 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             endpoint,
             config,
             sign,
-        }) => tokio_runtime()?.block_on(policy_push(policy, etcd, endpoint, config, sign)),
-        Command::Policy(PolicyCommand::Remove { etcd, endpoint }) => {
-            tokio_runtime()?.block_on(async {
-                let existed = etcd_policy::remove(&etcd.config()?, &endpoint).await?;
-                if existed {
-                    println!("removed the push for {endpoint}: routers return it to their configured policy");
-                } else {
-                    println!("no push was stored for {endpoint}");
-                }
-                anyhow::Ok(())
-            })
+            shadow,
+            sample,
+        }) => {
+            let shadow = shadow.then_some(sample);
+            tokio_runtime()?.block_on(policy_push(policy, etcd, endpoint, config, sign, shadow))
         }
+        Command::Policy(PolicyCommand::Remove {
+            etcd,
+            endpoint,
+            shadow,
+        }) => tokio_runtime()?.block_on(async {
+            let role = if shadow {
+                etcd_policy::Role::Shadow
+            } else {
+                etcd_policy::Role::Live
+            };
+            let existed = etcd_policy::remove(&etcd.config()?, role, &endpoint).await?;
+            match (existed, shadow) {
+                (true, false) => println!(
+                    "removed the push for {endpoint}: routers return it to their configured policy"
+                ),
+                (true, true) => {
+                    println!("removed the shadow pushed for {endpoint}: routers drop it")
+                }
+                (false, false) => println!("no push was stored for {endpoint}"),
+                (false, true) => println!("no shadow was stored for {endpoint}"),
+            }
+            anyhow::Ok(())
+        }),
         Command::Policy(PolicyCommand::New { name, lang, dir }) => {
             let dir = dir.unwrap_or_else(|| PathBuf::from(&name));
             let files = switchyard::policy::scaffold::create(&dir, &name, lang)
@@ -909,7 +937,13 @@ async fn policy_push(
     endpoint: EndpointPath,
     config: String,
     sign: Option<PathBuf>,
+    shadow: Option<f64>,
 ) -> anyhow::Result<()> {
+    if let Some(sample) = shadow
+        && !(sample > 0.0 && sample <= 1.0)
+    {
+        anyhow::bail!("--sample {sample}: a share of the decisions in (0, 1]");
+    }
     let key = sign
         .map(|path| SigningKey::load(&path))
         .transpose()
@@ -926,13 +960,17 @@ async fn policy_push(
         &config,
     )?;
     loaded.canary()?;
-    let mut pushed = PushedPolicy::new(&bytes, &config);
+    let mut pushed = match shadow {
+        Some(sample) => PushedPolicy::shadow(&bytes, &config, sample),
+        None => PushedPolicy::new(&bytes, &config),
+    };
     if let Some(key) = &key {
         pushed.sign(&endpoint, key);
     }
     let stored = etcd_policy::push(&etcd.config()?, &endpoint, &pushed).await?;
     println!(
-        "pushed {} {} (sha256 {}) to {stored}{}",
+        "pushed {}{} {} (sha256 {}) to {stored}{}",
+        if shadow.is_some() { "shadow " } else { "" },
         loaded.info().name,
         loaded.info().version,
         pushed.sha256,

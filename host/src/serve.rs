@@ -21,7 +21,7 @@ use tokio::net::TcpListener;
 use crate::client::{ClientRegistry, HttpHealthCheck};
 use crate::config::{DiscoveryConfig, PolicySpec, ServeConfig};
 use crate::discovery::etcd::{EtcdDiscovery, list_all};
-use crate::discovery::etcd_policy::{PolicyEvent, PushedPolicy};
+use crate::discovery::etcd_policy::{PolicyEvent, PushedPolicy, Role};
 use crate::discovery::fixed::FixedDiscovery;
 use crate::discovery::{Discovery, EndpointPath, InstanceInfo, etcd_policy};
 use crate::http::{Fleet, Gateway, GatewayConfig};
@@ -83,6 +83,8 @@ pub struct ServeFleet {
     /// Pushed policies as state: what etcd holds per endpoint, and what each endpoint was
     /// last reconciled to (see [`ServeFleet::reconcile`]).
     pushes: Mutex<Pushes>,
+    /// Pushed shadows, the same way: what etcd holds and what each endpoint was made to run.
+    shadow_pushes: Mutex<Pushes>,
     /// Serialises reconciliations.
     reconciling: Mutex<()>,
     /// How long a model whose instances are all gone is answered 503 (not 404) and its
@@ -221,6 +223,7 @@ impl ServeFleet {
             }
             // A push stored before the endpoint's first instance applies now.
             self.reconcile(&entry.endpoint);
+            self.reconcile_shadow(&entry.endpoint);
         }
         self.catalog.store(Arc::new(catalog));
         self.discovered.store(true, Ordering::Relaxed);
@@ -234,6 +237,7 @@ impl ServeFleet {
         let router = self.routers.lock().remove(endpoint);
         self.registry.release(endpoint);
         self.pushes.lock().attempted.remove(endpoint);
+        self.shadow_pushes.lock().attempted.remove(endpoint);
         if router.is_some() {
             tracing::info!(endpoint = %endpoint, "endpoint released: no instances for the grace period");
         }
@@ -258,8 +262,25 @@ impl ServeFleet {
     /// touched.
     fn apply_push_event(&self, event: PolicyEvent) {
         let listing = matches!(event, PolicyEvent::Listed(_));
-        let touched: Vec<EndpointPath> = {
-            let mut pushes = self.pushes.lock();
+        for endpoint in Self::record(&self.pushes, event) {
+            self.reconcile(&endpoint);
+        }
+        if listing {
+            self.policies_listed.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// The same for pushed shadows.
+    fn apply_shadow_event(&self, event: PolicyEvent) {
+        for endpoint in Self::record(&self.shadow_pushes, event) {
+            self.reconcile_shadow(&endpoint);
+        }
+    }
+
+    /// Records an event in `pushes`; returns the endpoints it touched.
+    fn record(pushes: &Mutex<Pushes>, event: PolicyEvent) -> Vec<EndpointPath> {
+        {
+            let mut pushes = pushes.lock();
             match event {
                 PolicyEvent::Put(endpoint, policy) => {
                     pushes.desired.insert(endpoint.clone(), Arc::new(policy));
@@ -282,12 +303,70 @@ impl ServeFleet {
                     gone
                 }
             }
-        };
-        for endpoint in touched {
-            self.reconcile(&endpoint);
         }
-        if listing {
-            self.policies_listed.store(true, Ordering::Relaxed);
+    }
+
+    /// Makes `endpoint`'s shadow what etcd holds for it: the pushed shadow (verified and
+    /// validated like a live push) or none. Only a shadow etcd put there is removed when
+    /// etcd's goes (one attached through the admin API is the operator's).
+    fn reconcile_shadow(&self, endpoint: &EndpointPath) {
+        let Some(router) = self.routers.lock().get(endpoint).cloned() else {
+            return;
+        };
+        let _turn = self.reconciling.lock();
+        let (desired, attempted) = {
+            let pushes = self.shadow_pushes.lock();
+            (
+                pushes.desired.get(endpoint).cloned(),
+                pushes.attempted.get(endpoint).cloned(),
+            )
+        };
+        let handle = router.policy();
+        let Some(pushed) = desired else {
+            if attempted.is_some() {
+                self.shadow_pushes.lock().attempted.remove(endpoint);
+                if router.detach_shadow().is_some() {
+                    tracing::info!(endpoint = %endpoint, "pushed shadow deleted: shadow removed");
+                }
+            }
+            return;
+        };
+        let key = (
+            pushed.sha256.clone(),
+            pushed.config.clone(),
+            pushed.pushed_at,
+            pushed.signature.clone(),
+        );
+        if attempted.as_ref() == Some(&key) {
+            return;
+        }
+        self.shadow_pushes
+            .lock()
+            .attempted
+            .insert(endpoint.clone(), key);
+        let verified = match pushed.sample {
+            None => Err("a live push stored as a shadow".to_string()),
+            Some(_) => pushed.verify(endpoint, &self.trusted_keys),
+        };
+        let result = verified
+            .map_err(PolicyError::Unsigned)
+            .and_then(|()| pushed.wasm().map_err(PolicyError::NotAComponent))
+            .and_then(|bytes| {
+                self.engine.load(
+                    PolicySource::Uploaded("etcd (shadow)".into()),
+                    &bytes,
+                    &pushed.config,
+                )
+            })
+            .inspect_err(|e| handle.refused(e))
+            .and_then(|loaded| router.attach_shadow(loaded, pushed.sample.unwrap_or(1.0)));
+        match result {
+            Ok(s) => {
+                tracing::info!(endpoint = %endpoint, shadow = %s.info.name, sha256 = %s.info.sha256, "pushed shadow attached")
+            }
+            Err(e) => {
+                tracing::error!(endpoint = %endpoint, error = %e, "pushed shadow refused; nothing changed")
+            }
         }
     }
 
@@ -321,7 +400,12 @@ impl ServeFleet {
                     return;
                 }
                 self.pushes.lock().attempted.insert(endpoint.clone(), key);
-                if let Err(why) = pushed.verify(endpoint, &self.trusted_keys) {
+                let verified = if pushed.sample.is_some() {
+                    Err("a shadow push stored as the live policy".to_string())
+                } else {
+                    pushed.verify(endpoint, &self.trusted_keys)
+                };
+                if let Err(why) = verified {
                     let error = PolicyError::Unsigned(why);
                     tracing::error!(endpoint = %endpoint, error = %error, "pushed policy refused; the current one keeps serving");
                     handle.refused(&error);
@@ -550,6 +634,7 @@ pub async fn serve(
         endpoint_forward_authorization: config.endpoint_forward_authorization.clone(),
         engine_metrics: config.engine_metrics,
         pushes: Mutex::new(Pushes::default()),
+        shadow_pushes: Mutex::new(Pushes::default()),
         reconciling: Mutex::new(()),
         endpoint_grace: config.endpoint_grace,
         trusted_keys: config.policy_trusted_keys.clone(),
@@ -587,15 +672,26 @@ pub async fn serve(
             // Pushed policies are state: every event updates what etcd holds, and the
             // endpoints it touched are reconciled in order, off the async workers.
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-            background.push(etcd_policy::watch(etcd.clone(), move |event| {
-                let _ = tx.send(event);
+            let shadows = tx.clone();
+            background.push(etcd_policy::watch(etcd.clone(), Role::Live, move |event| {
+                let _ = tx.send((Role::Live, event));
             }));
+            background.push(etcd_policy::watch(
+                etcd.clone(),
+                Role::Shadow,
+                move |event| {
+                    let _ = shadows.send((Role::Shadow, event));
+                },
+            ));
             let fleet3 = fleet.clone();
             background.push(tokio::spawn(async move {
-                while let Some(event) = rx.recv().await {
+                while let Some((role, event)) = rx.recv().await {
                     let fleet = fleet3.clone();
-                    let _ =
-                        tokio::task::spawn_blocking(move || fleet.apply_push_event(event)).await;
+                    let _ = tokio::task::spawn_blocking(move || match role {
+                        Role::Live => fleet.apply_push_event(event),
+                        Role::Shadow => fleet.apply_shadow_event(event),
+                    })
+                    .await;
                 }
             }));
         }

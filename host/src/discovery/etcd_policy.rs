@@ -1,6 +1,8 @@
 //! Fleet-wide policy distribution through etcd: `switchyard policy push` stores a policy
 //! under `{root}/policies/{namespace}/{component}/{endpoint}`; every router replica
 //! watches that prefix and swaps the endpoint's policy (after its own validation).
+//! `policy push --shadow` stores a shadow under `{root}/shadows/...` the same way (its
+//! entry carries `"sample"`); replicas attach it beside the live policy.
 //!
 //! The value is JSON: `{"sha256", "config", "wasm_base64", "pushed_at"}`, and with
 //! `--sign` also `"signer"` and `"signature"` (see [`super::signing`]): an ed25519
@@ -23,7 +25,7 @@ use super::signing::{PublicKey, SigningKey};
 use super::{DiscoveryError, EndpointPath};
 
 /// A policy stored in etcd.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PushedPolicy {
     /// sha256 of the `.wasm`, hex.
     pub sha256: String,
@@ -42,6 +44,10 @@ pub struct PushedPolicy {
     /// The ed25519 signature of [`PushedPolicy::signed_message`] (base64), if signed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signature: Option<String>,
+    /// Set on a shadow push (stored under `{root}/shadows/`): the share of decisions the
+    /// shadow is offered. A live push has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sample: Option<f64>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -64,19 +70,42 @@ impl PushedPolicy {
             chunks: 0,
             signer: None,
             signature: None,
+            sample: None,
+        }
+    }
+
+    /// Wraps `wasm` and `config` as a shadow offered a `sample` share of the decisions.
+    pub fn shadow(wasm: &[u8], config: &str, sample: f64) -> PushedPolicy {
+        PushedPolicy {
+            sample: Some(sample),
+            ..PushedPolicy::new(wasm, config)
+        }
+    }
+
+    /// Which prefix the push belongs under.
+    pub fn role(&self) -> Role {
+        if self.sample.is_some() {
+            Role::Shadow
+        } else {
+            Role::Live
         }
     }
 
     /// What a signature covers: the endpoint (a push signed for one endpoint is no good
     /// for another), the policy's and the configuration's sha256, and the push time.
+    /// A shadow push's message says so (and its sample): a signed live push cannot be
+    /// stored as a shadow, nor a shadow as the live policy.
     pub fn signed_message(&self, endpoint: &EndpointPath) -> Vec<u8> {
-        format!(
+        let mut m = format!(
             "switchyard-policy-push-v1\n{endpoint}\n{}\n{}\n{}\n",
             self.sha256,
             hex(&Sha256::digest(self.config.as_bytes())),
             self.pushed_at
-        )
-        .into_bytes()
+        );
+        if let Some(sample) = self.sample {
+            m.push_str(&format!("shadow\n{sample}\n"));
+        }
+        m.into_bytes()
     }
 
     /// Signs the push for `endpoint`.
@@ -136,22 +165,36 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn prefix(root: &str) -> String {
-    format!("{}/policies/", root.trim_end_matches('/'))
+/// Live policies or shadows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// `{root}/policies/`: the policy that serves.
+    Live,
+    /// `{root}/shadows/`: a policy that decides beside it without serving.
+    Shadow,
+}
+
+fn prefix(root: &str, role: Role) -> String {
+    let dir = match role {
+        Role::Live => "policies",
+        Role::Shadow => "shadows",
+    };
+    format!("{}/{dir}/", root.trim_end_matches('/'))
 }
 
 fn blobs(root: &str) -> String {
     format!("{}/policy-blobs/", root.trim_end_matches('/'))
 }
 
-/// Stores `policy` for `endpoint` (in chunks when it is large); returns the key written.
+/// Stores `policy` for `endpoint` (in chunks when it is large), as the live policy or,
+/// with a `sample`, as the shadow; returns the key written.
 pub async fn push(
     config: &EtcdConfig,
     endpoint: &EndpointPath,
     policy: &PushedPolicy,
 ) -> Result<String, DiscoveryError> {
     let api = config.api();
-    let key = format!("{}{endpoint}", prefix(&config.root));
+    let key = format!("{}{endpoint}", prefix(&config.root, policy.role()));
     let mut entry = policy.clone();
     if entry.wasm_base64.len() > CHUNK_BYTES {
         // Base64 is ASCII: any byte offset is a character boundary.
@@ -172,7 +215,12 @@ pub async fn push(
 /// Deletes the chunks of policies no entry refers to.
 async fn collect_garbage(config: &EtcdConfig) -> Result<(), DiscoveryError> {
     let api = config.api();
-    let (entries, _) = api.range_prefix(&prefix(&config.root)).await?;
+    let (mut entries, _) = api.range_prefix(&prefix(&config.root, Role::Live)).await?;
+    entries.extend(
+        api.range_prefix(&prefix(&config.root, Role::Shadow))
+            .await?
+            .0,
+    );
     let referenced: std::collections::HashSet<String> = entries
         .iter()
         .filter_map(|kv| serde_json::from_slice::<PushedPolicy>(&kv.value).ok())
@@ -252,13 +300,14 @@ pub enum PolicyEvent {
 /// again. Malformed entries are logged and skipped.
 pub fn watch(
     config: EtcdConfig,
+    role: Role,
     apply: impl Fn(PolicyEvent) + Send + Sync + 'static,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut delay = config.backoff_initial;
         loop {
-            if let Err(e) = cycle(&config, &apply, &mut delay).await {
-                tracing::warn!(error = %e, retry_in = ?delay, "policy watch interrupted");
+            if let Err(e) = cycle(&config, role, &apply, &mut delay).await {
+                tracing::warn!(error = %e, ?role, retry_in = ?delay, "policy watch interrupted");
             }
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(config.backoff_max);
@@ -266,11 +315,15 @@ pub fn watch(
     })
 }
 
-/// Deletes the push for `endpoint`: every router returns it to its configured policy.
-/// Returns whether there was one.
-pub async fn remove(config: &EtcdConfig, endpoint: &EndpointPath) -> Result<bool, DiscoveryError> {
+/// Deletes the push for `endpoint`: every router returns it to its configured policy
+/// (or, for [`Role::Shadow`], removes its shadow). Returns whether there was one.
+pub async fn remove(
+    config: &EtcdConfig,
+    role: Role,
+    endpoint: &EndpointPath,
+) -> Result<bool, DiscoveryError> {
     let api = config.api();
-    let key = format!("{}{endpoint}", prefix(&config.root));
+    let key = format!("{}{endpoint}", prefix(&config.root, role));
     let (found, _) = api.range_prefix(&key).await?;
     let existed = found.iter().any(|kv| kv.key == key.as_bytes());
     api.delete(&key, false).await?;
@@ -278,10 +331,15 @@ pub async fn remove(config: &EtcdConfig, endpoint: &EndpointPath) -> Result<bool
     Ok(existed)
 }
 
-fn parse(key: &[u8], value: &[u8], root: &str) -> Result<(EndpointPath, PushedPolicy), String> {
+fn parse(
+    key: &[u8],
+    value: &[u8],
+    root: &str,
+    role: Role,
+) -> Result<(EndpointPath, PushedPolicy), String> {
     let key = String::from_utf8_lossy(key);
     let path = key
-        .strip_prefix(&prefix(root))
+        .strip_prefix(&prefix(root, role))
         .ok_or("outside the policy prefix")?;
     let endpoint: EndpointPath = path.parse().map_err(|e: super::KeyError| e.to_string())?;
     let policy: PushedPolicy = serde_json::from_slice(value).map_err(|e| format!("{key}: {e}"))?;
@@ -292,15 +350,16 @@ fn parse(key: &[u8], value: &[u8], root: &str) -> Result<(EndpointPath, PushedPo
 /// Returns its endpoint if the key names one.
 async fn deliver(
     config: &EtcdConfig,
+    role: Role,
     apply: &(impl Fn(PolicyEvent) + Send + Sync),
     key: &[u8],
     value: &[u8],
 ) -> Option<EndpointPath> {
-    let parsed = match parse(key, value, &config.root) {
+    let parsed = match parse(key, value, &config.root, role) {
         Ok(p) => p,
         Err(e) => {
             tracing::warn!(error = %e, "skipping a malformed policy entry");
-            return endpoint_of(key, &config.root);
+            return endpoint_of(key, &config.root, role);
         }
     };
     let endpoint = parsed.0.clone();
@@ -321,27 +380,28 @@ async fn deliver(
     Some(endpoint)
 }
 
-fn endpoint_of(key: &[u8], root: &str) -> Option<EndpointPath> {
+fn endpoint_of(key: &[u8], root: &str, role: Role) -> Option<EndpointPath> {
     String::from_utf8_lossy(key)
-        .strip_prefix(&prefix(root))?
+        .strip_prefix(&prefix(root, role))?
         .parse()
         .ok()
 }
 
 async fn cycle(
     config: &EtcdConfig,
+    role: Role,
     apply: &(impl Fn(PolicyEvent) + Send + Sync),
     delay: &mut std::time::Duration,
 ) -> Result<(), DiscoveryError> {
     let api = config.api();
-    let (kvs, revision) = api.range_prefix(&prefix(&config.root)).await?;
+    let (kvs, revision) = api.range_prefix(&prefix(&config.root, role)).await?;
     let mut listed = Vec::new();
     for kv in &kvs {
-        listed.extend(deliver(config, apply, &kv.key, &kv.value).await);
+        listed.extend(deliver(config, role, apply, &kv.key, &kv.value).await);
     }
     apply(PolicyEvent::Listed(listed));
     let mut watch = api
-        .watch_prefix(&prefix(&config.root), revision + 1)
+        .watch_prefix(&prefix(&config.root, role), revision + 1)
         .await?;
     *delay = config.backoff_initial;
     let mut alive = tokio::time::interval(config.timeout);
@@ -357,10 +417,10 @@ async fn cycle(
         for event in events {
             match event {
                 Event::Put(kv) => {
-                    deliver(config, apply, &kv.key, &kv.value).await;
+                    deliver(config, role, apply, &kv.key, &kv.value).await;
                 }
                 Event::Delete(kv) => {
-                    if let Some(endpoint) = endpoint_of(&kv.key, &config.root) {
+                    if let Some(endpoint) = endpoint_of(&kv.key, &config.root, role) {
                         apply(PolicyEvent::Delete(endpoint));
                     }
                 }
@@ -372,6 +432,38 @@ async fn cycle(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_signature_says_whether_the_push_is_live_or_a_shadow() {
+        let dir = tempfile::tempdir().unwrap();
+        let trusted = vec![SigningKey::generate(&dir.path().join("ops")).unwrap()];
+        let key = SigningKey::load(&dir.path().join("ops")).unwrap();
+        let ep: EndpointPath = "default/llama/generate".parse().unwrap();
+        let mut live = PushedPolicy::new(b"\0asm", "{}");
+        live.sign(&ep, &key);
+        assert_eq!(live.role(), Role::Live);
+        assert!(live.verify(&ep, &trusted).is_ok());
+        // The same signed push made into a shadow (or its sample changed) fails.
+        let as_shadow = PushedPolicy {
+            sample: Some(1.0),
+            ..live.clone()
+        };
+        assert!(as_shadow.verify(&ep, &trusted).is_err());
+        let mut shadow = PushedPolicy::shadow(b"\0asm", "{}", 0.5);
+        shadow.sign(&ep, &key);
+        assert_eq!(shadow.role(), Role::Shadow);
+        assert!(shadow.verify(&ep, &trusted).is_ok());
+        let resampled = PushedPolicy {
+            sample: Some(1.0),
+            ..shadow.clone()
+        };
+        assert!(resampled.verify(&ep, &trusted).is_err());
+        let as_live = PushedPolicy {
+            sample: None,
+            ..shadow
+        };
+        assert!(as_live.verify(&ep, &trusted).is_err());
+    }
 
     #[test]
     fn a_router_with_trusted_keys_applies_only_pushes_they_signed_for_that_endpoint() {
