@@ -260,3 +260,98 @@ fn three_router_replicas_route_as_well_as_one() {
         "three replicas find fewer cached prefixes than one router:\n{stdout}"
     );
 }
+
+/// `--shadow` runs a shadow beside every policy, so that one run compares several
+/// strategies on the same decisions: round-robin as a shadow of itself agrees on every
+/// decision, as a shadow of kv-cost it does not, and it would have used less of the
+/// cache kv-cost found. The decision telemetry agrees with what the workers reported.
+#[test]
+fn a_shadow_beside_each_policy_compares_them_on_the_same_decisions() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.jsonl");
+    let generated = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args([
+            "trace-gen",
+            "--requests",
+            "120",
+            "--rate",
+            "10",
+            "--seed",
+            "3",
+        ])
+        .args(["--long-fraction", "0"])
+        .output()
+        .unwrap();
+    assert!(generated.status.success());
+    std::fs::write(&trace, &generated.stdout).unwrap();
+    let json = dir.path().join("out.json");
+    let mut replay = Command::new(env!("CARGO_BIN_EXE_switchyard"));
+    replay.args([
+        "replay",
+        trace.to_str().unwrap(),
+        "--policy",
+        "kv-cost,round-robin",
+        "--shadow",
+        "round-robin",
+        "--workers",
+        "3",
+        "--kv-blocks",
+        "2048",
+        "--block-size",
+        "16",
+        "--speedup",
+        "4",
+        "--json",
+        json.to_str().unwrap(),
+        "--chart",
+        dir.path().join("ttft.svg").to_str().unwrap(),
+    ]);
+    let stdout = run(replay);
+    assert!(
+        stdout.contains("| policy (decision telemetry) |"),
+        "{stdout}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let run_of = |name: &str| {
+        v["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["policy"] == name)
+            .unwrap_or_else(|| panic!("no run named {name}: {stdout}"))
+            .clone()
+    };
+    for name in ["kv-cost", "round-robin"] {
+        let t = &run_of(name)["telemetry"];
+        assert_eq!(t["routed"], 120, "{stdout}");
+        let s = &t["shadow"];
+        assert_eq!(s["compared"], 120, "{stdout}");
+        assert_eq!(
+            (s["dropped"].as_u64(), s["failures"].as_u64()),
+            (Some(0), Some(0))
+        );
+        // The workers reported what the router predicted on them (exact event views).
+        assert_eq!(
+            t["predicted_cached_tokens"], t["reported_cached_tokens"],
+            "{stdout}"
+        );
+    }
+    let (kv, rr) = (
+        run_of("kv-cost")["telemetry"].clone(),
+        run_of("round-robin")["telemetry"].clone(),
+    );
+    assert_eq!(
+        rr["shadow"]["agreed"], 120,
+        "round-robin agrees with itself: {stdout}"
+    );
+    assert!(kv["shadow"]["agreed"].as_u64().unwrap() < 120, "{stdout}");
+    let blocks = |t: &serde_json::Value, who: &str| t["shadow"][who].as_u64().unwrap();
+    assert!(
+        blocks(&kv, "shadow_overlap_blocks") < blocks(&kv, "live_overlap_blocks"),
+        "round-robin would have used less of the cache than kv-cost did: {stdout}"
+    );
+    let ratio = |t: &serde_json::Value| {
+        t["chosen_overlap_blocks"].as_f64().unwrap() / t["best_overlap_blocks"].as_f64().unwrap()
+    };
+    assert!(ratio(&kv) > ratio(&rr), "{stdout}");
+}

@@ -202,6 +202,11 @@ struct ReplayArgs {
     /// the requests sent to them in turn, beside its run through one.
     #[arg(long = "routers", default_value_t = 1)]
     replicas: usize,
+    /// A policy that decides as a shadow beside every policy run (built-in name or
+    /// `.wasm` path, `=CONFIG` optionally): one run compares them on the same decisions
+    /// (agreement, cache used, predicted cost) in the decision telemetry table.
+    #[arg(long)]
+    shadow: Option<String>,
     /// Where the external routers' output goes.
     #[arg(long, default_value = "replay-logs")]
     router_logs: PathBuf,
@@ -825,6 +830,7 @@ async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     }
     config.client = args.client.clone();
     config.replicas = args.replicas.max(1);
+    config.shadow = args.shadow.clone();
     anyhow::ensure!(
         config.replicas == 1 || config.client.is_none(),
         "--routers N drives its replicas with the replay's own client; drop --client"
@@ -864,6 +870,9 @@ async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     );
     println!();
     print!("{}", switchyard::replay::report::table(&runs, bound));
+    if let Some(t) = switchyard::replay::report::telemetry_table(&runs) {
+        println!("\n{t}");
+    }
     if let Some(live) = switchyard::replay::report::live_table(&runs) {
         print!("\n{live}");
     }

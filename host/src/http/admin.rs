@@ -579,6 +579,8 @@ pub fn shadow_json(s: &ShadowStatus) -> Value {
         "live_rejected": t.live_rejected,
         "failures": t.failures,
         "overlap_ratio": {"shadow": t.shadow_overlap_ratio(), "live": t.live_overlap_ratio()},
+        "overlap_blocks": {"shadow": t.shadow_overlap_blocks, "live": t.live_overlap_blocks, "best": t.best_overlap_blocks},
+        "predicted_cost_total": {"shadow": t.shadow_cost, "live": t.live_cost},
         "mean_predicted_cost": {"shadow": t.shadow_mean_cost(), "live": t.live_mean_cost()},
         "calls": t.calls,
         "mean_call_us": t.mean_call().map(|d| d.as_secs_f64() * 1e6),

@@ -173,6 +173,7 @@ pub async fn run(
         router: None,
         live: None,
         worker_requests: Vec::new(),
+        telemetry: None,
     })
 }
 

@@ -7,6 +7,7 @@ pub mod client;
 pub mod external;
 pub mod report;
 pub mod synth;
+pub mod telemetry;
 pub mod trace;
 
 use std::path::PathBuf;
@@ -62,6 +63,9 @@ pub struct ReplayConfig {
     /// Above 1: every policy also runs through this many router replicas sharing the
     /// workers, requests sent to them in turn.
     pub replicas: usize,
+    /// A policy (built-in name or `.wasm` path, `=CONFIG` optionally) attached as the
+    /// shadow beside every policy run, so that one run compares them on the same decisions.
+    pub shadow: Option<String>,
 }
 
 impl ReplayConfig {
@@ -89,6 +93,7 @@ impl ReplayConfig {
             tokenizer: None,
             client: None,
             replicas: 1,
+            shadow: None,
         }
     }
 }
@@ -161,6 +166,9 @@ pub struct PolicyRun {
     pub live: Option<LiveTimings>,
     /// Requests each mock worker finished.
     pub worker_requests: Vec<u64>,
+    /// What Switchyard's routers said about their decisions (in-process runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub telemetry: Option<telemetry::Telemetry>,
 }
 
 /// How prompts are sent.
@@ -245,7 +253,7 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
             policy_config: policy_config.to_string(),
             availability: true,
             listen: "127.0.0.1:0".parse().expect("valid"),
-            admin_token: None,
+            admin_token: Some(ADMIN_TOKEN.into()),
             kv_events: mode,
             tokenizer: config.tokenizer.clone(),
             // Predictions live as long in the workers' simulated time as they would
@@ -260,11 +268,18 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
         .await
         .map_err(|e| e.to_string())?;
         fleet.ready().await?;
+        if let Some(shadow) = &config.shadow {
+            for url in &fleet.urls {
+                telemetry::attach_shadow(url, ADMIN_TOKEN, shadow).await?;
+            }
+        }
         let run = drive(config, &name, &fleet.urls, reqs.clone(), prompts).await;
         let worker_requests = fleet.workers.iter().map(|w| w.stats().finished).collect();
+        let telemetry = telemetry::read(&fleet.urls, ADMIN_TOKEN).await;
         fleet.stop().await;
         runs.push(PolicyRun {
             worker_requests,
+            telemetry: Some(telemetry?),
             ..run?
         });
     }
@@ -273,6 +288,10 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
     }
     Ok((runs, bound, count))
 }
+
+/// The admin token of the replay's in-process routers (they listen on 127.0.0.1 only,
+/// for the length of one run).
+const ADMIN_TOKEN: &str = "replay";
 
 /// One external router on fresh mock workers.
 async fn replay_external(
@@ -506,6 +525,7 @@ async fn replay_once(
         router: None,
         live: None,
         worker_requests: Vec::new(),
+        telemetry: None,
     }
 }
 

@@ -158,6 +158,80 @@ pub fn live_table(runs: &[PolicyRun]) -> Option<String> {
     Some(s)
 }
 
+/// What Switchyard's routers said about each run's decisions, and the shadow beside
+/// each policy, when any run has it.
+pub fn telemetry_table(runs: &[PolicyRun]) -> Option<String> {
+    let rows: Vec<_> = runs
+        .iter()
+        .filter_map(|r| r.telemetry.as_ref().map(|t| (&r.policy, t)))
+        .collect();
+    if rows.is_empty() {
+        return None;
+    }
+    let pct = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{:.1} %", 100.0 * x));
+    let shadows = rows.iter().any(|(_, t)| t.shadow.is_some());
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "| policy (decision telemetry) | routed | overlap / best | predicted cached | reported cached | not routed |"
+    );
+    if shadows {
+        let _ = write!(
+            s,
+            " shadow | agreement | shadow overlap / best | live overlap / best | shadow cost | live cost | dropped | failed |"
+        );
+    }
+    let _ = writeln!(s);
+    let _ = write!(s, "| --- | ---: | ---: | ---: | ---: | ---: |");
+    if shadows {
+        let _ = write!(s, " --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    }
+    let _ = writeln!(s);
+    for (name, t) in rows {
+        let _ = write!(
+            s,
+            "| {name} | {} | {} | {} | {} | {} |",
+            t.routed,
+            pct(t.overlap_ratio()),
+            t.predicted_cached_tokens,
+            t.reported_cached_tokens,
+            t.unrouted
+        );
+        if shadows {
+            match &t.shadow {
+                Some(sh) => {
+                    let n = sh.compared;
+                    let mean = |c: f64| {
+                        if n == 0 {
+                            "-".to_string()
+                        } else {
+                            format!("{:.2}", c / n as f64)
+                        }
+                    };
+                    let ratio = |a| crate::router::shadow::ratio(a, sh.best_overlap_blocks, n);
+                    let _ = write!(
+                        s,
+                        " {} | {} | {} | {} | {} | {} | {} | {} |",
+                        sh.name,
+                        pct((n > 0).then(|| sh.agreed as f64 / n as f64)),
+                        pct(ratio(sh.shadow_overlap_blocks)),
+                        pct(ratio(sh.live_overlap_blocks)),
+                        mean(sh.shadow_cost),
+                        mean(sh.live_cost),
+                        sh.dropped,
+                        sh.failures
+                    );
+                }
+                None => {
+                    let _ = write!(s, " - | - | - | - | - | - | - | - |");
+                }
+            }
+        }
+        let _ = writeln!(s);
+    }
+    Some(s)
+}
+
 /// Everything, as JSON.
 pub fn json(runs: &[PolicyRun], bound: Bounds) -> serde_json::Value {
     let summaries: Vec<_> = runs
@@ -170,6 +244,9 @@ pub fn json(runs: &[PolicyRun], bound: Bounds) -> serde_json::Value {
                 "e2e_mean_s": m.e2e[0], "e2e_p90_s": m.e2e[1], "throughput_rps": m.throughput, "hit_rate": m.hit_rate,
                 "load_skew": (!m.skew.is_nan()).then_some(m.skew),
                 "router_cpu_s": r.router.map(|c| c.cpu_secs), "router_peak_rss_mib": r.router.map(|c| c.peak_rss_mib),
+                "overlap_ratio": r.telemetry.as_ref().and_then(super::telemetry::Telemetry::overlap_ratio),
+                "shadow_agreement": r.telemetry.as_ref().and_then(|t| t.shadow.as_ref())
+                    .and_then(|s| (s.compared > 0).then(|| s.agreed as f64 / s.compared as f64)),
             })
         })
         .collect();
