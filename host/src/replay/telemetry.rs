@@ -74,21 +74,25 @@ impl Telemetry {
     }
 }
 
+/// One admin API call; its JSON answer, or why it failed.
 async fn call(
     method: hyper::Method,
     url: &str,
     token: &str,
-    query_body: Option<Bytes>,
+    config: Option<&str>,
+    body: Bytes,
 ) -> Result<Value, String> {
     let http: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let req = hyper::Request::builder()
+    let mut req = hyper::Request::builder()
         .method(method)
         .uri(url)
-        .header("authorization", format!("Bearer {token}"))
-        .body(Full::new(query_body.unwrap_or_default()))
-        .map_err(|e| e.to_string())?;
-    let answer = tokio::time::timeout(Duration::from_secs(60), async {
+        .header("authorization", format!("Bearer {token}"));
+    if let Some(config) = config {
+        req = req.header("x-policy-config", config);
+    }
+    let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;
+    tokio::time::timeout(Duration::from_secs(120), async {
         let r = http.request(req).await.map_err(|e| e.to_string())?;
         let status = r.status();
         let body = r
@@ -106,8 +110,7 @@ async fn call(
         serde_json::from_slice(&body).map_err(|e| e.to_string())
     })
     .await
-    .map_err(|_| format!("{url} did not answer"))?;
-    answer
+    .map_err(|_| format!("{url} did not answer"))?
 }
 
 /// Attaches `spec` (a built-in name or a `.wasm` path, with `=CONFIG` optionally) as the
@@ -115,36 +118,18 @@ async fn call(
 pub async fn attach_shadow(url: &str, token: &str, spec: &str) -> Result<(), String> {
     let (name, config) = spec.split_once('=').unwrap_or((spec, "{}"));
     let (target, body) = if crate::policy::builtin(name).is_some() {
-        (format!("{url}{ENDPOINT}/shadow?builtin={name}"), None)
+        (
+            format!("{url}{ENDPOINT}/shadow?builtin={name}"),
+            Bytes::new(),
+        )
     } else {
         let bytes = std::fs::read(name).map_err(|e| format!("cannot read {name}: {e}"))?;
-        (format!("{url}{ENDPOINT}/shadow"), Some(Bytes::from(bytes)))
+        (format!("{url}{ENDPOINT}/shadow"), Bytes::from(bytes))
     };
-    let http: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let req = hyper::Request::put(&target)
-        .header("authorization", format!("Bearer {token}"))
-        .header("x-policy-config", config)
-        .body(Full::new(body.unwrap_or_default()))
-        .map_err(|e| e.to_string())?;
-    let r = tokio::time::timeout(Duration::from_secs(120), http.request(req))
+    call(hyper::Method::PUT, &target, token, Some(config), body)
         .await
-        .map_err(|_| "the shadow upload timed out".to_string())?
-        .map_err(|e| e.to_string())?;
-    let status = r.status();
-    let body = r
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| e.to_string())?
-        .to_bytes();
-    if !status.is_success() {
-        return Err(format!(
-            "shadow {spec} refused: {}",
-            String::from_utf8_lossy(&body)
-        ));
-    }
-    Ok(())
+        .map(|_| ())
+        .map_err(|e| format!("shadow {spec} refused: {e}"))
 }
 
 fn u(v: &Value) -> u64 {
@@ -163,6 +148,7 @@ pub async fn read(urls: &[String], token: &str) -> Result<Telemetry, String> {
                 &format!("{url}/admin/endpoints"),
                 token,
                 None,
+                Bytes::new(),
             )
             .await?;
             let ep = all["endpoints"]
