@@ -3,7 +3,11 @@
 //! workers: through the Wasm `kv-cost` policy and through the same logic native, in one
 //! run.
 //!
-//! Run: `cargo bench --bench decision` (prints a table).
+//! Then the whole live path (`KvRouter::route`: candidates, decision, booking) at 64
+//! workers with a shadow policy attached and without, interleaved in one run: what a
+//! shadow costs the live path.
+//!
+//! Run: `cargo bench --bench decision` (prints two tables).
 
 mod common;
 
@@ -41,6 +45,7 @@ fn main() {
         "| workers | Wasm kv-cost p50 | p99 | native kv-cost p50 | p99 | Wasm / native (p50) |"
     );
     println!("| ---: | ---: | ---: | ---: | ---: | ---: |");
+    let mut shadowed = None;
     for workers in [8u64, 64, 1024] {
         let client = Client::new(
             EndpointPath::for_model("bench"),
@@ -144,5 +149,61 @@ fn main() {
             "| {workers} | {wasm50:.2} µs | {wasm99:.2} µs | {nat50:.2} µs | {nat99:.2} µs | {:.2} |",
             wasm50 / nat50
         );
+        if workers == 64 {
+            shadowed = Some((router, engine.clone(), tokens.clone()));
+        }
     }
+    let (router, engine, tokens) = shadowed.expect("64 workers ran");
+    shadow_cost(&router, &engine, &tokens, quick);
+}
+
+/// The live path with and without a shadow: blocks of decisions alternate between the
+/// two, so that drift (frequency, other processes) falls on both alike.
+fn shadow_cost(router: &KvRouter, engine: &PolicyEngine, tokens: &[u32], quick: bool) {
+    let (blocks, per_block) = if quick { (2, 10) } else { (20, 1_000) };
+    let mut without = Vec::new();
+    let mut with = Vec::new();
+    let route = |times: &mut Vec<Duration>| {
+        for _ in 0..per_block {
+            let t = Instant::now();
+            let routed = router.route(black_box(tokens), None, &[]).unwrap();
+            times.push(t.elapsed());
+            router.finish(routed.request);
+        }
+    };
+    for _ in 0..blocks {
+        route(&mut without);
+        router
+            .attach_shadow(engine.load_spec("round-robin", "{}").unwrap(), 1.0)
+            .unwrap();
+        route(&mut with);
+        router.detach_shadow();
+    }
+    let series = router.shadow_series().all();
+    let (_, counters) = series.first().expect("the shadow ran");
+    let tally = counters.tally();
+    without.sort();
+    with.sort();
+    println!();
+    println!("| live path (route), 64 workers | p50 | p99 | decisions |");
+    println!("| --- | ---: | ---: | ---: |");
+    for (name, t) in [
+        ("no shadow", &without),
+        ("round-robin shadow, every decision", &with),
+    ] {
+        println!(
+            "| {name} | {:.2} µs | {:.2} µs | {} |",
+            percentile(t, 0.5),
+            percentile(t, 0.99),
+            t.len()
+        );
+    }
+    println!(
+        "\nshadow: {} offered, {} compared, {} dropped at its full queue, {} failed; its own call {:.2} µs mean",
+        tally.offered,
+        tally.compared,
+        tally.dropped,
+        tally.failures,
+        tally.mean_call().map_or(0.0, |d| d.as_secs_f64() * 1e6)
+    );
 }

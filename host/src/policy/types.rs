@@ -108,6 +108,19 @@ impl Candidates {
         self.ascending = true;
     }
 
+    /// Makes this list a copy of `other`, reusing its allocations.
+    pub fn copy_from(&mut self, other: &Candidates) {
+        let (c, o) = (&mut self.cols, &other.cols);
+        c.worker_ids.clone_from(&o.worker_ids);
+        c.overlap_blocks.clone_from(&o.overlap_blocks);
+        c.active_blocks.clone_from(&o.active_blocks);
+        c.pending_prefill_tokens
+            .clone_from(&o.pending_prefill_tokens);
+        c.in_flight.clone_from(&o.in_flight);
+        c.kv_usage.clone_from(&o.kv_usage);
+        self.ascending = other.ascending;
+    }
+
     /// Number of candidates.
     pub fn len(&self) -> usize {
         self.cols.worker_ids.len()

@@ -1,8 +1,10 @@
 //! Shadow policies: a candidate policy decides beside the live one, on the same requests
 //! and candidates, without ever serving. The live path only clones the candidate list
-//! into a bounded queue (`try_send`: when the shadow falls behind, decisions are dropped
-//! and counted, never waited for); one thread per shadow drains it, calls the shadow and
-//! records how its choices compare with the live policy's.
+//! into a bounded lock-free queue (when the shadow falls behind, decisions are dropped
+//! and counted, never waited for) and makes no system call: the shadow's thread is not
+//! woken per decision but polls, every millisecond while there is work and backing off
+//! to every 50 ms when idle (woken early only when a quarter of the queue is waiting).
+//! It calls the shadow and records how its choices compare with the live policy's.
 //!
 //! Counters live in [`ShadowCounters`], one set per shadow identity (`name@version`) on
 //! an endpoint, so that re-attaching the same shadow continues its series (Prometheus
@@ -10,8 +12,8 @@
 //! (its counters minus those at attach time).
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::time::{Duration, Instant, SystemTime};
 
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -241,13 +243,31 @@ pub fn ratio(achieved: u64, best: u64, decisions: u64) -> Option<f64> {
     })
 }
 
+/// The live path's hand-off to the shadow's thread.
+struct Queue {
+    jobs: crossbeam_queue::ArrayQueue<Job>,
+    /// Candidate lists the thread is done with, for the live path to fill again: in the
+    /// steady state the live path allocates nothing, and no allocation made on one
+    /// thread is freed on the other.
+    spare: crossbeam_queue::ArrayQueue<Candidates>,
+    /// Set when the shadow is removed: the thread finishes what is queued and ends.
+    closed: AtomicBool,
+}
+
+/// Candidate lists kept for reuse.
+const SPARE_LISTS: usize = 64;
+
+/// The shadow thread's longest sleep when there is nothing to do.
+const IDLE_POLL_MAX: Duration = Duration::from_millis(50);
+
 /// A shadow attached to an endpoint. Dropping it closes the queue: its thread finishes
 /// what is queued and ends.
 pub struct Shadow {
     policy: LoadedPolicy,
     /// One decision in this many is offered (1: every one).
     every: u64,
-    tx: SyncSender<Job>,
+    queue: Arc<Queue>,
+    thread: std::thread::Thread,
     counters: Arc<ShadowCounters>,
     baseline: ShadowTally,
     attached_at: SystemTime,
@@ -295,17 +315,24 @@ impl Shadow {
             1.0
         };
         let every = (1.0 / sample).round().max(1.0) as u64;
-        let (tx, rx) = std::sync::mpsc::sync_channel(SHADOW_QUEUE);
+        let queue = Arc::new(Queue {
+            jobs: crossbeam_queue::ArrayQueue::new(SHADOW_QUEUE),
+            spare: crossbeam_queue::ArrayQueue::new(SPARE_LISTS),
+            closed: AtomicBool::new(false),
+        });
         policy.prepare();
-        let (p, c) = (policy.clone(), counters.clone());
-        std::thread::Builder::new()
+        let (p, c, q) = (policy.clone(), counters.clone(), queue.clone());
+        let thread = std::thread::Builder::new()
             .name(format!("shadow {endpoint}"))
-            .spawn(move || drain(&p, &c, &rx))?;
+            .spawn(move || drain(&p, &c, &q))?
+            .thread()
+            .clone();
         Ok(Shadow {
             baseline: counters.tally(),
             policy,
             every,
-            tx,
+            queue,
+            thread,
             counters,
             attached_at: SystemTime::now(),
         })
@@ -328,13 +355,17 @@ impl Shadow {
             return;
         }
         self.counters.offered.fetch_add(1, Ordering::Relaxed);
+        let mut copy = self.queue.spare.pop().unwrap_or_default();
+        copy.copy_from(candidates);
         let job = Job {
             request: *request,
-            candidates: candidates.clone(),
+            candidates: copy,
             live,
         };
-        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.tx.try_send(job) {
+        if self.queue.jobs.push(job).is_err() {
             self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+        } else if self.queue.jobs.len() == SHADOW_QUEUE / 4 {
+            self.thread.unpark();
         }
     }
 
@@ -349,72 +380,101 @@ impl Shadow {
     }
 }
 
-/// The shadow's thread: decide every queued request and compare.
-fn drain(policy: &LoadedPolicy, counters: &ShadowCounters, rx: &Receiver<Job>) {
-    let pricing = pricing();
-    while let Ok(job) = rx.recv() {
-        let started = Instant::now();
-        let mut result = policy.call(&job.request, &job.candidates);
-        // Off the request path a missing instance is worth a short wait (the warmer is
-        // making one after a trap): bounded, then counted like any failure.
-        for _ in 0..NO_INSTANCE_RETRIES {
-            if !matches!(result, Err(CallFailure::NoWarmInstance)) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-            result = policy.call(&job.request, &job.candidates);
-        }
-        let took = started.elapsed();
-        counters.call_seconds.observe(took.as_secs_f64());
-        counters.calls.fetch_add(1, Ordering::Relaxed);
-        counters.call_nanos.fetch_add(
-            u64::try_from(took.as_nanos()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
-        let shadow = match result {
-            Ok(CallOutcome::Chosen(id)) => id,
-            Ok(CallOutcome::Rejected(_)) => {
-                counters.rejected.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-            Err(failure) => {
-                counters.failures[failure.reason_index()].fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-        };
-        let Some(live) = job.live else {
-            counters.live_rejected.fetch_add(1, Ordering::Relaxed);
-            continue;
-        };
-        let c = &job.candidates;
-        let best = c.view().overlap_blocks.iter().copied().max().unwrap_or(0);
-        let shape = switchyard_cost_model::RequestShape {
-            prompt_blocks: job.request.prompt_blocks,
-            block_size: job.request.block_size,
-            seed: job.request.seed,
-        };
-        let price = |id: InstanceId| {
-            c.position(id).map_or(0.0, |i| {
-                switchyard_cost_model::cost(&pricing, &shape, &c.view(), i)
-            })
-        };
-        let add = |cell: &AtomicU64, v: u32| cell.fetch_add(u64::from(v), Ordering::Relaxed);
-        counters.compared.fetch_add(1, Ordering::Relaxed);
-        if shadow == live {
-            counters.agreed.fetch_add(1, Ordering::Relaxed);
-        }
-        add(
-            &counters.shadow_overlap_blocks,
-            c.overlap_of(shadow).unwrap_or(0),
-        );
-        add(
-            &counters.live_overlap_blocks,
-            c.overlap_of(live).unwrap_or(0),
-        );
-        add(&counters.best_overlap_blocks, best);
-        add_f64(&counters.shadow_cost, price(shadow));
-        add_f64(&counters.live_cost, price(live));
+impl Drop for Shadow {
+    fn drop(&mut self) {
+        self.queue.closed.store(true, Ordering::Release);
+        self.thread.unpark();
     }
+}
+
+/// The shadow's thread: decide every queued request and compare; ends when the shadow
+/// is removed and its queue is empty.
+fn drain(policy: &LoadedPolicy, counters: &ShadowCounters, queue: &Queue) {
+    let mut idle = Duration::from_millis(1);
+    loop {
+        let mut worked = false;
+        while let Some(job) = queue.jobs.pop() {
+            worked = true;
+            let spare = decide(policy, counters, job);
+            let _ = queue.spare.push(spare);
+        }
+        if queue.closed.load(Ordering::Acquire) && queue.jobs.is_empty() {
+            return;
+        }
+        idle = if worked {
+            Duration::from_millis(1)
+        } else {
+            (idle * 2).min(IDLE_POLL_MAX)
+        };
+        std::thread::park_timeout(idle);
+    }
+}
+
+/// One shadow decision, compared with the live one; gives back the job's candidate list.
+fn decide(policy: &LoadedPolicy, counters: &ShadowCounters, job: Job) -> Candidates {
+    let pricing = pricing();
+    let started = Instant::now();
+    let mut result = policy.call(&job.request, &job.candidates);
+    // Off the request path a missing instance is worth a short wait (the warmer is
+    // making one after a trap): bounded, then counted like any failure.
+    for _ in 0..NO_INSTANCE_RETRIES {
+        if !matches!(result, Err(CallFailure::NoWarmInstance)) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+        result = policy.call(&job.request, &job.candidates);
+    }
+    let took = started.elapsed();
+    counters.call_seconds.observe(took.as_secs_f64());
+    counters.calls.fetch_add(1, Ordering::Relaxed);
+    counters.call_nanos.fetch_add(
+        u64::try_from(took.as_nanos()).unwrap_or(u64::MAX),
+        Ordering::Relaxed,
+    );
+    let shadow = match result {
+        Ok(CallOutcome::Chosen(id)) => id,
+        Ok(CallOutcome::Rejected(_)) => {
+            counters.rejected.fetch_add(1, Ordering::Relaxed);
+            return job.candidates;
+        }
+        Err(failure) => {
+            counters.failures[failure.reason_index()].fetch_add(1, Ordering::Relaxed);
+            return job.candidates;
+        }
+    };
+    let Some(live) = job.live else {
+        counters.live_rejected.fetch_add(1, Ordering::Relaxed);
+        return job.candidates;
+    };
+    let c = &job.candidates;
+    let best = c.view().overlap_blocks.iter().copied().max().unwrap_or(0);
+    let shape = switchyard_cost_model::RequestShape {
+        prompt_blocks: job.request.prompt_blocks,
+        block_size: job.request.block_size,
+        seed: job.request.seed,
+    };
+    let price = |id: InstanceId| {
+        c.position(id).map_or(0.0, |i| {
+            switchyard_cost_model::cost(&pricing, &shape, &c.view(), i)
+        })
+    };
+    let add = |cell: &AtomicU64, v: u32| cell.fetch_add(u64::from(v), Ordering::Relaxed);
+    counters.compared.fetch_add(1, Ordering::Relaxed);
+    if shadow == live {
+        counters.agreed.fetch_add(1, Ordering::Relaxed);
+    }
+    add(
+        &counters.shadow_overlap_blocks,
+        c.overlap_of(shadow).unwrap_or(0),
+    );
+    add(
+        &counters.live_overlap_blocks,
+        c.overlap_of(live).unwrap_or(0),
+    );
+    add(&counters.best_overlap_blocks, best);
+    add_f64(&counters.shadow_cost, price(shadow));
+    add_f64(&counters.live_cost, price(live));
+    job.candidates
 }
 
 /// The shadow counters an endpoint keeps, by shadow identity (`name@version`).
