@@ -56,6 +56,25 @@ struct Pushes {
     attempted: HashMap<EndpointPath, PushKey>,
 }
 
+impl Pushes {
+    /// What etcd holds for `endpoint`, and what it was last reconciled to.
+    fn of(&self, endpoint: &EndpointPath) -> (Option<Arc<PushedPolicy>>, Option<PushKey>) {
+        (
+            self.desired.get(endpoint).cloned(),
+            self.attempted.get(endpoint).cloned(),
+        )
+    }
+}
+
+fn push_key(p: &PushedPolicy) -> PushKey {
+    (
+        p.sha256.clone(),
+        p.config.clone(),
+        p.pushed_at,
+        p.signature.clone(),
+    )
+}
+
 /// The endpoints, their routers and policies.
 pub struct ServeFleet {
     registry: ClientRegistry,
@@ -314,13 +333,7 @@ impl ServeFleet {
             return;
         };
         let _turn = self.reconciling.lock();
-        let (desired, attempted) = {
-            let pushes = self.shadow_pushes.lock();
-            (
-                pushes.desired.get(endpoint).cloned(),
-                pushes.attempted.get(endpoint).cloned(),
-            )
-        };
+        let (desired, attempted) = self.shadow_pushes.lock().of(endpoint);
         let handle = router.policy();
         let Some(pushed) = desired else {
             if attempted.is_some() {
@@ -331,12 +344,7 @@ impl ServeFleet {
             }
             return;
         };
-        let key = (
-            pushed.sha256.clone(),
-            pushed.config.clone(),
-            pushed.pushed_at,
-            pushed.signature.clone(),
-        );
+        let key = push_key(&pushed);
         if attempted.as_ref() == Some(&key) {
             return;
         }
@@ -380,22 +388,11 @@ impl ServeFleet {
         };
         // One reconciliation at a time per fleet (they compile).
         let _turn = self.reconciling.lock();
-        let (desired, attempted) = {
-            let pushes = self.pushes.lock();
-            (
-                pushes.desired.get(endpoint).cloned(),
-                pushes.attempted.get(endpoint).cloned(),
-            )
-        };
+        let (desired, attempted) = self.pushes.lock().of(endpoint);
         let handle = router.policy();
         match desired {
             Some(pushed) => {
-                let key = (
-                    pushed.sha256.clone(),
-                    pushed.config.clone(),
-                    pushed.pushed_at,
-                    pushed.signature.clone(),
-                );
+                let key = push_key(&pushed);
                 if attempted.as_ref() == Some(&key) {
                     return;
                 }

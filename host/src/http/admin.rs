@@ -29,7 +29,7 @@ use serde_json::{Value, json};
 use super::{ApiError, Body, Gateway, json_response};
 use crate::client::Availability;
 use crate::discovery::EndpointPath;
-use crate::policy::{PolicySource, PolicyStatus};
+use crate::policy::{LoadedPolicy, PolicyError, PolicyHandle, PolicySource, PolicyStatus};
 use crate::router::KvRouter;
 use crate::router::shadow::ShadowStatus;
 
@@ -224,10 +224,7 @@ pub(crate) async fn handle(
         },
         (Method::POST, "shadow/promote") => {
             let r = router.clone();
-            match tokio::task::spawn_blocking(move || r.promote_shadow())
-                .await
-                .map_err(|e| ApiError::Refused(format!("promote panicked: {e}")))?
-            {
+            match blocking("promote", move || r.promote_shadow()).await? {
                 Ok(status) => Ok(json_response(StatusCode::OK, &status_json(&status))),
                 Err(e) => Err(ApiError::Refused(format!(
                     "not promoted; the live policy keeps serving: {e}"
@@ -325,23 +322,41 @@ async fn read_upload(req: Request<Incoming>) -> Result<Upload, ApiError> {
     })
 }
 
+impl Upload {
+    /// Loads the uploaded policy; a refusal is counted on `handle`.
+    fn load(&self, handle: &PolicyHandle, source: &str) -> Result<LoadedPolicy, PolicyError> {
+        match &self.builtin {
+            Some(name) => handle.engine().load_spec(name, &self.config),
+            None => handle.engine().load(
+                PolicySource::Uploaded(source.into()),
+                &self.bytes,
+                &self.config,
+            ),
+        }
+        .inspect_err(|e| handle.refused(e))
+    }
+}
+
+/// Runs `f` (a compile, a canary: milliseconds of CPU) off the async workers.
+async fn blocking<T: Send + 'static>(
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Refused(format!("{what} panicked: {e}")))
+}
+
 async fn upload(
     router: &Arc<KvRouter>,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, ApiError> {
     let u = read_upload(req).await?;
     let handle = router.policy().clone();
-    // Compiling takes milliseconds of CPU: keep it off the async workers.
-    let result = tokio::task::spawn_blocking(move || match u.builtin {
-        Some(name) => handle.swap_spec(&name, &u.config),
-        None => handle.swap_bytes(
-            PolicySource::Uploaded("admin API".into()),
-            &u.bytes,
-            &u.config,
-        ),
+    let result = blocking("policy load", move || {
+        handle.swap(u.load(&handle, "admin API")?)
     })
-    .await
-    .map_err(|e| ApiError::Refused(format!("policy load panicked: {e}")))?;
+    .await?;
     match result {
         Ok(status) => Ok(json_response(StatusCode::OK, &status_json(&status))),
         Err(e) => Err(ApiError::Refused(format!(
@@ -357,21 +372,10 @@ async fn upload_shadow(
 ) -> Result<Response<Body>, ApiError> {
     let u = read_upload(req).await?;
     let router = router.clone();
-    let result = tokio::task::spawn_blocking(move || {
-        let handle = router.policy();
-        let loaded = match u.builtin {
-            Some(name) => handle.engine().load_spec(&name, &u.config),
-            None => handle.engine().load(
-                PolicySource::Uploaded("admin API (shadow)".into()),
-                &u.bytes,
-                &u.config,
-            ),
-        }
-        .inspect_err(|e| handle.refused(e))?;
-        router.attach_shadow(loaded, u.sample)
+    let result = blocking("shadow load", move || {
+        router.attach_shadow(u.load(router.policy(), "admin API (shadow)")?, u.sample)
     })
-    .await
-    .map_err(|e| ApiError::Refused(format!("shadow load panicked: {e}")))?;
+    .await?;
     match result {
         Ok(status) => Ok(json_response(StatusCode::OK, &shadow_json(&status))),
         Err(e) => Err(ApiError::Refused(format!(
