@@ -163,6 +163,7 @@ fn shadow_cost(router: &KvRouter, engine: &PolicyEngine, tokens: &[u32], quick: 
     let (blocks, per_block) = if quick { (2, 10) } else { (20, 1_000) };
     let mut without = Vec::new();
     let mut with = Vec::new();
+    let mut looping = Vec::new();
     let route = |times: &mut Vec<Duration>| {
         for _ in 0..per_block {
             let t = Instant::now();
@@ -171,25 +172,41 @@ fn shadow_cost(router: &KvRouter, engine: &PolicyEngine, tokens: &[u32], quick: 
             router.finish(routed.request);
         }
     };
+    // A test policy that behaves on its canary, then never returns: every call runs to
+    // the call budget, so its queue fills and it drops nearly everything.
+    let spin = std::path::Path::new(env!("SWITCHYARD_SPIN_FOREVER_WASM"));
     for _ in 0..blocks {
         route(&mut without);
         router
             .attach_shadow(engine.load_spec("round-robin", "{}").unwrap(), 1.0)
             .unwrap();
         route(&mut with);
+        router
+            .attach_shadow(engine.load_file(spin, r#"{"after": 1}"#).unwrap(), 1.0)
+            .unwrap();
+        route(&mut looping);
         router.detach_shadow();
     }
     let series = router.shadow_series().all();
-    let (_, counters) = series.first().expect("the shadow ran");
-    let tally = counters.tally();
+    let tally_of = |name: &str| {
+        series
+            .iter()
+            .find(|(label, _)| label.starts_with(name))
+            .expect("the shadow ran")
+            .1
+            .tally()
+    };
+    let (tally, spun) = (tally_of("round-robin@"), tally_of("spin-forever@"));
     without.sort();
     with.sort();
+    looping.sort();
     println!();
     println!("| live path (route), 64 workers | p50 | p99 | decisions |");
     println!("| --- | ---: | ---: | ---: |");
     for (name, t) in [
         ("no shadow", &without),
         ("round-robin shadow, every decision", &with),
+        ("looping shadow (each call stopped at its budget)", &looping),
     ] {
         println!(
             "| {name} | {:.2} µs | {:.2} µs | {} |",
@@ -205,5 +222,9 @@ fn shadow_cost(router: &KvRouter, engine: &PolicyEngine, tokens: &[u32], quick: 
         tally.dropped,
         tally.failures,
         tally.mean_call().map_or(0.0, |d| d.as_secs_f64() * 1e6)
+    );
+    println!(
+        "looping shadow: {} offered, {} dropped at its full queue, {} calls stopped at the budget (the rest dropped undecided at each removal)",
+        spun.offered, spun.dropped, spun.failures
     );
 }

@@ -320,8 +320,8 @@ impl KvRouter {
         Ok(status)
     }
 
-    /// Removes the shadow; what it did is returned. Its thread finishes the decisions
-    /// already queued.
+    /// Removes the shadow; what it did is returned. Its thread ends after the call in
+    /// progress; decisions still queued are dropped undecided.
     pub fn detach_shadow(&self) -> Option<ShadowStatus> {
         let _guard = self.shadow_lock.lock();
         let old = self.shadow.swap(None)?;

@@ -250,7 +250,7 @@ struct Queue {
     /// steady state the live path allocates nothing, and no allocation made on one
     /// thread is freed on the other.
     spare: crossbeam_queue::ArrayQueue<Candidates>,
-    /// Set when the shadow is removed: the thread finishes what is queued and ends.
+    /// Set when the shadow is removed: the thread ends after its call in progress.
     closed: AtomicBool,
 }
 
@@ -261,7 +261,7 @@ const SPARE_LISTS: usize = 64;
 const IDLE_POLL_MAX: Duration = Duration::from_millis(50);
 
 /// A shadow attached to an endpoint. Dropping it closes the queue: its thread finishes
-/// what is queued and ends.
+/// the call in progress and ends, leaving the rest undecided.
 pub struct Shadow {
     policy: LoadedPolicy,
     /// One decision in this many is offered (1: every one).
@@ -388,17 +388,21 @@ impl Drop for Shadow {
 }
 
 /// The shadow's thread: decide every queued request and compare; ends when the shadow
-/// is removed and its queue is empty.
+/// is removed (after the call in progress, if any).
 fn drain(policy: &LoadedPolicy, counters: &ShadowCounters, queue: &Queue) {
     let mut idle = Duration::from_millis(1);
     loop {
         let mut worked = false;
-        while let Some(job) = queue.jobs.pop() {
+        while !queue.closed.load(Ordering::Acquire)
+            && let Some(job) = queue.jobs.pop()
+        {
             worked = true;
             let spare = decide(policy, counters, job);
             let _ = queue.spare.push(spare);
         }
-        if queue.closed.load(Ordering::Acquire) && queue.jobs.is_empty() {
+        if queue.closed.load(Ordering::Acquire) {
+            // Removed: what is still queued is dropped with the queue, not decided (a
+            // slow shadow would otherwise go on working long after it was removed).
             return;
         }
         idle = if worked {
