@@ -443,6 +443,17 @@ fn decide(policy: &LoadedPolicy, counters: &ShadowCounters, job: Job) -> Candida
         }
         Err(failure) => {
             counters.failures[failure.reason_index()].fetch_add(1, Ordering::Relaxed);
+            let failures = counters.tally().failures;
+            // The first failures and then one in a thousand: a shadow failing every
+            // call must not flood the log (the counters have them all).
+            if failures <= 3 || failures.is_multiple_of(1000) {
+                tracing::warn!(
+                    shadow = %policy.info().name,
+                    failures,
+                    error = %failure,
+                    "shadow policy call failed (the live policy is not affected)"
+                );
+            }
             return job.candidates;
         }
     };
