@@ -9,8 +9,10 @@
 //! its requests in flight and `k[i]` its reported KV usage (0 when unknown):
 //!
 //! ```text
+//! q          = min over candidates of pending_prefill_tokens / B, over max(P, 1)
 //! prefill[i] = pending_prefill_tokens[i] / B
-//!            + u[i] * (1 + stall_weight * n[i] + eviction_weight * k[i])
+//!            + u[i] * (1 + overload_weight * q + stall_weight * n[i]
+//!                        + eviction_weight * k[i])
 //! cost[i]    = overlap_weight * prefill[i]
 //!            + in_flight_weight * n[i]
 //!            + active_weight * (active_blocks[i] + P)
@@ -23,7 +25,10 @@
 //! block some later request may have wanted (`eviction_weight`); together these keep a
 //! prefix on the worker that holds it, and send a new prefix where it disturbs least.
 //! Each request in flight costs a decode slot and step time (`in_flight_weight`), which
-//! is what balances load: a cached prefix wins unless its worker is clearly busier.
+//! is what balances load: a cached prefix wins unless its worker is clearly busier. When
+//! the whole fleet is queued (`q`: the least queued worker's waiting prefill, in prompts
+//! of this request's size), an uncached block costs more still (`overload_weight`):
+//! spreading then shortens no queue for long and the extra prefill lengthens them all.
 //! `active_weight` prices the KV memory held by requests in flight; it is 0 by default,
 //! since blocks are a poor proxy for time (long prompts would dominate every decision).
 //!
@@ -54,6 +59,11 @@ pub struct KvCostConfig {
     /// Cost of each uncached block on a worker whose cache is full, in blocks: what
     /// placing it there evicts (scaled by the worker's reported KV usage).
     pub eviction_weight: f64,
+    /// Fleet overload: each uncached block also costs this much times the prefill queued
+    /// on the least queued candidate, measured in this request's own prompts. When every
+    /// worker has prefill waiting, moving a request away from its cache buys little wait
+    /// and adds prefill work to a saturated fleet; while any worker has none, the term is 0.
+    pub overload_weight: f64,
 }
 
 impl Default for KvCostConfig {
@@ -65,6 +75,7 @@ impl Default for KvCostConfig {
             in_flight_weight: 20.0,
             active_weight: 0.0,
             eviction_weight: 10.0,
+            overload_weight: 4.0,
         }
     }
 }
@@ -85,6 +96,7 @@ impl KvCostConfig {
             ("in_flight_weight", config.in_flight_weight),
             ("active_weight", config.active_weight),
             ("eviction_weight", config.eviction_weight),
+            ("overload_weight", config.overload_weight),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(format!(
@@ -142,7 +154,7 @@ impl CandidateView<'_> {
 
 /// The cost of sending the request to candidate `i` (lower is better).
 pub fn cost(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>, i: usize) -> f64 {
-    Costs::new(config, req).of(c, i)
+    Costs::new(config, req, c).of(c, i)
 }
 
 /// The per-request constants of the cost function, computed once per decision.
@@ -151,15 +163,34 @@ struct Costs {
     blocks: f64,
     per_token: f64,
     prompt_blocks: u32,
+    /// What every uncached block costs besides its own compute, the same on every
+    /// candidate: 1 plus the fleet-overload term.
+    base: f64,
 }
 
 impl Costs {
-    fn new(config: &KvCostConfig, req: &RequestShape) -> Costs {
+    fn new(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>) -> Costs {
+        // The prefill queued on the least queued candidate, in units of this request's
+        // own prompt (a pass over the candidates only when the term is on): 0 while any
+        // worker has no prefill waiting.
+        let floor = if config.overload_weight > 0.0 {
+            let least = c.pending_prefill_tokens[..c.len()]
+                .iter()
+                .copied()
+                .min()
+                .unwrap_or(0);
+            f64::from(least)
+                / f64::from(req.block_size.max(1))
+                / f64::from(req.prompt_blocks.max(1))
+        } else {
+            0.0
+        };
         Costs {
             config: *config,
             blocks: f64::from(req.prompt_blocks),
             per_token: 1.0 / f64::from(req.block_size.max(1)),
             prompt_blocks: req.prompt_blocks,
+            base: 1.0 + config.overload_weight * floor,
         }
     }
 
@@ -181,7 +212,7 @@ impl Costs {
         let n = f64::from(in_flight);
         let usage = f64::from(usage.clamp(0.0, 1.0));
         let prefill = f64::from(pending) * self.per_token
-            + uncached * (1.0 + k.stall_weight * n + k.eviction_weight * usage);
+            + uncached * (self.base + k.stall_weight * n + k.eviction_weight * usage);
         k.overlap_weight * prefill
             + k.in_flight_weight * n
             + k.active_weight * (f64::from(active) + self.blocks)
@@ -200,7 +231,7 @@ pub fn choose(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>) 
     if config.temperature > 0.0 {
         return Some(softmax_sample(config, req, c));
     }
-    let costs = Costs::new(config, req);
+    let costs = Costs::new(config, req, c);
     let mut best = f64::INFINITY;
     let mut pick = 0;
     let mut ties = 0u64;
@@ -231,7 +262,7 @@ pub fn choose(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>) 
 
 fn softmax_sample(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>) -> usize {
     let n = c.len();
-    let costs = Costs::new(config, req);
+    let costs = Costs::new(config, req, c);
     let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
     for i in 0..n {
         let x = costs.of(c, i);
@@ -363,6 +394,29 @@ mod tests {
             Some(0),
             "blocks held no longer count"
         );
+    }
+
+    #[test]
+    fn a_queued_fleet_keeps_a_request_on_its_cache() {
+        let req = RequestShape {
+            prompt_blocks: 8,
+            block_size: 16,
+            seed: 3,
+        };
+        // Worker 0 holds the prompt but runs two more requests than worker 1.
+        let mut c = view(&[8, 0], &[0, 0], &[0, 0]);
+        c.in_flight = &[6, 4];
+        let off = KvCostConfig {
+            overload_weight: 0.0,
+            ..KvCostConfig::default()
+        };
+        // Idle queues: the load decides, with or without the term.
+        assert_eq!(choose(&off, &req, &c), Some(1));
+        assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(1));
+        // Both have prefill queued (two prompts' worth at least): the cache decides.
+        c.pending_prefill_tokens = &[512, 256];
+        assert_eq!(choose(&off, &req, &c), Some(1));
+        assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(0));
     }
 
     #[test]
