@@ -934,6 +934,8 @@ async fn demo(
     println!("  curl -s -H 'authorization: Bearer {token}' {url}/admin/endpoints");
     println!("  curl -s {url}/metrics");
     println!();
+    println!("The admin page (workers, policy, shadow, live charts): {url}/admin/ui?token={token}");
+    println!();
     println!("Ctrl-C to stop.");
     shutdown_signal().await;
     fleet.stop().await;
