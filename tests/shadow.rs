@@ -244,11 +244,11 @@ async fn a_sampled_shadow_sees_its_share_of_the_decisions() {
 async fn promote_makes_the_shadow_live_in_one_step_and_the_old_policy_the_rollback_target() {
     let engine = engine(Duration::from_millis(500));
     let r = router(3, "picks_first", &engine);
-    assert!(r.promote_shadow().is_err(), "nothing to promote");
+    assert!(r.promote_shadow().is_none(), "nothing to promote");
     r.attach_shadow(load(&engine, "picks_last"), 1.0).unwrap();
     drive(&r, 2, 10);
     settled(&r);
-    let status = r.promote_shadow().unwrap();
+    let status = r.promote_shadow().unwrap().unwrap();
     assert_eq!(status.info.name, "picks-last");
     assert_eq!(status.previous.unwrap().name, "picks-first");
     assert!(r.shadow_status().is_none());

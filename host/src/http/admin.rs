@@ -225,10 +225,13 @@ pub(crate) async fn handle(
         (Method::POST, "shadow/promote") => {
             let r = router.clone();
             match blocking("promote", move || r.promote_shadow()).await? {
-                Ok(status) => Ok(json_response(StatusCode::OK, &status_json(&status))),
-                Err(e) => Err(ApiError::Refused(format!(
+                Some(Ok(status)) => Ok(json_response(StatusCode::OK, &status_json(&status))),
+                Some(Err(e)) => Err(ApiError::Refused(format!(
                     "not promoted; the live policy keeps serving: {e}"
                 ))),
+                None => Err(ApiError::Refused(
+                    "there is no shadow policy to promote".into(),
+                )),
             }
         }
         (Method::GET, "quality") => Ok(json_response(StatusCode::OK, &quality_json(&router))),

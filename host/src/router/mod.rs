@@ -306,7 +306,7 @@ impl KvRouter {
         let counters = self.shadow_series.counters(&label, Some(&label));
         let info = policy.info().clone();
         let shadow = Shadow::start(policy, sample, counters, &self.endpoint.to_string())
-            .map_err(|e| PolicyError::Canary(format!("cannot start the shadow's thread: {e}")))?;
+            .map_err(|e| PolicyError::Runtime(format!("cannot start the shadow's thread: {e}")))?;
         let status = shadow.status();
         self.shadow.store(Some(Arc::new(shadow)));
         self.policy.note(
@@ -337,16 +337,16 @@ impl KvRouter {
     }
 
     /// Makes the shadow the live policy in one step (a swap: the live one becomes the
-    /// rollback target) and removes it as a shadow. Refused when there is no shadow.
-    pub fn promote_shadow(&self) -> Result<PolicyStatus, PolicyError> {
+    /// rollback target) and removes it as a shadow. `None` when there is no shadow; a
+    /// swap refused (its canary, run again) leaves the shadow attached.
+    pub fn promote_shadow(&self) -> Option<Result<PolicyStatus, PolicyError>> {
         let _guard = self.shadow_lock.lock();
-        let Some(shadow) = self.shadow.load_full() else {
-            return Err(PolicyError::Canary(
-                "there is no shadow policy to promote".into(),
-            ));
-        };
+        let shadow = self.shadow.load_full()?;
         let was = shadow.status();
-        let status = self.policy.swap(shadow.policy().clone())?;
+        let status = match self.policy.swap(shadow.policy().clone()) {
+            Ok(status) => status,
+            Err(e) => return Some(Err(e)),
+        };
         self.shadow.store(None);
         self.policy.note(
             "promote",
@@ -356,7 +356,7 @@ impl KvRouter {
                 was.tally.compared, was.tally.agreed
             ),
         );
-        Ok(status)
+        Some(Ok(status))
     }
 
     /// The endpoint.
