@@ -9,7 +9,7 @@ use std::process::Command;
 
 use common::http::{self, HttpClient};
 use common::procs::{mock_worker, serve};
-use common::router::{PATIENCE, TOKEN, admin_get_text, eventually};
+use common::router::{PATIENCE, TOKEN, admin_get_text, admin_send, eventually};
 use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
 
@@ -38,21 +38,29 @@ fn browse(url: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// An admin call with the token: the status and the JSON answer (a JSON string holding
+/// the text when it is not JSON).
 async fn admin(c: &HttpClient, method: Method, url: &str) -> (StatusCode, Value) {
-    let (status, _, body) = http::send(
-        c,
-        method,
-        url,
-        &[("authorization", &format!("Bearer {TOKEN}"))],
-        "",
-        PATIENCE,
-    )
-    .await
-    .unwrap();
+    let (status, body) = admin_send(c, method, url).await;
     (
         status,
-        serde_json::from_slice(&body).unwrap_or_else(|_| json!(String::from_utf8_lossy(&body))),
+        serde_json::from_str(&body).unwrap_or_else(|_| json!(body)),
     )
+}
+
+/// The endpoint's shadow, once it has compared `n` decisions.
+async fn shadow_after(c: &HttpClient, url: &str, n: u64) -> Value {
+    eventually("the shadow to compare every decision", || {
+        let (c, url) = (c.clone(), url.to_string());
+        async move {
+            admin(&c, Method::GET, &format!("{url}/{EP}/shadow"))
+                .await
+                .1["compared"]
+                == n
+        }
+    })
+    .await;
+    admin(c, Method::GET, &format!("{url}/{EP}/shadow")).await.1
 }
 
 /// Sends `n` chat requests of `sessions` conversations; every one must succeed.
@@ -105,17 +113,7 @@ async fn the_admin_page_shows_the_fleet_a_swap_and_a_shadow_and_refuses_without_
     assert_eq!(s, StatusCode::OK, "{v}");
     traffic(&c, &url, 4, 20).await;
     // The shadow's comparison, as the API gives it once the shadow has caught up.
-    eventually("the shadow to compare every decision", || {
-        let (c, url) = (c.clone(), url.clone());
-        async move {
-            admin(&c, Method::GET, &format!("{url}/{EP}/shadow"))
-                .await
-                .1["compared"]
-                == 20
-        }
-    })
-    .await;
-    let (_, shadow) = admin(&c, Method::GET, &format!("{url}/{EP}/shadow")).await;
+    let shadow = shadow_after(&c, &url, 20).await;
     let agreement = shadow["agreement"].as_f64().unwrap();
 
     let page = browse(&format!("{url}/admin/ui?token={TOKEN}"));
@@ -283,17 +281,7 @@ async fn an_operator_tries_a_shadow_reads_its_comparison_and_promotes_it() {
     // Six conversations over three workers: kv-cost keeps each on its worker,
     // round-robin would not.
     traffic(&c, &url, 6, 36).await;
-    eventually("the shadow to compare every decision", || {
-        let (c, url) = (c.clone(), url.clone());
-        async move {
-            admin(&c, Method::GET, &format!("{url}/{EP}/shadow"))
-                .await
-                .1["compared"]
-                == 36
-        }
-    })
-    .await;
-    let (_, shadow) = admin(&c, Method::GET, &format!("{url}/{EP}/shadow")).await;
+    let shadow = shadow_after(&c, &url, 36).await;
     let ratio = |who: &str| shadow["overlap_ratio"][who].as_f64().unwrap();
     assert!(ratio("shadow") < ratio("live"), "{shadow}");
     assert!(shadow["agreement"].as_f64().unwrap() < 1.0, "{shadow}");

@@ -20,6 +20,40 @@ fn run(mut replay: Command) -> String {
     stdout
 }
 
+/// A generated chat trace of `requests` requests (10 a second, seed 3) in `dir`, without
+/// long documents: a handful of 16k-token prefills would make the mean TTFT of a run this
+/// short a matter of luck.
+fn chat_trace(dir: &std::path::Path, requests: &str) -> std::path::PathBuf {
+    let trace = dir.join("trace.jsonl");
+    let generated = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args([
+            "trace-gen",
+            "--requests",
+            requests,
+            "--rate",
+            "10",
+            "--seed",
+            "3",
+        ])
+        .args(["--long-fraction", "0"])
+        .output()
+        .unwrap();
+    assert!(generated.status.success());
+    std::fs::write(&trace, &generated.stdout).unwrap();
+    trace
+}
+
+/// The entry of the replay's JSON list `list` (`summary` or `runs`) for policy `name`.
+fn entry(v: &serde_json::Value, list: &str, name: &str, stdout: &str) -> serde_json::Value {
+    v[list]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["policy"] == name)
+        .unwrap_or_else(|| panic!("no run named {name}: {stdout}"))
+        .clone()
+}
+
 #[test]
 fn replay_compares_policies_and_writes_json_and_a_chart() {
     let dir = tempfile::tempdir().unwrap();
@@ -69,12 +103,7 @@ fn replay_compares_policies_and_writes_json_and_a_chart() {
     let bound = v["infinite_cache_bound"].as_f64().unwrap();
     assert!(bound > 0.4, "{bound}");
     let hit = |policy: &str| {
-        v["summary"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|s| s["policy"] == policy)
-            .unwrap()["hit_rate"]
+        entry(&v, "summary", policy, &stdout)["hit_rate"]
             .as_f64()
             .unwrap()
     };
@@ -188,24 +217,7 @@ fn another_program_can_be_the_client() {
 #[test]
 fn three_router_replicas_route_as_well_as_one() {
     let dir = tempfile::tempdir().unwrap();
-    let trace = dir.path().join("trace.jsonl");
-    let generated = Command::new(env!("CARGO_BIN_EXE_switchyard"))
-        .args([
-            "trace-gen",
-            "--requests",
-            "300",
-            "--rate",
-            "10",
-            "--seed",
-            "3",
-        ])
-        // No long documents: a handful of 16k-token prefills would make the mean TTFT
-        // of a run this short a matter of luck.
-        .args(["--long-fraction", "0"])
-        .output()
-        .unwrap();
-    assert!(generated.status.success());
-    std::fs::write(&trace, &generated.stdout).unwrap();
+    let trace = chat_trace(dir.path(), "300");
     let json = dir.path().join("out.json");
     let mut replay = Command::new(env!("CARGO_BIN_EXE_switchyard"));
     replay.args([
@@ -232,15 +244,7 @@ fn three_router_replicas_route_as_well_as_one() {
     ]);
     let stdout = run(replay);
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-    let summary = |name: &str| {
-        v["summary"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|s| s["policy"] == name)
-            .unwrap_or_else(|| panic!("no run named {name}: {stdout}"))
-            .clone()
-    };
+    let summary = |name: &str| entry(&v, "summary", name, &stdout);
     let (one, three) = (summary("kv-cost x1 routers"), summary("kv-cost x3 routers"));
     for s in [&one, &three] {
         assert_eq!(s["failed"], 0, "{stdout}");
@@ -268,22 +272,7 @@ fn three_router_replicas_route_as_well_as_one() {
 #[test]
 fn a_shadow_beside_each_policy_compares_them_on_the_same_decisions() {
     let dir = tempfile::tempdir().unwrap();
-    let trace = dir.path().join("trace.jsonl");
-    let generated = Command::new(env!("CARGO_BIN_EXE_switchyard"))
-        .args([
-            "trace-gen",
-            "--requests",
-            "120",
-            "--rate",
-            "10",
-            "--seed",
-            "3",
-        ])
-        .args(["--long-fraction", "0"])
-        .output()
-        .unwrap();
-    assert!(generated.status.success());
-    std::fs::write(&trace, &generated.stdout).unwrap();
+    let trace = chat_trace(dir.path(), "120");
     let json = dir.path().join("out.json");
     let mut replay = Command::new(env!("CARGO_BIN_EXE_switchyard"));
     replay.args([
@@ -312,15 +301,7 @@ fn a_shadow_beside_each_policy_compares_them_on_the_same_decisions() {
         "{stdout}"
     );
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-    let run_of = |name: &str| {
-        v["runs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|r| r["policy"] == name)
-            .unwrap_or_else(|| panic!("no run named {name}: {stdout}"))
-            .clone()
-    };
+    let run_of = |name: &str| entry(&v, "runs", name, &stdout);
     for name in ["kv-cost", "round-robin"] {
         let t = &run_of(name)["telemetry"];
         assert_eq!(t["routed"], 120, "{stdout}");

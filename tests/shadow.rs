@@ -102,8 +102,7 @@ fn settled(router: &KvRouter) -> ShadowTally {
     let deadline = Instant::now() + PATIENCE;
     loop {
         let t = router.shadow_status().expect("a shadow is attached").tally;
-        let done = t.dropped + t.compared + t.rejected + t.live_rejected + t.failures;
-        if done == t.offered {
+        if t.settled() {
             return t;
         }
         assert!(

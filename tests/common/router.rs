@@ -24,9 +24,14 @@ pub async fn eventually<F: std::future::Future<Output = bool>>(
 
 /// `GET url` with the admin token: the status and the body as text.
 pub async fn admin_get_text(c: &HttpClient, url: &str) -> (StatusCode, String) {
+    admin_send(c, Method::GET, url).await
+}
+
+/// `METHOD url` with the admin token and no body: the status and the body as text.
+pub async fn admin_send(c: &HttpClient, method: Method, url: &str) -> (StatusCode, String) {
     let (status, _, body) = http::send(
         c,
-        Method::GET,
+        method,
         url,
         &[("authorization", &format!("Bearer {TOKEN}"))],
         "",

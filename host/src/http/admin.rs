@@ -29,7 +29,9 @@ use serde_json::{Value, json};
 use super::{ApiError, Body, Gateway, json_response};
 use crate::client::Availability;
 use crate::discovery::EndpointPath;
-use crate::policy::{LoadedPolicy, PolicyError, PolicyHandle, PolicySource, PolicyStatus};
+use crate::policy::{
+    LoadedPolicy, PolicyError, PolicyHandle, PolicyInfo, PolicySource, PolicyStatus,
+};
 use crate::router::KvRouter;
 use crate::router::shadow::ShadowStatus;
 
@@ -459,29 +461,42 @@ fn secs(t: std::time::SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
+/// A policy's identity — name, version, sha256, source, configuration — with `rest`.
+fn identified(info: &PolicyInfo, rest: Value) -> Value {
+    let mut all = json!({
+        "name": info.name,
+        "version": info.version,
+        "sha256": info.sha256,
+        "source": info.source.to_string(),
+        "config": info.config,
+    });
+    if let (Value::Object(all), Value::Object(rest)) = (&mut all, rest) {
+        all.extend(rest);
+    }
+    all
+}
+
 /// The admin API's view of a policy's status.
 pub fn status_json(s: &PolicyStatus) -> Value {
-    json!({
-        "name": s.info.name,
-        "version": s.info.version,
-        "sha256": s.info.sha256,
-        "source": s.info.source.to_string(),
-        "config": s.info.config,
-        "loaded_at": secs(s.info.loaded_at),
-        "load_ms": s.info.load_time.as_secs_f64() * 1e3,
-        "compiled": format!("{:?}", s.info.cache),
-        "generation": s.generation,
-        "active_since": secs(s.active_since),
-        "decisions": s.decisions,
-        "failures": s.failures,
-        "fallbacks": s.fallbacks,
-        "rejections": s.rejections,
-        "rollbacks": s.rollbacks,
-        "previous": s.previous.as_ref().map(|p| json!({"name": p.name, "version": p.version, "sha256": p.sha256})),
-        "last_good": s.last_good.as_ref().map(|p| json!({"name": p.name, "version": p.version, "sha256": p.sha256})),
-        "proven": s.proven,
-        "guest_log": {"logged": s.guest_log_lines.0, "suppressed": s.guest_log_lines.1},
-    })
+    identified(
+        &s.info,
+        json!({
+            "loaded_at": secs(s.info.loaded_at),
+            "load_ms": s.info.load_time.as_secs_f64() * 1e3,
+            "compiled": format!("{:?}", s.info.cache),
+            "generation": s.generation,
+            "active_since": secs(s.active_since),
+            "decisions": s.decisions,
+            "failures": s.failures,
+            "fallbacks": s.fallbacks,
+            "rejections": s.rejections,
+            "rollbacks": s.rollbacks,
+            "previous": s.previous.as_ref().map(|p| json!({"name": p.name, "version": p.version, "sha256": p.sha256})),
+            "last_good": s.last_good.as_ref().map(|p| json!({"name": p.name, "version": p.version, "sha256": p.sha256})),
+            "proven": s.proven,
+            "guest_log": {"logged": s.guest_log_lines.0, "suppressed": s.guest_log_lines.1},
+        }),
+    )
 }
 
 fn instances_json(r: &KvRouter) -> Value {
@@ -569,29 +584,28 @@ fn history_json(r: &KvRouter) -> Value {
 /// A shadow: its identity and what it did since it was attached.
 pub fn shadow_json(s: &ShadowStatus) -> Value {
     let t = &s.tally;
-    json!({
-        "name": s.info.name,
-        "version": s.info.version,
-        "sha256": s.info.sha256,
-        "source": s.info.source.to_string(),
-        "config": s.info.config,
-        "sample": s.sample,
-        "attached_at": secs(s.attached_at),
-        "offered": t.offered,
-        "dropped": t.dropped,
-        "compared": t.compared,
-        "agreed": t.agreed,
-        "agreement": t.agreement(),
-        "rejected": t.rejected,
-        "live_rejected": t.live_rejected,
-        "failures": t.failures,
-        "overlap_ratio": {"shadow": t.shadow_overlap_ratio(), "live": t.live_overlap_ratio()},
-        "overlap_blocks": {"shadow": t.shadow_overlap_blocks, "live": t.live_overlap_blocks, "best": t.best_overlap_blocks},
-        "predicted_cost_total": {"shadow": t.shadow_cost, "live": t.live_cost},
-        "mean_predicted_cost": {"shadow": t.shadow_mean_cost(), "live": t.live_mean_cost()},
-        "calls": t.calls,
-        "mean_call_us": t.mean_call().map(|d| d.as_secs_f64() * 1e6),
-    })
+    identified(
+        &s.info,
+        json!({
+            "sample": s.sample,
+            "attached_at": secs(s.attached_at),
+            "offered": t.offered,
+            "dropped": t.dropped,
+            "compared": t.compared,
+            "agreed": t.agreed,
+            "agreement": t.agreement(),
+            "rejected": t.rejected,
+            "live_rejected": t.live_rejected,
+            "failures": t.failures,
+            "overlap_ratio": {"shadow": t.shadow_overlap_ratio(), "live": t.live_overlap_ratio()},
+            "overlap_blocks": {"shadow": t.shadow_overlap_blocks, "live": t.live_overlap_blocks, "best": t.best_overlap_blocks},
+            "predicted_cost_total": {"shadow": t.shadow_cost, "live": t.live_cost},
+            "mean_predicted_cost": {"shadow": t.shadow_mean_cost(), "live": t.live_mean_cost()},
+            "calls": t.calls,
+            "call_seconds": t.call_seconds,
+            "mean_call_us": t.mean_call().map(|d| d.as_secs_f64() * 1e6),
+        }),
+    )
 }
 
 /// The live policy's decision quality over the endpoint's life.

@@ -380,6 +380,13 @@ fn gauges(
     family(enc, name, help, MetricType::Gauge, &s)
 }
 
+/// One sample per (value of label `key`, count).
+fn by<K: ToString, V>(key: &'static str, rows: impl IntoIterator<Item = (K, V)>) -> Samples<V> {
+    rows.into_iter()
+        .map(|(k, v)| (vec![(key, k.to_string())], v))
+        .collect()
+}
+
 /// Per-router samples of one family: `f` gives each router's rows (labels after
 /// `endpoint`, value).
 fn per_router<V>(
@@ -407,10 +414,7 @@ impl Collector for Scrape {
             e,
             "responses",
             "Requests answered, by status class",
-            self.responses
-                .iter()
-                .map(|(class, n)| (vec![("class", (*class).to_string())], *n))
-                .collect(),
+            by("class", self.responses),
         )?;
         for (name, help, v) in &self.front {
             counters(e, name, help, vec![(vec![], *v)])?;
@@ -419,10 +423,7 @@ impl Collector for Scrape {
             e,
             "instance_upstream_failures",
             "Failed upstream attempts per instance",
-            self.failures_by_instance
-                .iter()
-                .map(|(id, n)| (vec![("instance", id.to_string())], *n))
-                .collect(),
+            by("instance", self.failures_by_instance.iter().copied()),
         )?;
         // Totals over every policy the endpoint has had: counters never go down.
         counters(
@@ -442,12 +443,12 @@ impl Collector for Scrape {
             "policy_fallbacks",
             "Decisions the native kv-cost made because the policy call failed, by reason",
             per_router(rs, |r| {
-                let t = r.policy().totals();
-                CallFailure::REASONS
-                    .iter()
-                    .zip(t.fallbacks)
-                    .map(|(reason, n)| (vec![("reason", (*reason).to_string())], n))
-                    .collect()
+                by(
+                    "reason",
+                    CallFailure::REASONS
+                        .into_iter()
+                        .zip(r.policy().totals().fallbacks),
+                )
             }),
         )?;
         counters(
@@ -455,12 +456,12 @@ impl Collector for Scrape {
             "policy_refusals",
             "Policies refused on their way in (not loaded, the live one kept serving), by reason",
             per_router(rs, |r| {
-                let t = r.policy().totals();
-                PolicyError::REASONS
-                    .iter()
-                    .zip(t.refusals)
-                    .map(|(reason, n)| (vec![("reason", (*reason).to_string())], n))
-                    .collect()
+                by(
+                    "reason",
+                    PolicyError::REASONS
+                        .into_iter()
+                        .zip(r.policy().totals().refusals),
+                )
             }),
         )?;
         counters(
@@ -475,14 +476,14 @@ impl Collector for Scrape {
             "Policy rollbacks, by who asked: the operator, a run of failures, a failure rate",
             per_router(rs, |r| {
                 let t = r.policy().totals();
-                [
-                    ("operator", t.manual_rollbacks),
-                    ("failures", t.automatic_rollbacks),
-                    ("failure_rate", t.rate_rollbacks),
-                ]
-                .into_iter()
-                .map(|(reason, n)| (vec![("reason", reason.to_string())], n))
-                .collect()
+                by(
+                    "reason",
+                    [
+                        ("operator", t.manual_rollbacks),
+                        ("failures", t.automatic_rollbacks),
+                        ("failure_rate", t.rate_rollbacks),
+                    ],
+                )
             }),
         )?;
         gauges(
@@ -516,14 +517,14 @@ impl Collector for Scrape {
             "Instances ejected, by kind: unreachable, failing (outlier detection), unhealthy (probes)",
             per_router(rs, |r| {
                 let c = r.client().counters();
-                [
-                    ("unreachable", &c.ejected_unreachable),
-                    ("failing", &c.ejected_failing),
-                    ("unhealthy", &c.ejected_unhealthy),
-                ]
-                .into_iter()
-                .map(|(kind, n)| (vec![("kind", kind.to_string())], load(n)))
-                .collect()
+                by(
+                    "kind",
+                    [
+                        ("unreachable", load(&c.ejected_unreachable)),
+                        ("failing", load(&c.ejected_failing)),
+                        ("unhealthy", load(&c.ejected_unhealthy)),
+                    ],
+                )
             }),
         )?;
         counters(
@@ -658,24 +659,18 @@ impl Scrape {
             e,
             "instance_decisions",
             "Requests routed to each instance",
-            per_router(rs, |r| {
-                r.quality()
-                    .by_instance()
-                    .into_iter()
-                    .map(|(id, n)| (vec![("instance", id.to_string())], n))
-                    .collect()
-            }),
+            per_router(rs, |r| by("instance", r.quality().by_instance())),
         )?;
         counters(
             e,
             "unrouted_requests",
             "Requests not routed, by kind: no_instances, busy (every worker asked for a pause), or the policy's rejection (all_busy, no_fit, refused)",
             per_router(rs, |r| {
-                crate::router::quality::UNROUTED
-                    .iter()
-                    .zip(&r.quality().unrouted)
-                    .map(|(kind, n)| (vec![("kind", (*kind).to_string())], load(n)))
-                    .collect()
+                let counts = r.quality().unrouted.each_ref().map(load);
+                by(
+                    "kind",
+                    crate::router::quality::UNROUTED.into_iter().zip(counts),
+                )
             }),
         )?;
         counters(
@@ -770,11 +765,12 @@ impl Scrape {
             "shadow_failures",
             "Shadow calls that failed, by reason (contained: the live path is not touched)",
             each(&|c| {
-                CallFailure::REASONS
-                    .iter()
-                    .zip(&c.failures)
-                    .map(|(reason, n)| (vec![("reason", (*reason).to_string())], load(n)))
-                    .collect()
+                by(
+                    "reason",
+                    CallFailure::REASONS
+                        .into_iter()
+                        .zip(c.failures.each_ref().map(load)),
+                )
             }),
         )?;
         counters(

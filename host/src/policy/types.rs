@@ -163,6 +163,11 @@ impl Candidates {
         self.position(id).map(|i| self.cols.overlap_blocks[i])
     }
 
+    /// The longest overlap any candidate has (0 with none).
+    pub fn best_overlap(&self) -> u32 {
+        self.cols.overlap_blocks.iter().copied().max().unwrap_or(0)
+    }
+
     /// The candidates' IDs, in list order.
     pub fn ids(&self) -> impl Iterator<Item = InstanceId> + '_ {
         self.cols.worker_ids.iter().map(|&id| InstanceId(id))

@@ -200,26 +200,19 @@ pub fn telemetry_table(runs: &[PolicyRun]) -> Option<String> {
         if shadows {
             match &t.shadow {
                 Some(sh) => {
-                    let n = sh.compared;
-                    let mean = |c: f64| {
-                        if n == 0 {
-                            "-".to_string()
-                        } else {
-                            format!("{:.2}", c / n as f64)
-                        }
-                    };
-                    let ratio = |a| crate::router::shadow::ratio(a, sh.best_overlap_blocks, n);
+                    let t = &sh.tally;
+                    let cost = |c: Option<f64>| c.map_or("-".to_string(), |c| format!("{c:.2}"));
                     let _ = write!(
                         s,
                         " {} | {} | {} | {} | {} | {} | {} | {} |",
                         sh.name,
-                        pct((n > 0).then(|| sh.agreed as f64 / n as f64)),
-                        pct(ratio(sh.shadow_overlap_blocks)),
-                        pct(ratio(sh.live_overlap_blocks)),
-                        mean(sh.shadow_cost),
-                        mean(sh.live_cost),
-                        sh.dropped,
-                        sh.failures
+                        pct(t.agreement()),
+                        pct(t.shadow_overlap_ratio()),
+                        pct(t.live_overlap_ratio()),
+                        cost(t.shadow_mean_cost()),
+                        cost(t.live_mean_cost()),
+                        t.dropped,
+                        t.failures
                     );
                 }
                 None => {
@@ -246,7 +239,7 @@ pub fn json(runs: &[PolicyRun], bound: Bounds) -> serde_json::Value {
                 "router_cpu_s": r.router.map(|c| c.cpu_secs), "router_peak_rss_mib": r.router.map(|c| c.peak_rss_mib),
                 "overlap_ratio": r.telemetry.as_ref().and_then(super::telemetry::Telemetry::overlap_ratio),
                 "shadow_agreement": r.telemetry.as_ref().and_then(|t| t.shadow.as_ref())
-                    .and_then(|s| (s.compared > 0).then(|| s.agreed as f64 / s.compared as f64)),
+                    .and_then(|s| s.tally.agreement()),
             })
         })
         .collect();

@@ -11,6 +11,8 @@ use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::router::shadow::ShadowTally;
+
 /// The admin path of the replay's endpoint.
 const ENDPOINT: &str = "/admin/endpoints/default/replay/generate";
 
@@ -41,26 +43,9 @@ pub struct Telemetry {
 pub struct ShadowTelemetry {
     /// The shadow (`name version`).
     pub name: String,
-    /// Decisions offered, compared, agreed, dropped, failed.
-    pub offered: u64,
-    /// See [`crate::router::shadow::ShadowCounters::compared`].
-    pub compared: u64,
-    /// Compared decisions that agreed.
-    pub agreed: u64,
-    /// Dropped at a full queue.
-    pub dropped: u64,
-    /// Failed calls.
-    pub failures: u64,
-    /// Over compared decisions: cached blocks on the shadow's, the live and the best choice.
-    pub shadow_overlap_blocks: u64,
-    /// ... the live choice.
-    pub live_overlap_blocks: u64,
-    /// ... the best.
-    pub best_overlap_blocks: u64,
-    /// Summed predicted cost (kv-cost model) of the shadow's choices.
-    pub shadow_cost: f64,
-    /// ... of the live choices.
-    pub live_cost: f64,
+    /// What it did, as the routers count it.
+    #[serde(flatten)]
+    pub tally: ShadowTally,
 }
 
 impl Telemetry {
@@ -136,6 +121,28 @@ fn u(v: &Value) -> u64 {
     v.as_u64().unwrap_or(0)
 }
 
+/// A shadow's tally from its admin API answer.
+fn tally(s: &Value) -> ShadowTally {
+    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
+    let (b, c) = (&s["overlap_blocks"], &s["predicted_cost_total"]);
+    ShadowTally {
+        offered: u(&s["offered"]),
+        dropped: u(&s["dropped"]),
+        compared: u(&s["compared"]),
+        agreed: u(&s["agreed"]),
+        rejected: u(&s["rejected"]),
+        live_rejected: u(&s["live_rejected"]),
+        failures: u(&s["failures"]),
+        shadow_overlap_blocks: u(&b["shadow"]),
+        live_overlap_blocks: u(&b["live"]),
+        best_overlap_blocks: u(&b["best"]),
+        shadow_cost: f(&c["shadow"]),
+        live_cost: f(&c["live"]),
+        calls: u(&s["calls"]),
+        call_seconds: f(&s["call_seconds"]),
+    }
+}
+
 /// Reads every replica's telemetry (after waiting, at most 30 s, for their shadows to
 /// finish the decisions queued) and sums it.
 pub async fn read(urls: &[String], token: &str) -> Result<Telemetry, String> {
@@ -156,14 +163,7 @@ pub async fn read(urls: &[String], token: &str) -> Result<Telemetry, String> {
                 .and_then(|a| a.first())
                 .cloned()
                 .unwrap_or(Value::Null);
-            let s = &ep["shadow"];
-            let settled = s.is_null()
-                || u(&s["offered"])
-                    == u(&s["compared"])
-                        + u(&s["dropped"])
-                        + u(&s["failures"])
-                        + u(&s["rejected"])
-                        + u(&s["live_rejected"]);
+            let settled = ep["shadow"].is_null() || tally(&ep["shadow"]).settled();
             if settled || Instant::now() > deadline {
                 break ep;
             }
@@ -189,18 +189,7 @@ pub async fn read(urls: &[String], token: &str) -> Result<Telemetry, String> {
                 ),
                 ..ShadowTelemetry::default()
             });
-            sh.offered += u(&s["offered"]);
-            sh.compared += u(&s["compared"]);
-            sh.agreed += u(&s["agreed"]);
-            sh.dropped += u(&s["dropped"]);
-            sh.failures += u(&s["failures"]);
-            let b = &s["overlap_blocks"];
-            sh.shadow_overlap_blocks += u(&b["shadow"]);
-            sh.live_overlap_blocks += u(&b["live"]);
-            sh.best_overlap_blocks += u(&b["best"]);
-            let c = &s["predicted_cost_total"];
-            sh.shadow_cost += c["shadow"].as_f64().unwrap_or(0.0);
-            sh.live_cost += c["live"].as_f64().unwrap_or(0.0);
+            sh.tally.add(&tally(s));
         }
     }
     Ok(t)

@@ -303,7 +303,7 @@ impl KvRouter {
         }
         let _guard = self.shadow_lock.lock();
         let label = policy_label(policy.info());
-        let counters = self.shadow_series.counters(&label, Some(&label));
+        let counters = self.shadow_series.counters(&label);
         let info = policy.info().clone();
         let shadow = Shadow::start(policy, sample, counters, &self.endpoint.to_string())
             .map_err(|e| PolicyError::Runtime(format!("cannot start the shadow's thread: {e}")))?;
@@ -523,11 +523,8 @@ impl KvRouter {
         };
         debug_assert!(decision.decider == Decider::Fallback || candidates.contains(worker));
         let overlap_blocks = candidates.overlap_of(worker).unwrap_or(0);
-        let best = (0..candidates.len())
-            .map(|i| candidates.row(i).overlap_blocks)
-            .max()
-            .unwrap_or(0);
-        self.quality.routed(worker, overlap_blocks, best);
+        self.quality
+            .routed(worker, overlap_blocks, candidates.best_overlap());
         let request = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
         let uncached = u64::from(prompt_tokens)
             .saturating_sub(u64::from(overlap_blocks) * u64::from(self.config.block_size));

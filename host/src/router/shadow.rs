@@ -106,7 +106,7 @@ fn add_f64(cell: &AtomicU64, v: f64) {
 }
 
 /// A point-in-time copy of [`ShadowCounters`].
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct ShadowTally {
     /// See [`ShadowCounters::offered`].
     pub offered: u64,
@@ -190,6 +190,31 @@ impl ShadowTally {
             calls: self.calls - earlier.calls,
             call_seconds: self.call_seconds - earlier.call_seconds,
         }
+    }
+
+    /// Whether every decision offered has been dealt with (compared, dropped, failed or
+    /// rejected on either side): nothing is queued or in the shadow's hands.
+    pub fn settled(&self) -> bool {
+        self.offered
+            == self.compared + self.dropped + self.failures + self.rejected + self.live_rejected
+    }
+
+    /// Adds another tally (another replica's) to this one.
+    pub fn add(&mut self, o: &ShadowTally) {
+        self.offered += o.offered;
+        self.dropped += o.dropped;
+        self.compared += o.compared;
+        self.agreed += o.agreed;
+        self.rejected += o.rejected;
+        self.live_rejected += o.live_rejected;
+        self.failures += o.failures;
+        self.shadow_overlap_blocks += o.shadow_overlap_blocks;
+        self.live_overlap_blocks += o.live_overlap_blocks;
+        self.best_overlap_blocks += o.best_overlap_blocks;
+        self.shadow_cost += o.shadow_cost;
+        self.live_cost += o.live_cost;
+        self.calls += o.calls;
+        self.call_seconds += o.call_seconds;
     }
 
     /// Share of compared decisions where the shadow chose the live policy's worker.
@@ -462,7 +487,7 @@ fn decide(policy: &LoadedPolicy, counters: &ShadowCounters, job: Job) -> Candida
         return job.candidates;
     };
     let c = &job.candidates;
-    let best = c.view().overlap_blocks.iter().copied().max().unwrap_or(0);
+    let best = c.best_overlap();
     let shape = switchyard_cost_model::RequestShape {
         prompt_blocks: job.request.prompt_blocks,
         block_size: job.request.block_size,
@@ -499,23 +524,17 @@ pub struct ShadowSeries {
 }
 
 impl ShadowSeries {
-    /// The counters of `label`, made if new; past [`SHADOW_SERIES`] the oldest other
-    /// than `keep` is forgotten.
-    pub fn counters(&self, label: &str, keep: Option<&str>) -> Arc<ShadowCounters> {
+    /// The counters of `label`, made if new; past [`SHADOW_SERIES`] the oldest
+    /// identity is forgotten.
+    pub fn counters(&self, label: &str) -> Arc<ShadowCounters> {
         let mut all = self.by_label.lock();
         if let Some((_, c)) = all.iter().find(|(l, _)| l == label) {
             return c.clone();
         }
         let c = Arc::new(ShadowCounters::default());
         all.push((label.to_string(), c.clone()));
-        while all.len() > SHADOW_SERIES {
-            let Some(i) = all
-                .iter()
-                .position(|(l, _)| l != label && Some(l.as_str()) != keep)
-            else {
-                break;
-            };
-            all.remove(i);
+        if all.len() > SHADOW_SERIES {
+            all.remove(0);
         }
         c
     }
