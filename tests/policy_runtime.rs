@@ -1152,3 +1152,29 @@ fn no_candidates_is_an_answer_not_a_failure() {
     assert_eq!(d.outcome, DecisionOutcome::NoCandidates);
     assert_eq!(h.status().failures, 0);
 }
+
+/// Every change of an endpoint's policy is kept for the admin page, but at most CHANGES:
+/// a push refused on every reconciliation (or an upload loop) cannot grow it.
+#[test]
+fn the_policy_history_keeps_the_latest_changes_only() {
+    let engine = engine();
+    let h = handle(&engine, "kv-cost", "{}");
+    assert_eq!(h.changes()[0].kind, "loaded");
+    for _ in 0..3 * switchyard::policy::CHANGES {
+        let _ = h.swap_spec("no-such-builtin", "{}");
+    }
+    h.swap_spec("round-robin", "{}").unwrap();
+    let changes = h.changes();
+    assert_eq!(changes.len(), switchyard::policy::CHANGES);
+    assert!(
+        changes[..changes.len() - 1]
+            .iter()
+            .all(|c| c.kind == "refused")
+    );
+    let last = changes.last().unwrap();
+    assert_eq!(
+        (last.kind, last.policy.as_str()),
+        ("swap", "round-robin@0.1.0")
+    );
+    assert!(last.detail.contains("kv-cost@0.1.0"), "{}", last.detail);
+}

@@ -268,3 +268,30 @@ async fn promote_makes_the_shadow_live_in_one_step_and_the_old_policy_the_rollba
     // And the operator can go back.
     assert_eq!(r.policy().rollback().unwrap().info.name, "picks-first");
 }
+
+/// The admin page's trends keep five minutes (a point a second) however long the router
+/// runs, and a point says what the second before it did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trends_keep_a_bounded_window_of_points() {
+    use switchyard::http::metrics::{TREND_POINTS, Trends};
+    let engine = engine(Duration::from_millis(500));
+    let r = router(2, "kv-cost", &engine);
+    let trends = Trends::default();
+    let routers = [r.clone()];
+    trends.sample(&routers);
+    drive(&r, 2, 10);
+    trends.sample(&routers);
+    let points = trends.points(&r.endpoint().to_string());
+    assert_eq!(points.len(), 1, "the first sample only sets the base");
+    assert!(points[0].decisions_per_s > 0.0);
+    assert_eq!(points[0].overlap_ratio, Some(1.0));
+    for _ in 0..TREND_POINTS + 50 {
+        trends.sample(&routers);
+    }
+    let points = trends.points(&r.endpoint().to_string());
+    assert_eq!(points.len(), TREND_POINTS);
+    assert_eq!(points.last().unwrap().decisions_per_s, 0.0);
+    // An endpoint no longer routed leaves nothing behind.
+    trends.sample(&[]);
+    assert!(trends.points(&r.endpoint().to_string()).is_empty());
+}

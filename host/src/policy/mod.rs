@@ -31,8 +31,8 @@ pub use builtin::{BUILTINS, Builtin, builtin};
 pub use cache::CacheOutcome;
 pub use engine::{PolicyEngine, RuntimeConfig};
 pub use handle::{
-    Decider, Decision, DecisionOutcome, PolicyChange, PolicyHandle, PolicyStatus, PolicyTotals,
-    policy_label,
+    CHANGES, Decider, Decision, DecisionOutcome, PolicyChange, PolicyHandle, PolicyStatus,
+    PolicyTotals, policy_label,
 };
 pub use loaded::{CallFailure, CallOutcome, LoadedPolicy, PolicyInfo, PolicySource};
 pub use types::{

@@ -544,3 +544,38 @@ impl ShadowSeries {
         self.by_label.lock().clone()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_endpoint_keeps_the_newest_shadow_identities_and_continues_a_returning_one() {
+        let series = ShadowSeries::default();
+        series
+            .counters("first@1")
+            .offered
+            .fetch_add(5, Ordering::Relaxed);
+        // Every attachment a new identity: the oldest go, at most SHADOW_SERIES stay.
+        for i in 0..3 * SHADOW_SERIES {
+            series.counters(&format!("s{i}@1"));
+        }
+        let all = series.all();
+        assert_eq!(all.len(), SHADOW_SERIES);
+        assert_eq!(all[0].0, format!("s{}@1", 2 * SHADOW_SERIES));
+        assert!(all.iter().all(|(l, _)| l != "first@1"));
+        // A returning identity continues its counters (a Prometheus series never goes back).
+        let last = format!("s{}@1", 3 * SHADOW_SERIES - 1);
+        series
+            .counters(&last)
+            .offered
+            .fetch_add(2, Ordering::Relaxed);
+        assert_eq!(series.counters(&last).offered.load(Ordering::Relaxed), 2);
+        assert_eq!(series.all().len(), SHADOW_SERIES);
+        // One forgotten and attached again starts afresh.
+        assert_eq!(
+            series.counters("first@1").offered.load(Ordering::Relaxed),
+            0
+        );
+    }
+}
