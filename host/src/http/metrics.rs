@@ -603,6 +603,12 @@ impl Collector for Scrape {
             "Audits that found reused tokens wrong (reuse is then off)",
             vec![(vec![], p.mismatches)],
         )?;
+        counters(
+            e,
+            "tokenizer_lean_mismatches",
+            "Audits that found the lean byte-level tokenizer's IDs wrong (it is then off)",
+            vec![(vec![], p.lean_mismatches)],
+        )?;
         gauges(
             e,
             "token_prefix_cached_tokens",

@@ -11,6 +11,7 @@
 //! Chat messages are rendered into one prompt with the model's chat template, or ChatML
 //! markers without one, see [`ChatFormat`].
 
+mod byte_level;
 pub mod chat;
 pub mod prefix;
 
@@ -18,6 +19,11 @@ pub use chat::{ChatFormat, ChatTemplateError};
 pub use prefix::PrefixTokenizer;
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// One call in this many of a checked fast path (the lean byte-level encoder, a reused
+/// prefix) is also done the plain way and compared.
+pub const AUDIT_EVERY: u64 = 256;
 
 /// Vocabulary size of the built-in tokenizer.
 pub const BUILTIN_VOCAB: u32 = 100_000;
@@ -27,14 +33,125 @@ pub enum Tokenizer {
     /// The file-free default.
     Builtin,
     /// A Hugging Face tokenizer.
-    HuggingFace(Box<tokenizers::Tokenizer>),
+    HuggingFace(Box<HuggingFace>),
+}
+
+/// A `tokenizer.json`, with the lean byte-level path when it takes this file.
+pub struct HuggingFace {
+    hf: tokenizers::Tokenizer,
+    /// The lean path, while it agrees with `hf`.
+    fast: Option<byte_level::ByteLevelBpe>,
+    fast_on: AtomicBool,
+    fast_calls: AtomicU64,
+    fast_mismatches: AtomicU64,
+}
+
+impl HuggingFace {
+    fn new(hf: tokenizers::Tokenizer, json: &str, path: &Path) -> HuggingFace {
+        let t = HuggingFace::unchecked(hf, json, path);
+        if t.fast.is_some() && !t.fast_agrees() {
+            tracing::warn!(
+                "{}: the lean byte-level path differs from the tokenizers crate on sample texts; \
+                 using the tokenizers crate",
+                path.display()
+            );
+            t.fast_on.store(false, Ordering::Relaxed);
+        }
+        t
+    }
+
+    /// `hf` with the lean path for `json` (normally the same file), not yet compared.
+    fn unchecked(hf: tokenizers::Tokenizer, json: &str, path: &Path) -> HuggingFace {
+        let fast = match (byte_level::ByteLevelBpe::new(json), hf.get_model()) {
+            (Ok(fast), tokenizers::ModelWrapper::BPE(_)) => Some(fast),
+            (Err(why), _) => {
+                tracing::info!(
+                    "{}: tokenized by the tokenizers crate ({why} is not byte-level BPE's lean path)",
+                    path.display()
+                );
+                None
+            }
+            (Ok(_), _) => None,
+        };
+        HuggingFace {
+            hf,
+            fast_on: AtomicBool::new(fast.is_some()),
+            fast,
+            fast_calls: AtomicU64::new(0),
+            fast_mismatches: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether the lean path gives the same IDs as `tokenizers` on sample texts: prose,
+    /// code, chat markers, whitespace runs, numbers, contractions and non-ASCII.
+    fn fast_agrees(&self) -> bool {
+        const SAMPLES: &[&str] = &[
+            "The router keeps each conversation on the worker that holds its cache.",
+            "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n",
+            "fn main() {\n    let x = 1234567;\n\tx += 1; // don't\n}\n\n\n",
+            "  leading   and trailing spaces   ",
+            "I'm sure they'll say it's what we'd do, 'tis THE'S.",
+            "café naïve 日本語のテキスト 🙂 Ω≈ç √ 1,234.56e-7",
+            "<|endoftext|><|endoftext|>a<|im_end|>",
+            "\r\n\r\n  \t \u{a0}x\u{200b}y",
+            "",
+        ];
+        // A text the lean path does not take (non-ASCII under NFC) goes the plain way.
+        SAMPLES.iter().all(|s| match (self.plain(s), self.lean(s)) {
+            (_, None) => true,
+            (Ok(a), Some(Ok(b))) => a == b,
+            _ => false,
+        })
+    }
+
+    fn plain(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.hf
+            .encode_fast(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizerError(e.to_string()))
+    }
+
+    fn lean(&self, text: &str) -> Option<Result<Vec<u32>, TokenizerError>> {
+        let (Some(fast), tokenizers::ModelWrapper::BPE(bpe)) = (&self.fast, self.hf.get_model())
+        else {
+            return None;
+        };
+        fast.encode(bpe, text).map(|r| r.map_err(TokenizerError))
+    }
+
+    fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        if !self.fast_on.load(Ordering::Relaxed) {
+            return self.plain(text);
+        }
+        let Some(ids) = self.lean(text) else {
+            return self.plain(text);
+        };
+        let ids = ids?;
+        if self.fast_calls.fetch_add(1, Ordering::Relaxed) % AUDIT_EVERY == AUDIT_EVERY - 1 {
+            let plain = self.plain(text)?;
+            if plain != ids {
+                self.fast_mismatches.fetch_add(1, Ordering::Relaxed);
+                self.fast_on.store(false, Ordering::Relaxed);
+                tracing::warn!(
+                    "the lean byte-level tokenizer differed from the tokenizers crate on a \
+                     {}-byte text; using the tokenizers crate from now on",
+                    text.len()
+                );
+                return Ok(plain);
+            }
+        }
+        Ok(ids)
+    }
 }
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Tokenizer::Builtin => f.write_str("Tokenizer::Builtin"),
-            Tokenizer::HuggingFace(_) => f.write_str("Tokenizer::HuggingFace"),
+            Tokenizer::HuggingFace(t) => f
+                .debug_struct("Tokenizer::HuggingFace")
+                .field("lean", &t.fast_on.load(Ordering::Relaxed))
+                .finish(),
         }
     }
 }
@@ -65,9 +182,24 @@ impl Tokenizer {
 
     /// Loads a Hugging Face `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<Tokenizer, TokenizerError> {
-        tokenizers::Tokenizer::from_file(path)
-            .map(|t| Tokenizer::HuggingFace(Box::new(t)))
-            .map_err(|e| TokenizerError(format!("cannot load {}: {e}", path.display())))
+        let err = |e: &dyn std::fmt::Display| {
+            TokenizerError(format!("cannot load {}: {e}", path.display()))
+        };
+        let json = std::fs::read_to_string(path).map_err(|e| err(&e))?;
+        let hf: tokenizers::Tokenizer = json.parse().map_err(|e| err(&e))?;
+        Ok(Tokenizer::HuggingFace(Box::new(HuggingFace::new(
+            hf, &json, path,
+        ))))
+    }
+
+    /// Loads a `tokenizer.json` to run on the `tokenizers` crate alone, without the lean
+    /// byte-level path (for comparisons).
+    pub fn crate_only(path: &Path) -> Result<Tokenizer, TokenizerError> {
+        let t = Tokenizer::from_file(path)?;
+        if let Tokenizer::HuggingFace(hf) = &t {
+            hf.fast_on.store(false, Ordering::Relaxed);
+        }
+        Ok(t)
     }
 
     /// The `tokenizer.json` at `path`, shareable; `None` without a path (the caller's
@@ -79,14 +211,19 @@ impl Tokenizer {
             .transpose()
     }
 
+    /// Audits that found the lean byte-level path's IDs wrong (it is then off).
+    pub fn lean_mismatches(&self) -> u64 {
+        match self {
+            Tokenizer::Builtin => 0,
+            Tokenizer::HuggingFace(t) => t.fast_mismatches.load(Ordering::Relaxed),
+        }
+    }
+
     /// Token IDs of `text`.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         match self {
             Tokenizer::Builtin => Ok(builtin_encode(text)),
-            Tokenizer::HuggingFace(t) => t
-                .encode_fast(text, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| TokenizerError(e.to_string())),
+            Tokenizer::HuggingFace(t) => t.encode(text),
         }
     }
 }
@@ -198,6 +335,187 @@ mod tests {
         assert_eq!(t.encode("hello there").unwrap(), vec![1, 0]);
         let err = Tokenizer::from_file(&dir.path().join("missing.json")).unwrap_err();
         assert!(err.to_string().contains("missing.json"), "{err}");
+    }
+
+    /// A byte-level BPE `tokenizer.json` (1,000 tokens, ChatML's markers added) trained
+    /// on this crate's sources, as `tools/bpe-tokenizer.sh` makes a larger one.
+    fn byte_level_json() -> serde_json::Value {
+        use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+        use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+        let mut t = tokenizers::Tokenizer::new(BPE::default());
+        t.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
+        let mut trainer: tokenizers::models::TrainerWrapper = BpeTrainerBuilder::new()
+            .vocab_size(1000)
+            .show_progress(false)
+            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+            .special_tokens(
+                ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+                    .map(|s| tokenizers::AddedToken::from(s, true))
+                    .to_vec(),
+            )
+            .build()
+            .into();
+        let corpus = [
+            include_str!("mod.rs"),
+            include_str!("prefix.rs"),
+            include_str!("chat.rs"),
+        ];
+        t.train(&mut trainer, corpus.iter()).unwrap();
+        serde_json::from_str(&t.to_string(false).unwrap()).unwrap()
+    }
+
+    /// Texts mixing what the pre-tokenizer patterns treat apart: words, numbers,
+    /// contractions, punctuation, whitespace runs of every kind, non-ASCII, chat markers
+    /// whole and broken.
+    fn mixed_texts() -> Vec<String> {
+        const PARTS: &[&str] = &[
+            "router",
+            "The",
+            "cache",
+            "x",
+            "1",
+            "2024",
+            "123456",
+            "3.14",
+            "'s",
+            "'T",
+            "'ll",
+            "don't",
+            "I'M",
+            ",",
+            ".",
+            "!?",
+            "()",
+            "{",
+            "};",
+            "->",
+            "::",
+            "#",
+            "\"",
+            " ",
+            "  ",
+            "   ",
+            "\n",
+            "\n\n",
+            "\n    ",
+            "\t",
+            "\r\n",
+            " \n ",
+            "\u{a0}",
+            "\u{3000}",
+            "café",
+            "naïve",
+            "日本語",
+            "🙂",
+            "Ω",
+            "e\u{301}",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|im_",
+            "|>",
+            "<|endoftext|>",
+            "user\n",
+            "\u{200b}",
+        ];
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        (0..400)
+            .map(|i| {
+                let mut s = String::new();
+                for _ in 0..(i % 40 + 1) {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    s.push_str(PARTS[(seed >> 33) as usize % PARTS.len()]);
+                }
+                s
+            })
+            .collect()
+    }
+
+    fn hugging_face(json: &serde_json::Value) -> HuggingFace {
+        let text = json.to_string();
+        let hf: tokenizers::Tokenizer = text.parse().unwrap();
+        HuggingFace::new(hf, &text, Path::new("test.json"))
+    }
+
+    #[test]
+    fn the_lean_byte_level_path_gives_the_tokenizers_crates_ids() {
+        let gpt2 = byte_level_json();
+        // Llama 3's and Qwen's shape: a Split regex, then ByteLevel without its own.
+        let mut llama3 = gpt2.clone();
+        llama3["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+             "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]});
+        llama3["model"]["ignore_merges"] = true.into();
+        let mut qwen = llama3.clone();
+        qwen["normalizer"] = serde_json::json!({"type": "NFC"});
+        // A pattern without the usual ending runs on fancy-regex.
+        let mut other = gpt2.clone();
+        other["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"String": "\n"}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}]});
+        // Normalized added tokens are cut out after the unnormalized ones.
+        let mut normalized = gpt2.clone();
+        normalized["added_tokens"][2]["normalized"] = true.into();
+        for (name, json) in [
+            ("gpt2", &gpt2),
+            ("llama3", &llama3),
+            ("qwen", &qwen),
+            ("other", &other),
+            ("normalized", &normalized),
+        ] {
+            let t = hugging_face(json);
+            assert!(
+                t.fast_on.load(Ordering::Relaxed),
+                "{name}: the lean path is on"
+            );
+            for text in mixed_texts() {
+                let plain = t.plain(&text).unwrap();
+                match t.lean(&text) {
+                    Some(lean) => assert_eq!(lean.unwrap(), plain, "{name}: {text:?}"),
+                    None => assert!(name == "qwen" && !text.is_ascii(), "{name}: {text:?}"),
+                }
+                assert_eq!(t.encode(&text).unwrap(), plain, "{name}: {text:?}");
+            }
+        }
+        // Shapes it does not know stay with the tokenizers crate, and still tokenize.
+        let mut prefix_space = gpt2.clone();
+        prefix_space["pre_tokenizer"]["add_prefix_space"] = true.into();
+        let t = hugging_face(&prefix_space);
+        assert!(t.fast.is_none());
+        assert!(!t.encode("hello world").unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_lean_path_that_disagrees_is_turned_off() {
+        let json = byte_level_json();
+        let text = json.to_string();
+        // The lean path built for a file without the chat markers: it cuts `<|im_end|>`
+        // into bytes where the tokenizers crate gives one added token.
+        let mut unmarked = json.clone();
+        unmarked["added_tokens"] = serde_json::json!([]);
+        let wrong =
+            || HuggingFace::unchecked(text.parse().unwrap(), &unmarked.to_string(), Path::new("t"));
+        let marked = "<|im_start|>user\nhello<|im_end|>";
+        // At load, the samples show it.
+        let t = {
+            let t = wrong();
+            assert!(!t.fast_agrees());
+            HuggingFace::new(text.parse().unwrap(), &text, Path::new("t"))
+        };
+        assert!(t.fast_on.load(Ordering::Relaxed), "the right file agrees");
+        // Had the samples missed it, the audit catches it within AUDIT_EVERY calls,
+        // answers that call with the crate's IDs, and turns the lean path off.
+        let t = wrong();
+        let plain = t.plain(marked).unwrap();
+        for _ in 1..AUDIT_EVERY {
+            assert_ne!(t.encode(marked).unwrap(), plain);
+        }
+        assert_eq!(t.encode(marked).unwrap(), plain, "the audited call");
+        assert!(!t.fast_on.load(Ordering::Relaxed));
+        assert_eq!(t.fast_mismatches.load(Ordering::Relaxed), 1);
+        assert_eq!(t.encode(marked).unwrap(), plain);
     }
 
     #[test]

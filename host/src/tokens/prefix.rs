@@ -31,8 +31,7 @@ use super::{ChatFormat, ChatMessage, Tokenizer, TokenizerError};
 /// Bytes between cut points, at least (a cut waits for the next whitespace).
 pub const CHUNK: usize = 2048;
 
-/// One cache hit in this many is checked against tokenizing the whole text.
-pub const AUDIT_EVERY: u64 = 256;
+pub use super::AUDIT_EVERY;
 
 /// Default budget: 8 M tokens (32 MiB of token IDs).
 pub const DEFAULT_BUDGET_TOKENS: usize = 8 << 20;
@@ -70,6 +69,8 @@ pub struct PrefixStats {
     pub mismatches: u64,
     /// Tokens held.
     pub tokens: usize,
+    /// Audits that found the lean byte-level tokenizer's IDs wrong (it is then off).
+    pub lean_mismatches: u64,
 }
 
 #[derive(Default)]
@@ -203,6 +204,7 @@ impl PrefixTokenizer {
             misses: self.misses.load(Ordering::Relaxed),
             mismatches: self.mismatches.load(Ordering::Relaxed),
             tokens: self.cache.lock().map_or(0, |c| c.tokens),
+            lean_mismatches: self.tokenizer.lean_mismatches(),
         }
     }
 
