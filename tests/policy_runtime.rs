@@ -330,6 +330,28 @@ fn an_infinite_loop_is_interrupted_at_its_budget() {
 }
 
 #[test]
+fn the_epoch_ticker_sleeps_while_idle_and_still_stops_a_loop_after() {
+    let engine = no_rollback(64 << 20, 20);
+    let h = hostile(&engine, "spin_forever");
+    // No policy code runs now: the ticker stops advancing (a ticker that never sleeps
+    // advances every millisecond, and two readings 50 ms apart never agree).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let before = engine.epoch_ticks();
+        std::thread::sleep(Duration::from_millis(50));
+        if engine.epoch_ticks() == before {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the ticker kept ticking with nothing to time"
+        );
+    }
+    // The next call wakes it: the loop is still interrupted at its budget.
+    assert_contained(&h, |f| matches!(f, CallFailure::Timeout(_)));
+}
+
+#[test]
 fn a_memory_bomb_hits_the_memory_cap() {
     let h = hostile(&no_rollback(8 << 20, 2000), "memory_bomb");
     assert_contained(

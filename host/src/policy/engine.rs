@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -119,6 +119,106 @@ pub(crate) struct EngineInner {
     pub(crate) warmer: Warmer,
     /// Memory of all instances together.
     pub(crate) memory: Arc<MemoryBudget>,
+    /// Advances the epoch while guest code runs.
+    pub(crate) ticker: Ticker,
+}
+
+/// Idle ticks (no guest call started) after which the ticker sleeps until the next call.
+const TICKER_LINGER: u32 = 4;
+
+/// Advances the engine's epoch every tick while guest code may run, and sleeps when no
+/// call has started for [`TICKER_LINGER`] ticks: a 1 ms ticker that never sleeps costs
+/// ~2 % of a core here, idle or not. Under steady traffic it keeps ticking (no wake-up on
+/// the request path); after a quiet spell the first call wakes it, one system call.
+pub(crate) struct Ticker {
+    state: Arc<TickerState>,
+    thread: std::thread::Thread,
+}
+
+#[derive(Default)]
+struct TickerState {
+    /// Guest calls in progress.
+    running: AtomicUsize,
+    /// Guest calls started, ever (activity between two ticks).
+    started: AtomicU64,
+    /// Epochs advanced, ever.
+    ticks: AtomicU64,
+    /// The ticker is parked or about to park.
+    parked: AtomicBool,
+    stop: AtomicBool,
+}
+
+/// Held while guest code may run: the ticker ticks.
+pub(crate) struct Running<'a>(&'a Ticker);
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.state.running.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Ticker {
+    fn start(engine: wasmtime::EngineWeak, tick: Duration) -> std::io::Result<Ticker> {
+        let state = Arc::new(TickerState::default());
+        let s = state.clone();
+        let handle = std::thread::Builder::new()
+            .name("policy-epoch".into())
+            .spawn(move || {
+                let (mut idle, mut seen) = (0, 0);
+                while !s.stop.load(Ordering::SeqCst) {
+                    let started = s.started.load(Ordering::SeqCst);
+                    if s.running.load(Ordering::SeqCst) == 0 && started == seen {
+                        idle += 1;
+                    } else {
+                        idle = 0;
+                    }
+                    seen = started;
+                    if idle > TICKER_LINGER {
+                        // A call starting now sees `parked` and unparks (the token makes
+                        // an unpark before the park count), or this sees it running.
+                        s.parked.store(true, Ordering::SeqCst);
+                        if s.running.load(Ordering::SeqCst) == 0 && !s.stop.load(Ordering::SeqCst) {
+                            std::thread::park();
+                        }
+                        s.parked.store(false, Ordering::SeqCst);
+                        idle = 0;
+                        continue;
+                    }
+                    std::thread::sleep(tick);
+                    match engine.upgrade() {
+                        Some(engine) => engine.increment_epoch(),
+                        None => break,
+                    }
+                    s.ticks.fetch_add(1, Ordering::Relaxed);
+                }
+            })?;
+        Ok(Ticker {
+            state,
+            thread: handle.thread().clone(),
+        })
+    }
+
+    /// Marks guest code running until the guard drops, waking the ticker if it sleeps.
+    pub(crate) fn running(&self) -> Running<'_> {
+        let s = &self.state;
+        s.started.fetch_add(1, Ordering::SeqCst);
+        if s.running.fetch_add(1, Ordering::SeqCst) == 0 && s.parked.load(Ordering::SeqCst) {
+            self.thread.unpark();
+        }
+        Running(self)
+    }
+
+    /// Epochs advanced so far.
+    pub(crate) fn ticks(&self) -> u64 {
+        self.state.ticks.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        self.state.stop.store(true, Ordering::SeqCst);
+        self.thread.unpark();
+    }
 }
 
 const MAX_COMPILED_IN_MEMORY: usize = 32;
@@ -146,18 +246,7 @@ impl PolicyEngine {
         let ticks = |d: Duration| d.as_nanos().div_ceil(tick.as_nanos()) as u64 + 1;
         let deadline_ticks = ticks(config.call_budget);
         let load_deadline_ticks = ticks(config.load_budget.max(config.call_budget));
-        let weak = engine.weak();
-        std::thread::Builder::new()
-            .name("policy-epoch".into())
-            .spawn(move || {
-                loop {
-                    std::thread::sleep(tick);
-                    match weak.upgrade() {
-                        Some(engine) => engine.increment_epoch(),
-                        None => break,
-                    }
-                }
-            })
+        let ticker = Ticker::start(engine.weak(), tick)
             .map_err(|e| PolicyError::Runtime(format!("cannot start the epoch ticker: {e}")))?;
 
         let warmer = Warmer::start()
@@ -175,8 +264,14 @@ impl PolicyEngine {
                 compiles_queued: AtomicUsize::new(0),
                 warmer,
                 memory,
+                ticker,
             }),
         })
+    }
+
+    /// Epochs the ticker has advanced: it stands still while no policy code runs.
+    pub fn epoch_ticks(&self) -> u64 {
+        self.inner.ticker.ticks()
     }
 
     /// Bytes of linear memory all policy instances hold now.

@@ -252,10 +252,12 @@ impl LoadedPolicy {
             InstantiateError::Config(msg) => PolicyError::BadConfig(msg),
             InstantiateError::Trap(msg) => PolicyError::Trap(msg),
         })?;
+        let running = shared.engine.inner.ticker.running();
         let info = first
             .policy
             .call_describe(&mut first.store)
             .map_err(|e| PolicyError::Trap(format!("in describe: {}", describe_error(&e))))?;
+        drop(running);
         shared.info.name = super::types::guest_label(&info.name);
         shared.info.version = super::types::guest_label(&info.version);
         shared.info.load_time = started.elapsed();
@@ -380,6 +382,7 @@ impl LoadedPolicy {
                 .map_err(|e| CallFailure::Instantiate(e.to_string()))?,
             None => return Err(self.missed()),
         };
+        let _running = s.engine.inner.ticker.running();
         warm.store.set_epoch_deadline(ticks);
         let wit_req = req.to_wit();
         // A panic in a host function (a WASI shim) must not take the router down: it is
@@ -582,6 +585,7 @@ impl Shared {
         let limits = InstanceLimits::new(cfg.memory_cap, self.engine.inner.memory.clone());
         let mut store = Store::new(&self.engine.inner.engine, HostState::new(&self.log, limits));
         store.limiter(|s| &mut s.limits);
+        let _running = self.engine.inner.ticker.running();
         store.epoch_deadline_trap();
         store.set_epoch_deadline(self.engine.inner.load_deadline_ticks);
         let policy = self.pre.instantiate(&mut store).map_err(|e| {
