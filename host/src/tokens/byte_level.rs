@@ -194,18 +194,18 @@ fn is_false(v: &Value) -> bool {
     matches!(v, Value::Null | Value::Bool(false))
 }
 
-/// The regexes of a pre-tokenizer, if this path can run it.
-fn pre_tokenizer_splits(v: &Value, out: &mut Vec<Splitter>) -> Result<(), String> {
-    let regex = Splitter::new;
+/// The regexes of a pre-tokenizer, if this path can run it, into `out`; whether it has a
+/// `ByteLevel` step.
+fn pre_tokenizer_splits(v: &Value, out: &mut Vec<Splitter>) -> Result<bool, String> {
     match field(v, "type").as_str() {
         Some("ByteLevel") => {
             if !is_false(field(v, "add_prefix_space")) {
                 return Err("ByteLevel with add_prefix_space".into());
             }
             if field(v, "use_regex").as_bool() != Some(false) {
-                out.push(regex(GPT2_PATTERN)?);
+                out.push(Splitter::new(GPT2_PATTERN)?);
             }
-            Ok(())
+            Ok(true)
         }
         Some("Split") => {
             if field(v, "behavior").as_str() != Some("Isolated") || !is_false(field(v, "invert")) {
@@ -220,14 +220,14 @@ fn pre_tokenizer_splits(v: &Value, out: &mut Vec<Splitter>) -> Result<(), String
                 (None, Some(s)) => fancy_regex::escape(s).into_owned(),
                 _ => return Err("a Split without a pattern".into()),
             };
-            out.push(regex(&p)?);
-            Ok(())
+            out.push(Splitter::new(&p)?);
+            Ok(false)
         }
         Some("Sequence") => field(v, "pretokenizers")
             .as_array()
             .ok_or("a Sequence without pretokenizers")?
             .iter()
-            .try_for_each(|p| pre_tokenizer_splits(p, out)),
+            .try_fold(false, |seen, p| Ok(pre_tokenizer_splits(p, out)? || seen)),
         other => Err(format!("pre-tokenizer {other:?}")),
     }
 }
@@ -257,8 +257,7 @@ impl ByteLevelBpe {
             Some(other) => return Err(format!("normalizer {other}")),
         };
         let mut splits = Vec::new();
-        pre_tokenizer_splits(field(&v, "pre_tokenizer"), &mut splits)?;
-        if !splits.is_empty() && !has_byte_level(field(&v, "pre_tokenizer")) {
+        if !pre_tokenizer_splits(field(&v, "pre_tokenizer"), &mut splits)? {
             return Err("no ByteLevel pre-tokenizer".into());
         }
         let mut groups: [(Vec<String>, Vec<u32>); 2] = Default::default();
@@ -375,16 +374,6 @@ impl ByteLevelBpe {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Words> {
         self.words.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-fn has_byte_level(v: &Value) -> bool {
-    match field(v, "type").as_str() {
-        Some("ByteLevel") => true,
-        Some("Sequence") => field(v, "pretokenizers")
-            .as_array()
-            .is_some_and(|ps| ps.iter().any(has_byte_level)),
-        _ => false,
     }
 }
 

@@ -25,6 +25,56 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 /// prefix) is also done the plain way and compared.
 pub const AUDIT_EVERY: u64 = 256;
 
+/// A fast path's standing: on until an audit finds its tokens differ from the plain way's.
+struct Audit {
+    on: AtomicBool,
+    mismatches: AtomicU64,
+}
+
+impl Audit {
+    fn new(on: bool) -> Audit {
+        Audit {
+            on: AtomicBool::new(on),
+            mismatches: AtomicU64::new(0),
+        }
+    }
+
+    fn on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+
+    fn turn_off(&self) {
+        self.on.store(false, Ordering::Relaxed);
+    }
+
+    fn mismatches(&self) -> u64 {
+        self.mismatches.load(Ordering::Relaxed)
+    }
+
+    /// `fast`, the fast path's `n`th result (from 1); every [`AUDIT_EVERY`]th is compared
+    /// with `plain()`, and a difference turns the path off for good, is counted and
+    /// logged (`warning`), and that call gets the plain tokens.
+    fn check<E>(
+        &self,
+        n: u64,
+        fast: Vec<u32>,
+        plain: impl FnOnce() -> Result<Vec<u32>, E>,
+        warning: &str,
+    ) -> Result<Vec<u32>, E> {
+        if !n.is_multiple_of(AUDIT_EVERY) {
+            return Ok(fast);
+        }
+        let plain = plain()?;
+        if plain != fast {
+            self.mismatches.fetch_add(1, Ordering::Relaxed);
+            self.turn_off();
+            tracing::warn!("{warning}");
+            return Ok(plain);
+        }
+        Ok(fast)
+    }
+}
+
 /// Vocabulary size of the built-in tokenizer.
 pub const BUILTIN_VOCAB: u32 = 100_000;
 
@@ -39,11 +89,10 @@ pub enum Tokenizer {
 /// A `tokenizer.json`, with the lean byte-level path when it takes this file.
 pub struct HuggingFace {
     hf: tokenizers::Tokenizer,
-    /// The lean path, while it agrees with `hf`.
+    /// The lean path, used while `audit` says it agrees with `hf`.
     fast: Option<byte_level::ByteLevelBpe>,
-    fast_on: AtomicBool,
+    audit: Audit,
     fast_calls: AtomicU64,
-    fast_mismatches: AtomicU64,
 }
 
 impl HuggingFace {
@@ -55,30 +104,26 @@ impl HuggingFace {
                  using the tokenizers crate",
                 path.display()
             );
-            t.fast_on.store(false, Ordering::Relaxed);
+            t.audit.turn_off();
         }
         t
     }
 
     /// `hf` with the lean path for `json` (normally the same file), not yet compared.
     fn unchecked(hf: tokenizers::Tokenizer, json: &str, path: &Path) -> HuggingFace {
-        let fast = match (byte_level::ByteLevelBpe::new(json), hf.get_model()) {
-            (Ok(fast), tokenizers::ModelWrapper::BPE(_)) => Some(fast),
-            (Err(why), _) => {
+        let fast = byte_level::ByteLevelBpe::new(json)
+            .inspect_err(|why| {
                 tracing::info!(
                     "{}: tokenized by the tokenizers crate ({why} is not byte-level BPE's lean path)",
                     path.display()
-                );
-                None
-            }
-            (Ok(_), _) => None,
-        };
+                )
+            })
+            .ok();
         HuggingFace {
             hf,
-            fast_on: AtomicBool::new(fast.is_some()),
+            audit: Audit::new(fast.is_some()),
             fast,
             fast_calls: AtomicU64::new(0),
-            fast_mismatches: AtomicU64::new(0),
         }
     }
 
@@ -120,27 +165,20 @@ impl HuggingFace {
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        if !self.fast_on.load(Ordering::Relaxed) {
+        if !self.audit.on() {
             return self.plain(text);
         }
         let Some(ids) = self.lean(text) else {
             return self.plain(text);
         };
-        let ids = ids?;
-        if self.fast_calls.fetch_add(1, Ordering::Relaxed) % AUDIT_EVERY == AUDIT_EVERY - 1 {
-            let plain = self.plain(text)?;
-            if plain != ids {
-                self.fast_mismatches.fetch_add(1, Ordering::Relaxed);
-                self.fast_on.store(false, Ordering::Relaxed);
-                tracing::warn!(
-                    "the lean byte-level tokenizer differed from the tokenizers crate on a \
-                     {}-byte text; using the tokenizers crate from now on",
-                    text.len()
-                );
-                return Ok(plain);
-            }
-        }
-        Ok(ids)
+        let n = self.fast_calls.fetch_add(1, Ordering::Relaxed) + 1;
+        self.audit.check(
+            n,
+            ids?,
+            || self.plain(text),
+            "the lean byte-level tokenizer differed from the tokenizers crate: \
+             using the tokenizers crate from now on",
+        )
     }
 }
 
@@ -150,7 +188,7 @@ impl std::fmt::Debug for Tokenizer {
             Tokenizer::Builtin => f.write_str("Tokenizer::Builtin"),
             Tokenizer::HuggingFace(t) => f
                 .debug_struct("Tokenizer::HuggingFace")
-                .field("lean", &t.fast_on.load(Ordering::Relaxed))
+                .field("lean", &t.audit.on())
                 .finish(),
         }
     }
@@ -197,7 +235,7 @@ impl Tokenizer {
     pub fn crate_only(path: &Path) -> Result<Tokenizer, TokenizerError> {
         let t = Tokenizer::from_file(path)?;
         if let Tokenizer::HuggingFace(hf) = &t {
-            hf.fast_on.store(false, Ordering::Relaxed);
+            hf.audit.turn_off();
         }
         Ok(t)
     }
@@ -215,7 +253,7 @@ impl Tokenizer {
     pub fn lean_mismatches(&self) -> u64 {
         match self {
             Tokenizer::Builtin => 0,
-            Tokenizer::HuggingFace(t) => t.fast_mismatches.load(Ordering::Relaxed),
+            Tokenizer::HuggingFace(t) => t.audit.mismatches(),
         }
     }
 
@@ -466,10 +504,7 @@ mod tests {
             ("normalized", &normalized),
         ] {
             let t = hugging_face(json);
-            assert!(
-                t.fast_on.load(Ordering::Relaxed),
-                "{name}: the lean path is on"
-            );
+            assert!(t.audit.on(), "{name}: the lean path is on");
             for text in mixed_texts() {
                 let plain = t.plain(&text).unwrap();
                 match t.lean(&text) {
@@ -504,7 +539,7 @@ mod tests {
             assert!(!t.fast_agrees());
             HuggingFace::new(text.parse().unwrap(), &text, Path::new("t"))
         };
-        assert!(t.fast_on.load(Ordering::Relaxed), "the right file agrees");
+        assert!(t.audit.on(), "the right file agrees");
         // Had the samples missed it, the audit catches it within AUDIT_EVERY calls,
         // answers that call with the crate's IDs, and turns the lean path off.
         let t = wrong();
@@ -513,8 +548,8 @@ mod tests {
             assert_ne!(t.encode(marked).unwrap(), plain);
         }
         assert_eq!(t.encode(marked).unwrap(), plain, "the audited call");
-        assert!(!t.fast_on.load(Ordering::Relaxed));
-        assert_eq!(t.fast_mismatches.load(Ordering::Relaxed), 1);
+        assert!(!t.audit.on());
+        assert_eq!(t.audit.mismatches(), 1);
         assert_eq!(t.encode(marked).unwrap(), plain);
     }
 

@@ -24,9 +24,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{ChatFormat, ChatMessage, Tokenizer, TokenizerError};
+use super::{Audit, ChatFormat, ChatMessage, Tokenizer, TokenizerError};
 
 /// Bytes between cut points, at least (a cut waits for the next whitespace).
 pub const CHUNK: usize = 2048;
@@ -42,10 +42,10 @@ pub struct PrefixTokenizer {
     /// How chats become prompt text.
     chat: Arc<ChatFormat>,
     cache: Mutex<Cache>,
-    enabled: AtomicBool,
+    /// Reuse is on while audits find the pieces' tokens equal to the whole's.
+    audit: Audit,
     hits: AtomicU64,
     misses: AtomicU64,
-    mismatches: AtomicU64,
 }
 
 impl std::fmt::Debug for PrefixTokenizer {
@@ -150,7 +150,7 @@ impl PrefixTokenizer {
                 "this tokenizer merges tokens across whitespace: prompts are tokenized whole, \
                  without reusing a conversation's earlier tokens"
             );
-            t.enabled.store(false, Ordering::Relaxed);
+            t.audit.turn_off();
         }
         t
     }
@@ -180,10 +180,9 @@ impl PrefixTokenizer {
                 budget: budget_tokens,
                 ..Cache::default()
             }),
-            enabled: AtomicBool::new(budget_tokens > 0),
+            audit: Audit::new(budget_tokens > 0),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
-            mismatches: AtomicU64::new(0),
         }
     }
 
@@ -194,7 +193,7 @@ impl PrefixTokenizer {
 
     /// Whether prefixes are reused.
     pub fn enabled(&self) -> bool {
-        self.enabled.load(Ordering::Relaxed)
+        self.audit.on()
     }
 
     /// Counters.
@@ -202,7 +201,7 @@ impl PrefixTokenizer {
         PrefixStats {
             hits: self.hits.load(Ordering::Relaxed),
             misses: self.misses.load(Ordering::Relaxed),
-            mismatches: self.mismatches.load(Ordering::Relaxed),
+            mismatches: self.audit.mismatches(),
             tokens: self.cache.lock().map_or(0, |c| c.tokens),
             lean_mismatches: self.tokenizer.lean_mismatches(),
         }
@@ -335,19 +334,13 @@ impl PrefixTokenizer {
             return Ok(tokens);
         }
         let hit = self.hits.fetch_add(1, Ordering::Relaxed) + 1;
-        if hit.is_multiple_of(AUDIT_EVERY) {
-            let whole = self.tokenizer.encode(text)?;
-            if whole != tokens {
-                self.mismatches.fetch_add(1, Ordering::Relaxed);
-                self.enabled.store(false, Ordering::Relaxed);
-                tracing::warn!(
-                    "a prompt cut into pieces tokenized differently from the whole: \
-                     reusing earlier tokens is now off"
-                );
-                return Ok(whole);
-            }
-        }
-        Ok(tokens)
+        self.audit.check(
+            hit,
+            tokens,
+            || self.tokenizer.encode(text),
+            "a prompt cut into pieces tokenized differently from the whole: \
+             reusing earlier tokens is now off",
+        )
     }
 }
 
