@@ -48,6 +48,13 @@ async fn admin(c: &HttpClient, method: Method, url: &str) -> (StatusCode, Value)
     )
 }
 
+/// An admin call that must succeed: its JSON answer.
+async fn admin_ok(c: &HttpClient, method: Method, url: &str) -> Value {
+    let (s, v) = admin(c, method, url).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    v
+}
+
 /// The endpoint's shadow, once it has compared `n` decisions.
 async fn shadow_after(c: &HttpClient, url: &str, n: u64) -> Value {
     eventually("the shadow to compare every decision", || {
@@ -97,20 +104,18 @@ async fn the_admin_page_shows_the_fleet_a_swap_and_a_shadow_and_refuses_without_
     .await;
     let c = http::client();
     traffic(&c, &url, 4, 12).await;
-    let (s, v) = admin(
+    admin_ok(
         &c,
         Method::PUT,
         &format!("{url}/{EP}/policy?builtin=round-robin"),
     )
     .await;
-    assert_eq!(s, StatusCode::OK, "{v}");
-    let (s, v) = admin(
+    admin_ok(
         &c,
         Method::PUT,
         &format!("{url}/{EP}/shadow?builtin=kv-cost"),
     )
     .await;
-    assert_eq!(s, StatusCode::OK, "{v}");
     traffic(&c, &url, 4, 20).await;
     // The shadow's comparison, as the API gives it once the shadow has caught up.
     let shadow = shadow_after(&c, &url, 20).await;
@@ -240,13 +245,12 @@ async fn an_operator_tries_a_shadow_reads_its_comparison_and_promotes_it() {
     let c = http::client();
     let (s, v) = admin(&c, Method::POST, &format!("{url}/{EP}/shadow/promote")).await;
     assert_eq!(s, StatusCode::BAD_REQUEST, "nothing to promote: {v}");
-    let (s, v) = admin(
+    let v = admin_ok(
         &c,
         Method::PUT,
         &format!("{url}/{EP}/shadow?builtin=round-robin&sample=1"),
     )
     .await;
-    assert_eq!(s, StatusCode::OK, "{v}");
     assert_eq!(v["name"], "round-robin");
     // A bad sample or a bad policy changes nothing.
     let (s, v) = admin(
@@ -305,8 +309,7 @@ async fn an_operator_tries_a_shadow_reads_its_comparison_and_promotes_it() {
         shadow["agreed"].as_f64()
     );
 
-    let (s, v) = admin(&c, Method::POST, &format!("{url}/{EP}/shadow/promote")).await;
-    assert_eq!(s, StatusCode::OK, "{v}");
+    let v = admin_ok(&c, Method::POST, &format!("{url}/{EP}/shadow/promote")).await;
     assert_eq!(v["name"], "round-robin");
     assert_eq!(v["previous"]["name"], "kv-cost");
     let (_, v) = admin(&c, Method::GET, &format!("{url}/{EP}/shadow")).await;

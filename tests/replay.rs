@@ -1,13 +1,24 @@
 //! `switchyard replay` on a small generated trace (tests never read ../shared).
 
+use std::path::Path;
 use std::process::Command;
 
-/// Runs a `switchyard replay` command to success; its standard output.
-fn run(mut replay: Command) -> String {
-    let out = replay
+/// Runs `switchyard replay TRACE ARGS` to success, writing its JSON (`out.json`) and its
+/// chart (`ttft.svg`) beside the trace; its standard output and its JSON.
+fn replay(trace: &Path, args: &[&str]) -> (String, serde_json::Value) {
+    let dir = trace.parent().unwrap();
+    let json = dir.join("out.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .arg("replay")
+        .arg(trace)
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .arg("--chart")
+        .arg(dir.join("ttft.svg"))
         .env(
             "SWITCHYARD_POLICY_CACHE",
-            std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("policy-cache"),
+            Path::new(env!("CARGO_TARGET_TMPDIR")).join("policy-cache"),
         )
         .output()
         .unwrap();
@@ -17,13 +28,14 @@ fn run(mut replay: Command) -> String {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    stdout
+    let v = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    (stdout, v)
 }
 
 /// A generated chat trace of `requests` requests (10 a second, seed 3) in `dir`, without
 /// long documents: a handful of 16k-token prefills would make the mean TTFT of a run this
 /// short a matter of luck.
-fn chat_trace(dir: &std::path::Path, requests: &str) -> std::path::PathBuf {
+fn chat_trace(dir: &Path, requests: &str) -> std::path::PathBuf {
     let trace = dir.join("trace.jsonl");
     let generated = Command::new(env!("CARGO_BIN_EXE_switchyard"))
         .args([
@@ -72,13 +84,9 @@ fn replay_compares_policies_and_writes_json_and_a_chart() {
         }
     }
     std::fs::write(&trace, lines.join("\n")).unwrap();
-    let json = dir.path().join("out.json");
-    let chart = dir.path().join("ttft.svg");
-    let mut replay = Command::new(env!("CARGO_BIN_EXE_switchyard"));
-    replay
-        .args([
-            "replay",
-            trace.to_str().unwrap(),
+    let (stdout, v) = replay(
+        &trace,
+        &[
             "--policy",
             "kv-cost",
             "--policy",
@@ -87,18 +95,11 @@ fn replay_compares_policies_and_writes_json_and_a_chart() {
             "50",
             "--workers",
             "3",
-        ])
-        .args([
-            "--json",
-            json.to_str().unwrap(),
-            "--chart",
-            chart.to_str().unwrap(),
-        ]);
-    let stdout = run(replay);
+        ],
+    );
     assert!(stdout.contains("| kv-cost | 30 | 0 |"), "{stdout}");
     assert!(stdout.contains("| round-robin | 30 | 0 |"), "{stdout}");
 
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     // Turns 2 and 3 repeat all but the last block of the turn before.
     let bound = v["infinite_cache_bound"].as_f64().unwrap();
     assert!(bound > 0.4, "{bound}");
@@ -119,7 +120,7 @@ fn replay_compares_policies_and_writes_json_and_a_chart() {
         hit("kv-cost"),
         hit("round-robin")
     );
-    let svg = std::fs::read_to_string(&chart).unwrap();
+    let svg = std::fs::read_to_string(dir.path().join("ttft.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("kv-cost") && svg.contains("<polyline"));
 }
 
@@ -173,19 +174,21 @@ fn another_program_can_be_the_client() {
     let client = dir.path().join("client.py");
     std::fs::write(&client, CLIENT).unwrap();
     let logs = dir.path().join("logs");
-    let json = dir.path().join("out.json");
-    let mut replay = Command::new(env!("CARGO_BIN_EXE_switchyard"));
-    replay
-        .args(["replay", trace.to_str().unwrap(), "--policy", "kv-cost"])
-        .args(["--speedup", "20", "--workers", "2"])
-        .args([
+    let (stdout, v) = replay(
+        &trace,
+        &[
+            "--policy",
+            "kv-cost",
+            "--speedup",
+            "20",
+            "--workers",
+            "2",
             "--client",
             &format!("python3 {} {{url}} {{trace}} {{out}}", client.display()),
-        ])
-        .args(["--router-logs", logs.to_str().unwrap()])
-        .args(["--json", json.to_str().unwrap()])
-        .args(["--chart", dir.path().join("c.svg").to_str().unwrap()]);
-    let stdout = run(replay);
+            "--router-logs",
+            logs.to_str().unwrap(),
+        ],
+    );
     assert!(stdout.contains("| kv-cost | 4 | 0 |"), "{stdout}");
     // The client got the trace at the replay's speed: 1 s of trace time is 50 ms.
     let sent = std::fs::read_to_string(logs.join("kv-cost.client-trace.jsonl")).unwrap();
@@ -194,7 +197,6 @@ fn another_program_can_be_the_client() {
         "{sent}"
     );
     // Its records became the run's outcomes: the later requests found the shared prefix.
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let outcomes = v["runs"][0]["outcomes"].as_array().unwrap();
     assert_eq!(outcomes.len(), 4);
     assert!(
@@ -218,32 +220,25 @@ fn another_program_can_be_the_client() {
 fn three_router_replicas_route_as_well_as_one() {
     let dir = tempfile::tempdir().unwrap();
     let trace = chat_trace(dir.path(), "300");
-    let json = dir.path().join("out.json");
-    let mut replay = Command::new(env!("CARGO_BIN_EXE_switchyard"));
-    replay.args([
-        "replay",
-        trace.to_str().unwrap(),
-        "--policy",
-        "kv-cost",
-        "--routers",
-        "3",
-        "--workers",
-        "4",
-        "--kv-blocks",
-        "2048",
-        "--block-size",
-        "16",
-        // Slow enough that four routers' CPU time in a debug build is not simulated
-        // as seconds of queueing.
-        "--speedup",
-        "2",
-        "--json",
-        json.to_str().unwrap(),
-        "--chart",
-        dir.path().join("ttft.svg").to_str().unwrap(),
-    ]);
-    let stdout = run(replay);
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let (stdout, v) = replay(
+        &trace,
+        &[
+            "--policy",
+            "kv-cost",
+            "--routers",
+            "3",
+            "--workers",
+            "4",
+            "--kv-blocks",
+            "2048",
+            "--block-size",
+            "16",
+            // Slow enough that four routers' CPU time in a debug build is not simulated
+            // as seconds of queueing.
+            "--speedup",
+            "2",
+        ],
+    );
     let summary = |name: &str| entry(&v, "summary", name, &stdout);
     let (one, three) = (summary("kv-cost x1 routers"), summary("kv-cost x3 routers"));
     for s in [&one, &three] {
@@ -273,34 +268,27 @@ fn three_router_replicas_route_as_well_as_one() {
 fn a_shadow_beside_each_policy_compares_them_on_the_same_decisions() {
     let dir = tempfile::tempdir().unwrap();
     let trace = chat_trace(dir.path(), "120");
-    let json = dir.path().join("out.json");
-    let mut replay = Command::new(env!("CARGO_BIN_EXE_switchyard"));
-    replay.args([
-        "replay",
-        trace.to_str().unwrap(),
-        "--policy",
-        "kv-cost,round-robin",
-        "--shadow",
-        "round-robin",
-        "--workers",
-        "3",
-        "--kv-blocks",
-        "2048",
-        "--block-size",
-        "16",
-        "--speedup",
-        "4",
-        "--json",
-        json.to_str().unwrap(),
-        "--chart",
-        dir.path().join("ttft.svg").to_str().unwrap(),
-    ]);
-    let stdout = run(replay);
+    let (stdout, v) = replay(
+        &trace,
+        &[
+            "--policy",
+            "kv-cost,round-robin",
+            "--shadow",
+            "round-robin",
+            "--workers",
+            "3",
+            "--kv-blocks",
+            "2048",
+            "--block-size",
+            "16",
+            "--speedup",
+            "4",
+        ],
+    );
     assert!(
         stdout.contains("| policy (decision telemetry) |"),
         "{stdout}"
     );
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let run_of = |name: &str| entry(&v, "runs", name, &stdout);
     for name in ["kv-cost", "round-robin"] {
         let t = &run_of(name)["telemetry"];

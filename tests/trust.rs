@@ -325,38 +325,24 @@ async fn a_shadow_pushed_through_etcd_reaches_every_replica_and_leaves_with_its_
     let (_r1, first) = serve(&["--etcd", &url, "--admin-token", TOKEN]).await;
     let c = http::client();
     chat_ok(&c, &first).await;
-    let (ok, out, err) = cli(
-        &[
+    let push_shadow = |sample: &str| {
+        let args = [
             "policy",
             "push",
             "round-robin",
             "--shadow",
             "--sample",
-            "0.5",
-            "--etcd",
-            &url,
-            "--endpoint",
-            EP,
-        ],
-        &[],
-    );
+            sample,
+        ];
+        cli(
+            &[&args[..], &["--etcd", &url, "--endpoint", EP]].concat(),
+            &[],
+        )
+    };
+    let (ok, out, err) = push_shadow("0.5");
     assert!(ok, "{err}");
     assert!(out.contains("pushed shadow round-robin"), "{out}");
-    let (ok, _, err) = cli(
-        &[
-            "policy",
-            "push",
-            "round-robin",
-            "--shadow",
-            "--sample",
-            "1.5",
-            "--etcd",
-            &url,
-            "--endpoint",
-            EP,
-        ],
-        &[],
-    );
+    let (ok, _, err) = push_shadow("1.5");
     assert!(!ok && err.contains("(0, 1]"), "{err}");
     let (_r2, second) = serve(&["--etcd", &url, "--admin-token", TOKEN]).await;
     chat_ok(&c, &second).await;
