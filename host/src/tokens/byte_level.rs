@@ -392,6 +392,25 @@ mod tests {
     }
 
     #[test]
+    fn the_word_cache_holds_at_most_two_generations_and_keeps_pieces_in_use() {
+        let mut w = Words::default();
+        let mut out = Vec::new();
+        w.insert("hot".into(), [7].into());
+        // A stream of distinct pieces, five generations' worth, the hot one read all along.
+        for i in 0..5 * WORDS as u32 {
+            w.insert(i.to_string().into(), [i].into());
+            if i % 1000 == 0 {
+                assert!(w.get("hot", &mut out), "a piece in use stays");
+            }
+            assert!(w.new.len() + w.old.len() <= 2 * WORDS);
+        }
+        assert!(!w.get("0", &mut out), "an old piece nobody read is gone");
+        out.clear();
+        assert!(w.get("hot", &mut out));
+        assert_eq!(out, [7]);
+    }
+
+    #[test]
     fn shapes_it_cannot_run_say_why() {
         let base = |pre: &str, extra: &str| {
             format!(
