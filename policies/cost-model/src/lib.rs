@@ -10,8 +10,9 @@
 //!
 //! ```text
 //! q          = min over candidates of pending_prefill_tokens / B, over max(P, 1)
+//! m          = min over candidates of n
 //! prefill[i] = pending_prefill_tokens[i] / B
-//!            + u[i] * (1 + overload_weight * q + stall_weight * n[i]
+//!            + u[i] * (1 + overload_weight * q + stall_weight * m
 //!                        + eviction_weight * k[i])
 //! cost[i]    = overlap_weight * prefill[i]
 //!            + in_flight_weight * n[i]
@@ -20,10 +21,15 @@
 //!
 //! Everything is in blocks of prefill work. The first line is the request's own wait for
 //! its first token (the prefill queued ahead of it, then its own). An uncached block
-//! costs more than its compute: on a worker with `n` requests decoding it stalls each of
-//! them for that long (`stall_weight`), and on a worker whose cache is full it evicts a
-//! block some later request may have wanted (`eviction_weight`); together these keep a
-//! prefix on the worker that holds it, and send a new prefix where it disturbs least.
+//! costs more than its compute: it stalls the requests decoding on the worker that
+//! prefills it for that long (`stall_weight`, per request in flight on the least loaded
+//! candidate: the stall wherever the block goes), and on a worker whose cache is full it
+//! evicts a block some later request may have wanted (`eviction_weight`); together these
+//! keep a prefix on the worker that holds it, and send a new prefix where it disturbs
+//! least. The stall is priced at the fleet's least in-flight count, not at each
+//! candidate's own: a worker whose cache is full of long prompts runs fewer requests *and*
+//! has the longest prefill queue, and a per-candidate price sent every long uncached
+//! prompt there (the stall term, `u × n`, outweighed its queue).
 //! Each request in flight costs a decode slot and step time (`in_flight_weight`), which
 //! is what balances load: a cached prefix wins unless its worker is clearly busier. When
 //! the whole fleet is queued (`q`: the least queued worker's waiting prefill, in prompts
@@ -49,7 +55,7 @@ pub struct KvCostConfig {
     /// Softmax temperature; `0` picks the cheapest candidate deterministically.
     pub temperature: f64,
     /// Prefill stalls every sequence decoding on the same worker: each uncached block
-    /// also costs this much per request already in flight there.
+    /// also costs this much per request in flight on the least loaded candidate.
     pub stall_weight: f64,
     /// Cost of each request in flight on a worker, in blocks of prefill: the decode
     /// slot it holds and the step time it adds for everyone else.
@@ -164,7 +170,7 @@ struct Costs {
     per_token: f64,
     prompt_blocks: u32,
     /// What every uncached block costs besides its own compute, the same on every
-    /// candidate: 1 plus the fleet-overload term.
+    /// candidate: 1 plus the fleet-overload and stall terms.
     base: f64,
 }
 
@@ -185,12 +191,20 @@ impl Costs {
         } else {
             0.0
         };
+        // The stall an uncached block causes wherever it goes: the requests in flight on
+        // the least loaded candidate.
+        let stall = if config.stall_weight > 0.0 {
+            let least = c.in_flight[..c.len()].iter().copied().min().unwrap_or(0);
+            config.stall_weight * f64::from(least)
+        } else {
+            0.0
+        };
         Costs {
             config: *config,
             blocks: f64::from(req.prompt_blocks),
             per_token: 1.0 / f64::from(req.block_size.max(1)),
             prompt_blocks: req.prompt_blocks,
-            base: 1.0 + config.overload_weight * floor,
+            base: 1.0 + config.overload_weight * floor + stall,
         }
     }
 
@@ -212,7 +226,7 @@ impl Costs {
         let n = f64::from(in_flight);
         let usage = f64::from(usage.clamp(0.0, 1.0));
         let prefill = f64::from(pending) * self.per_token
-            + uncached * (self.base + k.stall_weight * n + k.eviction_weight * usage);
+            + uncached * (self.base + k.eviction_weight * usage);
         k.overlap_weight * prefill
             + k.in_flight_weight * n
             + k.active_weight * (f64::from(active) + self.blocks)
@@ -361,6 +375,27 @@ mod tests {
         // A deep prefill queue on the holder (the request would wait behind it) moves it.
         c.pending_prefill_tokens = &[200 * 64 * 10, 0];
         assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(1));
+    }
+
+    #[test]
+    fn a_long_uncached_prompt_joins_the_shorter_queue_not_the_emptier_batch() {
+        // Saturation: worker 0's cache is full of long prompts, so it runs fewer requests
+        // but has the longest prefill queue. A 128k-token prompt cached nowhere must not
+        // go there because its prefill would stall fewer requests: it would wait behind
+        // 480k tokens instead of 200k.
+        let req = RequestShape {
+            prompt_blocks: 2000,
+            block_size: 64,
+            seed: 7,
+        };
+        let mut c = view(&[0, 0], &[0, 0], &[480_000, 200_000]);
+        c.in_flight = &[25, 37];
+        c.kv_usage = &[1.0, 1.0];
+        assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(1));
+        // The same fleet still keeps a cached prompt on its worker: a busy fleet makes
+        // every uncached block dearer, wherever it goes.
+        c.overlap_blocks = &[1900, 0];
+        assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(0));
     }
 
     #[test]
