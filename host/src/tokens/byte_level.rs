@@ -9,20 +9,25 @@
 //!    ones first and then the normalized ones, as `tokenizers` does;
 //! 2. what is left is split by the pre-tokenizer's regexes (pieces between matches kept,
 //!    as `Split` with `Isolated` does), see [`Splitter`];
-//! 3. each piece is looked up in a word cache, and on a miss mapped to byte-level
-//!    characters and merged by the tokenizer's own BPE model.
+//! 3. each piece is looked up in a word cache, and on a miss its bytes become their
+//!    tokens and are merged by the model's merges, lowest rank first, leftmost among equals,
+//!    with `tokenizers`' own algorithm (see [`Merges`]) but on token IDs, without its
+//!    per-character vocabulary lookups, its second cache and a `String` per token.
 //!
 //! Only shapes it knows are taken (see [`ByteLevelBpe::new`]); anything else stays with
 //! `tokenizers`. The discipline around it is in [`super::Tokenizer`]: sample texts must
 //! come out equal at load, and one call in [`super::AUDIT_EVERY`] is checked while serving.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::hash::BuildHasher;
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use serde_json::Value;
-use tokenizers::Model;
-use tokenizers::models::bpe::BPE;
+
+/// Maps keyed by prompt text: a fast hash, seeded per process.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// Pieces longer than this (bytes) are not cached.
 const MAX_WORD: usize = 128;
@@ -44,7 +49,168 @@ pub(crate) struct ByteLevelBpe {
     nfc: bool,
     /// GPT-2's byte-to-character table.
     byte_chars: [char; 256],
+    merges: Merges,
     words: Mutex<Words>,
+    /// Hashes pieces for `words`, seeded per process.
+    hasher: foldhash::fast::RandomState,
+}
+
+/// The BPE model, by token ID.
+struct Merges {
+    /// The token of each byte's character.
+    bytes: [u32; 256],
+    /// Rank (place in the file's list) and product of each mergeable pair of tokens.
+    pairs: HashMap<(u32, u32), (u32, u32)>,
+    /// With `ignore_merges`, the vocabulary: a piece that is a token is not merged.
+    whole: Option<HashMap<Box<str>, u32>>,
+}
+
+/// One symbol of a word being merged: a token and its live neighbours.
+#[derive(Clone, Copy)]
+struct Symbol {
+    id: u32,
+    prev: usize,
+    next: usize,
+    live: bool,
+}
+
+/// No neighbour.
+const NONE: usize = usize::MAX;
+
+/// Buffers reused across the words of one call.
+#[derive(Default)]
+struct Buffers {
+    symbols: Vec<Symbol>,
+    /// Pending merges, lowest (rank, position) first, with the product they expect.
+    queue: BinaryHeap<Reverse<(u32, usize, u32)>>,
+    mapped: String,
+}
+
+impl Merges {
+    fn new(model: &Value, byte_chars: &[char; 256]) -> Result<Merges, String> {
+        for key in ["continuing_subword_prefix", "end_of_word_suffix"] {
+            if !field(model, key).as_str().is_none_or(str::is_empty) {
+                return Err(format!("BPE with {key}"));
+            }
+        }
+        if !is_false(field(model, "byte_fallback")) {
+            return Err("BPE with byte_fallback".into());
+        }
+        let vocab: HashMap<Box<str>, u32> = field(model, "vocab")
+            .as_object()
+            .ok_or("a BPE without a vocabulary")?
+            .iter()
+            .map(|(k, v)| {
+                let id = v.as_u64().and_then(|id| u32::try_from(id).ok());
+                Ok((k.as_str().into(), id.ok_or("a vocabulary ID")?))
+            })
+            .collect::<Result<_, String>>()?;
+        let id = |token: &str| {
+            vocab
+                .get(token)
+                .copied()
+                .ok_or_else(|| format!("{token:?} is not in the vocabulary"))
+        };
+        let mut bytes = [0; 256];
+        for (b, c) in bytes.iter_mut().zip(byte_chars) {
+            *b = id(c.encode_utf8(&mut [0; 4]))?;
+        }
+        // As `tokenizers` reads them: pairs, or "a b" lines after any "#version" line;
+        // a pair listed twice keeps its last rank.
+        let listed = field(model, "merges")
+            .as_array()
+            .ok_or("a BPE without merges")?;
+        let mut pairs = HashMap::default();
+        let lines = listed
+            .iter()
+            .filter(|m| !m.as_str().is_some_and(|l| l.starts_with("#version")));
+        for (rank, m) in lines.enumerate() {
+            let (a, b) = match (m.as_str(), m.as_array().map(Vec::as_slice)) {
+                (Some(line), _) => match line.split(' ').collect::<Vec<_>>()[..] {
+                    [a, b] => (a, b),
+                    _ => return Err(format!("merge {line:?}")),
+                },
+                (None, Some([a, b])) => (
+                    a.as_str().ok_or("a merge of non-strings")?,
+                    b.as_str().ok_or("a merge of non-strings")?,
+                ),
+                _ => return Err(format!("merge {m}")),
+            };
+            let rank = u32::try_from(rank).map_err(|_| "too many merges")?;
+            pairs.insert((id(a)?, id(b)?), (rank, id(&format!("{a}{b}"))?));
+        }
+        let whole = (field(model, "ignore_merges").as_bool() == Some(true)).then_some(vocab);
+        Ok(Merges {
+            bytes,
+            pairs,
+            whole,
+        })
+    }
+
+    /// The tokens of `piece` into `out`: `tokenizers`' `Word::merge_all` on a queue of
+    /// merges ordered by rank then position, an entry whose pair has since changed skipped.
+    fn tokenize(
+        &self,
+        piece: &[u8],
+        byte_chars: &[char; 256],
+        s: &mut Buffers,
+        out: &mut Vec<u32>,
+    ) {
+        if let Some(vocab) = &self.whole {
+            s.mapped.clear();
+            s.mapped
+                .extend(piece.iter().map(|&b| byte_chars[usize::from(b)]));
+            if let Some(&id) = vocab.get(s.mapped.as_str()) {
+                out.push(id);
+                return;
+            }
+        }
+        let n = piece.len();
+        s.symbols.clear();
+        s.symbols
+            .extend(piece.iter().enumerate().map(|(i, &b)| Symbol {
+                id: self.bytes[usize::from(b)],
+                prev: i.checked_sub(1).unwrap_or(NONE),
+                next: if i + 1 < n { i + 1 } else { NONE },
+                live: true,
+            }));
+        s.queue.clear();
+        for (i, w) in s.symbols.windows(2).enumerate() {
+            if let Some(&(rank, id)) = self.pairs.get(&(w[0].id, w[1].id)) {
+                s.queue.push(Reverse((rank, i, id)));
+            }
+        }
+        let sym = &mut s.symbols;
+        while let Some(Reverse((_, pos, product))) = s.queue.pop() {
+            let cur = sym[pos];
+            if !cur.live || cur.next == NONE {
+                continue;
+            }
+            let right = sym[cur.next];
+            if self
+                .pairs
+                .get(&(cur.id, right.id))
+                .is_none_or(|&(_, id)| id != product)
+            {
+                continue;
+            }
+            sym[pos].id = product;
+            sym[pos].next = right.next;
+            sym[cur.next].live = false;
+            if right.next != NONE {
+                sym[right.next].prev = pos;
+                if let Some(&(rank, id)) = self.pairs.get(&(product, sym[right.next].id)) {
+                    s.queue.push(Reverse((rank, pos, id)));
+                }
+            }
+            if cur.prev != NONE
+                && let Some(&(rank, id)) = self.pairs.get(&(sym[cur.prev].id, product))
+            {
+                s.queue.push(Reverse((rank, cur.prev, id)));
+            }
+        }
+        out.extend(sym.iter().filter(|s| s.live).map(|s| s.id));
+    }
 }
 
 /// The usual pre-tokenizer patterns (GPT-2's, Llama 3's, Qwen's, tiktoken's) end in
@@ -139,34 +305,122 @@ impl Splitter {
 }
 
 /// Token IDs of recent pieces, in two generations: when the newer one is full it becomes
-/// the older and the older is dropped, so the cache is bounded and a piece in use stays.
+/// the older and the older is emptied, so the cache is bounded and a piece in use stays.
 #[derive(Default)]
 struct Words {
-    new: HashMap<Box<str>, Box<[u32]>>,
-    old: HashMap<Box<str>, Box<[u32]>>,
+    new: Generation,
+    old: Generation,
+}
+
+/// A generation's pieces and IDs live in two buffers that keep their memory across
+/// rollovers: once grown, an insert allocates nothing and a rollover frees nothing.
+#[derive(Default)]
+struct Generation {
+    table: hashbrown::HashTable<Entry>,
+    text: String,
+    ids: Vec<u32>,
+}
+
+/// A piece's hash and where its text and IDs are in the generation's buffers.
+#[derive(Clone, Copy)]
+struct Entry {
+    hash: u64,
+    text: (u32, u32),
+    ids: (u32, u32),
+}
+
+/// `len` items from `start` in a buffer. Generations hold at most [`WORDS`] pieces of at
+/// most [`MAX_WORD`] bytes (and as many IDs), far below `u32::MAX`.
+fn span(start: usize, len: usize) -> (u32, u32) {
+    (start as u32, (start + len) as u32)
+}
+
+fn at<T>(buf: &[T], (start, end): (u32, u32)) -> &[T] {
+    &buf[start as usize..end as usize]
+}
+
+impl Generation {
+    fn find(&self, hash: u64, piece: &str) -> Option<&[u32]> {
+        self.table
+            .find(hash, |e| {
+                at(self.text.as_bytes(), e.text) == piece.as_bytes()
+            })
+            .map(|e| at(&self.ids, e.ids))
+    }
+
+    fn insert(&mut self, hash: u64, piece: &str, ids: &[u32]) {
+        let entry = Entry {
+            hash,
+            text: span(self.text.len(), piece.len()),
+            ids: span(self.ids.len(), ids.len()),
+        };
+        self.text.push_str(piece);
+        self.ids.extend_from_slice(ids);
+        self.table.insert_unique(hash, entry, |e| e.hash);
+    }
+
+    fn clear(&mut self) {
+        self.table.clear();
+        self.text.clear();
+        self.ids.clear();
+    }
 }
 
 impl Words {
-    fn get(&mut self, piece: &str, out: &mut Vec<u32>) -> bool {
-        if let Some(ids) = self.new.get(piece) {
+    /// The IDs of `piece` (whose hash is `hash`) into `out`, if held.
+    fn get(&mut self, hash: u64, piece: &str, out: &mut Vec<u32>) -> bool {
+        if let Some(ids) = self.new.find(hash, piece) {
             out.extend_from_slice(ids);
             return true;
         }
-        match self.old.remove_entry(piece) {
-            Some((k, ids)) => {
-                out.extend_from_slice(&ids);
-                self.insert(k, ids);
-                true
-            }
-            None => false,
-        }
+        let Some(ids) = self.old.find(hash, piece) else {
+            return false;
+        };
+        let start = out.len();
+        out.extend_from_slice(ids);
+        self.insert(hash, piece, &out[start..]);
+        true
     }
 
-    fn insert(&mut self, piece: Box<str>, ids: Box<[u32]>) {
-        if self.new.len() >= WORDS {
-            self.old = std::mem::take(&mut self.new);
+    fn insert(&mut self, hash: u64, piece: &str, ids: &[u32]) {
+        if self.new.table.len() >= WORDS {
+            std::mem::swap(&mut self.new, &mut self.old);
+            self.new.clear();
         }
-        self.new.insert(piece, ids);
+        self.new.insert(hash, piece, ids);
+    }
+}
+
+/// One call's buffers and its hold on the word cache. The cache is taken at the call's
+/// first piece and given back every [`HOLD`] pieces, and never waited for: while another
+/// call holds it, pieces are merged without it (and not added to it).
+struct Scratch<'a> {
+    buffers: Buffers,
+    words: &'a Mutex<Words>,
+    held: Option<MutexGuard<'a, Words>>,
+    /// Pieces looked up since the cache was taken.
+    uses: u32,
+}
+
+/// Pieces a call looks up in the word cache before giving it back.
+const HOLD: u32 = 64;
+
+impl Scratch<'_> {
+    fn words(&mut self) -> Option<&mut Words> {
+        if self.uses >= HOLD {
+            self.held = None;
+            self.uses = 0;
+        }
+        if self.held.is_none() {
+            self.held = match self.words.try_lock() {
+                Ok(w) => Some(w),
+                Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
+                Err(TryLockError::WouldBlock) => None,
+            };
+        }
+        let w = self.held.as_deref_mut()?;
+        self.uses += 1;
+        Some(w)
     }
 }
 
@@ -288,48 +542,72 @@ impl ByteLevelBpe {
                 (ac, ids)
             })
         });
+        let byte_chars = byte_chars();
         Ok(ByteLevelBpe {
             added,
             splits,
             nfc,
-            byte_chars: byte_chars(),
+            merges: Merges::new(model, &byte_chars)?,
+            byte_chars,
             words: Mutex::new(Words::default()),
+            hasher: Default::default(),
         })
     }
 
-    /// Token IDs of `text` through `model` (the tokenizer's own BPE), or `None` for text
-    /// this path does not take (non-ASCII under NFC).
-    pub(crate) fn encode(&self, model: &BPE, text: &str) -> Option<Result<Vec<u32>, String>> {
+    /// Runs `f` while the word cache is taken, as another call holding it would, and
+    /// returns the number of pieces the cache held before and after.
+    #[cfg(test)]
+    pub(crate) fn with_words_taken<R>(&self, f: impl FnOnce() -> R) -> (R, usize, usize) {
+        let held = |w: &Words| w.new.table.len() + w.old.table.len();
+        let words = self.words.lock().unwrap();
+        let before = held(&words);
+        let r = f();
+        let after = held(&words);
+        (r, before, after)
+    }
+
+    /// Token IDs of `text`, or `None` for text this path does not take (non-ASCII under
+    /// NFC).
+    pub(crate) fn encode(&self, text: &str) -> Option<Result<Vec<u32>, String>> {
         if self.nfc && !text.is_ascii() {
             return None;
         }
         let mut out = Vec::with_capacity(text.len() / 3 + 1);
-        Some(self.added_tokens(0, model, text, &mut out).map(|()| out))
+        let mut scratch = Scratch {
+            buffers: Buffers::default(),
+            words: &self.words,
+            held: None,
+            uses: 0,
+        };
+        Some(
+            self.added_tokens(0, text, &mut scratch, &mut out)
+                .map(|()| out),
+        )
     }
 
     fn added_tokens(
         &self,
         level: usize,
-        model: &BPE,
         text: &str,
+        s: &mut Scratch,
         out: &mut Vec<u32>,
     ) -> Result<(), String> {
         let Some(group) = self.added.get(level) else {
-            return self.pieces(0, model, text, out);
+            return self.pieces(0, text, s, out);
         };
         let Some((ac, ids)) = group else {
-            return self.added_tokens(level + 1, model, text, out);
+            return self.added_tokens(level + 1, text, s, out);
         };
         let mut prev = 0;
         for m in ac.find_iter(text) {
             if prev < m.start() {
-                self.added_tokens(level + 1, model, &text[prev..m.start()], out)?;
+                self.added_tokens(level + 1, &text[prev..m.start()], s, out)?;
             }
             out.push(ids[m.pattern().as_usize()]);
             prev = m.end();
         }
         if prev < text.len() {
-            self.added_tokens(level + 1, model, &text[prev..], out)?;
+            self.added_tokens(level + 1, &text[prev..], s, out)?;
         }
         Ok(())
     }
@@ -337,43 +615,36 @@ impl ByteLevelBpe {
     fn pieces(
         &self,
         level: usize,
-        model: &BPE,
         text: &str,
+        s: &mut Scratch,
         out: &mut Vec<u32>,
     ) -> Result<(), String> {
         match self.splits.get(level) {
-            Some(re) => re.split(text, |p| self.pieces(level + 1, model, p, out)),
-            None => self.word(model, text, out),
+            Some(re) => re.split(text, |p| self.pieces(level + 1, p, s, out)),
+            None => {
+                self.word(text, s, out);
+                Ok(())
+            }
         }
     }
 
-    fn word(&self, model: &BPE, piece: &str, out: &mut Vec<u32>) -> Result<(), String> {
+    fn word(&self, piece: &str, s: &mut Scratch, out: &mut Vec<u32>) {
         if piece.is_empty() {
-            return Ok(());
+            return;
         }
-        let cached = piece.len() <= MAX_WORD;
-        if cached && self.lock().get(piece, out) {
-            return Ok(());
-        }
-        let mapped: String = piece
-            .bytes()
-            .map(|b| self.byte_chars[usize::from(b)])
-            .collect();
-        let ids: Box<[u32]> = model
-            .tokenize(&mapped)
-            .map_err(|e| e.to_string())?
-            .iter()
-            .map(|t| t.id)
-            .collect();
-        out.extend_from_slice(&ids);
+        let hash = self.hasher.hash_one(piece);
+        let cached = piece.len() <= MAX_WORD && s.words().is_some_and(|w| w.get(hash, piece, out));
         if cached {
-            self.lock().insert(piece.into(), ids);
+            return;
         }
-        Ok(())
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Words> {
-        self.words.lock().unwrap_or_else(|e| e.into_inner())
+        let start = out.len();
+        self.merges
+            .tokenize(piece.as_bytes(), &self.byte_chars, &mut s.buffers, out);
+        if piece.len() <= MAX_WORD
+            && let Some(w) = s.words()
+        {
+            w.insert(hash, piece, &out[start..]);
+        }
     }
 }
 
@@ -394,29 +665,55 @@ mod tests {
     #[test]
     fn the_word_cache_holds_at_most_two_generations_and_keeps_pieces_in_use() {
         let mut w = Words::default();
-        let mut out = Vec::new();
-        w.insert("hot".into(), [7].into());
+        let hasher = foldhash::fast::RandomState::default();
+        let get = |w: &mut Words, piece: &str| {
+            let mut out = Vec::new();
+            w.get(hasher.hash_one(piece), piece, &mut out)
+                .then_some(out)
+        };
+        w.insert(hasher.hash_one("hot"), "hot", &[7, 8]);
         // A stream of distinct pieces, five generations' worth, the hot one read all along.
+        let mut text_capacity = 0;
         for i in 0..5 * WORDS as u32 {
-            w.insert(i.to_string().into(), [i].into());
+            let piece = i.to_string();
+            w.insert(hasher.hash_one(&piece), &piece, &[i]);
             if i % 1000 == 0 {
-                assert!(w.get("hot", &mut out), "a piece in use stays");
+                assert_eq!(get(&mut w, "hot"), Some(vec![7, 8]), "a piece in use stays");
             }
-            assert!(w.new.len() + w.old.len() <= 2 * WORDS);
+            assert!(w.new.table.len() + w.old.table.len() <= 2 * WORDS);
+            if i == 2 * WORDS as u32 {
+                text_capacity = w.new.text.capacity() + w.old.text.capacity();
+            }
         }
-        assert!(!w.get("0", &mut out), "an old piece nobody read is gone");
-        out.clear();
-        assert!(w.get("hot", &mut out));
-        assert_eq!(out, [7]);
+        assert_eq!(get(&mut w, "0"), None, "an old piece nobody read is gone");
+        assert_eq!(
+            get(&mut w, &(5 * WORDS - 1).to_string()),
+            Some(vec![5 * WORDS as u32 - 1])
+        );
+        // Once grown, the buffers are reused: later generations (longer numbers) added
+        // at most one byte per piece.
+        let now = w.new.text.capacity() + w.old.text.capacity();
+        assert!(
+            now <= text_capacity + 2 * WORDS,
+            "{now} against {text_capacity}"
+        );
     }
 
     #[test]
     fn shapes_it_cannot_run_say_why() {
+        let vocab = serde_json::to_string(
+            &byte_chars()
+                .iter()
+                .enumerate()
+                .map(|(id, c)| (c.to_string(), id))
+                .collect::<std::collections::HashMap<_, _>>(),
+        )
+        .unwrap();
         let base = |pre: &str, extra: &str| {
             format!(
                 r#"{{"version":"1.0","truncation":null,"padding":null,"added_tokens":[{extra}],
                 "normalizer":null,"pre_tokenizer":{pre},"post_processor":null,"decoder":null,
-                "model":{{"type":"BPE","dropout":null,"vocab":{{}},"merges":[]}}}}"#
+                "model":{{"type":"BPE","dropout":null,"vocab":{vocab},"merges":[]}}}}"#
             )
         };
         let bl = r#"{"type":"ByteLevel","add_prefix_space":false,"use_regex":true}"#;

@@ -157,11 +157,8 @@ impl HuggingFace {
     }
 
     fn lean(&self, text: &str) -> Option<Result<Vec<u32>, TokenizerError>> {
-        let (Some(fast), tokenizers::ModelWrapper::BPE(bpe)) = (&self.fast, self.hf.get_model())
-        else {
-            return None;
-        };
-        fast.encode(bpe, text).map(|r| r.map_err(TokenizerError))
+        let fast = self.fast.as_ref()?;
+        fast.encode(text).map(|r| r.map_err(TokenizerError))
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
@@ -520,6 +517,23 @@ mod tests {
         let t = hugging_face(&prefix_space);
         assert!(t.fast.is_none());
         assert!(!t.encode("hello world").unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_call_that_finds_the_word_cache_taken_neither_waits_nor_errs() {
+        let t = hugging_face(&byte_level_json());
+        let fast = t.fast.as_ref().unwrap();
+        let text = mixed_texts().concat();
+        let plain = t.plain(&text).unwrap();
+        // The cache is taken (here by this very thread, so a call that waited for it
+        // would never return): the call merges every piece itself and adds none.
+        let (lean, before, after) = fast.with_words_taken(|| fast.encode(&text));
+        assert_eq!(lean.unwrap().unwrap(), plain);
+        assert_eq!(before, after, "nothing is added while the cache is taken");
+        // Given back, the cache is used and grows again.
+        assert_eq!(fast.encode(&text).unwrap().unwrap(), plain);
+        let ((), _, grown) = fast.with_words_taken(|| ());
+        assert!(grown > after, "{grown} pieces against {after}");
     }
 
     #[test]
