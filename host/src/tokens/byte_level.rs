@@ -26,7 +26,7 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use serde_json::Value;
 
-/// Maps keyed by prompt text: a fast hash, seeded per process.
+/// The model's maps, on the hot path: a fast hash, seeded per process.
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// Pieces longer than this (bytes) are not cached.
@@ -391,11 +391,16 @@ impl Words {
     }
 }
 
-/// One call's buffers and its hold on the word cache. The cache is taken at the call's
-/// first piece and given back every [`HOLD`] pieces, and never waited for: while another
-/// call holds it, pieces are merged without it (and not added to it).
+/// One call's merge buffers and its hold on the word cache.
 struct Scratch<'a> {
     buffers: Buffers,
+    hold: Hold<'a>,
+}
+
+/// A call's hold on the word cache: taken at the call's first cacheable piece and given
+/// back every [`HOLD`] pieces, and never waited for: while another call holds it, pieces
+/// are merged without it (and not added to it).
+struct Hold<'a> {
     words: &'a Mutex<Words>,
     held: Option<MutexGuard<'a, Words>>,
     /// Pieces looked up since the cache was taken.
@@ -405,7 +410,7 @@ struct Scratch<'a> {
 /// Pieces a call looks up in the word cache before giving it back.
 const HOLD: u32 = 64;
 
-impl Scratch<'_> {
+impl Hold<'_> {
     fn words(&mut self) -> Option<&mut Words> {
         if self.uses >= HOLD {
             self.held = None;
@@ -575,9 +580,11 @@ impl ByteLevelBpe {
         let mut out = Vec::with_capacity(text.len() / 3 + 1);
         let mut scratch = Scratch {
             buffers: Buffers::default(),
-            words: &self.words,
-            held: None,
-            uses: 0,
+            hold: Hold {
+                words: &self.words,
+                held: None,
+                uses: 0,
+            },
         };
         Some(
             self.added_tokens(0, text, &mut scratch, &mut out)
@@ -632,17 +639,21 @@ impl ByteLevelBpe {
         if piece.is_empty() {
             return;
         }
+        let mut words = if piece.len() <= MAX_WORD {
+            s.hold.words()
+        } else {
+            None
+        };
         let hash = self.hasher.hash_one(piece);
-        let cached = piece.len() <= MAX_WORD && s.words().is_some_and(|w| w.get(hash, piece, out));
-        if cached {
+        if let Some(w) = &mut words
+            && w.get(hash, piece, out)
+        {
             return;
         }
         let start = out.len();
         self.merges
             .tokenize(piece.as_bytes(), &self.byte_chars, &mut s.buffers, out);
-        if piece.len() <= MAX_WORD
-            && let Some(w) = s.words()
-        {
+        if let Some(w) = words {
             w.insert(hash, piece, &out[start..]);
         }
     }
