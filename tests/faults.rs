@@ -197,6 +197,51 @@ async fn busy_workers_are_skipped_for_their_retry_after_and_never_ejected() {
     assert_eq!(available(&c, &url).await, 2);
 }
 
+/// A worker whose `Retry-After` is absurd (1e20 s, past what a `Duration` holds) is busy
+/// for the router's longest skip (`--max-retry-after-secs`), like any busy worker: every
+/// request gets an answer, from the healthy worker, and the shedding one is not chosen
+/// again while it is skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_absurd_retry_after_is_capped_and_costs_no_request() {
+    let (workers, _router, url) = fleet(
+        2,
+        |i| {
+            if i == 0 {
+                vec![
+                    "--fault",
+                    "status",
+                    "--fault-status",
+                    "503",
+                    "--fault-retry-after-secs",
+                    "1e20",
+                ]
+            } else {
+                vec![]
+            }
+        },
+        &[
+            "--health-check-interval-ms",
+            "0",
+            "--max-retry-after-secs",
+            "60",
+            // Round robin reaches the shedding worker within two requests.
+            "--policy",
+            "round-robin",
+        ],
+    )
+    .await;
+    let c = http::client();
+    for i in 0..20 {
+        let (s, _, body) = complete(&c, &url, &chat(&format!("question {i}"), 1, false)).await;
+        assert_eq!(s, StatusCode::OK, "request {i}: {body}");
+    }
+    // Skipped for 60 s after its first 503: chosen once.
+    let busy = metric(&c, &url, "switchyard_busy_answers_total", "").await;
+    assert_eq!(busy, 1.0, "busy answers");
+    let shedding = instance(&c, &url, &workers[0].1).await;
+    assert_eq!(shedding["available"], true, "{shedding}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_three_of_four_workers_failing_half_stay_in_and_the_healthy_one_serves() {
     let (_workers, _router, url) = fleet(

@@ -88,6 +88,10 @@ pub struct ServeArgs {
     /// Largest request body, bytes [default: 16777216].
     #[arg(long, env = "SWITCHYARD_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// Request bodies held at once (being read, and kept for retries until their
+    /// answer ends), bytes; past it new requests get 503 [default: 1073741824].
+    #[arg(long, env = "SWITCHYARD_MAX_BODY_BYTES_TOTAL")]
+    pub max_body_bytes_total: Option<usize>,
     /// Workers tried per request [default: 3].
     #[arg(long, env = "SWITCHYARD_MAX_ATTEMPTS")]
     pub max_attempts: Option<usize>,
@@ -250,6 +254,7 @@ pub struct FileConfig {
     chat_template: Option<PathBuf>,
     tokenizer_cache_tokens: Option<usize>,
     max_body_bytes: Option<usize>,
+    max_body_bytes_total: Option<usize>,
     max_attempts: Option<usize>,
     connect_timeout_ms: Option<u64>,
     first_byte_timeout_secs: Option<u64>,
@@ -540,6 +545,29 @@ fn flag_or_file<T>(flag: Vec<T>, file: Vec<T>) -> Vec<T> {
     if flag.is_empty() { file } else { flag }
 }
 
+/// The longest time any setting may name: a year. Past it, `Instant::now() + d` can
+/// overflow (a panic on every decision that uses it), and no operator means it.
+pub const MAX_SETTING_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// A duration setting given in `unit`s (`from` builds it), checked against
+/// [`MAX_SETTING_DURATION`]; `default` when unset.
+fn bounded(
+    name: &str,
+    value: Option<u64>,
+    from: fn(u64) -> Duration,
+    default: Duration,
+) -> Result<Duration, ConfigError> {
+    let Some(v) = value else { return Ok(default) };
+    let d = from(v);
+    if d > MAX_SETTING_DURATION {
+        return Err(ConfigError(format!(
+            "{name} = {v} is longer than a year ({} s), the most any duration may be",
+            MAX_SETTING_DURATION.as_secs()
+        )));
+    }
+    Ok(d)
+}
+
 /// A configuration problem, said plainly.
 #[derive(Debug, thiserror::Error)]
 #[error("configuration: {0}")]
@@ -665,19 +693,28 @@ impl ServeArgs {
                 .max_body_bytes
                 .or(file.max_body_bytes)
                 .unwrap_or(defaults.max_body_bytes),
+            max_body_bytes_total: self
+                .max_body_bytes_total
+                .or(file.max_body_bytes_total)
+                .unwrap_or(defaults.max_body_bytes_total),
             max_attempts: self
                 .max_attempts
                 .or(file.max_attempts)
                 .unwrap_or(defaults.max_attempts)
                 .max(1),
-            connect_timeout: self
-                .connect_timeout_ms
-                .or(file.connect_timeout_ms)
-                .map_or(defaults.connect_timeout, Duration::from_millis),
-            first_byte_timeout: self
-                .first_byte_timeout_secs
-                .or(file.first_byte_timeout_secs)
-                .map_or(defaults.first_byte_timeout, Duration::from_secs),
+            connect_timeout: bounded(
+                "connect_timeout_ms",
+                self.connect_timeout_ms.or(file.connect_timeout_ms),
+                Duration::from_millis,
+                defaults.connect_timeout,
+            )?,
+            first_byte_timeout: bounded(
+                "first_byte_timeout_secs",
+                self.first_byte_timeout_secs
+                    .or(file.first_byte_timeout_secs),
+                Duration::from_secs,
+                defaults.first_byte_timeout,
+            )?,
             admin_token: match (
                 self.admin_token.or(file.admin_token),
                 self.admin_token_file.or(file.admin_token_file),
@@ -704,18 +741,26 @@ impl ServeArgs {
                 (None, None) => None,
             },
             availability: self.availability.or(file.availability).unwrap_or(true),
-            request_timeout: self
-                .request_timeout_secs
-                .or(file.request_timeout_secs)
-                .map_or(defaults.request_timeout, Duration::from_secs),
-            stream_idle_timeout: self
-                .stream_idle_timeout_secs
-                .or(file.stream_idle_timeout_secs)
-                .map_or(defaults.stream_idle_timeout, Duration::from_secs),
-            client_idle_timeout: self
-                .client_idle_timeout_secs
-                .or(file.client_idle_timeout_secs)
-                .map_or(defaults.client_idle_timeout, Duration::from_secs),
+            request_timeout: bounded(
+                "request_timeout_secs",
+                self.request_timeout_secs.or(file.request_timeout_secs),
+                Duration::from_secs,
+                defaults.request_timeout,
+            )?,
+            stream_idle_timeout: bounded(
+                "stream_idle_timeout_secs",
+                self.stream_idle_timeout_secs
+                    .or(file.stream_idle_timeout_secs),
+                Duration::from_secs,
+                defaults.stream_idle_timeout,
+            )?,
+            client_idle_timeout: bounded(
+                "client_idle_timeout_secs",
+                self.client_idle_timeout_secs
+                    .or(file.client_idle_timeout_secs),
+                Duration::from_secs,
+                defaults.client_idle_timeout,
+            )?,
             max_connections: self
                 .max_connections
                 .or(file.max_connections)
@@ -748,30 +793,43 @@ impl ServeArgs {
                 .panic_threshold_percent
                 .or(file.panic_threshold_percent)
                 .map_or(od.panic_threshold, percent),
-            base_ejection: self
-                .base_ejection_ms
-                .or(file.base_ejection_ms)
-                .map_or(od.base_ejection, Duration::from_millis),
-            max_ejection: self
-                .max_ejection_secs
-                .or(file.max_ejection_secs)
-                .map_or(od.max_ejection, Duration::from_secs),
+            base_ejection: bounded(
+                "base_ejection_ms",
+                self.base_ejection_ms.or(file.base_ejection_ms),
+                Duration::from_millis,
+                od.base_ejection,
+            )?,
+            max_ejection: bounded(
+                "max_ejection_secs",
+                self.max_ejection_secs.or(file.max_ejection_secs),
+                Duration::from_secs,
+                od.max_ejection,
+            )?,
             health_interval: match self
                 .health_check_interval_ms
                 .or(file.health_check_interval_ms)
             {
                 Some(0) => None,
-                Some(ms) => Some(Duration::from_millis(ms)),
+                Some(ms) => Some(bounded(
+                    "health_check_interval_ms",
+                    Some(ms),
+                    Duration::from_millis,
+                    Duration::ZERO,
+                )?),
                 None => od.health_interval,
             },
-            discovery_grace: self
-                .discovery_grace_secs
-                .or(file.discovery_grace_secs)
-                .map_or(od.discovery_grace, Duration::from_secs),
-            busy_max: self
-                .max_retry_after_secs
-                .or(file.max_retry_after_secs)
-                .map_or(od.busy_max, Duration::from_secs),
+            discovery_grace: bounded(
+                "discovery_grace_secs",
+                self.discovery_grace_secs.or(file.discovery_grace_secs),
+                Duration::from_secs,
+                od.discovery_grace,
+            )?,
+            busy_max: bounded(
+                "max_retry_after_secs",
+                self.max_retry_after_secs.or(file.max_retry_after_secs),
+                Duration::from_secs,
+                od.busy_max,
+            )?,
             ..od
         };
         let outlier = if gateway.outlier_detection {
@@ -791,13 +849,19 @@ impl ServeArgs {
         };
         let approx_defaults = crate::router::Approximate::default();
         let prediction_ttl = self.prediction_ttl_secs.or(file.prediction_ttl_secs);
-        if prediction_ttl.is_some_and(|t| !(t.is_finite() && t > 0.0)) {
-            return Err(ConfigError(
-                "prediction_ttl_secs must be a positive number of seconds".into(),
-            ));
-        }
+        let prediction_ttl = match prediction_ttl {
+            None => approx_defaults.ttl,
+            Some(t) => Duration::try_from_secs_f64(t)
+                .ok()
+                .filter(|d| !d.is_zero() && *d <= MAX_SETTING_DURATION)
+                .ok_or_else(|| {
+                    ConfigError(format!(
+                        "prediction_ttl_secs = {t}: must be a positive number of seconds, at most a year"
+                    ))
+                })?,
+        };
         let approximate = crate::router::Approximate {
-            ttl: prediction_ttl.map_or(approx_defaults.ttl, Duration::from_secs_f64),
+            ttl: prediction_ttl,
             max_blocks: self
                 .prediction_max_blocks
                 .or(file.prediction_max_blocks)
@@ -806,10 +870,12 @@ impl ServeArgs {
         };
         let runtime_defaults = RuntimeConfig::default();
         let runtime = RuntimeConfig {
-            call_budget: self
-                .policy_budget_ms
-                .or(file.policy_budget_ms)
-                .map_or(runtime_defaults.call_budget, Duration::from_millis),
+            call_budget: bounded(
+                "policy_budget_ms",
+                self.policy_budget_ms.or(file.policy_budget_ms),
+                Duration::from_millis,
+                runtime_defaults.call_budget,
+            )?,
             memory_cap: self
                 .policy_memory_mb
                 .or(file.policy_memory_mb)
@@ -857,11 +923,12 @@ impl ServeArgs {
                 outlier,
                 ..ClientConfig::default()
             },
-            shutdown_grace: Duration::from_secs(
-                self.shutdown_grace_secs
-                    .or(file.shutdown_grace_secs)
-                    .unwrap_or(30),
-            ),
+            shutdown_grace: bounded(
+                "shutdown_grace_secs",
+                self.shutdown_grace_secs.or(file.shutdown_grace_secs),
+                Duration::from_secs,
+                Duration::from_secs(30),
+            )?,
             approximate,
             engine_metrics: match self
                 .engine_metrics_ms
@@ -869,7 +936,12 @@ impl ServeArgs {
                 .unwrap_or(1000)
             {
                 0 => None,
-                ms => Some(Duration::from_millis(ms)),
+                ms => Some(bounded(
+                    "engine_metrics_ms",
+                    Some(ms),
+                    Duration::from_millis,
+                    Duration::ZERO,
+                )?),
             },
             kv_events_bind,
             forward_authorization: self
@@ -879,11 +951,12 @@ impl ServeArgs {
             endpoint_forward_authorization,
             policy_trusted_keys,
             admin_listen: self.admin_listen.or(file.admin_listen),
-            endpoint_grace: Duration::from_secs(
-                self.endpoint_grace_secs
-                    .or(file.endpoint_grace_secs)
-                    .unwrap_or(600),
-            ),
+            endpoint_grace: bounded(
+                "endpoint_grace_secs",
+                self.endpoint_grace_secs.or(file.endpoint_grace_secs),
+                Duration::from_secs,
+                Duration::from_secs(600),
+            )?,
             discovery,
         })
     }
@@ -1007,6 +1080,55 @@ mod tests {
         .resolve()
         .unwrap_err();
         assert!(err.to_string().contains("prediction_ttl_secs"), "{err}");
+    }
+
+    /// A duration past a year would overflow `Instant` arithmetic on the request path;
+    /// each is refused at start with the setting's name, whether from a flag or the file.
+    #[test]
+    fn durations_that_would_overflow_a_clock_are_refused_by_name() {
+        let f = file("workers = [\"http://x:1\"]\nrequest_timeout_secs = 18446744073709551615\n");
+        let err = ServeArgs {
+            config: Some(f.path().into()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(err.to_string().contains("request_timeout_secs"), "{err}");
+        let workers = vec!["http://x:1".to_string()];
+        for args in [
+            ServeArgs {
+                prediction_ttl_secs: Some(1e19),
+                ..Default::default()
+            },
+            ServeArgs {
+                max_retry_after_secs: Some(u64::MAX),
+                ..Default::default()
+            },
+            ServeArgs {
+                base_ejection_ms: Some(u64::MAX),
+                ..Default::default()
+            },
+            ServeArgs {
+                shutdown_grace_secs: Some(u64::MAX / 2),
+                ..Default::default()
+            },
+        ] {
+            let err = ServeArgs {
+                workers: workers.clone(),
+                ..args
+            }
+            .resolve()
+            .unwrap_err();
+            assert!(err.to_string().contains("a year"), "{err}");
+        }
+        let c = ServeArgs {
+            workers,
+            max_retry_after_secs: Some(3600),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(c.client.outlier.busy_max, Duration::from_secs(3600));
     }
 
     #[test]

@@ -283,7 +283,7 @@ struct MockWorkerArgs {
     fault_status: Option<u16>,
     /// `Retry-After` (seconds) on those answers.
     #[arg(long)]
-    fault_retry_after_secs: Option<u64>,
+    fault_retry_after_secs: Option<f64>,
     /// Prompts containing this text fail (a "poison" request), whatever the fault.
     #[arg(long)]
     fault_marker: Option<String>,

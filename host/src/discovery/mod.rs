@@ -116,9 +116,14 @@ impl EngineEventSource {
     /// data-parallel ranks).
     pub fn for_rank(endpoint: &str, rank: u32) -> String {
         match endpoint.rsplit_once(':') {
-            Some((base, port)) => match port.parse::<u32>() {
-                Ok(p) => format!("{base}:{}", p + rank),
-                Err(_) => endpoint.to_string(),
+            // A port past 65535 is left for the connection to refuse with its own error.
+            Some((base, port)) => match port
+                .parse::<u16>()
+                .ok()
+                .and_then(|p| u16::try_from(rank).ok().and_then(|r| p.checked_add(r)))
+            {
+                Some(p) => format!("{base}:{p}"),
+                None => endpoint.to_string(),
             },
             None => endpoint.to_string(),
         }

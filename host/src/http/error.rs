@@ -18,6 +18,9 @@ pub enum ApiError {
     /// The body is larger than the limit.
     #[error("request body larger than {0} bytes")]
     TooLarge(usize),
+    /// The body did not arrive within the client timeout.
+    #[error("the request body did not arrive within {0:?}")]
+    BodyTimeout(std::time::Duration),
     /// No endpoint serves the model.
     #[error("the model `{0}` does not exist")]
     UnknownModel(String),
@@ -57,6 +60,7 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) | ApiError::Refused(_) => StatusCode::BAD_REQUEST,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::UnknownModel(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Route(_)
             | ApiError::ShuttingDown
@@ -73,7 +77,11 @@ impl ApiError {
         use std::time::Duration;
         match self {
             ApiError::Route(RouteError::Busy { retry_after, .. }) => {
-                Some(Duration::from_secs_f64(retry_after.as_secs_f64().ceil()))
+                // Whole seconds, rounded up; saturating (the wait is capped upstream).
+                let secs = retry_after
+                    .as_secs()
+                    .saturating_add(u64::from(retry_after.subsec_nanos() > 0));
+                Some(Duration::from_secs(secs))
             }
             ApiError::Route(RouteError::NoInstances { .. })
             | ApiError::ModelUnavailable(_)
@@ -88,6 +96,7 @@ impl ApiError {
         let (kind, param, code) = match self {
             ApiError::BadRequest(b) => ("invalid_request_error", b.param.as_deref(), None),
             ApiError::TooLarge(_) => ("invalid_request_error", None, Some("request_too_large")),
+            ApiError::BodyTimeout(_) => ("invalid_request_error", None, Some("request_timeout")),
             ApiError::UnknownModel(_) => (
                 "invalid_request_error",
                 Some("model"),

@@ -633,6 +633,11 @@ impl Collector for Scrape {
                     "Messages on the bound sockets that were not [topic, seq, payload]",
                     &hub.malformed,
                 ),
+                (
+                    "kv_events_refused_connections",
+                    "Connections to the bound sockets closed for breaking ZMTP or its bounds, or past the peer limit",
+                    &hub.refused,
+                ),
             ] {
                 counters(e, name, help, vec![(vec![], load(c))])?;
             }

@@ -14,10 +14,12 @@
 //! `PolicyHandle`).
 
 pub mod admin;
+pub mod body;
 pub mod error;
 pub mod metrics;
 pub mod proxy;
 pub mod upstream;
+pub mod write_deadline;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -71,6 +73,8 @@ pub trait Fleet: Send + Sync + 'static {
 pub struct GatewayConfig {
     /// Largest request body accepted.
     pub max_body_bytes: usize,
+    /// Most bytes of request bodies held at once (being read or kept for retries).
+    pub max_body_bytes_total: usize,
     /// Largest request head (request line and headers).
     pub max_header_bytes: usize,
     /// Workers tried per request (the first plus retries).
@@ -85,7 +89,9 @@ pub struct GatewayConfig {
     /// Longest silence between two chunks of a response that has started.
     pub stream_idle_timeout: Duration,
     /// How long a client connection may take to send a request head, and stay idle
-    /// between requests (one timer in hyper: it restarts when the connection goes idle).
+    /// between requests (one timer in hyper: it restarts when the connection goes idle);
+    /// also how long a request body may take to arrive whole, and how long a client may
+    /// leave the router's writes unread before its connection is closed.
     pub client_idle_timeout: Duration,
     /// Most client connections open at once; more are answered 503 and closed.
     pub max_connections: usize,
@@ -111,6 +117,7 @@ impl Default for GatewayConfig {
     fn default() -> Self {
         GatewayConfig {
             max_body_bytes: 16 << 20,
+            max_body_bytes_total: 1 << 30,
             max_header_bytes: 64 << 10,
             max_attempts: 3,
             connect_timeout: Duration::from_millis(1000),
@@ -139,6 +146,8 @@ pub struct Gateway {
     draining: AtomicBool,
     /// Completion requests in flight (bounded by `max_in_flight`).
     in_flight: Arc<AtomicUsize>,
+    /// Request bodies held (bounded by `max_body_bytes_total`).
+    bodies: body::BodyBudget,
 }
 
 impl Gateway {
@@ -165,6 +174,7 @@ impl Gateway {
             metrics: Metrics::default(),
             draining: AtomicBool::new(false),
             in_flight: Arc::new(AtomicUsize::new(0)),
+            bodies: body::BodyBudget::default(),
         });
         // The admin page's trends: one point a second for as long as the gateway lives
         // (the task holds it weakly).
@@ -235,13 +245,30 @@ impl Gateway {
         response
     }
 
-    /// A completion request, if the router has room for it; the slot is held until the
-    /// response body ends (streams included).
+    /// A completion request, if the router has room for it. The body is read whole
+    /// first (under the client timeout and the body budget, [`body`]); only then is an
+    /// in-flight slot taken, held until the response body ends (streams included).
     async fn admit(
         self: &Arc<Self>,
         api: crate::openai::Api,
         req: Request<Incoming>,
     ) -> Result<Response<Body>, ApiError> {
+        let started = std::time::Instant::now();
+        let (parts, incoming) = req.into_parts();
+        let limits = body::Limits {
+            max: self.config.max_body_bytes,
+            total: self.config.max_body_bytes_total,
+            deadline: self.config.client_idle_timeout,
+        };
+        let (bytes, held) = match body::read(incoming, &self.bodies, limits).await {
+            Ok(b) => b,
+            Err(e) => {
+                if matches!(e, ApiError::BodyTimeout(_) | ApiError::Overloaded(_)) {
+                    self.metrics.shed.fetch_add(1, Ordering::Relaxed);
+                }
+                return Err(e);
+            }
+        };
         let Some(slot) = Slot::take(&self.in_flight, self.config.max_in_flight) else {
             self.metrics.shed.fetch_add(1, Ordering::Relaxed);
             return Err(ApiError::Overloaded(format!(
@@ -249,11 +276,16 @@ impl Gateway {
                 self.config.max_in_flight
             )));
         };
-        let response = proxy::completion(self, api, req).await?;
+        let response = proxy::completion(self, api, &parts, bytes, started).await?;
         let (parts, body) = response.into_parts();
         Ok(Response::from_parts(
             parts,
-            Guarded { body, _slot: slot }.boxed(),
+            Guarded {
+                body,
+                _slot: slot,
+                _body: held,
+            }
+            .boxed(),
         ))
     }
 
@@ -347,6 +379,7 @@ pub async fn run(
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     let connections = Arc::new(AtomicUsize::new(0));
+    let refusing = Arc::new(AtomicUsize::new(0));
     let mut accept_backoff = Duration::from_millis(5);
     loop {
         tokio::select! {
@@ -370,9 +403,22 @@ pub async fn run(
                 let _ = stream.set_nodelay(true);
                 let Some(slot) = Slot::take(&connections, gateway.config.max_connections) else {
                     gateway.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);
-                    tokio::spawn(refuse_connection(stream));
+                    // Answered 503 by at most REFUSING tasks at once; past them the
+                    // connection is closed unanswered (each task holds a descriptor).
+                    if let Some(refusing) = Slot::take(&refusing, REFUSING) {
+                        tokio::spawn(async move {
+                            refuse_connection(stream).await;
+                            drop(refusing);
+                        });
+                    }
                     continue;
                 };
+                // A client that vanished without a reset is found by the kernel.
+                let keepalive = socket2::TcpKeepalive::new()
+                    .with_time(Duration::from_secs(30))
+                    .with_interval(Duration::from_secs(10));
+                let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+                let stream = write_deadline::WriteDeadline::new(stream, gateway.config.client_idle_timeout);
                 let gw = gateway.clone();
                 let service = service_fn(move |req| {
                     let gw = gw.clone();
@@ -403,6 +449,9 @@ pub async fn run(
     }
 }
 
+/// Connections over the limit answered at once; more are closed unanswered.
+const REFUSING: usize = 256;
+
 /// One unit of a bounded count, given back when dropped.
 struct Slot(Arc<AtomicUsize>);
 
@@ -423,10 +472,12 @@ impl Drop for Slot {
     }
 }
 
-/// A response body that holds an in-flight slot until it ends or is dropped.
+/// A response body that holds an in-flight slot, and its request body's share of the
+/// body budget, until it ends or is dropped.
 struct Guarded {
     body: Body,
     _slot: Slot,
+    _body: body::Held,
 }
 
 impl hyper::body::Body for Guarded {

@@ -141,32 +141,18 @@ async fn tokenize_prompt(gw: &Arc<Gateway>, prompt: &Prompt) -> Result<Vec<u32>,
     tokens
 }
 
+/// Routes and forwards a completion whose body has been read whole (`super::body`).
 pub(crate) async fn completion(
     gw: &Arc<Gateway>,
     api: Api,
-    req: Request<Incoming>,
+    req: &hyper::http::request::Parts,
+    body: Bytes,
+    request_started: Instant,
 ) -> Result<Response<Body>, ApiError> {
-    let request_started = Instant::now();
-    let path = req.uri().path().to_string();
-    let accept = req.headers().get(ACCEPT).cloned();
+    let path = req.uri.path().to_string();
+    let accept = req.headers.get(ACCEPT).cloned();
     // Kept only for endpoints whose workers may see clients' credentials.
-    let auth = req.headers().get(AUTHORIZATION).cloned();
-    let max = gw.config.max_body_bytes;
-    let body = match Limited::new(req.into_body(), max).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e)
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            return Err(ApiError::TooLarge(max));
-        }
-        Err(e) => {
-            return Err(ApiError::BadRequest(openai::BadRequest {
-                message: format!("cannot read the request body: {e}"),
-                param: None,
-            }));
-        }
-    };
+    let auth = req.headers.get(AUTHORIZATION).cloned();
     let parsed = openai::parse(api, &body).map_err(ApiError::BadRequest)?;
     let router = gw.fleet.router_for_model(&parsed.model).ok_or_else(|| {
         if gw.fleet.model_known(&parsed.model) {
@@ -370,17 +356,29 @@ fn answer((parts, bytes): Answer) -> Response<Body> {
 }
 
 fn set_retry_after(headers: &mut hyper::HeaderMap, d: Duration) {
+    // Saturating: a float past `u64::MAX` converts to `u64::MAX`.
     let secs = d.as_secs_f64().ceil().max(1.0) as u64;
     headers.insert(RETRY_AFTER, HeaderValue::from(secs));
 }
 
 /// A `Retry-After` in seconds (the HTTP-date form is not used by inference servers).
-fn retry_after(headers: &hyper::HeaderMap) -> Option<Duration> {
+/// A value too large for a `Duration` saturates (the client's `busy_max` caps it next);
+/// a negative, non-finite or unreadable one is no value at all.
+pub(crate) fn retry_after(headers: &hyper::HeaderMap) -> Option<Duration> {
     let v = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
-    v.parse::<f64>()
+    parse_retry_after(v)
+}
+
+/// The seconds of a `Retry-After` value; see [`retry_after`].
+pub fn parse_retry_after(v: &str) -> Option<Duration> {
+    if v.len() > 32 {
+        return None;
+    }
+    let secs = v
+        .parse::<f64>()
         .ok()
-        .filter(|s| s.is_finite() && *s >= 0.0)
-        .map(Duration::from_secs_f64)
+        .filter(|s| s.is_finite() && *s >= 0.0)?;
+    Some(Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX))
 }
 
 /// Classifies a failed upstream request.

@@ -89,6 +89,9 @@ impl Tls {
     pub fn connector(&self, connect_timeout: Duration) -> Connector {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
+        // A worker that vanished without a reset (a rescheduled pod, a dropped NAT
+        // entry) is found by the kernel instead of holding a pooled connection forever.
+        http.set_keepalive(Some(Duration::from_secs(30)));
         http.set_connect_timeout(Some(connect_timeout));
         http.enforce_http(false);
         hyper_rustls::HttpsConnectorBuilder::new()

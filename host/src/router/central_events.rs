@@ -11,6 +11,9 @@
 //! then sees as a sequence gap (replayed or marked incomplete), so one slow worker never
 //! holds up the others; batches of a topic no worker claims are counted and skipped; a
 //! topic claimed twice is refused to the second claimant, which stays approximate.
+//! Each bound address takes at most [`MAX_PEERS`] engine connections at once, each read
+//! through the router's bounded ZMTP ([`super::zmtp`]); one past its bounds is closed and
+//! counted, and the others go on.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -19,7 +22,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
-use zeromq::{Socket, SocketRecv, SubSocket};
+
+use super::zmtp::{Connection, KV_EVENT_LIMITS, SocketType, tcp_address};
 
 use crate::ids::InstanceId;
 
@@ -28,6 +32,10 @@ pub const BOUND: &str = "bound";
 
 /// Batches queued per (topic, rank) before new ones are dropped (and become a gap).
 pub const QUEUE: usize = 4096;
+
+/// Engine connections open at once per bound address (an engine holds one per rank);
+/// more are closed as they arrive.
+pub const MAX_PEERS: usize = 1024;
 
 type Route = (String, u32);
 /// A batch as it arrived: `(seq, payload)`.
@@ -43,6 +51,9 @@ pub struct CentralEvents {
     pub dropped: AtomicU64,
     /// Batches that were not `[topic, seq, payload]`.
     pub malformed: AtomicU64,
+    /// Connections closed for breaking the protocol or its bounds, or refused past
+    /// [`MAX_PEERS`].
+    pub refused: AtomicU64,
 }
 
 impl std::fmt::Debug for CentralEvents {
@@ -77,18 +88,18 @@ impl CentralEvents {
             unrouted: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             malformed: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
         });
         for (rank, address) in addresses.iter().enumerate() {
-            let mut sub = SubSocket::new();
-            sub.subscribe("")
-                .await
-                .map_err(|e| format!("KV events socket {address}: {e}"))?;
-            let bound = sub
-                .bind(address)
+            let tcp = tcp_address(address).map_err(|e| e.to_string())?;
+            let listener = tokio::net::TcpListener::bind(&tcp)
                 .await
                 .map_err(|e| format!("cannot bind the KV events socket {address}: {e}"))?;
+            let bound = listener
+                .local_addr()
+                .map_err(|e| format!("KV events socket {address}: {e}"))?;
             tracing::info!(%bound, rank, "receiving engines' KV events (central mode)");
-            tokio::spawn(receive(Arc::downgrade(&hub), sub, rank as u32));
+            tokio::spawn(accept(Arc::downgrade(&hub), listener, rank as u32));
         }
         Ok(hub)
     }
@@ -150,17 +161,60 @@ impl CentralEvents {
     }
 }
 
-async fn receive(hub: std::sync::Weak<CentralEvents>, mut sub: SubSocket, rank: u32) {
+/// Accepts engines' connections on one bound address while the hub lives.
+async fn accept(hub: std::sync::Weak<CentralEvents>, listener: tokio::net::TcpListener, rank: u32) {
+    let peers = Arc::new(AtomicU64::new(0));
     loop {
-        let msg = match sub.recv().await {
-            Ok(m) => m,
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
             Err(e) => {
-                tracing::debug!(rank, error = %e, "central KV events socket error");
+                // EMFILE and friends: wait instead of spinning.
+                tracing::debug!(rank, error = %e, "central KV events accept failed");
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 continue;
             }
         };
-        let Some(hub) = hub.upgrade() else { return };
+        let Some(h) = hub.upgrade() else { return };
+        if peers.fetch_add(1, Ordering::AcqRel) >= MAX_PEERS as u64 {
+            peers.fetch_sub(1, Ordering::AcqRel);
+            h.refused.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        drop(h);
+        let (hub, peers) = (hub.clone(), peers.clone());
+        tokio::spawn(async move {
+            let peer = stream.peer_addr().ok();
+            if let Err(e) = receive(&hub, stream, rank).await
+                && let Some(h) = hub.upgrade()
+            {
+                let n = h.refused.fetch_add(1, Ordering::Relaxed) + 1;
+                if n <= 10 || n.is_multiple_of(1000) {
+                    tracing::warn!(rank, ?peer, error = %e, refused = n, "closed a KV events connection");
+                }
+            }
+            peers.fetch_sub(1, Ordering::AcqRel);
+        });
+    }
+}
+
+/// Reads one engine's connection until it ends: `Ok` when the peer closed it or the hub
+/// is gone, the error when the peer broke the protocol or its bounds.
+async fn receive(
+    hub: &std::sync::Weak<CentralEvents>,
+    stream: tokio::net::TcpStream,
+    rank: u32,
+) -> Result<(), super::zmtp::ZmtpError> {
+    let mut sub = Connection::handshake(stream, SocketType::Sub, KV_EVENT_LIMITS).await?;
+    sub.subscribe(b"").await?;
+    loop {
+        let msg = match sub.recv().await {
+            Ok(m) => m,
+            Err(super::zmtp::ZmtpError::Io(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let Some(hub) = hub.upgrade() else {
+            return Ok(());
+        };
         // Exactly `[topic, seq, payload]`: the topic names the worker.
         let parsed = (msg.len() == 3)
             .then(|| super::engine_subscriber::topic_frames(msg))

@@ -1,6 +1,6 @@
 //! Subscriptions to engines' own KV events over ZMQ (vLLM, SGLang; `kv::engine_events`):
-//! one SUB socket per worker and data-parallel rank, connected to the engine's PUB socket
-//! (the `zeromq` crate reconnects it by itself), feeding the worker's
+//! one SUB connection per worker and data-parallel rank to the engine's PUB socket
+//! (the router's own bounded ZMTP, [`super::zmtp`]; reconnected with backoff), feeding the worker's
 //! [`EngineView`]. A sequence gap is fetched from the engine's replay socket; what cannot
 //! be fetched makes the view incomplete (see `kv::engine_view`). On connecting, the
 //! replay socket is asked for everything the engine still buffers, so that a router
@@ -12,7 +12,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use std::sync::Arc;
-use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use super::zmtp::{Connection, KV_EVENT_LIMITS, SocketType, ZmtpError};
 
 use super::{KvRouter, ViewStatus};
 use crate::discovery::EngineEventSource;
@@ -91,31 +92,36 @@ impl Feed {
         }
         let mut delay = initial;
         loop {
-            let mut options = SocketOptions::default();
-            options.connect_timeout(Duration::from_secs(5));
-            let mut sub = SubSocket::with_options(options);
             let connected = async {
-                sub.subscribe(&self.topic).await?;
-                sub.connect(&self.endpoint).await
+                let mut sub = Connection::connect(
+                    &self.endpoint,
+                    SocketType::Sub,
+                    KV_EVENT_LIMITS,
+                    Duration::from_secs(5),
+                )
+                .await?;
+                sub.subscribe(self.topic.as_bytes()).await?;
+                Ok::<_, ZmtpError>(sub)
             }
             .await;
-            if let Err(e) = connected {
-                tracing::debug!(instance = %self.worker, endpoint = self.endpoint, error = %e, retry_in = ?delay, "cannot connect to the engine's KV events");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(max);
-                continue;
-            }
-            delay = initial;
+            let mut sub = match connected {
+                Ok(sub) => sub,
+                Err(e) => {
+                    tracing::debug!(instance = %self.worker, endpoint = self.endpoint, error = %e, retry_in = ?delay, "cannot connect to the engine's KV events");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(max);
+                    continue;
+                }
+            };
             tracing::info!(instance = %self.worker, endpoint = self.endpoint, rank = self.rank, "following the engine's KV events");
             self.catch_up().await;
-            loop {
+            let mut received = 0u64;
+            let why = loop {
                 let msg = match sub.recv().await {
                     Ok(m) => m,
-                    Err(e) => {
-                        tracing::debug!(instance = %self.worker, error = %e, "KV event socket error");
-                        break;
-                    }
+                    Err(e) => break e,
                 };
+                received += 1;
                 let Some((seq, payload)) = frames(msg) else {
                     self.count_malformed("a message is not [topic, seq, payload]");
                     continue;
@@ -123,7 +129,24 @@ impl Feed {
                 if !self.handle(seq, &payload, true).await {
                     return;
                 }
+            };
+            // A peer that broke the protocol or its bounds is waited out like one that
+            // cannot be reached: it must not get a tight reconnect loop. A connection
+            // that delivered batches starts the backoff again.
+            let hostile = matches!(
+                why,
+                ZmtpError::TooLarge(_) | ZmtpError::Protocol(_) | ZmtpError::Timeout(_)
+            );
+            if hostile {
+                self.count_malformed(&format!("the KV event connection broke its bounds: {why}"));
+            } else {
+                tracing::debug!(instance = %self.worker, error = %why, "KV event connection ended");
             }
+            if received > 0 && !hostile {
+                delay = initial;
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(max);
         }
     }
 
@@ -300,14 +323,13 @@ impl Feed {
 }
 
 /// `[topic, seq, payload]` (or `[seq, payload]` from a publisher without topics).
-fn frames(msg: ZmqMessage) -> Option<(u64, Bytes)> {
+fn frames(msg: Vec<Bytes>) -> Option<(u64, Bytes)> {
     topic_frames(msg).map(|(_, seq, payload)| (seq, payload))
 }
 
 /// The last three frames as `[topic, seq, payload]`, or `[seq, payload]` (no topic): the
 /// topic, if any, the sequence number (8 bytes big-endian) and the payload.
-pub(super) fn topic_frames(msg: ZmqMessage) -> Option<(Option<Bytes>, u64, Bytes)> {
-    let mut f = msg.into_vec();
+pub(super) fn topic_frames(mut f: Vec<Bytes>) -> Option<(Option<Bytes>, u64, Bytes)> {
     let payload = f.pop()?;
     let seq = f.pop()?;
     let seq = <[u8; 8]>::try_from(&seq[..]).ok().map(u64::from_be_bytes)?;
@@ -320,17 +342,18 @@ pub async fn fetch_replay(
     from: u64,
     to: Option<u64>,
 ) -> Result<Vec<(u64, Bytes)>, String> {
-    let mut options = SocketOptions::default();
-    options.connect_timeout(REPLAY_TIMEOUT);
-    let mut dealer = DealerSocket::with_options(options);
     let deadline = tokio::time::Instant::now() + REPLAY_TIMEOUT;
-    tokio::time::timeout_at(deadline, dealer.connect(endpoint))
+    let connect = Connection::connect(
+        endpoint,
+        SocketType::Dealer,
+        KV_EVENT_LIMITS,
+        REPLAY_TIMEOUT,
+    );
+    let mut dealer = tokio::time::timeout_at(deadline, connect)
         .await
         .map_err(|_| "connect timed out".to_string())?
         .map_err(|e| e.to_string())?;
-    let mut request = ZmqMessage::from(Bytes::new());
-    request.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
-    tokio::time::timeout_at(deadline, dealer.send(request))
+    tokio::time::timeout_at(deadline, dealer.send(&[b"", &from.to_be_bytes()]))
         .await
         .map_err(|_| "send timed out".to_string())?
         .map_err(|e| e.to_string())?;

@@ -11,6 +11,7 @@ pub mod metrics_scraper;
 pub mod quality;
 pub mod shadow;
 pub mod subscriber;
+pub mod zmtp;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -309,9 +309,12 @@ async fn run(engine: std::sync::Weak<Engine>, wake: Arc<Notify>) {
                 let us = t.prefill_us_per_token * prefill as f64
                     + t.decode_base_us
                     + t.decode_us_per_seq * s.running.len() as f64;
-                Some(Duration::from_secs_f64(
-                    us / 1e6 / e.config.speedup.max(1e-9),
-                ))
+                // Saturating: a timing model that asks for more than a Duration holds
+                // sleeps "forever" instead of panicking.
+                Some(
+                    Duration::try_from_secs_f64(us / 1e6 / e.config.speedup.max(1e-9))
+                        .unwrap_or(Duration::MAX),
+                )
             }
         };
         match step {

@@ -70,7 +70,7 @@ pub enum Fault {
 }
 
 /// A fault and when it starts, plus faults that apply to some requests or connections.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct FaultConfig {
     /// The fault.
     pub fault: Fault,
@@ -80,9 +80,10 @@ pub struct FaultConfig {
     /// The status of [`Fault::Status`] and of marked prompts [default: 500].
     #[serde(default)]
     pub status: Option<u16>,
-    /// A `Retry-After` (seconds) on those answers.
+    /// A `Retry-After` (seconds) on those answers. Any number, written as Rust prints it: a faithful engine sends whole seconds, a
+    /// broken one anything (`1e20` is written `100000000000000000000`).
     #[serde(default)]
-    pub retry_after_secs: Option<u64>,
+    pub retry_after_secs: Option<f64>,
     /// Prompts containing this text are answered `status` (a "poison" request), whatever
     /// the fault.
     #[serde(default)]
@@ -124,9 +125,10 @@ impl FaultConfig {
             None,
             Some("injected_fault"),
         );
-        if let Some(secs) = self.retry_after_secs {
-            r.headers_mut()
-                .insert(hyper::header::RETRY_AFTER, secs.into());
+        if let Some(secs) = self.retry_after_secs
+            && let Ok(v) = hyper::header::HeaderValue::from_str(&secs.to_string())
+        {
+            r.headers_mut().insert(hyper::header::RETRY_AFTER, v);
         }
         r
     }

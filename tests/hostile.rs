@@ -1,0 +1,197 @@
+//! Input from outside that must not crash, stall or grow the router: hostile peers on a
+//! worker's KV event socket and clients that stall their bodies, end to end with real
+//! router and mock-worker processes and real sockets.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use common::http::{self, post_json};
+use common::procs::{mock_worker, serve};
+use common::router::{PATIENCE, eventually};
+use hyper::StatusCode;
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// What a hostile publisher sends once its handshake is done.
+#[derive(Debug, Clone, Copy)]
+enum Hostile {
+    /// One frame header declaring 2^62 bytes (10 bytes on the wire).
+    HugeFrame,
+    /// 1-byte frames flagged MORE, without end.
+    EndlessMore,
+}
+
+/// A raw-TCP ZMTP publisher that greets like a PUB socket and then misbehaves; counts
+/// the connections the router makes to it.
+async fn hostile_publisher(mode: Hostile) -> (String, Arc<AtomicU64>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+    let connections = Arc::new(AtomicU64::new(0));
+    let counted = connections.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::Relaxed);
+            tokio::spawn(misbehave(s, mode));
+        }
+    });
+    (endpoint, connections)
+}
+
+async fn misbehave(mut s: TcpStream, mode: Hostile) {
+    let mut greeting = [0u8; 64];
+    greeting[0] = 0xFF;
+    greeting[9] = 0x7F;
+    greeting[10] = 3;
+    greeting[12..16].copy_from_slice(b"NULL");
+    let mut ready = vec![0x04, 0, 5];
+    ready.extend_from_slice(b"READY");
+    ready.push(11);
+    ready.extend_from_slice(b"Socket-Type");
+    ready.extend_from_slice(&3u32.to_be_bytes());
+    ready.extend_from_slice(b"PUB");
+    ready[1] = (ready.len() - 2) as u8;
+    if s.write_all(&greeting).await.is_err() || s.write_all(&ready).await.is_err() {
+        return;
+    }
+    let (mut read, mut write) = s.into_split();
+    // Whatever the router sends (greeting, READY, subscription) is read and ignored.
+    tokio::spawn(async move {
+        let mut sink = vec![0u8; 4096];
+        while read.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+    });
+    match mode {
+        Hostile::HugeFrame => {
+            let mut frame = vec![0x02];
+            frame.extend_from_slice(&(1u64 << 62).to_be_bytes());
+            let _ = write.write_all(&frame).await;
+            tokio::time::sleep(PATIENCE).await;
+        }
+        Hostile::EndlessMore => {
+            // Bounded: 64 MiB of frames at most, or until the router hangs up.
+            let chunk: Vec<u8> = std::iter::repeat_n([0x01u8, 1, b'x'], 4096)
+                .flatten()
+                .collect();
+            for _ in 0..(64 << 20) / chunk.len() {
+                if write.write_all(&chunk).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// The resident memory of process `pid`, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+/// A worker whose KV event socket is held by a hostile peer: a frame declaring 2^62
+/// bytes (which aborted the router when a ZMQ library reserved it), or endless MORE
+/// frames (which grew it past a GiB in a second). The router refuses each connection at
+/// its bound, reconnects with backoff, stays up with its memory bounded, and serves both
+/// workers all the while.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_kv_event_peer_neither_kills_nor_grows_the_router() {
+    for mode in [Hostile::HugeFrame, Hostile::EndlessMore] {
+        let (endpoint, connections) = hostile_publisher(mode).await;
+        let (_good, good_url) = mock_worker(&["--speedup", "100"]).await;
+        let (_other, other_url) = mock_worker(&["--speedup", "100"]).await;
+        let hostile_worker = format!("{other_url}#kv_events={endpoint}");
+        let (mut router, url) = serve(&[
+            "--model",
+            "mock",
+            "--worker",
+            &good_url,
+            "--worker",
+            &hostile_worker,
+            "--policy",
+            "round-robin",
+        ])
+        .await;
+        eventually("the router to come back to the hostile peer", || async {
+            connections.load(Ordering::Relaxed) >= 3
+        })
+        .await;
+        let c = http::client();
+        for i in 0..20 {
+            let body = json!({"model": "mock", "prompt": format!("request {i}"), "max_tokens": 2});
+            let (status, answer, _) = post_json(&c, &format!("{url}/v1/completions"), &body).await;
+            assert_eq!(status, StatusCode::OK, "{mode:?}, request {i}: {answer}");
+        }
+        assert!(
+            router.0.try_wait().unwrap().is_none(),
+            "{mode:?}: the router died"
+        );
+        let rss = rss(router.0.id());
+        assert!(
+            rss < 512 << 20,
+            "{mode:?}: the router holds {} MiB",
+            rss >> 20
+        );
+        router.kill();
+    }
+}
+
+/// Clients that send a request head and then stall their body take no in-flight slot:
+/// with room for 4 requests and 12 stalled uploads, normal requests keep succeeding, and
+/// each stalled upload is answered 408 once the client timeout passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_uploads_hold_no_slot_and_are_answered_408() {
+    let (_worker, worker_url) = mock_worker(&["--speedup", "100"]).await;
+    let (_router, url) = serve(&[
+        "--model",
+        "mock",
+        "--worker",
+        &worker_url,
+        "--max-in-flight",
+        "4",
+        "--client-idle-timeout-secs",
+        "3",
+    ])
+    .await;
+    let addr = url.trim_start_matches("http://").to_string();
+    let mut stalled = Vec::new();
+    for _ in 0..12 {
+        let mut s = TcpStream::connect(&addr).await.unwrap();
+        s.write_all(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\"",
+        )
+        .await
+        .unwrap();
+        stalled.push(s);
+    }
+    let c = http::client();
+    for i in 0..20 {
+        let body = json!({"model": "mock", "prompt": format!("request {i}"), "max_tokens": 2});
+        let (status, answer, _) = post_json(&c, &format!("{url}/v1/completions"), &body).await;
+        assert_eq!(status, StatusCode::OK, "request {i}: {answer}");
+    }
+    for mut s in stalled {
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(PATIENCE, async {
+            let mut buf = [0u8; 1024];
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => answer.extend_from_slice(&buf[..n]),
+                }
+                if answer.windows(4).any(|w| w == b"\r\n\r\n") {
+                    return;
+                }
+            }
+        })
+        .await;
+        assert!(read.is_ok(), "a stalled upload was never answered");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    }
+}
