@@ -136,6 +136,59 @@ fn switchyard(args: &[&str]) -> std::process::Command {
     cmd
 }
 
+/// A keep-alive that fails (etcd frozen past one call's timeout) is retried on the same
+/// lease: the registration keeps its lease, which routers read as the same registration,
+/// instead of registering anew (which would re-admit an ejected worker unprobed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_keep_alive_keeps_the_same_lease() {
+    let etcd = Etcd::start();
+    // TTL 6 s: keep-alives every 2 s, each call given 1 s.
+    let mut reg = Registration::start(
+        config(&etcd),
+        &info(0xc1, "http://127.0.0.1:9"),
+        Duration::from_secs(6),
+    );
+    let lease = reg.wait_registered(PATIENCE).await.unwrap();
+    // Frozen over the first keep-alive (due at 2 s, timed out at 3 s), not past the TTL.
+    etcd.signal("STOP");
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    etcd.signal("CONT");
+    // The lease is renewed: its time to live is back near the full 6 s.
+    let time_to_live = || async {
+        let v = api(&etcd)
+            .call(
+                "/v3/lease/timetolive",
+                serde_json::json!({"ID": lease.to_string()}),
+            )
+            .await
+            .unwrap();
+        v["TTL"]
+            .as_str()
+            .and_then(|t| t.parse::<i64>().ok())
+            .unwrap_or(-1)
+    };
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while time_to_live().await < 5 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the lease was never renewed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        reg.lease(),
+        Some(lease),
+        "registered again under a new lease"
+    );
+    let (kvs, _) = api(&etcd)
+        .range_prefix("switchyard/instances/")
+        .await
+        .unwrap();
+    assert_eq!(kvs.len(), 1);
+    assert_eq!(kvs[0].lease, lease);
+    reg.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_register_process_expires_with_its_lease_and_a_stopped_one_leaves_at_once() {
     let etcd = Etcd::start();

@@ -715,6 +715,37 @@ async fn a_frozen_etcd_and_a_mass_deregistration_lose_no_request() {
     assert!(served.load(Ordering::Relaxed) > 50);
 }
 
+/// The connections carrying the router's etcd watches freeze without a close or a reset
+/// (a member or NAT path that vanished) while every other call still succeeds. A worker
+/// registered during the freeze must still be served: the watches check themselves
+/// against etcd every 2 s on other connections, and one that has not delivered a change
+/// etcd showed by the next check is re-listed and re-made. Bound: 15 s (two checks, a
+/// re-list, and this machine's slack), well under the 30 s periodic re-listing of models.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_registered_while_the_watch_is_frozen_is_served() {
+    let etcd = Etcd::start();
+    let proxy = common::etcd::FreezingProxy::start(&etcd.url()).await;
+    let (_a, _) = mock_worker(&["--etcd", &etcd.url(), "--speedup", "100"]).await;
+    let (_router, url) = serve(&["--etcd", &proxy.url, "--admin-token", TOKEN]).await;
+    let c = http::client();
+    eventually("the first worker", || async {
+        available(&c, &url).await == 1
+    })
+    .await;
+    proxy.freeze_watches();
+    let (_b, b_url) = mock_worker(&["--etcd", &etcd.url(), "--speedup", "100"]).await;
+    let registered = Instant::now();
+    while available(&c, &url).await < 2 {
+        assert!(
+            registered.elapsed() < Duration::from_secs(15),
+            "a worker registered during the freeze was not discovered within 15 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let b = instance(&c, &url, &b_url).await;
+    assert_eq!(b["available"], true, "{b}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_out_of_file_descriptors_blames_no_worker_and_recovers() {
     let (_w, worker) = mock_worker(&["--speedup", "100"]).await;

@@ -840,6 +840,39 @@ fn a_cache_entry_this_router_did_not_write_is_never_executed() {
     std::fs::write(&kv_entry, &forged).unwrap();
     assert_eq!(load("kv-cost"), kv, "a forged entry was executed");
     assert_eq!(load("kv-cost").1, CacheOutcome::Disk);
+    // Two entries this router wrote, swapped: each tag covers the policy it was compiled
+    // from, so both are recompiled and neither runs the other's code.
+    let (kv_whole, rr_whole) = (
+        std::fs::read(&kv_entry).unwrap(),
+        std::fs::read(&rr_entry).unwrap(),
+    );
+    std::fs::write(&kv_entry, &rr_whole).unwrap();
+    std::fs::write(&rr_entry, &kv_whole).unwrap();
+    assert_eq!(load("kv-cost"), kv, "round-robin's entry ran as kv-cost");
+    assert_eq!(
+        load("round-robin"),
+        ("round-robin".to_string(), CacheOutcome::Compiled),
+        "kv-cost's entry ran as round-robin"
+    );
+    assert_eq!(load("kv-cost").1, CacheOutcome::Disk);
+    // An entry replaced by a link to a file elsewhere is not followed.
+    let elsewhere = dir.path().join("elsewhere.cwasm");
+    std::fs::rename(&kv_entry, &elsewhere).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, &kv_entry).unwrap();
+    assert_eq!(load("kv-cost"), kv, "a linked entry was read");
+    assert!(
+        !std::fs::symlink_metadata(&kv_entry)
+            .unwrap()
+            .file_type()
+            .is_symlink(),
+        "the fresh entry replaced the link"
+    );
+    // A cache directory others can write is not used.
+    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o777)).unwrap();
+    assert_eq!(load("kv-cost"), kv);
+    assert_eq!(load("kv-cost"), kv);
+    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o700)).unwrap();
+    assert_eq!(load("kv-cost").1, CacheOutcome::Disk);
 
     // A key others can read is not trusted: the cache is not used.
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();

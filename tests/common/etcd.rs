@@ -166,3 +166,101 @@ impl Drop for Etcd {
         self.stop();
     }
 }
+
+/// A TCP proxy in front of etcd that can freeze the connections carrying watches: they
+/// stay open, neither closed nor reset, but relay nothing more in either direction (a
+/// member or NAT path that vanished), while every other connection, and every new one,
+/// is relayed as before.
+pub struct FreezingProxy {
+    pub url: String,
+    frozen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FreezingProxy {
+    /// Relays `127.0.0.1:PORT` to `etcd` (an `http://` URL).
+    pub async fn start(etcd: &str) -> FreezingProxy {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let target = etcd.trim_start_matches("http://").to_string();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let frozen = std::sync::Arc::new(AtomicBool::new(false));
+        let f = frozen.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(&target).await else {
+                    continue;
+                };
+                let f = f.clone();
+                tokio::spawn(async move {
+                    // Only connections opened before the freeze are frozen.
+                    let after_freeze = f.load(Ordering::SeqCst);
+                    let is_watch = std::sync::Arc::new(AtomicBool::new(false));
+                    let stopped = {
+                        let (f, is_watch) = (f.clone(), is_watch.clone());
+                        move || {
+                            f.load(Ordering::SeqCst)
+                                && is_watch.load(Ordering::SeqCst)
+                                && !after_freeze
+                        }
+                    };
+                    let (cr, cw) = client.into_split();
+                    let (sr, sw) = server.into_split();
+                    let up = relay(cr, sw, stopped.clone(), Some(is_watch.clone()));
+                    let down = relay(sr, cw, stopped, None);
+                    tokio::join!(up, down);
+                });
+            }
+        });
+        FreezingProxy { url, frozen, task }
+    }
+
+    /// From now on, the watch connections open now relay nothing.
+    pub fn freeze_watches(&self) {
+        self.frozen.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for FreezingProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Copies `from` to `to` until either ends; once `stopped()` holds, reads are kept
+/// unanswered and the connection held open (for at most a minute). `watch` is set once
+/// a watch request goes through.
+async fn relay(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    stopped: impl Fn() -> bool,
+    watch: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 << 10];
+    loop {
+        let n = tokio::select! {
+            n = from.read(&mut buf) => match n {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            },
+            _ = async { while !stopped() { tokio::time::sleep(Duration::from_millis(10)).await } } => {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                return;
+            }
+        };
+        // A pooled connection may carry other calls before its watch.
+        if let Some(w) = &watch
+            && buf[..n].windows(15).any(|x| x == b"POST /v3/watch ")
+        {
+            w.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        if stopped() {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            return;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}

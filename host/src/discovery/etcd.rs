@@ -1,8 +1,11 @@
 //! etcd discovery: list an endpoint's prefix, then watch it from the listed revision + 1
 //! so no change is missed; on a broken watch or a lost connection, reconnect with
 //! backoff, re-list and reset. While etcd is unreachable nothing is sent, so the last
-//! known set stays in force. An open watch is checked every `timeout` with a cheap call,
-//! so that a server that stopped answering (without closing the connection) is noticed.
+//! known set stays in force. An open watch is checked every `timeout` against etcd over
+//! another connection ([`super::etcd_api::Watch::check`]): a server that stopped
+//! answering, a member without a leader, and a watch stream that went silent while etcd
+//! moved on (its connection frozen without a reset) all end the watch, which is then
+//! re-listed and re-made.
 
 use std::time::Duration;
 
@@ -88,8 +91,8 @@ pub fn watch_changes(
         loop {
             let api = config.api();
             let result: Result<(), DiscoveryError> = async {
-                let (_, revision) = api.range_prefix(&prefix).await?;
-                let mut watch = api.watch_prefix(&prefix, revision + 1).await?;
+                let (kvs, revision) = api.range_prefix(&prefix).await?;
+                let mut watch = api.watch_prefix(&prefix, &kvs, revision + 1).await?;
                 delay = config.backoff_initial;
                 let mut alive = tokio::time::interval(config.timeout);
                 alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -100,7 +103,7 @@ pub fn watch_changes(
                                 changed.notify_one();
                             }
                         }
-                        _ = alive.tick() => api.status().await?,
+                        _ = alive.tick() => watch.check().await?,
                     }
                 }
             }
@@ -190,7 +193,7 @@ async fn list_and_watch(
             Err(e) => tracing::warn!(error = %e, "skipping a malformed instance entry"),
         }
     }
-    let mut watch = api.watch_prefix(&prefix, revision + 1).await?;
+    let mut watch = api.watch_prefix(&prefix, &kvs, revision + 1).await?;
     tracing::debug!(endpoint = %endpoint, instances = set.len(), revision, "listed instances; watching");
     if tx.send(DiscoveryUpdate::Reset(set)).is_err() {
         return Ok(());
@@ -208,7 +211,7 @@ async fn list_and_watch(
         let events = tokio::select! {
             events = watch.next() => events?,
             _ = alive.tick() => {
-                api.status().await?;
+                watch.check().await?;
                 continue;
             }
         };

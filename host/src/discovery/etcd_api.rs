@@ -383,18 +383,54 @@ impl EtcdApi {
             .map(|_| ())
     }
 
-    /// Whether the cluster answers (a cheap call used to notice a dead server under an
-    /// open watch).
+    /// Whether the member answers and has a leader (one without a leader answers
+    /// status calls but can serve nothing).
     pub async fn status(&self) -> Result<(), DiscoveryError> {
-        self.call("/v3/maintenance/status", json!({}))
-            .await
-            .map(|_| ())
+        let v = self.call("/v3/maintenance/status", json!({})).await?;
+        // A member ID is a u64 (as a JSON string, often past i64): only "0" or none
+        // means no leader.
+        let leader = match &v["leader"] {
+            Value::String(s) => s.as_str() != "0" && !s.is_empty(),
+            Value::Number(n) => n.as_u64() != Some(0),
+            _ => false,
+        };
+        if !leader {
+            return Err(self.error("the etcd member has no leader"));
+        }
+        Ok(())
     }
 
-    /// Watches every key under `prefix` from `start_revision`.
+    /// How many keys are under `prefix`, and the newest revision at which one of them was
+    /// written: a linearizable read (it needs a leader) that returns one key at most.
+    pub async fn prefix_summary(&self, prefix: &str) -> Result<(i64, i64), DiscoveryError> {
+        let v = self
+            .call(
+                "/v3/kv/range",
+                json!({
+                    "key": b64(prefix.as_bytes()),
+                    "range_end": b64(&prefix_end(prefix.as_bytes())),
+                    "keys_only": true,
+                    "limit": "1",
+                    "sort_order": "DESCEND",
+                    "sort_target": "MOD",
+                }),
+            )
+            .await?;
+        let newest = v
+            .get("kvs")
+            .and_then(Value::as_array)
+            .and_then(|kvs| kvs.first())
+            .map_or(0, |kv| int(&kv["mod_revision"]));
+        Ok((int(&v["count"]), newest))
+    }
+
+    /// Watches every key under `prefix` from `start_revision`; `listed` are the keys a
+    /// range read at `start_revision - 1`, which the watch keeps up to date to check
+    /// itself against etcd ([`Watch::check`]).
     pub async fn watch_prefix(
         &self,
         prefix: &str,
+        listed: &[Kv],
         start_revision: i64,
     ) -> Result<Watch, DiscoveryError> {
         let body = json!({"create_request": {
@@ -409,7 +445,14 @@ impl EtcdApi {
         let mut watch = Watch {
             body: resp.into_body(),
             buf: Vec::new(),
+            scanned: 0,
+            consumed: 0,
             api: self.clone(),
+            prefix: prefix.to_string(),
+            keys: listed.iter().map(|kv| kv.key.clone()).collect(),
+            seen_revision: listed.iter().map(|kv| kv.mod_revision).max().unwrap_or(0),
+            delivered: false,
+            suspect: None,
         };
         // The first answer confirms the watch was created.
         let first = watch.message().await?;
@@ -421,25 +464,79 @@ impl EtcdApi {
 }
 
 /// An open watch: a stream of JSON watch responses.
+///
+/// A watch can die without a word: the member or NAT path holding its connection can
+/// vanish without a reset while every other call still succeeds. So the watch keeps what
+/// it has seen (the keys under its prefix, the newest revision written) and
+/// [`Watch::check`] compares it with etcd on another connection; a difference that the
+/// watch does not deliver by the next check means it is dead.
 pub struct Watch {
     body: Incoming,
     buf: Vec<u8>,
+    /// Bytes of `buf` already searched for a newline (each byte is scanned once).
+    scanned: usize,
+    /// Bytes of `buf` already returned as lines.
+    consumed: usize,
     api: EtcdApi,
+    prefix: String,
+    /// The keys under the prefix as the listing and the watch's events have them.
+    keys: std::collections::HashSet<Vec<u8>>,
+    /// The newest `mod_revision` the listing or an event has shown.
+    seen_revision: i64,
+    /// Whether the stream delivered anything since the last check.
+    delivered: bool,
+    /// What the last check found missing, if anything.
+    suspect: Option<String>,
 }
 
 impl Watch {
+    /// Compares what the watch has seen with etcd: an `Err` when etcd showed changes
+    /// (more or fewer keys, or a newer write) at the previous check that the watch has
+    /// not delivered anything since — the stream is dead, and the caller re-lists.
+    /// A live watch that is merely behind delivers within one check's interval.
+    pub async fn check(&mut self) -> Result<(), DiscoveryError> {
+        let (count, newest) = self.api.prefix_summary(&self.prefix).await?;
+        let known = i64::try_from(self.keys.len()).unwrap_or(i64::MAX);
+        let behind = (count != known || newest > self.seen_revision).then(|| {
+            format!(
+                "etcd holds {count} keys written up to revision {newest}; the watch has {known} up to {}",
+                self.seen_revision
+            )
+        });
+        let delivered = std::mem::take(&mut self.delivered);
+        match (self.suspect.take(), behind) {
+            (Some(earlier), Some(_)) if !delivered => Err(self.api.error(format!(
+                "the watch on {} delivered nothing since etcd moved on ({earlier})",
+                self.prefix
+            ))),
+            (_, behind) => {
+                self.suspect = behind;
+                Ok(())
+            }
+        }
+    }
+
     /// The next JSON object of the stream.
     async fn message(&mut self) -> Result<Value, DiscoveryError> {
         loop {
-            // Objects are separated by newlines; skip blank lines.
-            if let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = self.buf.drain(..=end).collect();
-                let line = line.trim_ascii();
+            // Objects are separated by newlines; blank lines are skipped. Each byte is
+            // searched once, and consumed lines are dropped once per frame read.
+            if let Some(i) = self.buf[self.scanned..].iter().position(|&b| b == b'\n') {
+                let (start, end) = (self.consumed, self.scanned + i);
+                self.consumed = end + 1;
+                self.scanned = end + 1;
+                let line = self.buf[start..end].trim_ascii();
                 if line.is_empty() {
                     continue;
                 }
-                return serde_json::from_slice(line)
-                    .map_err(|e| self.api.error(format!("watch: not JSON ({e})")));
+                let parsed = serde_json::from_slice(line);
+                return parsed.map_err(|e| self.api.error(format!("watch: not JSON ({e})")));
+            }
+            self.scanned = self.buf.len();
+            if self.consumed > 0 {
+                self.buf.drain(..self.consumed);
+                self.scanned -= self.consumed;
+                self.consumed = 0;
             }
             if self.buf.len() > MAX_ANSWER {
                 return Err(self.api.error("watch: an answer is too large"));
@@ -469,6 +566,7 @@ impl Watch {
     pub async fn next(&mut self) -> Result<Vec<Event>, DiscoveryError> {
         loop {
             let v = self.message().await?;
+            self.delivered = true;
             if let Some(e) = v.get("error") {
                 return Err(self.api.error(format!("watch: {e}")));
             }
@@ -488,9 +586,12 @@ impl Watch {
                 let kv: RawKv = serde_json::from_value(e["kv"].clone())
                     .map_err(|err| self.api.error(format!("watch event: {err}")))?;
                 let kv = kv.into_kv().map_err(|err| self.api.error(err))?;
+                self.seen_revision = self.seen_revision.max(kv.mod_revision);
                 out.push(if e["type"] == "DELETE" {
+                    self.keys.remove(&kv.key);
                     Event::Delete(kv)
                 } else {
+                    self.keys.insert(kv.key.clone());
                     Event::Put(kv)
                 });
             }

@@ -401,7 +401,7 @@ async fn cycle(
     }
     apply(PolicyEvent::Listed(listed));
     let mut watch = api
-        .watch_prefix(&prefix(&config.root, role), revision + 1)
+        .watch_prefix(&prefix(&config.root, role), &kvs, revision + 1)
         .await?;
     *delay = config.backoff_initial;
     let mut alive = tokio::time::interval(config.timeout);
@@ -410,7 +410,7 @@ async fn cycle(
         let events = tokio::select! {
             events = watch.next() => events?,
             _ = alive.tick() => {
-                api.status().await?;
+                watch.check().await?;
                 continue;
             }
         };

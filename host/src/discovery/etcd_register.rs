@@ -1,5 +1,8 @@
 //! Registering a worker instance in etcd: grant a lease, put the instance's key bound to
-//! it, keep it alive at TTL/3, register again if the lease is lost, revoke it on a
+//! it, keep it alive at TTL/3 — a keep-alive that fails (etcd slow, a connection reset)
+//! is retried on the *same* lease, sooner, until etcd says the lease is gone, because
+//! routers take a new lease for a new registration (an ejected worker would come back
+//! unprobed, its failure memory wiped) — register again if the lease is lost, revoke it on a
 //! graceful stop (so the instance disappears at once instead of after the TTL). Before
 //! revoking, the record is rewritten with `draining: true`: a deletion alone looks the
 //! same as a lease that expired, which routers do not believe at once.
@@ -130,7 +133,12 @@ async fn session(
     etcd.put(key, value.as_bytes(), Some(lease)).await?;
     lease_tx.send_replace(Some(lease));
     tracing::info!(key, lease, ttl = ?ttl, "registered");
-    let mut tick = tokio::time::interval(ttl / 3);
+    let period = ttl / 3;
+    let mut next = tokio::time::Instant::now() + period;
+    // Retries of a failed keep-alive: from the first reconnect delay up to a second,
+    // never past the regular period.
+    let mut retry = config.backoff_initial;
+    let mut failures = 0u32;
     loop {
         tokio::select! {
             _ = &mut *stop => {
@@ -145,12 +153,27 @@ async fn session(
                 }
                 return Ok(SessionEnd::Stopped);
             }
-            _ = tick.tick() => {
-                if etcd.lease_keep_alive(lease).await? <= 0 {
+            _ = tokio::time::sleep_until(next) => match etcd.lease_keep_alive(lease).await {
+                Ok(left) if left <= 0 => {
                     lease_tx.send_replace(None);
                     return Ok(SessionEnd::LeaseLost);
                 }
-            }
+                Ok(_) => {
+                    if failures > 0 {
+                        tracing::info!(key, lease, failures, "lease kept alive again");
+                    }
+                    (failures, retry) = (0, config.backoff_initial);
+                    next = tokio::time::Instant::now() + period;
+                }
+                Err(e) => {
+                    failures += 1;
+                    if failures <= 3 || failures.is_multiple_of(100) {
+                        tracing::warn!(key, lease, failures, error = %e, retry_in = ?retry.min(period), "lease keep-alive failed; retrying the same lease");
+                    }
+                    next = tokio::time::Instant::now() + retry.min(period);
+                    retry = (retry * 2).min(Duration::from_secs(1));
+                }
+            },
         }
     }
 }

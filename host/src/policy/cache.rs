@@ -5,11 +5,19 @@
 //! (wasmtime version, target, settings), so an upgraded host never loads stale code.
 //!
 //! Loading compiled code runs it outside the sandbox, so an entry is trusted only if
-//! this router wrote it: each carries an HMAC-SHA256 of its bytes under a key kept in
-//! the cache directory (`key`, 32 random bytes, created mode 0600 on first use). An
-//! entry whose tag does not verify (truncated, altered, or written by someone without
-//! the key) is recompiled, never executed. A key file that others may read or write is
-//! not trusted: the cache is then not used at all, and the router says why.
+//! this router wrote it *for this policy*: each carries an HMAC-SHA256, under a key kept
+//! in the cache directory (`key`, 32 random bytes, created mode 0600 on first use), of
+//! the sha256 of the `.wasm` it was compiled from, the engine's compatibility hash and
+//! the compiled bytes. An entry whose tag does not verify (truncated, altered, written
+//! by someone without the key, or another policy's entry copied over this one's name) is
+//! recompiled, never executed.
+//!
+//! The directory must be this user's and not writable by group or others, and every file
+//! in it is opened without following symbolic links, checked on the opened descriptor
+//! (a regular file of this user), and created exclusively: a writer of the directory
+//! could otherwise redirect the router's writes or swap in a key between a check and a
+//! read. A directory or key that fails these checks is not used at all, and the router
+//! says why.
 
 use std::hash::{Hash, Hasher};
 use std::path::Path;
@@ -64,9 +72,14 @@ pub(crate) fn compile(
     let (Some(dir), Some(key)) = (dir, key) else {
         return Ok((Component::new(engine, bytes)?, CacheOutcome::Compiled));
     };
-    let path = dir.join(format!("{sha256}-{}.cwasm", engine_key(engine)));
-    if let Ok(entry) = std::fs::read(&path)
-        && let Some(component) = deserialize_checked(engine, &key, &entry)
+    let engine_key = engine_key(engine);
+    let path = dir.join(format!("{sha256}-{engine_key}.cwasm"));
+    let origin = Origin {
+        sha256,
+        engine: &engine_key,
+    };
+    if let Ok(entry) = read_own(&path, MAX_ENTRY)
+        && let Some(component) = deserialize_checked(engine, &key, origin, &entry)
     {
         return Ok((component, CacheOutcome::Disk));
     }
@@ -76,7 +89,7 @@ pub(crate) fn compile(
     // engine, which is exactly what `Component::deserialize` requires.
     #[allow(unsafe_code)]
     let component = unsafe { Component::deserialize(engine, &artifact) }?;
-    if let Err(e) = store(&key, &path, &artifact) {
+    if let Err(e) = store(&key, origin, &path, &artifact) {
         tracing::warn!(path = %path.display(), error = %e, "cannot write the policy cache");
     }
     Ok((component, CacheOutcome::Compiled))
@@ -85,58 +98,158 @@ pub(crate) fn compile(
 /// Length of an entry's tag (HMAC-SHA256).
 const TAG_LEN: usize = 32;
 
-/// The cache's HMAC key: read from `dir/key`, or created there (0600, exclusively) on
-/// first use. Refused if it is not 32 bytes, or not this user's alone.
-fn cache_key(dir: &Path) -> std::io::Result<ring::hmac::Key> {
-    use std::io::{Error, ErrorKind, Write};
-    #[cfg(unix)]
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
-    let path = dir.join("key");
-    let mut builder = std::fs::DirBuilder::new();
-    builder.recursive(true);
-    #[cfg(unix)]
-    builder.mode(0o700);
-    builder.create(dir)?;
-    if !path.exists() {
-        let mut fresh = [0u8; TAG_LEN];
-        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut fresh)
-            .map_err(|_| Error::other("no system randomness for the cache key"))?;
-        // Written whole under another name, then linked into place: a router starting
-        // at the same moment sees no key or the whole key, and one key wins.
-        let tmp = dir.join(format!("key.tmp{}", std::process::id()));
-        let mut options = std::fs::OpenOptions::new();
-        options.write(true).create(true).truncate(true);
-        #[cfg(unix)]
-        options.mode(0o600);
-        let mut file = options.open(&tmp)?;
-        file.write_all(&fresh)?;
-        file.sync_all()?;
-        let linked = std::fs::hard_link(&tmp, &path);
-        let _ = std::fs::remove_file(&tmp);
-        match linked {
-            Ok(()) => {}
-            Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(e),
-        }
+/// Largest cache entry read (compiled policies are a few MiB).
+const MAX_ENTRY: u64 = 512 << 20;
+
+/// What an entry was compiled from, covered by its tag.
+#[derive(Clone, Copy)]
+struct Origin<'a> {
+    /// The sha256 of the `.wasm`, hex.
+    sha256: &'a str,
+    /// The engine's compatibility hash, hex.
+    engine: &'a str,
+}
+
+impl Origin<'_> {
+    fn tag_context(&self, key: &ring::hmac::Key) -> ring::hmac::Context {
+        let mut ctx = ring::hmac::Context::with_key(key);
+        ctx.update(b"switchyard policy cache v2\0");
+        ctx.update(self.sha256.as_bytes());
+        ctx.update(b"\0");
+        ctx.update(self.engine.as_bytes());
+        ctx.update(b"\0");
+        ctx
     }
-    let meta = std::fs::symlink_metadata(&path)?;
+}
+
+#[cfg(unix)]
+fn my_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::geteuid()
+    }
+}
+
+/// Reads a file of the cache directory: opened without following a symbolic link,
+/// checked on the opened descriptor (a regular file of this user, and with `private`,
+/// readable by no one else), at most `max` bytes.
+fn read_checked(path: &Path, max: u64, private: bool) -> std::io::Result<Vec<u8>> {
+    use std::io::{Error, ErrorKind, Read};
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
     #[cfg(unix)]
     {
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        #[allow(unsafe_code)]
-        let me = unsafe { libc::geteuid() };
-        if !meta.file_type().is_file() || meta.mode() & 0o077 != 0 || meta.uid() != me {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NOFOLLOW);
+    }
+    let file = options.open(path)?;
+    let meta = file.metadata()?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        let open = private && meta.mode() & 0o077 != 0;
+        if !meta.file_type().is_file() || meta.uid() != my_uid() || open {
             return Err(Error::new(
                 ErrorKind::PermissionDenied,
                 format!(
-                    "{} must be a regular file of this user with mode 0600 (whoever can \
-                     read it can forge compiled code the router would run)",
-                    path.display()
+                    "{} must be a regular file of this user{} (whoever can read or write it \
+                     can forge compiled code the router would run)",
+                    path.display(),
+                    if private { " with mode 0600" } else { "" }
                 ),
             ));
         }
     }
-    let key = std::fs::read(&path)?;
+    if meta.len() > max {
+        return Err(Error::new(
+            ErrorKind::InvalidData,
+            format!("{} is larger than {max} bytes", path.display()),
+        ));
+    }
+    let mut data = Vec::new();
+    file.take(max).read_to_end(&mut data)?;
+    Ok(data)
+}
+
+fn read_own(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    read_checked(path, max, false)
+}
+
+/// Creates `path` exclusively (never through an existing file or link), mode 0600,
+/// holding `data`, synced.
+fn create_new(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600).custom_flags(libc::O_NOFOLLOW);
+    }
+    let mut file = options.open(path)?;
+    file.write_all(data)?;
+    file.sync_all()
+}
+
+/// The cache directory, created 0700 if missing; refused unless it is a directory of
+/// this user that group and others cannot write.
+fn check_dir(dir: &Path) -> std::io::Result<()> {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        builder.mode(0o700);
+    }
+    builder.create(dir)?;
+    let meta = std::fs::symlink_metadata(dir)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        if !meta.file_type().is_dir() || meta.uid() != my_uid() || meta.mode() & 0o022 != 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "{} must be a directory of this user that group and others cannot write \
+                     (whoever can write it can replace the router's compiled code)",
+                    dir.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The cache's HMAC key: read from `dir/key`, or created there (0600, exclusively) on
+/// first use. Refused if it is not 32 bytes, not this user's alone, or the directory is
+/// not this user's and closed to others.
+fn cache_key(dir: &Path) -> std::io::Result<ring::hmac::Key> {
+    use std::io::{Error, ErrorKind};
+    check_dir(dir)?;
+    let path = dir.join("key");
+    let key = match read_checked(&path, TAG_LEN as u64, true) {
+        Ok(key) => key,
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            let mut fresh = [0u8; TAG_LEN];
+            ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut fresh)
+                .map_err(|_| Error::other("no system randomness for the cache key"))?;
+            // Written whole under another name, then linked into place: a router starting
+            // at the same moment sees no key or the whole key, and one key wins.
+            let tmp = dir.join(format!("key.tmp{}", std::process::id()));
+            let _ = std::fs::remove_file(&tmp);
+            create_new(&tmp, &fresh)?;
+            let linked = std::fs::hard_link(&tmp, &path);
+            let _ = std::fs::remove_file(&tmp);
+            match linked {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(e),
+            }
+            read_checked(&path, TAG_LEN as u64, true)?
+        }
+        Err(e) => return Err(e),
+    };
     if key.len() != TAG_LEN {
         return Err(Error::new(
             ErrorKind::InvalidData,
@@ -146,25 +259,50 @@ fn cache_key(dir: &Path) -> std::io::Result<ring::hmac::Key> {
     Ok(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &key))
 }
 
-/// Layout of a cache file: the HMAC-SHA256 tag of the artifact, then the artifact.
-fn store(key: &ring::hmac::Key, path: &Path, artifact: &[u8]) -> std::io::Result<()> {
-    let mut data = ring::hmac::sign(key, artifact).as_ref().to_vec();
+/// Layout of a cache file: the tag (HMAC-SHA256 of the origin and the artifact), then
+/// the artifact.
+fn store(
+    key: &ring::hmac::Key,
+    origin: Origin<'_>,
+    path: &Path,
+    artifact: &[u8],
+) -> std::io::Result<()> {
+    let mut ctx = origin.tag_context(key);
+    ctx.update(artifact);
+    let mut data = ctx.sign().as_ref().to_vec();
     data.extend_from_slice(artifact);
-    // Write then rename, so a concurrent reader never sees half a file.
+    // Created exclusively under another name, then renamed (which replaces a link at
+    // `path` rather than writing through it), so a concurrent reader never sees half a
+    // file.
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, &data)?;
+    let _ = std::fs::remove_file(&tmp);
+    create_new(&tmp, &data)?;
     std::fs::rename(&tmp, path)
 }
 
-fn deserialize_checked(engine: &Engine, key: &ring::hmac::Key, data: &[u8]) -> Option<Component> {
+fn deserialize_checked(
+    engine: &Engine,
+    key: &ring::hmac::Key,
+    origin: Origin<'_>,
+    data: &[u8],
+) -> Option<Component> {
     if data.len() < TAG_LEN {
         return None;
     }
     let (tag, artifact) = data.split_at(TAG_LEN);
-    if ring::hmac::verify(key, artifact, tag).is_err() {
+    let mut ctx = origin.tag_context(key);
+    ctx.update(artifact);
+    let expected = ctx.sign();
+    // Every byte compared, whatever the first difference (no early exit to time).
+    let differs = expected
+        .as_ref()
+        .iter()
+        .zip(tag)
+        .fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    if differs != 0 {
         tracing::warn!(
-            "a policy cache entry was not written by this router (its tag does not verify); \
-             recompiling"
+            "a policy cache entry was not written by this router for this policy (its tag \
+             does not verify); recompiling"
         );
         return None;
     }
