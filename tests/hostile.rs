@@ -195,3 +195,47 @@ async fn stalled_uploads_hold_no_slot_and_are_answered_408() {
         assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     }
 }
+
+/// A 16 MB token-ID prompt (8M tokens, ~500k blocks) is refused before anything is
+/// booked or predicted: it used to be recorded as half a million predicted blocks under
+/// the index's write lock before the worker refused it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_16_mb_token_prompt_is_refused_before_any_booking_or_prediction() {
+    let (_worker, worker_url) = mock_worker(&["--speedup", "100"]).await;
+    let (_router, url) = serve(&[
+        "--model",
+        "mock",
+        "--worker",
+        &worker_url,
+        "--admin-token",
+        common::router::TOKEN,
+    ])
+    .await;
+    let mut body = String::with_capacity(16 << 20);
+    body.push_str(r#"{"model": "mock", "max_tokens": 1, "prompt": ["#);
+    for i in 0..8_000_000u32 {
+        body.push_str(if i == 0 { "1" } else { ",1" });
+    }
+    body.push_str("]}");
+    assert!(body.len() < 16 << 20);
+    let c = http::client();
+    let (status, _, answer) = http::send(
+        &c,
+        hyper::Method::POST,
+        &format!("{url}/v1/completions"),
+        &[("content-type", "application/json")],
+        body,
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+    assert!(answer.contains("--max-prompt-tokens"), "{answer}");
+    let instance = common::router::instance(&c, &url, &worker_url).await;
+    assert_eq!(instance["cached_blocks"], 0, "{instance}");
+    assert_eq!(instance["booked"], 0, "{instance}");
+    let ok = json!({"model": "mock", "prompt": "a normal one", "max_tokens": 2});
+    let (status, answer, _) = post_json(&c, &format!("{url}/v1/completions"), &ok).await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+}

@@ -235,3 +235,35 @@ async fn unpredicted_cache_hits_are_counted_and_warned_about_once_however_many()
     router.note_cache_report(3, 10 * block);
     assert_eq!(router.unpredicted_cache_hits(), 10_000);
 }
+
+/// A worker's feed task can be inside a write when the worker is removed (aborting a
+/// task does not stop it mid-call): a batch that lands after the removal leaves nothing
+/// of the worker behind — no blocks, no view, no capacity — and the others keep theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_landing_after_a_workers_removal_leaves_nothing_of_it() {
+    use switchyard::kv::events::KvEvent;
+    use switchyard::router::CacheView;
+    let (gone, stays) = (InstanceId(1), InstanceId(2));
+    let (router, client) = router(vec![instance(1, None), instance(2, None)]);
+    let stored = |from: u64| KvEvent::Stored {
+        seq: 0,
+        parent: None,
+        blocks: (from..from + 8).collect(),
+    };
+    router.apply_cache_event(gone, &stored(100));
+    router.apply_cache_event(stays, &stored(200));
+    assert_eq!(router.cached_blocks(gone), 8);
+    client.apply(DiscoveryUpdate::Leave(gone));
+    // The subscriber drops the worker's state once discovery no longer lists it.
+    eventually("the removal applied", || router.cached_blocks(gone) == 0).await;
+    // Then the batch its feed was applying lands.
+    router.apply_cache_event(gone, &stored(300));
+    assert_eq!(
+        router.cached_blocks(gone),
+        0,
+        "a removed worker's blocks came back"
+    );
+    assert_eq!(router.cache_view(gone), CacheView::Approximate);
+    assert_eq!(router.known_capacity(gone), None);
+    assert_eq!(router.cached_blocks(stays), 8);
+}

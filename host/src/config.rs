@@ -92,6 +92,10 @@ pub struct ServeArgs {
     /// answer ends), bytes; past it new requests get 503 [default: 1073741824].
     #[arg(long, env = "SWITCHYARD_MAX_BODY_BYTES_TOTAL")]
     pub max_body_bytes_total: Option<usize>,
+    /// Longest prompt routed, in tokens; longer ones get 400 before any booking
+    /// [default: 1048576, above every served model's context].
+    #[arg(long, env = "SWITCHYARD_MAX_PROMPT_TOKENS")]
+    pub max_prompt_tokens: Option<usize>,
     /// Workers tried per request [default: 3].
     #[arg(long, env = "SWITCHYARD_MAX_ATTEMPTS")]
     pub max_attempts: Option<usize>,
@@ -255,6 +259,7 @@ pub struct FileConfig {
     tokenizer_cache_tokens: Option<usize>,
     max_body_bytes: Option<usize>,
     max_body_bytes_total: Option<usize>,
+    max_prompt_tokens: Option<usize>,
     max_attempts: Option<usize>,
     connect_timeout_ms: Option<u64>,
     first_byte_timeout_secs: Option<u64>,
@@ -697,6 +702,11 @@ impl ServeArgs {
                 .max_body_bytes_total
                 .or(file.max_body_bytes_total)
                 .unwrap_or(defaults.max_body_bytes_total),
+            max_prompt_tokens: self
+                .max_prompt_tokens
+                .or(file.max_prompt_tokens)
+                .unwrap_or(defaults.max_prompt_tokens)
+                .max(1),
             max_attempts: self
                 .max_attempts
                 .or(file.max_attempts)

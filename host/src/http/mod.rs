@@ -75,6 +75,9 @@ pub struct GatewayConfig {
     pub max_body_bytes: usize,
     /// Most bytes of request bodies held at once (being read or kept for retries).
     pub max_body_bytes_total: usize,
+    /// Longest prompt routed, in tokens; a longer one is refused (400) before anything
+    /// is booked or predicted.
+    pub max_prompt_tokens: usize,
     /// Largest request head (request line and headers).
     pub max_header_bytes: usize,
     /// Workers tried per request (the first plus retries).
@@ -118,6 +121,7 @@ impl Default for GatewayConfig {
         GatewayConfig {
             max_body_bytes: 16 << 20,
             max_body_bytes_total: 1 << 30,
+            max_prompt_tokens: 1 << 20,
             max_header_bytes: 64 << 10,
             max_attempts: 3,
             connect_timeout: Duration::from_millis(1000),

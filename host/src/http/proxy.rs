@@ -122,6 +122,21 @@ pub(crate) async fn tokenize(gw: &Arc<Gateway>, prompt: &Prompt) -> Result<Vec<u
 }
 
 async fn tokenize_prompt(gw: &Arc<Gateway>, prompt: &Prompt) -> Result<Vec<u32>, TokenizerError> {
+    if let Prompt::Chat(m) = prompt
+        && m.iter().map(|m| m.content.len()).sum::<usize>() > BLOCKING_TOKENIZE_BYTES
+    {
+        // A long conversation is rendered and tokenized off the async workers together.
+        let started = Instant::now();
+        let (tokenizer, messages) = (gw.tokenizer.clone(), m.clone());
+        let tokens = tokio::task::spawn_blocking(move || {
+            let text = tokenizer.render_chat(&messages)?;
+            tokenizer.encode(&text)
+        })
+        .await
+        .unwrap_or_else(|e| Err(TokenizerError::from_panic(e)));
+        gw.metrics.timings.tokenize(started.elapsed());
+        return tokens;
+    }
     let text = match prompt {
         Prompt::Tokens(t) => return Ok(t.clone()),
         Prompt::Text(t) => std::borrow::Cow::Borrowed(t.as_str()),
@@ -153,7 +168,16 @@ pub(crate) async fn completion(
     let accept = req.headers.get(ACCEPT).cloned();
     // Kept only for endpoints whose workers may see clients' credentials.
     let auth = req.headers.get(AUTHORIZATION).cloned();
-    let parsed = openai::parse(api, &body).map_err(ApiError::BadRequest)?;
+    let parsed = if body.len() > BLOCKING_TOKENIZE_BYTES {
+        // A large body is parsed off the async workers.
+        let b = body.clone();
+        tokio::task::spawn_blocking(move || openai::parse(api, &b))
+            .await
+            .map_err(|e| ApiError::Upstream(format!("the request parser failed: {e}")))?
+    } else {
+        openai::parse(api, &body)
+    }
+    .map_err(ApiError::BadRequest)?;
     let router = gw.fleet.router_for_model(&parsed.model).ok_or_else(|| {
         if gw.fleet.model_known(&parsed.model) {
             ApiError::ModelUnavailable(parsed.model.clone())
@@ -163,6 +187,25 @@ pub(crate) async fn completion(
     })?;
     let auth = auth.filter(|_| router.forwards_authorization());
     let tokens = tokenize(gw, &parsed.prompt).await?;
+    // Refused before anything is booked or predicted: a prompt no worker can take must
+    // not cost the router its locks or its prediction budget.
+    if tokens.len() > gw.config.max_prompt_tokens {
+        return Err(ApiError::BadRequest(openai::BadRequest {
+            message: format!(
+                "the prompt has {} tokens; this router takes at most {} (--max-prompt-tokens)",
+                tokens.len(),
+                gw.config.max_prompt_tokens
+            ),
+            param: Some(
+                if api == Api::Chat {
+                    "messages"
+                } else {
+                    "prompt"
+                }
+                .into(),
+            ),
+        }));
+    }
     let session_key = parsed
         .user
         .as_deref()
@@ -546,6 +589,7 @@ impl Relay {
             is_sse,
             tail: Vec::new(),
             done: false,
+            touched: Instant::now(),
         };
         Response::from_parts(parts, body.boxed())
     }
@@ -565,14 +609,24 @@ struct RelayBody {
     is_sse: bool,
     tail: Vec<u8>,
     done: bool,
+    /// When the booking was last told the stream is alive.
+    touched: Instant,
 }
+
+/// How often a relaying stream tells its booking it is alive (a lock per touch; the
+/// hard expiry is minutes).
+const TOUCH_EVERY: Duration = Duration::from_secs(10);
 
 impl RelayBody {
     fn data(&mut self, data: Bytes) -> Frame<Bytes> {
         note_usage_tail(&mut self.tail, &data);
-        self.timer
-            .as_mut()
-            .reset(tokio::time::Instant::now() + self.idle);
+        let now = tokio::time::Instant::now();
+        self.timer.as_mut().reset(now + self.idle);
+        if self.touched.elapsed() >= TOUCH_EVERY {
+            self.touched = Instant::now();
+            let b = &self.relay.booking;
+            b.router.touch(b.request);
+        }
         Frame::data(data)
     }
 

@@ -89,7 +89,9 @@ struct Booking {
     blocks: Vec<BlockHash>,
     /// Uncached prompt tokens still counted as pending prefill (0 once done).
     pending: u64,
-    booked_at: Instant,
+    /// When it was booked or last showed life ([`LoadTracker::touch`]): the hard expiry
+    /// counts from here, so a stream that is still relaying is never taken for a leak.
+    seen_at: Instant,
 }
 
 /// How long a worker's report counts by default.
@@ -147,7 +149,7 @@ impl LoadTracker {
                 worker,
                 blocks: blocks.to_vec(),
                 pending: uncached_tokens,
-                booked_at: now,
+                seen_at: now,
             },
         );
     }
@@ -185,12 +187,20 @@ impl LoadTracker {
         true
     }
 
-    /// Releases every request booked more than `max_age` before `now`; returns how many.
+    /// The request is still alive at `now` (its response is relaying).
+    pub fn touch(&mut self, req: RequestId, now: Instant) {
+        if let Some(b) = self.requests.get_mut(&req) {
+            b.seen_at = b.seen_at.max(now);
+        }
+    }
+
+    /// Releases every request that showed no life for more than `max_age` before `now`;
+    /// returns how many.
     pub fn expire(&mut self, now: Instant, max_age: Duration) -> usize {
         let old: Vec<RequestId> = self
             .requests
             .iter()
-            .filter(|(_, b)| now.saturating_duration_since(b.booked_at) > max_age)
+            .filter(|(_, b)| now.saturating_duration_since(b.seen_at) > max_age)
             .map(|(id, _)| *id)
             .collect();
         for id in &old {
@@ -324,6 +334,30 @@ mod tests {
             1
         );
         assert_eq!(t.load(InstanceId(1), now).in_flight, 1);
+    }
+
+    /// An 18-minute reasoning stream under a 10-minute expiry: touched by its relay, it
+    /// keeps its booking; one that stops showing life is released 10 minutes later.
+    #[test]
+    fn a_stream_that_keeps_relaying_outlives_the_hard_expiry() {
+        let mut t = LoadTracker::default();
+        let now = Instant::now();
+        let max_age = Duration::from_secs(600);
+        t.book(RequestId(1), InstanceId(1), &b(&[1, 2]), 10, now);
+        t.book(RequestId(2), InstanceId(1), &b(&[3]), 10, now);
+        for minute in 1..=18u64 {
+            let at = now + Duration::from_secs(60 * minute);
+            t.touch(RequestId(1), at);
+            assert_eq!(
+                t.expire(at, max_age),
+                usize::from(minute == 11),
+                "minute {minute}"
+            );
+        }
+        assert_eq!(t.in_flight(), 1, "the live stream was released");
+        let silent = now + Duration::from_secs(60 * 18 + 601);
+        assert_eq!(t.expire(silent, max_age), 1);
+        assert_eq!(t.in_flight(), 0);
     }
 
     #[test]

@@ -44,7 +44,9 @@ type Batch = (u64, Bytes);
 /// The router's bound SUB sockets and where their batches go.
 pub struct CentralEvents {
     addresses: Vec<String>,
-    routes: Mutex<HashMap<Route, (InstanceId, mpsc::Sender<Batch>)>>,
+    routes: Mutex<HashMap<Route, Holder>>,
+    /// The next claim's number.
+    claims: AtomicU64,
     /// Batches whose topic no worker claims.
     pub unrouted: AtomicU64,
     /// Batches dropped because a worker's queue was full.
@@ -64,17 +66,32 @@ impl std::fmt::Debug for CentralEvents {
     }
 }
 
+/// Who holds a route.
+struct Holder {
+    worker: InstanceId,
+    /// The claim that made it: only that claim's drop removes it.
+    claim: u64,
+    /// Where its batches go.
+    tx: mpsc::Sender<Batch>,
+}
+
 /// A worker's claim on a topic: its batches, until dropped.
 pub struct Claim {
     hub: Arc<CentralEvents>,
     route: Route,
+    id: u64,
     /// `(seq, payload)` of each batch.
     pub batches: mpsc::Receiver<Batch>,
 }
 
 impl Drop for Claim {
     fn drop(&mut self) {
-        self.hub.routes.lock().remove(&self.route);
+        // Racing: the same worker may have claimed the route again (a new feed) before
+        // this one's drop; only the claim that holds it removes it.
+        let mut routes = self.hub.routes.lock();
+        if routes.get(&self.route).is_some_and(|h| h.claim == self.id) {
+            routes.remove(&self.route);
+        }
     }
 }
 
@@ -85,6 +102,7 @@ impl CentralEvents {
         let hub = Arc::new(CentralEvents {
             addresses: addresses.to_vec(),
             routes: Mutex::new(HashMap::new()),
+            claims: AtomicU64::new(0),
             unrouted: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             malformed: AtomicU64::new(0),
@@ -125,7 +143,7 @@ impl CentralEvents {
         }
         let route = (topic.to_string(), rank);
         let mut routes = self.routes.lock();
-        if let Some((holder, _)) = routes.get(&route)
+        if let Some(Holder { worker: holder, .. }) = routes.get(&route)
             && *holder != worker
         {
             return Err(format!(
@@ -133,10 +151,19 @@ impl CentralEvents {
             ));
         }
         let (tx, rx) = mpsc::channel(QUEUE);
-        routes.insert(route.clone(), (worker, tx));
+        let id = self.claims.fetch_add(1, Ordering::Relaxed);
+        routes.insert(
+            route.clone(),
+            Holder {
+                worker,
+                claim: id,
+                tx,
+            },
+        );
         Ok(Claim {
             hub: self.clone(),
             route,
+            id,
             batches: rx,
         })
     }
@@ -147,7 +174,7 @@ impl CentralEvents {
             .routes
             .lock()
             .get(&(topic.to_string(), rank))
-            .map(|(_, tx)| tx.clone());
+            .map(|h| h.tx.clone());
         let Some(tx) = sender else {
             let n = self.unrouted.fetch_add(1, Ordering::Relaxed) + 1;
             if n <= 10 || n.is_multiple_of(10_000) {
@@ -256,5 +283,15 @@ mod tests {
         // A dropped claim frees its topic.
         drop(stuck);
         assert!(hub.claim("stuck", 0, InstanceId(3)).is_ok());
+        // A worker's new claim survives the drop of its old one.
+        let old = hub.claim("w", 0, InstanceId(4)).unwrap();
+        let mut new = hub.claim("w", 0, InstanceId(4)).unwrap();
+        drop(old);
+        hub.dispatch(0, b"w", 7, Bytes::new());
+        assert_eq!(
+            new.batches.try_recv().unwrap().0,
+            7,
+            "the old claim's drop took the route"
+        );
     }
 }

@@ -175,6 +175,17 @@ impl Feed {
                 return;
             }
         }
+        // The feed is over: what the engine does from now on is not seen.
+        if let Some(r) = self.router.upgrade() {
+            let status = {
+                let v = self.view.lock();
+                ViewStatus {
+                    complete: false,
+                    ..self.status(&v)
+                }
+            };
+            r.apply_engine_ops(self.worker, &[], status);
+        }
     }
 
     /// Asks the replay socket for everything after the last applied batch.

@@ -640,6 +640,11 @@ impl KvRouter {
         self.load.lock().prefill_done(request);
     }
 
+    /// The request is alive (its response is still relaying): its booking is not a leak.
+    pub fn touch(&self, request: RequestId) {
+        self.load.lock().touch(request, Instant::now());
+    }
+
     /// The request ended, failed or was cancelled.
     pub fn finish(&self, request: RequestId) {
         self.load.lock().finish(request);
@@ -680,9 +685,31 @@ impl KvRouter {
         self.views.read().get(&worker).copied()
     }
 
+    /// Whether discovery still lists `worker`: what its event feeds write is kept only
+    /// while it does.
+    fn is_member(&self, worker: InstanceId) -> bool {
+        self.client.snapshot().instances.contains_key(&worker)
+    }
+
+    /// The membership fence of every write a worker's feed makes: called *after* the
+    /// write. Discovery removes a worker from the snapshot before the subscriber calls
+    /// [`KvRouter::drop_worker`], so a write that began before the removal is undone by
+    /// that call, and one that ends after it finds the worker gone here and undoes itself.
+    /// Racing: a feed task aborted by the subscriber may still be inside a write.
+    fn fence(&self, worker: InstanceId) {
+        if !self.is_member(worker) {
+            self.drop_worker(worker);
+        }
+    }
+
     /// Applies changes from `worker`'s events, and the view's new state. A view that
     /// becomes complete drops the worker's predictions.
     pub(crate) fn apply_engine_ops(&self, worker: InstanceId, ops: &[IndexOp], status: ViewStatus) {
+        self.apply_engine_ops_unfenced(worker, ops, status);
+        self.fence(worker);
+    }
+
+    fn apply_engine_ops_unfenced(&self, worker: InstanceId, ops: &[IndexOp], status: ViewStatus) {
         let was_exact = self.is_exact(worker);
         if !ops.is_empty() || (status.complete && !was_exact) {
             let mut index = self.index.write();
@@ -706,7 +733,7 @@ impl KvRouter {
                 complete: true,
                 ..ViewStatus::default()
             };
-            self.apply_engine_ops(worker, &[], exact);
+            self.apply_engine_ops_unfenced(worker, &[], exact);
         }
     }
 
@@ -728,11 +755,14 @@ impl KvRouter {
             KvEvent::Cleared { .. } => index.cleared(worker),
             KvEvent::Load { .. } => {}
         }
+        drop(guard);
+        self.fence(worker);
     }
 
     pub(crate) fn report_load(&self, worker: InstanceId, load: ReportedLoad) {
         self.capacities.lock().insert(worker, load.kv_total_blocks);
         self.load.lock().report(worker, load, Instant::now());
+        self.fence(worker);
     }
 
     /// Load read from the worker's engine metrics; `size_known` when they gave the cache
@@ -747,6 +777,7 @@ impl KvRouter {
             self.capacities.lock().insert(worker, load.kv_total_blocks);
         }
         self.load.lock().report(worker, load, Instant::now());
+        self.fence(worker);
     }
 
     /// `worker`'s KV cache size in blocks, if its reports said.

@@ -55,14 +55,31 @@ pub struct EventStats {
     pub disconnects: AtomicU64,
 }
 
+/// Longest NDJSON line read (a snapshot of a whole cache is one line: 1M blocks of ~21
+/// bytes each fit). A longer one ends the connection, which reconnects with backoff.
+pub const MAX_LINE: usize = 64 << 20;
+
+/// A connection that lasted this long, having delivered its snapshot, starts the next
+/// reconnect's backoff from the beginning; a shorter one (a gap right after every
+/// snapshot, a stream that breaks at once) keeps backing off.
+const STEADY: Duration = Duration::from_secs(5);
+
 /// Starts following `router`'s client; runs until the router is dropped.
 pub fn spawn(router: &Arc<KvRouter>, config: SubscriberConfig) -> tokio::task::JoinHandle<()> {
     let weak = Arc::downgrade(router);
     let mut changes = router.client().subscribe_changes();
     let http = super::background_http(&router.config.tls, Duration::from_secs(2));
+    // Taken now, not when the task first runs: a worker that leaves in between is still
+    // dropped (anything may have written its state meanwhile).
+    let mut known: BTreeSet<InstanceId> = router
+        .client()
+        .snapshot()
+        .instances
+        .keys()
+        .copied()
+        .collect();
     tokio::spawn(async move {
         let mut subs: HashMap<InstanceId, (Source, tokio::task::AbortHandle)> = HashMap::new();
-        let mut known: BTreeSet<InstanceId> = BTreeSet::new();
         loop {
             {
                 let Some(router) = weak.upgrade() else { break };
@@ -155,16 +172,16 @@ async fn follow(
     let mut delay = config.backoff_initial;
     loop {
         let mut synced = false;
+        let started = tokio::time::Instant::now();
         let end = stream_once(&router, worker, &url, &config, &http, &mut synced).await;
         let Some(r) = router.upgrade() else { return };
-        if synced {
+        if synced && started.elapsed() >= STEADY {
             delay = config.backoff_initial;
         }
         match end {
             End::Gap => {
                 r.event_stats.gaps.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(instance = %worker, "KV event sequence gap; resubscribing for a snapshot");
-                continue;
+                tracing::info!(instance = %worker, retry_in = ?delay, "KV event sequence gap; resubscribing for a snapshot");
             }
             End::Broken(why) => {
                 r.event_stats.disconnects.fetch_add(1, Ordering::Relaxed);
@@ -199,6 +216,8 @@ async fn stream_once(
     }
     let mut body = response.into_body();
     let mut buf: Vec<u8> = Vec::new();
+    // Bytes of `buf` searched for a newline (each is searched once) and already handled.
+    let (mut scanned, mut consumed) = (0usize, 0usize);
     let mut last: Option<u64> = None;
     loop {
         let frame = match tokio::time::timeout(config.idle_timeout, body.frame()).await {
@@ -210,10 +229,16 @@ async fn stream_once(
         let Ok(data) = frame.into_data() else {
             continue;
         };
+        if consumed > 0 {
+            buf.drain(..consumed);
+            scanned -= consumed;
+            consumed = 0;
+        }
         buf.extend_from_slice(&data);
-        while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = buf.drain(..=nl).collect();
-            let line = &line[..line.len() - 1];
+        while let Some(i) = buf[scanned..].iter().position(|&b| b == b'\n') {
+            let nl = scanned + i;
+            let line = &buf[consumed..nl];
+            (scanned, consumed) = (nl + 1, nl + 1);
             if line.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
@@ -257,6 +282,10 @@ async fn stream_once(
                     return End::Gap;
                 }
             }
+        }
+        scanned = buf.len();
+        if buf.len() - consumed > MAX_LINE {
+            return End::Broken(format!("a line longer than {MAX_LINE} bytes"));
         }
     }
 }
