@@ -26,9 +26,9 @@
 
 use std::collections::HashMap;
 
+use super::Keyed;
 use super::engine_events::{EngineEvent, Medium, StoredBlocks};
 use super::hash::{hash_block, mix};
-use super::{Mixed, PassThrough};
 use crate::ids::BlockHash;
 
 /// A change to apply to the overlap index, in order.
@@ -95,7 +95,7 @@ struct Rank {
     last: Option<(u64, f64)>,
     /// Engine hash → router hash of every GPU block the rank holds, or held before a
     /// lost gap (the engine may still hold it, and name it as a parent).
-    map: HashMap<u64, Entry, Mixed>,
+    map: HashMap<u64, Entry, Keyed>,
     /// Entries held now.
     held: usize,
     peak: usize,
@@ -111,8 +111,10 @@ struct Rank {
 pub struct EngineView {
     block_size: u32,
     seed: u64,
-    /// Most engine-hash entries kept per rank: past it the rank is cleared and marked
-    /// incomplete (a stream that removes nothing would otherwise grow without bound).
+    /// Most engine-hash entries kept for the worker (all ranks together; less once its
+    /// cache size is known, [`EngineView::entry_limit`]): past it the rank being written
+    /// is cleared and marked incomplete (a stream that removes nothing would otherwise
+    /// grow without bound).
     max_entries: usize,
     ranks: HashMap<u32, Rank>,
     /// Ranks the worker has (`0..expected_ranks`).
@@ -121,7 +123,7 @@ pub struct EngineView {
     /// at least (its cache size, when known).
     capacity_hint: usize,
     /// Router hash → how many ranks hold it.
-    refs: HashMap<u64, u32, PassThrough>,
+    refs: HashMap<u64, u32, Keyed>,
     counts: ViewCounts,
 }
 
@@ -170,6 +172,24 @@ impl EngineView {
         }
     }
 
+    /// Engine-hash entries over all ranks.
+    fn entries(&self) -> usize {
+        self.ranks.values().map(|r| r.map.len()).sum()
+    }
+
+    /// Most engine-hash entries the worker may make the router keep, over all its ranks:
+    /// twice its reported cache size plus 64k (entries outlive a lost gap) when known,
+    /// never more than `max_entries` — a worker cannot multiply it by claiming ranks.
+    fn entry_limit(&self) -> usize {
+        match self.capacity_hint {
+            0 => self.max_entries,
+            c => c
+                .saturating_mul(2)
+                .saturating_add(1 << 16)
+                .min(self.max_entries),
+        }
+    }
+
     /// The worker's cache size in blocks, when known (from its load reports): a rank that
     /// lost a gap is complete again after storing at least this many blocks.
     pub fn set_capacity_hint(&mut self, blocks: usize) {
@@ -200,7 +220,8 @@ impl EngineView {
         match self.ranks.get(&rank).and_then(|r| r.last) {
             None if seq == 0 => SeqVerdict::Apply,
             None => SeqVerdict::Gap { from: 0, to: seq },
-            Some((last, _)) if seq == last + 1 => SeqVerdict::Apply,
+            Some((last, _)) if last.checked_add(1) == Some(seq) => SeqVerdict::Apply,
+            // `seq > last`, so `last + 1` cannot overflow.
             Some((last, _)) if seq > last => SeqVerdict::Gap {
                 from: last + 1,
                 to: seq,
@@ -323,10 +344,8 @@ impl EngineView {
             self.counts.bad_tokens += 1;
             return;
         }
-        if self
-            .ranks
-            .get(&rank)
-            .is_some_and(|r| r.map.len() + s.hashes.len() > self.max_entries)
+        if self.ranks.contains_key(&rank)
+            && self.entries().saturating_add(s.hashes.len()) > self.entry_limit()
         {
             // Runaway stream: start over rather than grow.
             let mut dropped = self.drop_rank_blocks(rank);
@@ -396,7 +415,7 @@ impl EngineView {
 }
 
 /// Drops one reference; whether it was the last.
-fn release(refs: &mut HashMap<u64, u32, PassThrough>, h: u64) -> bool {
+fn release(refs: &mut HashMap<u64, u32, Keyed>, h: u64) -> bool {
     match refs.get_mut(&h) {
         Some(n) if *n > 1 => {
             *n -= 1;
@@ -579,5 +598,34 @@ mod tests {
         }
         assert!(v.held() <= 100);
         assert!(v.ranks[&0].map.len() <= 100);
+    }
+
+    /// The bound is the worker's, not each rank's: 256 ranks that never remove hold no
+    /// more than one would (plus one batch), and a reported cache size lowers it.
+    #[test]
+    fn many_ranks_share_one_bound_scaled_to_the_cache_size() {
+        let mut v = EngineView::new(1, 0, 1000, 256);
+        for i in 0..20_000u64 {
+            let rank = (i % 256) as u32;
+            let seq = i / 256;
+            v.apply(rank, seq, i as f64, &[stored(&[i], None, &[i as u32])]);
+        }
+        assert!(v.entries() <= 1001, "{} entries", v.entries());
+        let mut v = EngineView::new(1, 0, 1 << 20, 1);
+        v.set_capacity_hint(10);
+        assert_eq!(v.entry_limit(), 20 + (1 << 16));
+        for i in 0..100_000u64 {
+            v.apply(0, i, i as f64, &[stored(&[i], None, &[i as u32])]);
+        }
+        assert!(v.entries() <= 20 + (1 << 16) + 1, "{} entries", v.entries());
+    }
+
+    /// A sequence number at u64::MAX neither panics nor wraps to look like the start.
+    #[test]
+    fn a_sequence_at_u64_max_is_a_gap_not_a_wrap() {
+        let mut v = EngineView::new(1, 0, 100, 1);
+        v.apply(0, u64::MAX, 1.0, &[]);
+        assert_eq!(v.check(0, 0, 0.5), SeqVerdict::Duplicate);
+        assert_eq!(v.check(0, 0, 2.0), SeqVerdict::Restart);
     }
 }

@@ -121,9 +121,10 @@ pub fn check_seq(last: Option<u64>, event: &KvEvent) -> SeqCheck {
         (KvEvent::Snapshot { .. }, _, _) => SeqCheck::Reset,
         (_, _, None) => SeqCheck::NotSequenced,
         (_, None, Some(got)) => SeqCheck::Gap { expected: 0, got },
-        (_, Some(last), Some(got)) if got == last + 1 => SeqCheck::Apply,
+        // A stream at u64::MAX has nowhere to go: whatever follows is a gap (a resync).
+        (_, Some(last), Some(got)) if last.checked_add(1) == Some(got) => SeqCheck::Apply,
         (_, Some(last), Some(got)) => SeqCheck::Gap {
-            expected: last + 1,
+            expected: last.saturating_add(1),
             got,
         },
     }

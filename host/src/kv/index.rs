@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 
 use smallvec::SmallVec;
 
-use super::PassThrough;
+use super::Keyed;
 use crate::ids::{BlockHash, InstanceId};
 
 /// A set of worker slots. Missing high words are zero.
@@ -67,7 +67,7 @@ impl SlotSet {
 #[derive(Debug)]
 struct Worker {
     id: InstanceId,
-    held: HashSet<BlockHash, PassThrough>,
+    held: HashSet<BlockHash, Keyed>,
 }
 
 /// Which worker caches which blocks. Pure and synchronous; the caller serialises access.
@@ -76,7 +76,7 @@ pub struct OverlapIndex {
     slot_of: HashMap<InstanceId, usize>,
     workers: Vec<Option<Worker>>,
     free_slots: Vec<usize>,
-    blocks: HashMap<BlockHash, SlotSet, PassThrough>,
+    blocks: HashMap<BlockHash, SlotSet, Keyed>,
 }
 
 impl OverlapIndex {
@@ -223,7 +223,7 @@ impl OverlapIndex {
 }
 
 /// Takes slot `s` out of block `b`'s set, dropping the entry when it empties.
-fn unlink(blocks: &mut HashMap<BlockHash, SlotSet, PassThrough>, b: BlockHash, s: usize) {
+fn unlink(blocks: &mut HashMap<BlockHash, SlotSet, Keyed>, b: BlockHash, s: usize) {
     if let Some(set) = blocks.get_mut(&b) {
         set.remove(s);
         if set.is_empty() {

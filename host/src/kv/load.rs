@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use super::PassThrough;
+use super::Keyed;
 use crate::ids::{BlockHash, InstanceId, RequestId};
 
 /// What a worker last reported about itself.
@@ -61,7 +61,7 @@ pub struct WorkerLoad {
 #[derive(Debug, Default)]
 struct Worker {
     /// Block → number of in-flight requests using it.
-    blocks: HashMap<BlockHash, u32, PassThrough>,
+    blocks: HashMap<BlockHash, u32, Keyed>,
     pending_prefill_tokens: u64,
     in_flight: u32,
     /// The worker's last report and when it arrived.

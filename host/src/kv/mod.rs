@@ -22,64 +22,39 @@ pub mod hash;
 pub mod index;
 pub mod load;
 
-/// A `BuildHasher` for keys that are already uniformly distributed hashes: the key's
-/// own bits are the hash.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct PassThrough;
+/// The `BuildHasher` of every map keyed by block hashes, the router's or an engine's:
+/// foldhash (a multiply and a fold per `u64`) with a random seed per map. Keys come from
+/// outside — a worker's NDJSON stream names block hashes directly, an engine names its
+/// own, a client's token-ID prompt chooses the router's — so an unkeyed function (the
+/// key's own bits, or a fixed multiply) would let them be ground offline into one bucket,
+/// making every insert under the index's write lock walk a long probe sequence.
+pub type Keyed = foldhash::fast::RandomState;
 
-/// The hasher built by [`PassThrough`].
-#[derive(Debug, Clone, Copy, Default)]
-pub struct PassThroughHasher(u64);
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::hash::BuildHasher;
 
-impl std::hash::Hasher for PassThroughHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // Only reached for keys other than a single u64; fold them in.
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 ^= n;
-    }
-}
-
-impl std::hash::BuildHasher for PassThrough {
-    type Hasher = PassThroughHasher;
-    fn build_hasher(&self) -> PassThroughHasher {
-        PassThroughHasher(0)
-    }
-}
-
-/// A `BuildHasher` for `u64` keys that may not be uniformly distributed (engines' block
-/// hashes: some are counters or small integers): one multiply and a fold.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Mixed;
-
-/// The hasher built by [`Mixed`].
-#[derive(Debug, Clone, Copy, Default)]
-pub struct MixedHasher(u64);
-
-impl std::hash::Hasher for MixedHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        let m = u128::from(self.0 ^ n ^ 0x243f_6a88_85a3_08d3) * 0x9e37_79b9_7f4a_7c15;
-        self.0 = (m as u64) ^ ((m >> 64) as u64);
-    }
-}
-
-impl std::hash::BuildHasher for Mixed {
-    type Hasher = MixedHasher;
-    fn build_hasher(&self) -> MixedHasher {
-        MixedHasher(0)
+    /// Keys chosen to share their low 48 bits (what a hash table buckets by, with an
+    /// identity hash) land in different buckets, and two maps disagree on where.
+    #[test]
+    fn keys_ground_to_share_low_bits_spread_over_buckets() {
+        let (a, b) = (Keyed::default(), Keyed::default());
+        let keys: Vec<u64> = (0..10_000u64).map(|i| (i << 48) | 0x5eed).collect();
+        let buckets = |s: &Keyed| {
+            keys.iter()
+                .map(|k| s.hash_one(crate::ids::BlockHash(*k)) & 0xffff)
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+        };
+        assert!(buckets(&a) > 5_000, "{} buckets", buckets(&a));
+        let same = keys
+            .iter()
+            .filter(|k| a.hash_one(**k) == b.hash_one(**k))
+            .count();
+        assert!(
+            same < 10,
+            "two maps share {same} hashes: the seed is not random"
+        );
     }
 }

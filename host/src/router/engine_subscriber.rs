@@ -21,8 +21,9 @@ use crate::ids::InstanceId;
 use crate::kv::engine_events::{EngineBatch, decode_batch};
 use crate::kv::engine_view::{EngineView, IndexOp, SeqVerdict};
 
-/// Engine hashes kept per rank before a runaway stream is reset (far above any GPU
-/// cache: 4M blocks of 16 tokens is 64M tokens).
+/// Engine hashes kept per worker, over all its ranks, before a runaway stream is reset
+/// (far above any GPU cache: 4M blocks of 16 tokens is 64M tokens); less once the
+/// worker's cache size is known.
 pub const MAX_ENGINE_ENTRIES: usize = 4 << 20;
 
 /// How long a replay request may take, and most batches taken from one.
@@ -193,7 +194,11 @@ impl Feed {
         let Some(replay) = self.replay.clone() else {
             return;
         };
-        let from = self.view.lock().last_seq(self.rank).map_or(0, |s| s + 1);
+        let from = self
+            .view
+            .lock()
+            .last_seq(self.rank)
+            .map_or(0, |s| s.saturating_add(1));
         match self.replay(&replay, from, None).await {
             Some(batches) if batches.is_empty() && from == 0 => {
                 // The engine has published nothing yet: its cache is empty.
