@@ -324,7 +324,7 @@ async fn admin_post(url: &str, body: &serde_json::Value) -> serde_json::Value {
         hyper::Method::POST,
         url,
         &[
-            ("authorization", "Bearer t0ken"),
+            ("authorization", "Bearer t0ken-for-the-tests"),
             ("content-type", "application/json"),
         ],
         body.to_string(),
@@ -361,7 +361,13 @@ async fn the_router_binary_follows_registered_workers_publishing_vllms_format() 
             .await,
         );
     }
-    let (_router, rurl) = serve(&["--etcd", &etcd.url(), "--admin-token", "t0ken"]).await;
+    let (_router, rurl) = serve(&[
+        "--etcd",
+        &etcd.url(),
+        "--admin-token",
+        "t0ken-for-the-tests",
+    ])
+    .await;
     let explain_url = format!("{rurl}/admin/endpoints/default/mock/generate/explain");
     let prompt: String = (0..400).map(|i| format!("w{i} ")).collect();
     let request = json!({"model": "mock", "prompt": prompt, "max_tokens": 4});
@@ -546,12 +552,18 @@ async fn the_models_chat_template_makes_the_routers_blocks_the_engines() {
         "--etcd",
         &etcd.url(),
         "--admin-token",
-        "t0ken",
+        "t0ken-for-the-tests",
         "--chat-template",
         template,
     ])
     .await;
-    let (_b, chatml) = serve(&["--etcd", &etcd.url(), "--admin-token", "t0ken"]).await;
+    let (_b, chatml) = serve(&[
+        "--etcd",
+        &etcd.url(),
+        "--admin-token",
+        "t0ken-for-the-tests",
+    ])
+    .await;
     let explain = |router: &str| format!("{router}/admin/endpoints/default/mock/generate/explain");
     let system: String = (0..300).map(|i| format!("rule{i} ")).collect();
     let chat = json!({"model": "mock", "max_tokens": 4, "messages": [

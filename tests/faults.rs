@@ -752,7 +752,7 @@ async fn a_router_out_of_file_descriptors_blames_no_worker_and_recovers() {
     // The router with a limit of 128 open files (what `ulimit -n` sets).
     let listen = format!("127.0.0.1:{}", common::procs::free_port());
     let script = format!(
-        "ulimit -n 128 && exec {} serve --listen {listen} --worker {worker} --model mock --admin-token {TOKEN} --policy-budget-ms 250",
+        "ulimit -n 128 && SWITCHYARD_ADMIN_TOKEN={TOKEN} exec {} serve --listen {listen} --worker {worker} --model mock --policy-budget-ms 250",
         env!("CARGO_BIN_EXE_switchyard")
     );
     let _router = Proc(

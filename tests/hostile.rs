@@ -4,84 +4,16 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
+use common::hostile_zmtp::{Hostile, hostile_publisher};
 use common::http::{self, post_json};
 use common::procs::{mock_worker, serve};
 use common::router::{PATIENCE, eventually};
 use hyper::StatusCode;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-
-/// What a hostile publisher sends once its handshake is done.
-#[derive(Debug, Clone, Copy)]
-enum Hostile {
-    /// One frame header declaring 2^62 bytes (10 bytes on the wire).
-    HugeFrame,
-    /// 1-byte frames flagged MORE, without end.
-    EndlessMore,
-}
-
-/// A raw-TCP ZMTP publisher that greets like a PUB socket and then misbehaves; counts
-/// the connections the router makes to it.
-async fn hostile_publisher(mode: Hostile) -> (String, Arc<AtomicU64>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
-    let connections = Arc::new(AtomicU64::new(0));
-    let counted = connections.clone();
-    tokio::spawn(async move {
-        while let Ok((s, _)) = listener.accept().await {
-            counted.fetch_add(1, Ordering::Relaxed);
-            tokio::spawn(misbehave(s, mode));
-        }
-    });
-    (endpoint, connections)
-}
-
-async fn misbehave(mut s: TcpStream, mode: Hostile) {
-    let mut greeting = [0u8; 64];
-    greeting[0] = 0xFF;
-    greeting[9] = 0x7F;
-    greeting[10] = 3;
-    greeting[12..16].copy_from_slice(b"NULL");
-    let mut ready = vec![0x04, 0, 5];
-    ready.extend_from_slice(b"READY");
-    ready.push(11);
-    ready.extend_from_slice(b"Socket-Type");
-    ready.extend_from_slice(&3u32.to_be_bytes());
-    ready.extend_from_slice(b"PUB");
-    ready[1] = (ready.len() - 2) as u8;
-    if s.write_all(&greeting).await.is_err() || s.write_all(&ready).await.is_err() {
-        return;
-    }
-    let (mut read, mut write) = s.into_split();
-    // Whatever the router sends (greeting, READY, subscription) is read and ignored.
-    tokio::spawn(async move {
-        let mut sink = vec![0u8; 4096];
-        while read.read(&mut sink).await.is_ok_and(|n| n > 0) {}
-    });
-    match mode {
-        Hostile::HugeFrame => {
-            let mut frame = vec![0x02];
-            frame.extend_from_slice(&(1u64 << 62).to_be_bytes());
-            let _ = write.write_all(&frame).await;
-            tokio::time::sleep(PATIENCE).await;
-        }
-        Hostile::EndlessMore => {
-            // Bounded: 64 MiB of frames at most, or until the router hangs up.
-            let chunk: Vec<u8> = std::iter::repeat_n([0x01u8, 1, b'x'], 4096)
-                .flatten()
-                .collect();
-            for _ in 0..(64 << 20) / chunk.len() {
-                if write.write_all(&chunk).await.is_err() {
-                    return;
-                }
-            }
-        }
-    }
-}
+use tokio::net::TcpStream;
 
 /// The resident memory of process `pid`, in bytes.
 fn rss(pid: u32) -> u64 {

@@ -141,6 +141,25 @@ async fn a_router_requiring_signatures_applies_only_signed_pushes() {
     .await;
     assert_eq!(policy_of(&c, &admin, EP).await, "kv-cost");
     chat_ok(&c, &router).await;
+    // An etcd writer's entry claiming 100 chunks that do not exist: the signature is
+    // checked before any chunk is read, so it is refused as unsigned at once (reading
+    // first would fail on the chunks, or buffer whatever the writer stored).
+    let forged = serde_json::json!({
+        "sha256": "0".repeat(64), "config": "{}", "wasm_base64": "", "pushed_at": 1, "chunks": 100,
+    });
+    etcd.api()
+        .put(
+            &format!("switchyard/policies/{EP}"),
+            forged.to_string().as_bytes(),
+            None,
+        )
+        .await
+        .unwrap();
+    eventually("the forged chunked entry refused", || {
+        let (c, admin) = (c.clone(), admin.clone());
+        async move { unsigned(c, admin).await == 3.0 }
+    })
+    .await;
 
     push(&["--sign", path(&ops)]);
     eventually("the signed push applied", || {

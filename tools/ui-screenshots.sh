@@ -24,8 +24,8 @@ for _ in 1 2 3; do
     workers+=(--worker "http://127.0.0.1:$p")
 done
 port=$(free_port)
-token=screenshot-token
-"$bin" serve --listen "127.0.0.1:$port" "${workers[@]}" --model mock --admin-token "$token" >"$tmp/router.log" 2>&1 &
+token=screenshot-admin-token
+SWITCHYARD_ADMIN_TOKEN="$token" "$bin" serve --listen "127.0.0.1:$port" "${workers[@]}" --model mock >"$tmp/router.log" 2>&1 &
 pids+=($!)
 url=http://127.0.0.1:$port
 for _ in $(seq 100); do curl -fs "$url/ready" >/dev/null && break; sleep 0.1; done

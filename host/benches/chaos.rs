@@ -1,8 +1,10 @@
 //! Chaos: one steady load through one router while the fleet misbehaves, phase after
 //! phase: a worker killed with SIGKILL, another frozen with SIGSTOP, 5 % poison prompts,
 //! a worker shedding load with 503, workers closing idle connections, etcd frozen and
-//! resumed. Five `mock-worker` processes registered in a real etcd, one `switchyard serve`
-//! process. Two routers in one run: outlier detection on (the product), and off (every
+//! resumed, then hostile input: a registered instance whose KV event socket is a hostile
+//! ZMTP peer (a frame declaring 2^62 bytes, then endless MORE frames) beside 64 uploads
+//! that stall after their head, with room for only 64 requests in flight. Five
+//! `mock-worker` processes registered in a real etcd, one `switchyard serve` process. Two routers in one run: outlier detection on (the product), and off (every
 //! failure ejects at once: the rules before it), the baseline.
 //!
 //! Per phase: requests, failed requests that were not poison, poison requests (they fail
@@ -30,7 +32,15 @@ use etcd_fleet::EtcdFleet;
 #[allow(dead_code)]
 mod etcd;
 
-const PHASES: [&str; 7] = [
+/// The hostile KV event peer of the integration tests.
+#[path = "../../tests/common/hostile_zmtp.rs"]
+mod hostile_zmtp;
+
+/// Requests in flight the router takes: 8 clients never need more, and 64 stalled
+/// uploads would take every slot if a slot were taken before the body arrived.
+const MAX_IN_FLIGHT: &str = "64";
+
+const PHASES: [&str; 8] = [
     "steady",
     "worker 1 killed (SIGKILL)",
     "worker 2 frozen (SIGSTOP), then resumed",
@@ -38,6 +48,7 @@ const PHASES: [&str; 7] = [
     "worker 3 sheds load (503, Retry-After 1)",
     "workers close idle connections after 1 s",
     "etcd frozen (SIGSTOP), then resumed",
+    "hostile KV event peer, 64 stalled uploads",
 ];
 
 struct Outcome {
@@ -96,7 +107,13 @@ async fn scenario(
         router: _router,
         url,
         cache: _cache,
-    } = EtcdFleet::start(&c, 5, &["--fault-marker", "POISON"], flags).await;
+    } = EtcdFleet::start(
+        &c,
+        5,
+        &["--fault-marker", "POISON"],
+        &[&["--max-in-flight", MAX_IN_FLIGHT], flags].concat(),
+    )
+    .await;
 
     let phase = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(AtomicBool::new(false));
@@ -127,6 +144,8 @@ async fn scenario(
     let ejected = |page: &str| sum(page, "switchyard_instance_down_reports_total");
     let mut before = ejected(&get_text(&c, &format!("{url}/metrics")).await);
     let mut frozen_pid = None;
+    let mut stalled = Vec::new();
+    let mut hostile_key = None;
     for p in 0..PHASES.len() {
         phase.store(p, Ordering::Relaxed);
         let mut len = phase_len;
@@ -162,6 +181,13 @@ async fn scenario(
                 e.signal("STOP");
                 len = freeze;
             }
+            7 => {
+                hostile_key = Some(register_hostile(&e, &workers[4].1).await);
+                let addr = url.trim_start_matches("http://");
+                for _ in 0..64 {
+                    stalled.push(stall_upload(addr).await);
+                }
+            }
             _ => {}
         }
         tokio::time::sleep(len).await;
@@ -184,6 +210,10 @@ async fn scenario(
         before = now;
     }
     stop.store(true, Ordering::Relaxed);
+    drop(stalled);
+    if let Some(key) = hostile_key {
+        let _ = e.api().delete(&key, false).await;
+    }
     let mut all = Vec::new();
     for t in tasks {
         all.extend(t.await.unwrap());
@@ -218,6 +248,56 @@ async fn scenario(
         "| {name} | in flight after the load stopped | | | | | {in_flight} |"
     ));
     rows
+}
+
+/// Registers an instance of `worker` (host:port) whose KV event socket is a hostile
+/// ZMTP peer: a 2^62-byte frame header on odd connections, endless MORE frames on even
+/// ones. Returns its etcd key.
+async fn register_hostile(e: &etcd::Etcd, worker: &str) -> String {
+    use switchyard::discovery::{
+        EndpointPath, EngineEventSource, InstanceInfo, InstanceKey, InstanceRecord,
+    };
+    use switchyard::ids::InstanceId;
+    let (huge, _) = hostile_zmtp::hostile_publisher(hostile_zmtp::Hostile::HugeFrame).await;
+    let (endless, _) = hostile_zmtp::hostile_publisher(hostile_zmtp::Hostile::EndlessMore).await;
+    let info = InstanceInfo {
+        id: InstanceId(0xbad),
+        endpoint: EndpointPath::for_model("mock"),
+        url: format!("http://{worker}"),
+        model: "mock".into(),
+        block_size: 16,
+        events_url: None,
+        // Rank 0 and rank 1: one of each kind of hostile peer (rank r connects to the
+        // endpoint's port plus r, so each rank names its own endpoint here).
+        engine_events: Some(Arc::new(EngineEventSource {
+            endpoint: huge,
+            replay: Some(endless),
+            topic: String::new(),
+            data_parallel_size: 1,
+        })),
+        health_path: "/health".into(),
+        registration: 0,
+    };
+    let key = InstanceKey {
+        root: "switchyard".into(),
+        endpoint: info.endpoint.clone(),
+        id: info.id,
+    }
+    .to_string();
+    let record = serde_json::to_string(&InstanceRecord::from_info(&info)).unwrap();
+    e.api().put(&key, record.as_bytes(), None).await.unwrap();
+    key
+}
+
+/// A connection that sends a completion's head, promising 100 bytes of body, and then
+/// nothing.
+async fn stall_upload(addr: &str) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{")
+        .await
+        .unwrap();
+    s
 }
 
 fn main() {

@@ -59,8 +59,14 @@ pub struct ServeArgs {
     /// Reload `--policy PATH.wasm` when the file changes.
     #[arg(long, env = "SWITCHYARD_POLICY_WATCH")]
     pub watch: Option<bool>,
-    /// Bearer token of the admin API (the admin API is off without one).
-    #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN")]
+    /// Refused with a reason: a token on the command line is readable by every user of
+    /// the machine (`ps`). Kept so that its use gets that reason, not "unknown flag".
+    #[arg(long = "admin-token", hide = true)]
+    pub admin_token_on_command_line: Option<String>,
+    /// The admin API's bearer token from the environment (`SWITCHYARD_ADMIN_TOKEN`, read
+    /// by [`ServeArgs::resolve`]), at least 16 bytes; the admin API is off without a
+    /// token.
+    #[arg(skip)]
     pub admin_token: Option<String>,
     /// A file holding the admin API's bearer token (keeps it out of the command line,
     /// which other users of the machine can read).
@@ -554,6 +560,81 @@ fn flag_or_file<T>(flag: Vec<T>, file: Vec<T>) -> Vec<T> {
 /// overflow (a panic on every decision that uses it), and no operator means it.
 pub const MAX_SETTING_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 
+/// The shortest admin token accepted, in bytes: a guessable token is no token.
+pub const MIN_ADMIN_TOKEN_BYTES: usize = 16;
+
+/// The admin token: from the environment or a file (this user's, mode 0600 or stricter),
+/// at least [`MIN_ADMIN_TOKEN_BYTES`]; never from the command line or the config file
+/// (which others may read).
+fn admin_token(
+    on_command_line: Option<String>,
+    in_config_file: Option<String>,
+    from_env: Option<String>,
+    file: Option<PathBuf>,
+) -> Result<Option<String>, ConfigError> {
+    if on_command_line.is_some() {
+        return Err(ConfigError(
+            "--admin-token puts the token where every user of the machine can read it (the \
+             process list): give it in a file (--admin-token-file, mode 0600) or in \
+             SWITCHYARD_ADMIN_TOKEN"
+                .into(),
+        ));
+    }
+    if in_config_file.is_some() {
+        return Err(ConfigError(
+            "admin_token in the config file: name a file holding it (admin_token_file, mode \
+             0600) instead"
+                .into(),
+        ));
+    }
+    let token = match (from_env, file) {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError(
+                "give the admin token in SWITCHYARD_ADMIN_TOKEN or in a file, not both".into(),
+            ));
+        }
+        (Some(t), None) => t,
+        (None, Some(path)) => read_secret_file(&path, "admin token file")?,
+        (None, None) => return Ok(None),
+    };
+    if token.len() < MIN_ADMIN_TOKEN_BYTES {
+        return Err(ConfigError(format!(
+            "the admin token has {} bytes; at least {MIN_ADMIN_TOKEN_BYTES} (e.g. `openssl rand -hex 32`)",
+            token.len()
+        )));
+    }
+    Ok(Some(token))
+}
+
+/// A secret from a file that must be this user's and readable by no one else; its text,
+/// trimmed, not empty, at most 4 KiB.
+fn read_secret_file(path: &std::path::Path, what: &str) -> Result<String, ConfigError> {
+    use std::io::Read;
+    let fail = |why: String| ConfigError(format!("{what} {}: {why}", path.display()));
+    let file = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
+    let meta = file.metadata().map_err(|e| fail(e.to_string()))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        if meta.mode() & 0o077 != 0 {
+            return Err(fail(format!(
+                "mode {:o} lets others read it; chmod 600 it",
+                meta.mode() & 0o777
+            )));
+        }
+    }
+    let _ = meta;
+    let mut text = String::new();
+    file.take(4096)
+        .read_to_string(&mut text)
+        .map_err(|e| fail(e.to_string()))?;
+    let text = text.trim().to_string();
+    if text.is_empty() {
+        return Err(fail("it is empty".into()));
+    }
+    Ok(text)
+}
+
 /// A duration setting given in `unit`s (`from` builds it), checked against
 /// [`MAX_SETTING_DURATION`]; `default` when unset.
 fn bounded(
@@ -725,31 +806,16 @@ impl ServeArgs {
                 Duration::from_secs,
                 defaults.first_byte_timeout,
             )?,
-            admin_token: match (
-                self.admin_token.or(file.admin_token),
+            admin_token: admin_token(
+                self.admin_token_on_command_line,
+                file.admin_token,
+                self.admin_token.or_else(|| {
+                    std::env::var("SWITCHYARD_ADMIN_TOKEN")
+                        .ok()
+                        .filter(|t| !t.is_empty())
+                }),
                 self.admin_token_file.or(file.admin_token_file),
-            ) {
-                (Some(_), Some(_)) => {
-                    return Err(ConfigError(
-                        "give the admin token or a file holding it, not both".into(),
-                    ));
-                }
-                (Some(t), None) => Some(t).filter(|t| !t.is_empty()),
-                (None, Some(path)) => {
-                    let t = std::fs::read_to_string(&path).map_err(|e| {
-                        ConfigError(format!("admin token file {}: {e}", path.display()))
-                    })?;
-                    let t = t.trim().to_string();
-                    if t.is_empty() {
-                        return Err(ConfigError(format!(
-                            "admin token file {} is empty",
-                            path.display()
-                        )));
-                    }
-                    Some(t)
-                }
-                (None, None) => None,
-            },
+            )?,
             availability: self.availability.or(file.availability).unwrap_or(true),
             request_timeout: bounded(
                 "request_timeout_secs",
@@ -983,23 +1049,47 @@ mod tests {
     }
 
     #[test]
-    fn the_admin_token_can_come_from_a_file() {
+    fn the_admin_token_comes_from_a_private_file_or_the_environment_and_is_long() {
+        use std::os::unix::fs::PermissionsExt;
         let args = |token: Option<&str>, path: Option<&std::path::Path>| ServeArgs {
             workers: vec!["http://a:1".into()],
             admin_token: token.map(str::to_string),
             admin_token_file: path.map(std::path::Path::to_path_buf),
             ..Default::default()
         };
-        let f = file("s3cret\n");
+        let private = |text: &str| {
+            let f = file(text);
+            std::fs::set_permissions(f.path(), std::fs::Permissions::from_mode(0o600)).unwrap();
+            f
+        };
+        let f = private("s3cret-s3cret-s3cret\n");
         let c = args(None, Some(f.path())).resolve().unwrap();
-        assert_eq!(c.gateway.admin_token.as_deref(), Some("s3cret"));
+        assert_eq!(
+            c.gateway.admin_token.as_deref(),
+            Some("s3cret-s3cret-s3cret")
+        );
         let err = args(Some("x"), Some(f.path())).resolve().unwrap_err();
         assert!(err.to_string().contains("not both"), "{err}");
-        let empty = file("  \n");
+        let empty = private("  \n");
         let err = args(None, Some(empty.path())).resolve().unwrap_err();
         assert!(err.to_string().contains("is empty"), "{err}");
         let missing = std::path::Path::new("/nonexistent/token");
         assert!(args(None, Some(missing)).resolve().is_err());
+        // Readable by others, too short, or on the command line: refused, saying why.
+        std::fs::set_permissions(f.path(), std::fs::Permissions::from_mode(0o644)).unwrap();
+        let err = args(None, Some(f.path())).resolve().unwrap_err();
+        assert!(err.to_string().contains("chmod 600"), "{err}");
+        let err = args(Some("short"), None).resolve().unwrap_err();
+        assert!(err.to_string().contains("at least 16"), "{err}");
+        assert!(args(Some("a-long-enough-token"), None).resolve().is_ok());
+        let err = ServeArgs {
+            workers: vec!["http://a:1".into()],
+            admin_token_on_command_line: Some("a-long-enough-token".into()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(err.to_string().contains("process list"), "{err}");
     }
 
     #[test]

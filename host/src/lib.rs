@@ -31,6 +31,8 @@
 pub mod client;
 pub mod config;
 pub mod discovery;
+#[cfg(test)]
+mod fuzz;
 pub mod http;
 pub mod ids;
 pub mod kv;

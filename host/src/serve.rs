@@ -670,12 +670,19 @@ pub async fn serve(
             // endpoints it touched are reconciled in order, off the async workers.
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
             let shadows = tx.clone();
-            background.push(etcd_policy::watch(etcd.clone(), Role::Live, move |event| {
-                let _ = tx.send((Role::Live, event));
-            }));
+            let trusted = config.policy_trusted_keys.clone();
+            background.push(etcd_policy::watch(
+                etcd.clone(),
+                Role::Live,
+                trusted.clone(),
+                move |event| {
+                    let _ = tx.send((Role::Live, event));
+                },
+            ));
             background.push(etcd_policy::watch(
                 etcd.clone(),
                 Role::Shadow,
+                trusted,
                 move |event| {
                     let _ = shadows.send((Role::Shadow, event));
                 },

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 pub mod etcd;
 pub mod events;
 pub mod health;
+pub mod hostile_zmtp;
 pub mod http;
 pub mod kv;
 pub mod procs;

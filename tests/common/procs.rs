@@ -40,12 +40,27 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// Starts `switchyard ARGS...`.
+/// Starts `switchyard ARGS...`. An `--admin-token TOKEN` among them is passed in the
+/// environment instead (`SWITCHYARD_ADMIN_TOKEN`), as the router requires: a token on its
+/// command line is refused.
 pub fn switchyard(args: &[&str]) -> Proc {
     let log = std::env::var_os("SWITCHYARD_TEST_LOG").is_some();
+    let mut rest = Vec::with_capacity(args.len());
+    let mut token = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if *a == "--admin-token" {
+            token = it.next().copied();
+        } else {
+            rest.push(*a);
+        }
+    }
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_switchyard"));
+    if let Some(t) = token {
+        cmd.env("SWITCHYARD_ADMIN_TOKEN", t);
+    }
     Proc(
-        Command::new(env!("CARGO_BIN_EXE_switchyard"))
-            .args(args)
+        cmd.args(&rest)
             .env(
                 "SWITCHYARD_POLICY_CACHE",
                 std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("policy-cache"),

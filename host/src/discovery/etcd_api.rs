@@ -321,17 +321,7 @@ impl EtcdApi {
                 json!({"key": b64(prefix.as_bytes()), "range_end": b64(&prefix_end(prefix.as_bytes())), "keys_only": keys_only}),
             )
             .await?;
-        let revision = int(&v["header"]["revision"]);
-        let kvs = match v.get("kvs") {
-            Some(list) => serde_json::from_value::<Vec<RawKv>>(list.clone())
-                .map_err(|e| self.error(format!("range: {e}")))?
-                .into_iter()
-                .map(RawKv::into_kv)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| self.error(e))?,
-            None => Vec::new(),
-        };
-        Ok((kvs, revision))
+        range_answer(&v).map_err(|e| self.error(e))
     }
 
     /// Writes `key`, bound to `lease` if given.
@@ -567,39 +557,70 @@ impl Watch {
         loop {
             let v = self.message().await?;
             self.delivered = true;
-            if let Some(e) = v.get("error") {
-                return Err(self.api.error(format!("watch: {e}")));
-            }
-            let result = &v["result"];
-            if result["canceled"] == true {
-                return Err(self.api.error(format!(
-                    "watch canceled (compacted at {}): {}",
-                    int(&result["compact_revision"]),
-                    result["cancel_reason"].as_str().unwrap_or("")
-                )));
-            }
-            let Some(events) = result.get("events").and_then(Value::as_array) else {
-                continue;
-            };
-            let mut out = Vec::with_capacity(events.len());
-            for e in events {
-                let kv: RawKv = serde_json::from_value(e["kv"].clone())
-                    .map_err(|err| self.api.error(format!("watch event: {err}")))?;
-                let kv = kv.into_kv().map_err(|err| self.api.error(err))?;
-                self.seen_revision = self.seen_revision.max(kv.mod_revision);
-                out.push(if e["type"] == "DELETE" {
-                    self.keys.remove(&kv.key);
-                    Event::Delete(kv)
-                } else {
-                    self.keys.insert(kv.key.clone());
-                    Event::Put(kv)
-                });
+            let out = watch_answer(&v).map_err(|e| self.api.error(e))?;
+            for e in &out {
+                match e {
+                    Event::Put(kv) => {
+                        self.seen_revision = self.seen_revision.max(kv.mod_revision);
+                        self.keys.insert(kv.key.clone());
+                    }
+                    Event::Delete(kv) => {
+                        self.seen_revision = self.seen_revision.max(kv.mod_revision);
+                        self.keys.remove(&kv.key);
+                    }
+                }
             }
             if !out.is_empty() {
                 return Ok(out);
             }
         }
     }
+}
+
+/// The keys of a range answer of the gateway, and the revision they were read at.
+pub(crate) fn range_answer(v: &Value) -> Result<(Vec<Kv>, i64), String> {
+    let revision = int(&v["header"]["revision"]);
+    let kvs = match v.get("kvs") {
+        Some(list) => serde_json::from_value::<Vec<RawKv>>(list.clone())
+            .map_err(|e| format!("range: {e}"))?
+            .into_iter()
+            .map(RawKv::into_kv)
+            .collect::<Result<Vec<_>, _>>()?,
+        None => Vec::new(),
+    };
+    Ok((kvs, revision))
+}
+
+/// The events of one watch answer of the gateway (none for a progress or creation
+/// answer); an error when the watch failed or was canceled (e.g. its start revision was
+/// compacted).
+pub(crate) fn watch_answer(v: &Value) -> Result<Vec<Event>, String> {
+    if let Some(e) = v.get("error") {
+        return Err(format!("watch: {e}"));
+    }
+    let result = &v["result"];
+    if result["canceled"] == true {
+        return Err(format!(
+            "watch canceled (compacted at {}): {}",
+            int(&result["compact_revision"]),
+            result["cancel_reason"].as_str().unwrap_or("")
+        ));
+    }
+    let Some(events) = result.get("events").and_then(Value::as_array) else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::with_capacity(events.len());
+    for e in events {
+        let kv: RawKv =
+            serde_json::from_value(e["kv"].clone()).map_err(|err| format!("watch event: {err}"))?;
+        let kv = kv.into_kv()?;
+        out.push(if e["type"] == "DELETE" {
+            Event::Delete(kv)
+        } else {
+            Event::Put(kv)
+        });
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -57,6 +57,11 @@ fn is_zero(n: &u32) -> bool {
 /// Largest piece of a policy's base64 text stored in one etcd value.
 pub const CHUNK_BYTES: usize = 1 << 20;
 
+/// Most chunks a pushed policy may have: 128 MiB of base64, 96 MiB of `.wasm` (a Python
+/// policy built by componentize-py is ~40 MiB). A push claiming more is refused before
+/// any chunk is read.
+pub const MAX_CHUNKS: u32 = 128;
+
 impl PushedPolicy {
     /// Wraps `wasm` and `config` for storage.
     pub fn new(wasm: &[u8], config: &str) -> PushedPolicy {
@@ -244,10 +249,17 @@ async fn collect_garbage(config: &EtcdConfig) -> Result<(), DiscoveryError> {
 }
 
 /// Fills in a chunked policy's bytes from its blobs (a missing or extra chunk leaves it
-/// unverifiable, and [`PushedPolicy::wasm`] refuses it).
+/// unverifiable, and [`PushedPolicy::wasm`] refuses it). Bounded before anything is read:
+/// at most [`MAX_CHUNKS`] chunks of at most [`CHUNK_BYTES`] each.
 async fn resolve(config: &EtcdConfig, mut policy: PushedPolicy) -> Result<PushedPolicy, String> {
     if policy.chunks == 0 {
         return Ok(policy);
+    }
+    if policy.chunks > MAX_CHUNKS {
+        return Err(format!(
+            "policy {} claims {} chunks; at most {MAX_CHUNKS} are read",
+            policy.sha256, policy.chunks
+        ));
     }
     // The keys first, then one chunk per call: each answer stays ~1 MiB, whatever the
     // policy's size, so every read fits the etcd timeout.
@@ -276,6 +288,12 @@ async fn resolve(config: &EtcdConfig, mut policy: PushedPolicy) -> Result<Pushed
             .into_iter()
             .find(|c| c.key == kv.key)
             .ok_or_else(|| format!("chunk {key} is gone"))?;
+        if chunk.value.len() > CHUNK_BYTES {
+            return Err(format!(
+                "chunk {key} holds {} bytes (at most {CHUNK_BYTES})",
+                chunk.value.len()
+            ));
+        }
         text.extend_from_slice(&chunk.value);
     }
     policy.wasm_base64 =
@@ -297,16 +315,25 @@ pub enum PolicyEvent {
 
 /// Calls `apply` with every stored policy now (then `Listed`), and with every push and
 /// deletion later, forever: after a broken watch it reconnects with backoff and lists
-/// again. Malformed entries are logged and skipped.
+/// again. Malformed entries are logged and skipped. With `trusted` keys, a push they did
+/// not sign is passed on without its chunks (whose reading an etcd writer could make
+/// arbitrarily costly): the signature covers the policy's sha256, not its bytes, so it
+/// is checked first, and the receiver refuses the push for the same reason.
 pub fn watch(
     config: EtcdConfig,
     role: Role,
+    trusted: Vec<PublicKey>,
     apply: impl Fn(PolicyEvent) + Send + Sync + 'static,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut delay = config.backoff_initial;
+        let ctx = Ctx {
+            config: &config,
+            role,
+            trusted: &trusted,
+        };
         loop {
-            if let Err(e) = cycle(&config, role, &apply, &mut delay).await {
+            if let Err(e) = cycle(&ctx, &apply, &mut delay).await {
                 tracing::warn!(error = %e, ?role, retry_in = ?delay, "policy watch interrupted");
             }
             tokio::time::sleep(delay).await;
@@ -346,15 +373,23 @@ fn parse(
     Ok((endpoint, policy))
 }
 
-/// Parses an entry, reads its chunks if it has any, and applies it; logs what is wrong.
-/// Returns its endpoint if the key names one.
-async fn deliver(
-    config: &EtcdConfig,
+/// What a policy watch needs besides its callback.
+struct Ctx<'a> {
+    config: &'a EtcdConfig,
     role: Role,
+    trusted: &'a [PublicKey],
+}
+
+/// Parses an entry, reads its chunks if it has any (only once its signature verifies,
+/// when keys are trusted), and applies it; logs what is wrong. Returns its endpoint if
+/// the key names one.
+async fn deliver(
+    ctx: &Ctx<'_>,
     apply: &(impl Fn(PolicyEvent) + Send + Sync),
     key: &[u8],
     value: &[u8],
 ) -> Option<EndpointPath> {
+    let (config, role) = (ctx.config, ctx.role);
     let parsed = match parse(key, value, &config.root, role) {
         Ok(p) => p,
         Err(e) => {
@@ -363,6 +398,11 @@ async fn deliver(
         }
     };
     let endpoint = parsed.0.clone();
+    if let Err(why) = parsed.1.verify(&endpoint, ctx.trusted) {
+        tracing::debug!(%endpoint, why, "a pushed policy's signature does not verify; its chunks are not read");
+        apply(PolicyEvent::Put(parsed.0, parsed.1));
+        return Some(endpoint);
+    }
     // A read that fails (a busy etcd, a chunk not yet visible) is tried three times.
     for attempt in 1..=3 {
         match resolve(config, parsed.1.clone()).await {
@@ -388,16 +428,16 @@ fn endpoint_of(key: &[u8], root: &str, role: Role) -> Option<EndpointPath> {
 }
 
 async fn cycle(
-    config: &EtcdConfig,
-    role: Role,
+    ctx: &Ctx<'_>,
     apply: &(impl Fn(PolicyEvent) + Send + Sync),
     delay: &mut std::time::Duration,
 ) -> Result<(), DiscoveryError> {
+    let (config, role) = (ctx.config, ctx.role);
     let api = config.api();
     let (kvs, revision) = api.range_prefix(&prefix(&config.root, role)).await?;
     let mut listed = Vec::new();
     for kv in &kvs {
-        listed.extend(deliver(config, role, apply, &kv.key, &kv.value).await);
+        listed.extend(deliver(ctx, apply, &kv.key, &kv.value).await);
     }
     apply(PolicyEvent::Listed(listed));
     let mut watch = api
@@ -417,7 +457,7 @@ async fn cycle(
         for event in events {
             match event {
                 Event::Put(kv) => {
-                    deliver(config, role, apply, &kv.key, &kv.value).await;
+                    deliver(ctx, apply, &kv.key, &kv.value).await;
                 }
                 Event::Delete(kv) => {
                     if let Some(endpoint) = endpoint_of(&kv.key, &config.root, role) {

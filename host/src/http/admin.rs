@@ -78,7 +78,7 @@ fn admin_token(gw: &Gateway) -> Result<&str, ApiError> {
         .admin_token
         .as_deref()
         .ok_or(ApiError::Unauthorized(
-            "the admin API is disabled (start the router with --admin-token)",
+            "the admin API is disabled (start the router with --admin-token-file or SWITCHYARD_ADMIN_TOKEN)",
         ))
 }
 
@@ -137,7 +137,9 @@ fn ui(gw: &Gateway, req: &Request<Incoming>) -> Response<Body> {
         )
     };
     let Ok(token) = admin_token(gw) else {
-        return refused("The admin API is disabled: start the router with --admin-token.");
+        return refused(
+            "The admin API is disabled: start the router with --admin-token-file or SWITCHYARD_ADMIN_TOKEN.",
+        );
     };
     let query_token = req.uri().query().and_then(|q| {
         form_urlencoded::parse(q.as_bytes())

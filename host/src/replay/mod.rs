@@ -291,7 +291,7 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
 
 /// The admin token of the replay's in-process routers (they listen on 127.0.0.1 only,
 /// for the length of one run).
-const ADMIN_TOKEN: &str = "replay";
+const ADMIN_TOKEN: &str = "replay-admin-token";
 
 /// One external router on fresh mock workers.
 async fn replay_external(

@@ -231,6 +231,7 @@ async fn receive(
     stream: tokio::net::TcpStream,
     rank: u32,
 ) -> Result<(), super::zmtp::ZmtpError> {
+    super::zmtp::tune(&stream);
     let mut sub = Connection::handshake(stream, SocketType::Sub, KV_EVENT_LIMITS).await?;
     sub.subscribe(b"").await?;
     loop {

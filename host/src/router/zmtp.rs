@@ -27,7 +27,7 @@
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 /// What one connection may take from its peer.
@@ -123,17 +123,28 @@ pub fn tcp_address(endpoint: &str) -> Result<String, ZmtpError> {
     })
 }
 
-/// One ZMTP connection after its handshake.
-pub struct Connection {
-    stream: BufReader<TcpStream>,
+/// One ZMTP connection after its handshake (over TCP; any byte stream in tests and
+/// fuzzing).
+pub struct Connection<S = TcpStream> {
+    stream: BufReader<S>,
     limits: Limits,
+}
+
+/// No Nagle delay, and TCP keepalive: a peer that vanished without a reset is found by
+/// the kernel.
+pub fn tune(stream: &TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE.0)
+        .with_interval(KEEPALIVE.1);
+    let _ = socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive);
 }
 
 const FLAG_MORE: u8 = 0x01;
 const FLAG_LONG: u8 = 0x02;
 const FLAG_COMMAND: u8 = 0x04;
 
-impl Connection {
+impl Connection<TcpStream> {
     /// Connects to `endpoint` (`tcp://HOST:PORT`) as `kind` and shakes hands, all within
     /// `connect_timeout` plus the handshake deadline.
     pub async fn connect(
@@ -146,20 +157,18 @@ impl Connection {
         let stream = tokio::time::timeout(connect_timeout, TcpStream::connect(&address))
             .await
             .map_err(|_| ZmtpError::Timeout("connect"))??;
+        tune(&stream);
         Connection::handshake(stream, kind, limits).await
     }
+}
 
+impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     /// Shakes hands as `kind` on a stream either side opened.
     pub async fn handshake(
-        stream: TcpStream,
+        stream: S,
         kind: SocketType,
         limits: Limits,
-    ) -> Result<Connection, ZmtpError> {
-        let _ = stream.set_nodelay(true);
-        let keepalive = socket2::TcpKeepalive::new()
-            .with_time(KEEPALIVE.0)
-            .with_interval(KEEPALIVE.1);
-        let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+    ) -> Result<Connection<S>, ZmtpError> {
         let mut c = Connection {
             stream: BufReader::with_capacity(64 << 10, stream),
             limits,
@@ -365,7 +374,7 @@ impl Connection {
 }
 
 /// ZMTP 3.0's greeting with NULL security, as a client (`as-server` 0).
-fn greeting() -> [u8; 64] {
+pub(crate) fn greeting() -> [u8; 64] {
     let mut g = [0u8; 64];
     g[0] = 0xFF;
     g[9] = 0x7F;
