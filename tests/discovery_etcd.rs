@@ -35,18 +35,22 @@ fn registry(etcd: &Etcd) -> ClientRegistry {
     ClientRegistry::new(
         Arc::new(EtcdDiscovery::new(config(etcd))),
         Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
-        ClientConfig {
-            probe_initial: Duration::from_millis(100),
-            probe_max: Duration::from_millis(400),
-            // Discovery is what these tests watch: no active health checks, and the first
-            // probe 100 ms after an ejection.
-            outlier: OutlierConfig {
-                base_ejection: Duration::from_millis(100),
-                health_interval: None,
-                ..OutlierConfig::default()
-            },
-        },
+        client_config(),
     )
+}
+
+fn client_config() -> ClientConfig {
+    ClientConfig {
+        probe_initial: Duration::from_millis(100),
+        probe_max: Duration::from_millis(400),
+        // Discovery is what these tests watch: no active health checks, and the first
+        // probe 100 ms after an ejection.
+        outlier: OutlierConfig {
+            base_ejection: Duration::from_millis(100),
+            health_interval: None,
+            ..OutlierConfig::default()
+        },
+    }
 }
 
 fn endpoint() -> EndpointPath {
@@ -317,7 +321,17 @@ async fn a_reported_down_instance_returns_after_its_health_endpoint_answers_and_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_client_keeps_its_set_while_etcd_is_down_then_converges() {
     let mut etcd = Etcd::start();
-    let registry = registry(&etcd);
+    // Through a proxy that counts connections: the watcher's retries are the event to
+    // wait on while etcd is down.
+    let proxy = common::etcd::FreezingProxy::start(&etcd.url()).await;
+    let registry = ClientRegistry::new(
+        Arc::new(EtcdDiscovery::new(EtcdConfig {
+            endpoints: vec![proxy.url.clone()],
+            ..config(&etcd)
+        })),
+        Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
+        client_config(),
+    );
     let client: Arc<Client> = registry.client(&endpoint());
     let mut rx = client.subscribe();
     put_record(&etcd, &info(1, "http://127.0.0.1:9")).await;
@@ -325,8 +339,14 @@ async fn the_client_keeps_its_set_while_etcd_is_down_then_converges() {
     wait_available(&mut rx, &[1, 2], "both instances").await;
 
     etcd.stop();
-    // Give the watcher time to notice and retry a few times: nothing is lost meanwhile.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The watcher notices and retries three times: nothing is lost meanwhile.
+    let before = proxy.accepted();
+    bounded("three reconnection attempts", async {
+        while proxy.accepted() < before + 3 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
     assert_eq!(*client.available(), [InstanceId(1), InstanceId(2)]);
     assert_eq!(client.snapshot().instances.len(), 2);
 

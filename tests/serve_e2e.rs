@@ -419,11 +419,16 @@ async fn a_hundred_policy_swaps_under_load_through_admin_and_etcd_fail_nothing()
     let generation = admin_get(&c, &policy_url).await["generation"]
         .as_u64()
         .unwrap();
+    let refusals = "switchyard_policy_refusals_total";
+    let before = metric(&c, &url, refusals, "").await;
     let bad = switchyard::discovery::etcd_policy::PushedPolicy::new(b"\0asm\x01\0\0\0", "{}");
     switchyard::discovery::etcd_policy::push(&config, &endpoint, &bad)
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    eventually("the bad push refused", || async {
+        metric(&c, &url, refusals, "").await > before
+    })
+    .await;
     let now = admin_get(&c, &policy_url).await;
     assert_eq!(
         now["sha256"],
@@ -989,8 +994,13 @@ async fn a_watched_policy_file_is_reloaded_when_it_changes() {
     let policy_url = format!("{url}/admin/endpoints/default/mock/generate/policy");
     assert_eq!(admin_get(&c, &policy_url).await["name"], "round-robin");
     // A broken file is refused; the current policy stays.
+    let refusals = "switchyard_policy_refusals_total";
+    let before = metric(&c, &url, refusals, "").await;
     std::fs::write(&file, b"not wasm").unwrap();
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    eventually("the broken file refused", || async {
+        metric(&c, &url, refusals, "").await > before
+    })
+    .await;
     assert_eq!(admin_get(&c, &policy_url).await["name"], "round-robin");
     std::fs::write(
         &file,

@@ -96,6 +96,10 @@ pub struct ServeFleet {
     /// One per endpoint with instances; an endpoint that loses them all keeps its router
     /// (answering 503) for `endpoint_grace`, then it is released.
     routers: Mutex<HashMap<EndpointPath, Arc<KvRouter>>>,
+    /// Endpoints whose policy failed to load: not tried again before the instant, and the
+    /// backoff that led to it (1 s doubling to a minute), so that a bad policy is not
+    /// loaded again by every request on the request path.
+    load_failures: Mutex<HashMap<EndpointPath, (std::time::Instant, Duration)>>,
     /// What every endpoint's router starts from (its block size and, per endpoint,
     /// `forward_authorization` filled in).
     router_defaults: KvRouterConfig,
@@ -123,13 +127,39 @@ impl ServeFleet {
     }
 
     /// The router of `entry`, created (with its policy, client and subscriber) if new.
-    fn ensure_router(&self, entry: &EndpointEntry) -> Result<Arc<KvRouter>, PolicyError> {
+    fn ensure_router(&self, entry: &EndpointEntry) -> Result<Arc<KvRouter>, String> {
         if let Some(r) = self.routers.lock().get(&entry.endpoint) {
             return Ok(r.clone());
         }
+        if let Some((until, _)) = self.load_failures.lock().get(&entry.endpoint)
+            && std::time::Instant::now() < *until
+        {
+            return Err("its policy failed to load; tried again after a backoff".into());
+        }
         let spec = self.spec_for(&entry.endpoint).clone();
-        let loaded = self.engine.load_spec(&spec.spec, &spec.config)?;
-        let handle = Arc::new(PolicyHandle::new(self.engine.clone(), loaded)?);
+        let made = self
+            .engine
+            .load_spec(&spec.spec, &spec.config)
+            .and_then(|loaded| PolicyHandle::new(self.engine.clone(), loaded));
+        let handle = match made {
+            Ok(h) => {
+                self.load_failures.lock().remove(&entry.endpoint);
+                Arc::new(h)
+            }
+            Err(e) => {
+                let mut failures = self.load_failures.lock();
+                let backoff = failures
+                    .get(&entry.endpoint)
+                    .map_or(Duration::from_secs(1), |(_, b)| {
+                        (*b * 2).min(Duration::from_secs(60))
+                    });
+                failures.insert(
+                    entry.endpoint.clone(),
+                    (std::time::Instant::now() + backoff, backoff),
+                );
+                return Err(format!("{e} (tried again in {backoff:?})"));
+            }
+        };
         let client = self.registry.client(&entry.endpoint);
         let mut routers = self.routers.lock();
         // Racing: another task may have created it while the policy loaded.
@@ -615,6 +645,7 @@ pub async fn serve(
         discovered: AtomicBool::new(false),
         policies_listed: AtomicBool::new(!matches!(config.discovery, DiscoveryConfig::Etcd(_))),
         routers: Mutex::new(HashMap::new()),
+        load_failures: Mutex::new(HashMap::new()),
         router_defaults: KvRouterConfig {
             approximate: config.approximate,
             tls: config.gateway.tls.clone(),

@@ -174,6 +174,8 @@ impl Drop for Etcd {
 pub struct FreezingProxy {
     pub url: String,
     frozen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Connections accepted (etcd up or not): a client's attempts, to wait on.
+    accepted: std::sync::Arc<std::sync::atomic::AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -186,8 +188,11 @@ impl FreezingProxy {
         let url = format!("http://{}", listener.local_addr().unwrap());
         let frozen = std::sync::Arc::new(AtomicBool::new(false));
         let f = frozen.clone();
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = accepted.clone();
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
                 let Ok(server) = tokio::net::TcpStream::connect(&target).await else {
                     continue;
                 };
@@ -212,7 +217,17 @@ impl FreezingProxy {
                 });
             }
         });
-        FreezingProxy { url, frozen, task }
+        FreezingProxy {
+            url,
+            frozen,
+            accepted,
+            task,
+        }
+    }
+
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> u64 {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// From now on, the watch connections open now relay nothing.

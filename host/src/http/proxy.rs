@@ -464,6 +464,38 @@ pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     out
 }
 
+/// Removes what described the worker's connection to the router rather than the answer
+/// (RFC 9110 §7.6.1): the framing (re-done for the client), `Connection` and every header
+/// it names, and the other hop-by-hop fields. A worker cannot close, upgrade or re-frame
+/// the client's connection through its answer.
+fn strip_hop_by_hop(headers: &mut hyper::HeaderMap) {
+    use hyper::header::{CONNECTION, CONTENT_LENGTH, TE, TRAILER, TRANSFER_ENCODING, UPGRADE};
+    let named: Vec<hyper::header::HeaderName> = headers
+        .get_all(CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| hyper::header::HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .take(32)
+        .collect();
+    for n in named {
+        headers.remove(n);
+    }
+    for n in [
+        CONNECTION,
+        CONTENT_LENGTH,
+        TE,
+        TRAILER,
+        TRANSFER_ENCODING,
+        UPGRADE,
+    ] {
+        headers.remove(n);
+    }
+    for n in ["keep-alive", "proxy-connection"] {
+        headers.remove(n);
+    }
+}
+
 async fn forward(
     gw: &Gateway,
     base: &str,
@@ -505,8 +537,7 @@ async fn forward(
             .map(|b| b.to_bytes())
             .unwrap_or_default();
         let mut parts = parts;
-        parts.headers.remove(hyper::header::CONTENT_LENGTH);
-        parts.headers.remove(hyper::header::TRANSFER_ENCODING);
+        strip_hop_by_hop(&mut parts.headers);
         if status == StatusCode::TOO_MANY_REQUESTS || status == StatusCode::SERVICE_UNAVAILABLE {
             let after = retry_after(&parts.headers);
             return Err(Failure::Busy((parts, bytes), after));
@@ -572,8 +603,7 @@ impl Relay {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
         // The body is re-framed; its length may be unknown now.
-        parts.headers.remove(hyper::header::CONTENT_LENGTH);
-        parts.headers.remove(hyper::header::TRANSFER_ENCODING);
+        strip_hop_by_hop(&mut parts.headers);
         if is_sse && !parts.headers.contains_key(CACHE_CONTROL) {
             parts
                 .headers
@@ -733,5 +763,28 @@ fn note_usage_tail(tail: &mut Vec<u8>, bytes: &[u8]) {
     tail.extend_from_slice(bytes);
     if tail.len() > 4 * KEEP {
         tail.drain(..tail.len() - KEEP);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_workers_connection_headers_do_not_reach_the_client() {
+        let mut h = hyper::HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("close, x-secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("upgrade", HeaderValue::from_static("websocket"));
+        h.insert(
+            "content-type",
+            HeaderValue::from_static("text/event-stream"),
+        );
+        h.insert("x-request-id", HeaderValue::from_static("r1"));
+        strip_hop_by_hop(&mut h);
+        let mut left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        left.sort();
+        assert_eq!(left, ["content-type", "x-request-id"]);
     }
 }

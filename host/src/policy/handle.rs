@@ -456,9 +456,17 @@ impl PolicyHandle {
     /// Returns to the policy replaced last; the current one becomes the next rollback
     /// target. `None` when there is nothing to return to.
     pub fn rollback(&self) -> Option<PolicyStatus> {
+        // Its warm instances are made before the lock is taken: instantiating is slow,
+        // and the lock serialises every swap of the endpoint.
+        let candidate = self.history.lock().back().cloned()?;
+        candidate.prepare();
         let _guard = self.swap_lock.lock();
         let previous = self.history.lock().pop_back()?;
-        previous.prepare();
+        if !previous.ptr_eq(&candidate) {
+            // Racing: a swap or rollback changed the history while the candidate was
+            // being prepared; the target now is another policy, prepared here.
+            previous.prepare();
+        }
         let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
         let old = self.current.swap(Active::new(previous, generation));
         self.remember(old.policy.clone());
@@ -481,9 +489,13 @@ impl PolicyHandle {
     /// Rolls a failing policy back to the last good one: the most recent earlier policy
     /// that served a clean window (never merely the previous one, which may be failing
     /// too). Runs on a request's thread: it only swaps pointers (the target kept warm
-    /// instances; the warmer tops them up).
+    /// instances; the warmer tops them up), and never waits for the swap lock: when a
+    /// swap or another rollback holds it, this decision goes on, and the next failing one
+    /// tries again (the failure count is not reset).
     fn auto_rollback(&self, failing: &Arc<Active>, why: &str, log_if_stuck: bool, kind: Rollback) {
-        let _guard = self.swap_lock.lock();
+        let Some(_guard) = self.swap_lock.try_lock() else {
+            return;
+        };
         // Racing: another thread may have rolled back or swapped already; only the
         // thread that still sees the failing policy current acts.
         if !Arc::ptr_eq(&self.current.load(), failing) {
