@@ -171,3 +171,47 @@ async fn a_16_mb_token_prompt_is_refused_before_any_booking_or_prediction() {
     let (status, answer, _) = post_json(&c, &format!("{url}/v1/completions"), &ok).await;
     assert_eq!(status, StatusCode::OK, "{answer}");
 }
+
+/// Streaming clients that stop reading hold their slots only until the client timeout:
+/// with room for 2 requests, two clients that never read their 60,000-token streams (more than the kernel buffers) are
+/// cut once the router's writes stall for 2 s, and normal requests are served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_stop_reading_are_cut_and_give_their_slots_back() {
+    let (_worker, worker_url) = mock_worker(&["--speedup", "1000", "--kv-blocks", "100000"]).await;
+    let (_router, url) = serve(&[
+        "--model",
+        "mock",
+        "--worker",
+        &worker_url,
+        "--max-in-flight",
+        "2",
+        "--client-idle-timeout-secs",
+        "2",
+    ])
+    .await;
+    let addr: std::net::SocketAddr = url.trim_start_matches("http://").parse().unwrap();
+    let mut silent = Vec::new();
+    for i in 0..2 {
+        // A small receive window, never read: the router's writes stall at once.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut s = socket.connect(addr).await.unwrap();
+        let body = json!({"model": "mock", "prompt": format!("long story {i}"), "max_tokens": 60000, "stream": true}).to_string();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        silent.push(s);
+    }
+    let c = http::client();
+    eventually("a normal request served beside the silent streams", || {
+        let (c, url) = (c.clone(), url.clone());
+        async move {
+            let ok = json!({"model": "mock", "prompt": "short", "max_tokens": 2});
+            post_json(&c, &format!("{url}/v1/completions"), &ok).await.0 == StatusCode::OK
+        }
+    })
+    .await;
+    drop(silent);
+}
