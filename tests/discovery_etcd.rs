@@ -413,3 +413,37 @@ async fn malformed_keys_and_values_are_skipped_and_the_watch_goes_on() {
     wait_available(&mut rx, &[1, 5], "the next valid instance").await;
     assert_eq!(client.snapshot().instances.len(), 2);
 }
+
+/// A watch asked to start at a revision etcd has compacted away is canceled with the
+/// compaction's revision: the watch ends with that error (the discovery loop then
+/// re-lists, which `the_client_keeps_its_set_while_etcd_is_down_then_converges` covers),
+/// and the Client fed by discovery, re-listing, converges on what etcd holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_from_a_compacted_revision_ends_saying_so_and_discovery_relists() {
+    let etcd = Etcd::start();
+    let api = api(&etcd);
+    let mut revision = 0;
+    for i in 0..10u64 {
+        put_record(&etcd, &info(100 + i, "http://127.0.0.1:9")).await;
+        revision = api.range_prefix("switchyard/").await.unwrap().1;
+    }
+    api.call(
+        "/v3/kv/compaction",
+        serde_json::json!({"revision": revision.to_string(), "physical": true}),
+    )
+    .await
+    .unwrap();
+    let prefix = "switchyard/instances/";
+    let mut watch = api.watch_prefix(prefix, &[], revision - 5).await.unwrap();
+    let err = bounded("the canceled watch", watch.next())
+        .await
+        .err()
+        .expect("a watch from a compacted revision ends");
+    assert!(err.to_string().contains("compacted"), "{err}");
+    // Discovery started after the compaction lists, then watches from the listing.
+    let registry = registry(&etcd);
+    let client = registry.client(&endpoint());
+    let mut rx = client.subscribe();
+    let all: Vec<u64> = (100..110).collect();
+    wait_available(&mut rx, &all, "the instances after the compaction").await;
+}

@@ -122,12 +122,22 @@ async fn scenario(
         let (c, url, phase, stop) = (c.clone(), url.clone(), phase.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             let mut out = Vec::new();
-            // Bounded: at most 100,000 requests per client.
-            for i in 0..100_000usize {
-                if stop.load(Ordering::Relaxed) {
-                    break;
-                }
+            // Bounded: at most 100,000 requests per client and phase (a phase of fast
+            // failures must not use up the next phases' requests), and by the phases'
+            // own lengths (`stop`).
+            let mut in_phase = (usize::MAX, 0usize);
+            let mut i = 0usize;
+            while !stop.load(Ordering::Relaxed) {
                 let p = phase.load(Ordering::Relaxed);
+                if in_phase.0 != p {
+                    in_phase = (p, 0);
+                }
+                if in_phase.1 >= 100_000 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+                in_phase.1 += 1;
+                i += 1;
                 let poison = p == 3 && (i * 8 + t) % 20 == 0;
                 let body = format!(
                     r#"{{"model":"mock","prompt":"client {t} request {i}: steady load {}","max_tokens":4}}"#,
@@ -145,7 +155,7 @@ async fn scenario(
     let mut before = ejected(&get_text(&c, &format!("{url}/metrics")).await);
     let mut frozen_pid = None;
     let mut stalled = Vec::new();
-    let mut hostile_key = None;
+    let mut hostile = None;
     for p in 0..PHASES.len() {
         phase.store(p, Ordering::Relaxed);
         let mut len = phase_len;
@@ -182,7 +192,7 @@ async fn scenario(
                 len = freeze;
             }
             7 => {
-                hostile_key = Some(register_hostile(&e, &workers[4].1).await);
+                hostile = Some(register_hostile(&e, &workers[4].1).await);
                 let addr = url.trim_start_matches("http://");
                 for _ in 0..64 {
                     stalled.push(stall_upload(addr).await);
@@ -211,8 +221,10 @@ async fn scenario(
     }
     stop.store(true, Ordering::Relaxed);
     drop(stalled);
-    if let Some(key) = hostile_key {
+    let mut hostile_connections = [0, 0];
+    if let Some((key, counts)) = hostile {
         let _ = e.api().delete(&key, false).await;
+        hostile_connections = counts.map(|c| c.load(Ordering::Relaxed));
     }
     let mut all = Vec::new();
     for t in tasks {
@@ -247,19 +259,27 @@ async fn scenario(
     rows.push(format!(
         "| {name} | in flight after the load stopped | | | | | {in_flight} |"
     ));
+    rows.push(format!(
+        "| {name} | hostile peer connections (2^62-byte frame / endless MORE frames), each closed at its bound | | | | | {} / {} |",
+        hostile_connections[0], hostile_connections[1]
+    ));
     rows
 }
 
 /// Registers an instance of `worker` (host:port) whose KV event socket is a hostile
 /// ZMTP peer: a 2^62-byte frame header on odd connections, endless MORE frames on even
-/// ones. Returns its etcd key.
-async fn register_hostile(e: &etcd::Etcd, worker: &str) -> String {
+/// ones. Returns its etcd key and the counts of connections the router made to each peer.
+async fn register_hostile(
+    e: &etcd::Etcd,
+    worker: &str,
+) -> (String, [Arc<std::sync::atomic::AtomicU64>; 2]) {
     use switchyard::discovery::{
         EndpointPath, EngineEventSource, InstanceInfo, InstanceKey, InstanceRecord,
     };
     use switchyard::ids::InstanceId;
-    let (huge, _) = hostile_zmtp::hostile_publisher(hostile_zmtp::Hostile::HugeFrame).await;
-    let (endless, _) = hostile_zmtp::hostile_publisher(hostile_zmtp::Hostile::EndlessMore).await;
+    let (huge, huge_n) = hostile_zmtp::hostile_publisher(hostile_zmtp::Hostile::HugeFrame).await;
+    let (endless, endless_n) =
+        hostile_zmtp::hostile_publisher(hostile_zmtp::Hostile::EndlessMore).await;
     let info = InstanceInfo {
         id: InstanceId(0xbad),
         endpoint: EndpointPath::for_model("mock"),
@@ -286,7 +306,7 @@ async fn register_hostile(e: &etcd::Etcd, worker: &str) -> String {
     .to_string();
     let record = serde_json::to_string(&InstanceRecord::from_info(&info)).unwrap();
     e.api().put(&key, record.as_bytes(), None).await.unwrap();
-    key
+    (key, [huge_n, endless_n])
 }
 
 /// A connection that sends a completion's head, promising 100 bytes of body, and then
