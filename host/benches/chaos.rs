@@ -138,7 +138,7 @@ async fn scenario(
                 }
                 in_phase.1 += 1;
                 i += 1;
-                let poison = p == 3 && (i * 8 + t) % 20 == 0;
+                let poison = p == 3 && (i * 8 + t).is_multiple_of(20);
                 let body = format!(
                     r#"{{"model":"mock","prompt":"client {t} request {i}: steady load {}","max_tokens":4}}"#,
                     if poison { "POISON" } else { "" }

@@ -85,7 +85,15 @@ fn main() {
     // bucketing by the key's own bits would put them all in one probe sequence).
     let colliding: Vec<(InstanceId, Vec<BlockHash>)> = events
         .iter()
-        .map(|(w, blocks)| (*w, blocks.iter().map(|b| BlockHash((b.0 << 32) | 0x5eed)).collect()))
+        .map(|(w, blocks)| {
+            (
+                *w,
+                blocks
+                    .iter()
+                    .map(|b| BlockHash((b.0 << 32) | 0x5eed))
+                    .collect(),
+            )
+        })
         .collect();
     let colliding_per_sec = rate(&colliding);
 
