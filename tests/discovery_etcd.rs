@@ -437,8 +437,7 @@ async fn a_watch_from_a_compacted_revision_ends_saying_so_and_discovery_relists(
     let mut watch = api.watch_prefix(prefix, &[], revision - 5).await.unwrap();
     let err = bounded("the canceled watch", watch.next())
         .await
-        .err()
-        .expect("a watch from a compacted revision ends");
+        .expect_err("a watch from a compacted revision ends");
     assert!(err.to_string().contains("compacted"), "{err}");
     // Discovery started after the compaction lists, then watches from the listing.
     let registry = registry(&etcd);
