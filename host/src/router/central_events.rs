@@ -295,4 +295,68 @@ mod tests {
             "the old claim's drop took the route"
         );
     }
+
+    /// Anyone who reaches the bound port is read within the bounds: a peer whose first
+    /// frame header declares 2^62 bytes is closed and counted, and an engine connecting
+    /// next still gets its batches through.
+    #[tokio::test]
+    async fn a_hostile_peer_on_the_bound_port_is_closed_and_counted() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let hub = CentralEvents::bind(&[format!("tcp://127.0.0.1:{port}")])
+            .await
+            .unwrap();
+        let hello = |s: &mut Vec<u8>| {
+            s.extend_from_slice(&super::super::zmtp::greeting());
+            let mut ready = vec![0x04, 0, 5];
+            ready.extend_from_slice(b"READY");
+            ready.push(11);
+            ready.extend_from_slice(b"Socket-Type");
+            ready.extend_from_slice(&3u32.to_be_bytes());
+            ready.extend_from_slice(b"PUB");
+            ready[1] = (ready.len() - 2) as u8;
+            s.extend(ready);
+        };
+        let mut hostile = Vec::new();
+        hello(&mut hostile);
+        hostile.push(0x02);
+        hostile.extend_from_slice(&(1u64 << 62).to_be_bytes());
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        s.write_all(&hostile).await.unwrap();
+        // The router closes it: reads end.
+        let mut sink = vec![0u8; 1024];
+        while s.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+        // Counted just after the close: wait for the count, bounded.
+        for _ in 0..500 {
+            if hub.refused.load(Ordering::Relaxed) == 1 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(hub.refused.load(Ordering::Relaxed), 1);
+        // An engine after it is heard.
+        let mut claim = hub.claim("w", 0, InstanceId(1)).unwrap();
+        let mut engine = Vec::new();
+        hello(&mut engine);
+        for (flags, body) in [
+            (1u8, &b"w"[..]),
+            (1, &5u64.to_be_bytes()[..]),
+            (0, &b"batch"[..]),
+        ] {
+            engine.extend_from_slice(&[flags, body.len() as u8]);
+            engine.extend_from_slice(body);
+        }
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        s.write_all(&engine).await.unwrap();
+        let (seq, payload) = claim.batches.recv().await.unwrap();
+        assert_eq!((seq, &payload[..]), (5, &b"batch"[..]));
+    }
 }
