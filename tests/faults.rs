@@ -916,3 +916,50 @@ async fn an_https_worker_is_served_when_its_ca_is_trusted() {
         "the error does not say why: {body}"
     );
 }
+
+/// An endpoint whose policy cannot load is not loaded again by every request: the
+/// policy file, valid when the router started, is broken before the endpoint's first
+/// worker registers; 30 requests in a row then cost at most two load attempts (the
+/// discovery pass's and one retry after the first backoff of 1 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_that_fails_to_load_is_not_loaded_again_by_every_request() {
+    let etcd = Etcd::start();
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.wasm");
+    std::fs::copy(common::guest("picks_first"), &policy).unwrap();
+    let config = dir.path().join("router.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[endpoints.\"default/mock/generate\"]\npolicy = \"{}\"\n",
+            policy.display()
+        ),
+    )
+    .unwrap();
+    let listen = format!("127.0.0.1:{}", common::procs::free_port());
+    let _router = common::procs::switchyard(&[
+        "serve",
+        "--listen",
+        &listen,
+        "--etcd",
+        &etcd.url(),
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    let url = format!("http://{listen}");
+    common::procs::wait_ok(&format!("{url}/health")).await;
+    std::fs::write(&policy, b"not a component").unwrap();
+    let (_w, _) = mock_worker(&["--etcd", &etcd.url(), "--speedup", "100"]).await;
+    let c = http::client();
+    let failures = "switchyard_endpoint_policy_load_failures_total";
+    eventually("the first failed load", || async {
+        metric(&c, &url, failures, "").await >= 1.0
+    })
+    .await;
+    for i in 0..30 {
+        let (s, _, body) = complete(&c, &url, &chat(&format!("q {i}"), 1, false)).await;
+        assert!(s.is_client_error() || s.is_server_error(), "{s}: {body}");
+    }
+    let loads = metric(&c, &url, failures, "").await;
+    assert!(loads <= 2.0, "{loads} failed loads for 30 requests");
+}

@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -100,6 +100,8 @@ pub struct ServeFleet {
     /// backoff that led to it (1 s doubling to a minute), so that a bad policy is not
     /// loaded again by every request on the request path.
     load_failures: Mutex<HashMap<EndpointPath, (std::time::Instant, Duration)>>,
+    /// Policy loads that failed, all endpoints (`switchyard_endpoint_policy_load_failures_total`).
+    load_failures_total: AtomicU64,
     /// What every endpoint's router starts from (its block size and, per endpoint,
     /// `forward_authorization` filled in).
     router_defaults: KvRouterConfig,
@@ -147,6 +149,7 @@ impl ServeFleet {
                 Arc::new(h)
             }
             Err(e) => {
+                self.load_failures_total.fetch_add(1, Ordering::Relaxed);
                 let mut failures = self.load_failures.lock();
                 let backoff = failures
                     .get(&entry.endpoint)
@@ -534,6 +537,14 @@ impl Fleet for ServeFleet {
             .get(model)
             .is_some_and(|at| at.elapsed() < self.endpoint_grace)
     }
+
+    fn counters(&self) -> Vec<(&'static str, &'static str, u64)> {
+        vec![(
+            "endpoint_policy_load_failures",
+            "Loads of an endpoint's policy that failed (each endpoint tried again after a backoff of 1 s doubling to a minute, never by every request)",
+            self.load_failures_total.load(Ordering::Relaxed),
+        )]
+    }
 }
 
 /// Static workers as instances (IDs derived from their URLs).
@@ -646,6 +657,7 @@ pub async fn serve(
         policies_listed: AtomicBool::new(!matches!(config.discovery, DiscoveryConfig::Etcd(_))),
         routers: Mutex::new(HashMap::new()),
         load_failures: Mutex::new(HashMap::new()),
+        load_failures_total: AtomicU64::new(0),
         router_defaults: KvRouterConfig {
             approximate: config.approximate,
             tls: config.gateway.tls.clone(),

@@ -212,6 +212,7 @@ impl Metrics {
         &self,
         routers: &[std::sync::Arc<KvRouter>],
         prefix: crate::tokens::prefix::PrefixStats,
+        fleet: Vec<(&'static str, &'static str, u64)>,
     ) -> String {
         // Endpoints released since the last scrape leave no series behind.
         let live: std::collections::HashSet<String> =
@@ -228,6 +229,7 @@ impl Metrics {
             .iter()
             .zip(self.front_door())
             .map(|((name, help), c)| (*name, *help, load(c)))
+            .chain(fleet)
             .collect();
         let scrape = Scrape {
             responses: [

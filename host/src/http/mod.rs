@@ -66,6 +66,11 @@ pub trait Fleet: Send + Sync + 'static {
     fn model_known(&self, _model: &str) -> bool {
         false
     }
+    /// The fleet's own counters for `/metrics`: name (without `switchyard_` and
+    /// `_total`), help, value.
+    fn counters(&self) -> Vec<(&'static str, &'static str, u64)> {
+        Vec::new()
+    }
 }
 
 /// Limits and behaviour of the front door.
@@ -236,8 +241,11 @@ impl Gateway {
             (&Method::GET, "/metrics") => Ok(text_response(
                 StatusCode::OK,
                 prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
-                self.metrics
-                    .render(&self.fleet.routers(), self.tokenizer.stats()),
+                self.metrics.render(
+                    &self.fleet.routers(),
+                    self.tokenizer.stats(),
+                    self.fleet.counters(),
+                ),
             )),
             (_, p) if p.starts_with("/admin/") => admin::handle(&self, req).await,
             (m, p) => Err(ApiError::NotFound(format!("{m} {p}"))),
