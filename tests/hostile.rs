@@ -15,6 +15,23 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// A mock worker (`worker_flags`; sped up 100x unless they say) and a router over it (`router_flags`);
+/// returns both processes and the router's and the worker's URLs.
+async fn one_worker(
+    worker_flags: &[&str],
+    router_flags: &[&str],
+) -> (common::procs::Proc, common::procs::Proc, String, String) {
+    let mut wf = worker_flags.to_vec();
+    if !wf.contains(&"--speedup") {
+        wf.extend(["--speedup", "100"]);
+    }
+    let (worker, worker_url) = mock_worker(&wf).await;
+    let mut rf = vec!["--model", "mock", "--worker", worker_url.as_str()];
+    rf.extend_from_slice(router_flags);
+    let (router, url) = serve(&rf).await;
+    (worker, router, url, worker_url)
+}
+
 /// The resident memory of process `pid`, in bytes.
 fn rss(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -78,17 +95,10 @@ async fn a_hostile_kv_event_peer_neither_kills_nor_grows_the_router() {
 /// each stalled upload is answered 408 once the client timeout passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_uploads_hold_no_slot_and_are_answered_408() {
-    let (_worker, worker_url) = mock_worker(&["--speedup", "100"]).await;
-    let (_router, url) = serve(&[
-        "--model",
-        "mock",
-        "--worker",
-        &worker_url,
-        "--max-in-flight",
-        "4",
-        "--client-idle-timeout-secs",
-        "3",
-    ])
+    let (_worker, _router, url, _) = one_worker(
+        &[],
+        &["--max-in-flight", "4", "--client-idle-timeout-secs", "3"],
+    )
     .await;
     let addr = url.trim_start_matches("http://").to_string();
     let mut stalled = Vec::new();
@@ -133,16 +143,8 @@ async fn stalled_uploads_hold_no_slot_and_are_answered_408() {
 /// the index's write lock before the worker refused it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_16_mb_token_prompt_is_refused_before_any_booking_or_prediction() {
-    let (_worker, worker_url) = mock_worker(&["--speedup", "100"]).await;
-    let (_router, url) = serve(&[
-        "--model",
-        "mock",
-        "--worker",
-        &worker_url,
-        "--admin-token",
-        common::router::TOKEN,
-    ])
-    .await;
+    let (_worker, _router, url, worker_url) =
+        one_worker(&[], &["--admin-token", common::router::TOKEN]).await;
     let mut body = String::with_capacity(16 << 20);
     body.push_str(r#"{"model": "mock", "max_tokens": 1, "prompt": ["#);
     for i in 0..8_000_000u32 {
@@ -177,17 +179,10 @@ async fn a_16_mb_token_prompt_is_refused_before_any_booking_or_prediction() {
 /// cut once the router's writes stall for 2 s, and normal requests are served again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_stop_reading_are_cut_and_give_their_slots_back() {
-    let (_worker, worker_url) = mock_worker(&["--speedup", "1000", "--kv-blocks", "100000"]).await;
-    let (_router, url) = serve(&[
-        "--model",
-        "mock",
-        "--worker",
-        &worker_url,
-        "--max-in-flight",
-        "2",
-        "--client-idle-timeout-secs",
-        "2",
-    ])
+    let (_worker, _router, url, _) = one_worker(
+        &["--speedup", "1000", "--kv-blocks", "100000"],
+        &["--max-in-flight", "2", "--client-idle-timeout-secs", "2"],
+    )
     .await;
     let addr: std::net::SocketAddr = url.trim_start_matches("http://").parse().unwrap();
     let mut silent = Vec::new();

@@ -335,16 +335,6 @@ mod targets {
         f
     }
 
-    fn ready(socket_type: &[u8]) -> Vec<u8> {
-        let mut body = vec![5];
-        body.extend_from_slice(b"READY");
-        body.push(11);
-        body.extend_from_slice(b"Socket-Type");
-        body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
-        body.extend_from_slice(socket_type);
-        frame(0x04, &body)
-    }
-
     fn batches() -> Vec<Vec<u8>> {
         let tokens: Vec<u32> = (0..32).collect();
         let hashes = [11u64, 12, u64::MAX - 1, 1 << 63];
@@ -398,8 +388,7 @@ mod targets {
             max_command: 512,
             ..zmtp::KV_EVENT_LIMITS
         };
-        let mut hello = zmtp::greeting().to_vec();
-        hello.extend(ready(b"PUB"));
+        let hello = zmtp::hello(b"PUB");
         let mut seeds = Vec::new();
         let mut m = hello.clone();
         m.extend(frame(0x01, b"kv-events"));

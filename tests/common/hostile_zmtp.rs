@@ -34,19 +34,10 @@ pub async fn hostile_publisher(mode: Hostile) -> (String, Arc<AtomicU64>) {
 }
 
 async fn misbehave(mut s: TcpStream, mode: Hostile) {
-    let mut greeting = [0u8; 64];
-    greeting[0] = 0xFF;
-    greeting[9] = 0x7F;
-    greeting[10] = 3;
-    greeting[12..16].copy_from_slice(b"NULL");
-    let mut ready = vec![0x04, 0, 5];
-    ready.extend_from_slice(b"READY");
-    ready.push(11);
-    ready.extend_from_slice(b"Socket-Type");
-    ready.extend_from_slice(&3u32.to_be_bytes());
-    ready.extend_from_slice(b"PUB");
-    ready[1] = (ready.len() - 2) as u8;
-    if s.write_all(&greeting).await.is_err() || s.write_all(&ready).await.is_err() {
+    if s.write_all(&switchyard::router::zmtp::hello(b"PUB"))
+        .await
+        .is_err()
+    {
         return;
     }
     let (mut read, mut write) = s.into_split();

@@ -310,19 +310,7 @@ mod tests {
         let hub = CentralEvents::bind(&[format!("tcp://127.0.0.1:{port}")])
             .await
             .unwrap();
-        let hello = |s: &mut Vec<u8>| {
-            s.extend_from_slice(&super::super::zmtp::greeting());
-            let mut ready = vec![0x04, 0, 5];
-            ready.extend_from_slice(b"READY");
-            ready.push(11);
-            ready.extend_from_slice(b"Socket-Type");
-            ready.extend_from_slice(&3u32.to_be_bytes());
-            ready.extend_from_slice(b"PUB");
-            ready[1] = (ready.len() - 2) as u8;
-            s.extend(ready);
-        };
-        let mut hostile = Vec::new();
-        hello(&mut hostile);
+        let mut hostile = super::super::zmtp::hello(b"PUB");
         hostile.push(0x02);
         hostile.extend_from_slice(&(1u64 << 62).to_be_bytes());
         let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -342,8 +330,7 @@ mod tests {
         assert_eq!(hub.refused.load(Ordering::Relaxed), 1);
         // An engine after it is heard.
         let mut claim = hub.claim("w", 0, InstanceId(1)).unwrap();
-        let mut engine = Vec::new();
-        hello(&mut engine);
+        let mut engine = super::super::zmtp::hello(b"PUB");
         for (flags, body) in [
             (1u8, &b"w"[..]),
             (1, &5u64.to_be_bytes()[..]),

@@ -200,14 +200,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
                 String::from_utf8_lossy(&mechanism[..name_end])
             )));
         }
-        let mut ready = Vec::with_capacity(32);
-        ready.push(5);
-        ready.extend_from_slice(b"READY");
-        ready.push(11);
-        ready.extend_from_slice(b"Socket-Type");
-        ready.extend_from_slice(&(kind.name().len() as u32).to_be_bytes());
-        ready.extend_from_slice(kind.name());
-        self.write_frame(FLAG_COMMAND, &ready).await?;
+        self.write_frame(FLAG_COMMAND, &ready_body(kind.name()))
+            .await?;
         self.stream.get_mut().flush().await?;
         let (flags, body) = self.read_frame(self.limits.max_command).await?;
         if flags & FLAG_COMMAND == 0 {
@@ -373,8 +367,30 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     }
 }
 
+/// The body of a READY command naming `socket_type`.
+fn ready_body(socket_type: &[u8]) -> Vec<u8> {
+    let mut ready = Vec::with_capacity(24 + socket_type.len());
+    ready.push(5);
+    ready.extend_from_slice(b"READY");
+    ready.push(11);
+    ready.extend_from_slice(b"Socket-Type");
+    ready.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    ready.extend_from_slice(socket_type);
+    ready
+}
+
+/// What a peer of `socket_type` (`b"PUB"`…) sends first: the greeting and its READY
+/// command, as bytes on the wire (for scripted peers in tests and fuzzing).
+pub fn hello(socket_type: &[u8]) -> Vec<u8> {
+    let mut out = greeting().to_vec();
+    let body = ready_body(socket_type);
+    out.extend_from_slice(&[FLAG_COMMAND, body.len() as u8]);
+    out.extend_from_slice(&body);
+    out
+}
+
 /// ZMTP 3.0's greeting with NULL security, as a client (`as-server` 0).
-pub(crate) fn greeting() -> [u8; 64] {
+fn greeting() -> [u8; 64] {
     let mut g = [0u8; 64];
     g[0] = 0xFF;
     g[9] = 0x7F;
@@ -430,15 +446,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.unwrap();
-            s.write_all(&greeting()).await.unwrap();
-            let mut ready = vec![FLAG_COMMAND, 0, 5];
-            ready.extend_from_slice(b"READY");
-            ready.push(11);
-            ready.extend_from_slice(b"Socket-Type");
-            ready.extend_from_slice(&3u32.to_be_bytes());
-            ready.extend_from_slice(b"PUB");
-            ready[1] = (ready.len() - 2) as u8;
-            s.write_all(&ready).await.unwrap();
+            s.write_all(&hello(b"PUB")).await.unwrap();
             s.write_all(&then).await.unwrap();
             let mut sink = vec![0u8; 4096];
             while s.read(&mut sink).await.is_ok_and(|n| n > 0) {}
