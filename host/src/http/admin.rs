@@ -19,9 +19,8 @@
 //! | `POST /admin/endpoints/{path}/explain` | body: an OpenAI completion or chat request; answers what the router would do with it (prompt tokens and blocks, every candidate's overlap, load and cache view, the chosen worker and who decided) without forwarding it |
 
 use std::sync::Arc;
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, UNIX_EPOCH};
 
-use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{Value, json};
@@ -211,7 +210,7 @@ pub(crate) async fn handle(
             &status_json(&router.policy().status()),
         )),
         (Method::GET, "instances") => Ok(json_response(StatusCode::OK, &instances_json(&router))),
-        (Method::PUT | Method::POST, "policy") => upload(&router, req).await,
+        (Method::PUT | Method::POST, "policy") => upload(gw, &router, req).await,
         (Method::POST, "explain") => explain(gw, &router, req).await,
         (Method::GET, "shadow") => Ok(json_response(
             StatusCode::OK,
@@ -219,7 +218,7 @@ pub(crate) async fn handle(
                 .shadow_status()
                 .map_or(Value::Null, |s| shadow_json(&s)),
         )),
-        (Method::PUT | Method::POST, "shadow") => upload_shadow(&router, req).await,
+        (Method::PUT | Method::POST, "shadow") => upload_shadow(gw, &router, req).await,
         (Method::DELETE, "shadow") => match router.detach_shadow() {
             Some(status) => Ok(json_response(StatusCode::OK, &shadow_json(&status))),
             None => Err(ApiError::Refused(
@@ -273,7 +272,7 @@ fn query_value<'a>(req: &'a Request<Incoming>, key: &str) -> Option<&'a str> {
     })
 }
 
-async fn read_upload(req: Request<Incoming>) -> Result<Upload, ApiError> {
+async fn read_upload(gw: &Gateway, req: Request<Incoming>) -> Result<Upload, ApiError> {
     let config = req
         .headers()
         .get("x-policy-config")
@@ -308,19 +307,13 @@ async fn read_upload(req: Request<Incoming>) -> Result<Upload, ApiError> {
             }
         },
     };
-    let bytes = match Limited::new(req.into_body(), MAX_POLICY_BYTES)
-        .collect()
-        .await
-    {
-        Ok(b) => b.to_bytes(),
-        Err(e)
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            return Err(ApiError::TooLarge(MAX_POLICY_BYTES));
-        }
-        Err(e) => return Err(ApiError::Refused(format!("cannot read the policy: {e}"))),
+    // Within the body budget and a deadline like any body; an upload may take a minute.
+    let limits = super::body::Limits {
+        max: MAX_POLICY_BYTES,
+        total: gw.config.max_body_bytes_total,
+        deadline: gw.config.client_idle_timeout.max(Duration::from_secs(60)),
     };
+    let (bytes, _held) = super::body::read(req.into_body(), &gw.bodies, limits).await?;
     Ok(Upload {
         builtin,
         bytes,
@@ -355,10 +348,11 @@ async fn blocking<T: Send + 'static>(
 }
 
 async fn upload(
+    gw: &Gateway,
     router: &Arc<KvRouter>,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, ApiError> {
-    let u = read_upload(req).await?;
+    let u = read_upload(gw, req).await?;
     let handle = router.policy().clone();
     let result = blocking("policy load", move || {
         handle.swap(u.load(&handle, "admin API")?)
@@ -374,10 +368,11 @@ async fn upload(
 
 /// `PUT .../shadow`: loads a policy like an upload and attaches it as the shadow.
 async fn upload_shadow(
+    gw: &Gateway,
     router: &Arc<KvRouter>,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, ApiError> {
-    let u = read_upload(req).await?;
+    let u = read_upload(gw, req).await?;
     let router = router.clone();
     let result = blocking("shadow load", move || {
         router.attach_shadow(u.load(router.policy(), "admin API (shadow)")?, u.sample)
@@ -399,11 +394,12 @@ async fn explain(
     router: &Arc<KvRouter>,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, ApiError> {
-    let body = Limited::new(req.into_body(), MAX_EXPLAIN_BYTES)
-        .collect()
-        .await
-        .map_err(|e| ApiError::Refused(format!("cannot read the request: {e}")))?
-        .to_bytes();
+    let limits = super::body::Limits {
+        max: MAX_EXPLAIN_BYTES,
+        total: gw.config.max_body_bytes_total,
+        deadline: gw.config.client_idle_timeout,
+    };
+    let (body, _held) = super::body::read(req.into_body(), &gw.bodies, limits).await?;
     // A chat request has `messages`; anything else is read as a completion request.
     let api = match serde_json::from_slice::<Value>(&body) {
         Ok(v) if v.get("messages").is_some() => crate::openai::Api::Chat,

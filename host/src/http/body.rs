@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
-use hyper::body::{Body as _, Incoming};
+use hyper::body::Incoming;
 
 use super::ApiError;
 use crate::openai;
@@ -74,9 +74,8 @@ pub struct Limits {
     pub deadline: Duration,
 }
 
-/// Reads `body` whole: 413 past `limits.max` (at once when `content-length` says so),
-/// 503 when the budget has no room, 408 past the deadline, 400 when the connection
-/// breaks. The bytes stay counted in `budget` until the returned guard is dropped.
+/// Reads `body` whole: 413 past `limits.max`, 503 when the budget has no room, 408 past
+/// the deadline, 400 when the connection breaks. The bytes stay counted in `budget` until the returned guard is dropped.
 pub async fn read(
     body: Incoming,
     budget: &BodyBudget,
@@ -86,9 +85,9 @@ pub async fn read(
         held: budget.held.clone(),
         bytes: 0,
     };
-    if body.size_hint().lower() > limits.max as u64 {
-        return Err(ApiError::TooLarge(limits.max));
-    }
+    // A `content-length` over the limit is not refused before reading: a client still
+    // sending its body would see the connection reset instead of the 413. The body is
+    // read up to the limit (never more is held), then refused.
     let read = async {
         let mut body = body;
         let mut buf = BytesMut::new();
