@@ -46,6 +46,13 @@ pub struct ServeArgs {
     /// workers do); without it their caches are predicted from routing decisions.
     #[arg(long, env = "SWITCHYARD_KV_EVENTS")]
     pub kv_events: Option<bool>,
+    /// Key of the router's block-hash chain (a u64). Workers that publish Switchyard's
+    /// NDJSON events compute the same chain, so they must be given the same key
+    /// (`mock-worker --kv-hash-key`); engines' own events are re-hashed by the router,
+    /// and predictions are the router's own [default: random per process when no worker
+    /// can publish NDJSON events (static workers without `--kv-events`), else 0].
+    #[arg(long, env = "SWITCHYARD_KV_HASH_KEY")]
+    pub kv_hash_key: Option<u64>,
     /// KV block size of the static workers, in tokens [default: 16].
     #[arg(long, env = "SWITCHYARD_BLOCK_SIZE")]
     pub block_size: Option<u32>,
@@ -252,6 +259,7 @@ pub struct FileConfig {
     workers: Vec<WorkerEntry>,
     model: Option<String>,
     kv_events: Option<bool>,
+    kv_hash_key: Option<u64>,
     block_size: Option<u32>,
     policy: Option<String>,
     policy_config: Option<String>,
@@ -466,6 +474,8 @@ pub struct ServeConfig {
     pub engine_metrics: Option<Duration>,
     /// Addresses of the SUB sockets engines connect to (central mode), rank by rank.
     pub kv_events_bind: Vec<String>,
+    /// The key of the router's block-hash chain (see `--kv-hash-key`).
+    pub kv_hash_key: u64,
     /// Whether clients' `Authorization` header goes on to workers, by default.
     pub forward_authorization: bool,
     /// Per-endpoint exceptions to `forward_authorization`.
@@ -979,7 +989,27 @@ impl ServeArgs {
             .iter()
             .map(|path| crate::discovery::signing::PublicKey::load(path).map_err(ConfigError))
             .collect::<Result<Vec<_>, _>>()?;
+        let kv_hash_key = match self.kv_hash_key.or(file.kv_hash_key) {
+            Some(key) => key,
+            // Only the router computes the chain: keyed at random, so that no client can
+            // craft prompts whose blocks collide with others'.
+            None if matches!(
+                discovery,
+                DiscoveryConfig::Static {
+                    kv_events: false,
+                    ..
+                }
+            ) =>
+            {
+                use std::hash::BuildHasher;
+                std::hash::RandomState::new().hash_one(std::time::SystemTime::now()) | 1
+            }
+            // Workers may publish NDJSON events, hashed with the chain: they and the router
+            // share the key, 0 unless both are given another.
+            None => 0,
+        };
         Ok(ServeConfig {
+            kv_hash_key,
             listen: self
                 .listen
                 .or(file.listen)
@@ -1184,6 +1214,29 @@ mod tests {
 
     /// A duration past a year would overflow `Instant` arithmetic on the request path;
     /// each is refused at start with the setting's name, whether from a flag or the file.
+    /// The chain is keyed at random where only the router computes it, shared (0, or
+    /// the key given) where workers may publish NDJSON events hashed with it.
+    #[test]
+    fn the_hash_chain_is_keyed_at_random_only_where_no_worker_computes_it() {
+        let args = |kv_events: Option<bool>, key: Option<u64>| ServeArgs {
+            workers: vec!["http://a:1".into()],
+            kv_events,
+            kv_hash_key: key,
+            ..Default::default()
+        };
+        let (a, b) = (
+            args(None, None).resolve().unwrap().kv_hash_key,
+            args(None, None).resolve().unwrap().kv_hash_key,
+        );
+        assert!(a != 0 && b != 0 && a != b, "{a} {b}");
+        assert_eq!(args(Some(true), None).resolve().unwrap().kv_hash_key, 0);
+        assert_eq!(
+            args(Some(true), Some(42)).resolve().unwrap().kv_hash_key,
+            42
+        );
+        assert_eq!(args(None, Some(42)).resolve().unwrap().kv_hash_key, 42);
+    }
+
     #[test]
     fn durations_that_would_overflow_a_clock_are_refused_by_name() {
         let f = file("workers = [\"http://x:1\"]\nrequest_timeout_secs = 18446744073709551615\n");

@@ -220,6 +220,9 @@ struct ReplayArgs {
 
 #[derive(Args)]
 struct MockWorkerArgs {
+    /// Key of the block-hash chain of its NDJSON events: the routers' `--kv-hash-key`.
+    #[arg(long, env = "SWITCHYARD_KV_HASH_KEY", default_value_t = 0)]
+    kv_hash_key: u64,
     /// Address of the first worker; further workers (`--count`) take the next ports.
     #[arg(long, default_value = "127.0.0.1:8001")]
     listen: std::net::SocketAddr,
@@ -706,7 +709,7 @@ async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
                 decode_us_per_seq: args.decode_us_per_seq,
             },
         },
-        hash_seed: 0,
+        hash_seed: args.kv_hash_key,
         fault: FaultConfig {
             fault: args.fault,
             after: args.fault_after,

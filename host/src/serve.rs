@@ -669,6 +669,7 @@ pub async fn serve(
                 .map_or(crate::kv::load::REPORT_TTL, |every| {
                     (every * 3).max(crate::kv::load::REPORT_TTL)
                 }),
+            hash_seed: config.kv_hash_key,
             ..KvRouterConfig::new(16)
         },
         endpoint_forward_authorization: config.endpoint_forward_authorization.clone(),
