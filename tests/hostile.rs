@@ -210,3 +210,27 @@ async fn clients_that_stop_reading_are_cut_and_give_their_slots_back() {
     .await;
     drop(silent);
 }
+
+/// A prompt longer than the model's context is refused by the router before anything is
+/// booked, once a worker's `/v1/models` has said its `max_model_len` (the mock's: what
+/// its cache holds, here 64 blocks of 16 tokens); prompts that fit are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_past_the_models_context_is_refused_by_the_router() {
+    let (_worker, _router, url, _) = one_worker(&["--kv-blocks", "64"], &[]).await;
+    let c = http::client();
+    let long: Vec<u32> = (0..2000).map(|i| 1 + i % 500).collect();
+    let body = json!({"model": "mock", "prompt": long, "max_tokens": 1});
+    eventually("the router to know the model's context", || {
+        let (c, url, body) = (c.clone(), url.clone(), body.clone());
+        async move {
+            let (status, answer, _) = post_json(&c, &format!("{url}/v1/completions"), &body).await;
+            status == StatusCode::BAD_REQUEST
+                && answer.to_string().contains("context is 1024 tokens")
+        }
+    })
+    .await;
+    let short: Vec<u32> = (0..500).map(|i| 1 + i % 500).collect();
+    let ok = json!({"model": "mock", "prompt": short, "max_tokens": 2});
+    let (status, answer, _) = post_json(&c, &format!("{url}/v1/completions"), &ok).await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+}

@@ -4,7 +4,8 @@
 //! builds with one pinned stable toolchain, nothing else; so each target here is a
 //! property test driven by a small mutation engine: valid inputs the project generates
 //! itself (its own encoders: engines' msgpack batches in all three shapes, NDJSON event
-//! lines, OpenAI bodies, etcd gateway answers, engines' `/metrics` pages, ZMTP streams)
+//! lines, OpenAI bodies, etcd gateway answers, engines' `/metrics` pages and `/v1/models`
+//! answers, ZMTP streams)
 //! are the seed corpus, and each case applies 1–8 mutations (bit flips, interesting
 //! integers, insertions, deletions, duplications, splices with another seed,
 //! truncation). A target fails on a panic or on a broken property (a bound exceeded, a
@@ -562,6 +563,25 @@ mod targets {
                 accepted |= crate::kv::engine_metrics::parse(&text, block_size).is_some();
             }
             accepted
+        });
+    }
+
+    /// Engines' `/v1/models` answers, read for their context length.
+    #[test]
+    fn models_answers() {
+        let seeds = [
+            r#"{"object":"list","data":[{"id":"m","object":"model","max_model_len":32768,"owned_by":"vllm"}]}"#,
+            r#"{"object":"list","data":[{"id":"other","max_model_len":4096},{"id":"m","max_model_len":131072}]}"#,
+        ]
+        .iter()
+        .map(|s| s.as_bytes().to_vec())
+        .collect();
+        fuzz("models", seeds, true, |input| {
+            let Some(n) = crate::kv::engine_metrics::max_model_len(input, "m") else {
+                return false;
+            };
+            assert!(n > 0);
+            true
         });
     }
 

@@ -189,13 +189,20 @@ pub(crate) async fn completion(
     let tokens = tokenize(gw, &parsed.prompt).await?;
     // Refused before anything is booked or predicted: a prompt no worker can take must
     // not cost the router its locks or its prediction budget.
-    if tokens.len() > gw.config.max_prompt_tokens {
-        return Err(ApiError::BadRequest(openai::BadRequest {
-            message: format!(
-                "the prompt has {} tokens; this router takes at most {} (--max-prompt-tokens)",
-                tokens.len(),
+    let context = router
+        .context_len()
+        .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
+    if tokens.len() > gw.config.max_prompt_tokens.min(context) {
+        let limit = if context < gw.config.max_prompt_tokens {
+            format!("the model's context is {context} tokens (its workers' max_model_len)")
+        } else {
+            format!(
+                "this router takes at most {} (--max-prompt-tokens)",
                 gw.config.max_prompt_tokens
-            ),
+            )
+        };
+        return Err(ApiError::BadRequest(openai::BadRequest {
+            message: format!("the prompt has {} tokens; {limit}", tokens.len()),
             param: Some(
                 if api == Api::Chat {
                     "messages"

@@ -34,6 +34,19 @@ pub struct EngineLoad {
     pub size_known: bool,
 }
 
+/// The context length, in tokens, that an engine's `/v1/models` answer gives for `model`
+/// (vLLM's and SGLang's `max_model_len`; the first entry's when none is named `model`);
+/// `None` when it gives none.
+pub fn max_model_len(body: &[u8], model: &str) -> Option<u64> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let data = v.get("data")?.as_array()?;
+    let len = |e: &serde_json::Value| e.get("max_model_len")?.as_u64().filter(|n| *n > 0);
+    data.iter()
+        .find(|e| e.get("id").and_then(serde_json::Value::as_str) == Some(model))
+        .and_then(len)
+        .or_else(|| data.iter().find_map(len))
+}
+
 /// Parses a `/metrics` page; `None` when it has none of the engines' load gauges.
 /// `block_size` converts SGLang's token capacity into blocks.
 pub fn parse(text: &str, block_size: u32) -> Option<EngineLoad> {

@@ -4,7 +4,9 @@
 //! (`kv::engine_metrics`). So a router sees load that other routers or clients put on a
 //! worker. A worker whose page has none of the engines' gauges, or cannot be read, is
 //! asked again only after [`QUIET_RETRY`]; one scrape never waits longer than
-//! [`SCRAPE_TIMEOUT`].
+//! [`SCRAPE_TIMEOUT`]. Every available worker's `/v1/models` is also read, once and then
+//! every [`MODELS_EVERY`], for its context length (`max_model_len`): the endpoint's
+//! longest is the most prompt tokens a request to it may have.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,6 +28,10 @@ pub const SCRAPE_TIMEOUT: Duration = Duration::from_secs(1);
 pub const QUIET_RETRY: Duration = Duration::from_secs(30);
 /// Largest `/metrics` page read.
 const MAX_PAGE: usize = 4 << 20;
+/// Largest `/v1/models` answer read.
+const MAX_MODELS: usize = 1 << 20;
+/// How often each worker's `/v1/models` is read for its context length.
+pub const MODELS_EVERY: Duration = Duration::from_secs(300);
 
 /// Scrape counters of one endpoint.
 #[derive(Debug, Default)]
@@ -42,6 +48,8 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
     let http = super::background_http(&router.config.tls, SCRAPE_TIMEOUT);
     tokio::spawn(async move {
         let mut quiet_until: HashMap<InstanceId, Instant> = HashMap::new();
+        // When each worker's `/v1/models` was last read (every worker, NDJSON or not).
+        let mut models_read: HashMap<InstanceId, Instant> = HashMap::new();
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -50,6 +58,25 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
             let snap = router.client().snapshot();
             let now = Instant::now();
             quiet_until.retain(|id, until| snap.instances.contains_key(id) && *until > now);
+            models_read.retain(|id, at| {
+                snap.instances.contains_key(id) && now.duration_since(*at) < MODELS_EVERY
+            });
+            let mut contexts = tokio::task::JoinSet::new();
+            for id in snap.available.iter() {
+                let Some(state) = snap.instances.get(id) else {
+                    continue;
+                };
+                if models_read.contains_key(id) {
+                    continue;
+                }
+                models_read.insert(*id, now);
+                let url = format!("{}/v1/models", state.info.url);
+                let (http, model, id) = (http.clone(), state.info.model.clone(), *id);
+                contexts.spawn(async move {
+                    let body = fetch(&http, &url, MAX_MODELS).await.ok()?;
+                    Some((id, engine_metrics::max_model_len(&body, &model)?))
+                });
+            }
             let mut scrapes = tokio::task::JoinSet::new();
             for id in snap.available.iter() {
                 let Some(state) = snap.instances.get(id) else {
@@ -65,6 +92,13 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
                 scrapes.spawn(async move { (id, scrape(&http, &url, block_size).await) });
             }
             drop(router);
+            while let Some(done) = contexts.join_next().await {
+                let Ok(Some((id, tokens))) = done else {
+                    continue;
+                };
+                let Some(router) = weak.upgrade() else { return };
+                router.note_context_len(id, tokens);
+            }
             while let Some(done) = scrapes.join_next().await {
                 let Ok((id, result)) = done else { continue };
                 let Some(router) = weak.upgrade() else { return };
@@ -86,27 +120,36 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
     })
 }
 
-async fn scrape(
+/// `GET url`, its body up to `max` bytes, within [`SCRAPE_TIMEOUT`].
+async fn fetch(
     http: &HttpClient<Connector, Empty<Bytes>>,
     url: &str,
-    block_size: u32,
-) -> Result<engine_metrics::EngineLoad, String> {
+    max: usize,
+) -> Result<Bytes, String> {
     let uri: hyper::Uri = url.parse().map_err(|e| format!("bad URL: {e}"))?;
     let read = async {
         let response = http.get(uri).await.map_err(|e| e.to_string())?;
         if !response.status().is_success() {
             return Err(format!("HTTP {}", response.status()));
         }
-        let body = Limited::new(response.into_body(), MAX_PAGE)
+        let body = Limited::new(response.into_body(), max)
             .collect()
             .await
             .map_err(|e| e.to_string())?
             .to_bytes();
         Ok(body)
     };
-    let body = tokio::time::timeout(SCRAPE_TIMEOUT, read)
+    tokio::time::timeout(SCRAPE_TIMEOUT, read)
         .await
-        .map_err(|_| format!("timed out after {SCRAPE_TIMEOUT:?}"))??;
+        .map_err(|_| format!("timed out after {SCRAPE_TIMEOUT:?}"))?
+}
+
+async fn scrape(
+    http: &HttpClient<Connector, Empty<Bytes>>,
+    url: &str,
+    block_size: u32,
+) -> Result<engine_metrics::EngineLoad, String> {
+    let body = fetch(http, url, MAX_PAGE).await?;
     let text = std::str::from_utf8(&body).map_err(|_| "not UTF-8".to_string())?;
     engine_metrics::parse(text, block_size)
         .ok_or_else(|| "no vLLM or SGLang load gauges".to_string())

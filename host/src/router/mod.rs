@@ -219,6 +219,10 @@ pub struct KvRouter {
     views: RwLock<std::collections::HashMap<InstanceId, ViewStatus>>,
     /// Workers' KV cache sizes in blocks, where their load reports say.
     capacities: Mutex<std::collections::HashMap<InstanceId, u64>>,
+    /// Workers' context lengths (`max_model_len` of their `/v1/models`), and the
+    /// longest of them (0: none known), read by every request.
+    context_lens: Mutex<std::collections::HashMap<InstanceId, u64>>,
+    context_len: AtomicU64,
     scrape_stats: metrics_scraper::ScrapeStats,
     quality: DecisionQuality,
     /// The candidate policy deciding beside the live one, if any.
@@ -272,6 +276,8 @@ impl KvRouter {
             event_stats: subscriber::EventStats::default(),
             views: RwLock::new(std::collections::HashMap::new()),
             capacities: Mutex::new(std::collections::HashMap::new()),
+            context_lens: Mutex::new(std::collections::HashMap::new()),
+            context_len: AtomicU64::new(0),
             scrape_stats: metrics_scraper::ScrapeStats::default(),
             quality: DecisionQuality::default(),
             shadow: ArcSwapOption::empty(),
@@ -780,6 +786,22 @@ impl KvRouter {
         self.fence(worker);
     }
 
+    /// The longest context any of the endpoint's workers takes, in tokens, when their
+    /// `/v1/models` said: a longer prompt fits none of them.
+    pub fn context_len(&self) -> Option<u64> {
+        Some(self.context_len.load(Ordering::Relaxed)).filter(|n| *n > 0)
+    }
+
+    /// `worker`'s `/v1/models` gave its context length.
+    pub(crate) fn note_context_len(&self, worker: InstanceId, tokens: u64) {
+        let mut lens = self.context_lens.lock();
+        lens.insert(worker, tokens);
+        self.context_len
+            .store(lens.values().copied().max().unwrap_or(0), Ordering::Relaxed);
+        drop(lens);
+        self.fence(worker);
+    }
+
     /// `worker`'s KV cache size in blocks, if its reports said.
     pub fn known_capacity(&self, worker: InstanceId) -> Option<u64> {
         self.capacities.lock().get(&worker).copied()
@@ -808,6 +830,13 @@ impl KvRouter {
         drop(index);
         self.views.write().remove(&worker);
         self.capacities.lock().remove(&worker);
+        {
+            let mut lens = self.context_lens.lock();
+            if lens.remove(&worker).is_some() {
+                self.context_len
+                    .store(lens.values().copied().max().unwrap_or(0), Ordering::Relaxed);
+            }
+        }
         self.load.lock().forget_report(worker);
         self.quality.forget(worker);
     }

@@ -490,7 +490,8 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
         (&Method::POST, "/v1/chat/completions") => completion(shared, Api::Chat, req).await,
         (&Method::GET, "/v1/models") => json_response(
             StatusCode::OK,
-            json!({"object": "list", "data": [{"id": shared.model, "object": "model", "created": 0, "owned_by": "switchyard-mock"}]}),
+            // Its context is what its cache holds, as the engine refuses longer requests.
+            json!({"object": "list", "data": [{"id": shared.model, "object": "model", "created": 0, "owned_by": "switchyard-mock", "max_model_len": shared.engine.config().kv_blocks as u64 * u64::from(shared.engine.config().block_size)}]}),
         ),
         (&Method::GET, "/health") => match shared.active_fault() {
             _ if shared.fault.lock().health_lies => {
