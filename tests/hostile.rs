@@ -165,7 +165,7 @@ async fn a_16_mb_token_prompt_is_refused_before_any_booking_or_prediction() {
     .unwrap();
     let answer = String::from_utf8_lossy(&answer);
     assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
-    assert!(answer.contains("--max-prompt-tokens"), "{answer}");
+    assert!(answer.contains("the prompt has 8000000 tokens"), "{answer}");
     let instance = common::router::instance(&c, &url, &worker_url).await;
     assert_eq!(instance["cached_blocks"], 0, "{instance}");
     assert_eq!(instance["booked"], 0, "{instance}");

@@ -38,6 +38,10 @@ pub struct PushedPolicy {
     /// Stored in this many chunks beside the entry (0: inline in `wasm_base64`).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub chunks: u32,
+    /// The `.wasm`'s size in bytes, covered by the signature: a reader checks the chunk
+    /// count against it before reading any chunk. Absent in pushes made before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
     /// The public key that signed the push (base64), if signed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signer: Option<String>,
@@ -73,6 +77,7 @@ impl PushedPolicy {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             chunks: 0,
+            size: Some(wasm.len() as u64),
             signer: None,
             signature: None,
             sample: None,
@@ -97,16 +102,21 @@ impl PushedPolicy {
     }
 
     /// What a signature covers: the endpoint (a push signed for one endpoint is no good
-    /// for another), the policy's and the configuration's sha256, and the push time.
+    /// for another), the policy's and the configuration's sha256, the push time and the
+    /// policy's size (v2; a push without a size, made before it, is signed as v1).
     /// A shadow push's message says so (and its sample): a signed live push cannot be
     /// stored as a shadow, nor a shadow as the live policy.
     pub fn signed_message(&self, endpoint: &EndpointPath) -> Vec<u8> {
         let mut m = format!(
-            "switchyard-policy-push-v1\n{endpoint}\n{}\n{}\n{}\n",
+            "switchyard-policy-push-{}\n{endpoint}\n{}\n{}\n{}\n",
+            if self.size.is_some() { "v2" } else { "v1" },
             self.sha256,
             hex(&Sha256::digest(self.config.as_bytes())),
             self.pushed_at
         );
+        if let Some(size) = self.size {
+            m.push_str(&format!("{size}\n"));
+        }
         if let Some(sample) = self.sample {
             m.push_str(&format!("shadow\n{sample}\n"));
         }
@@ -248,6 +258,11 @@ async fn collect_garbage(config: &EtcdConfig) -> Result<(), DiscoveryError> {
     Ok(())
 }
 
+/// The length of `size` bytes in padded base64.
+fn base64_len(size: u64) -> u64 {
+    size.div_ceil(3).saturating_mul(4)
+}
+
 /// Fills in a chunked policy's bytes from its blobs (a missing or extra chunk leaves it
 /// unverifiable, and [`PushedPolicy::wasm`] refuses it). Bounded before anything is read:
 /// at most [`MAX_CHUNKS`] chunks of at most [`CHUNK_BYTES`] each.
@@ -259,6 +274,20 @@ async fn resolve(config: &EtcdConfig, mut policy: PushedPolicy) -> Result<Pushed
         return Err(format!(
             "policy {} claims {} chunks; at most {MAX_CHUNKS} are read",
             policy.sha256, policy.chunks
+        ));
+    }
+    // With a size (signed, where keys are trusted), the chunks must be exactly what it
+    // takes, and no more text is read than its base64 holds.
+    let text_len = policy.size.map(base64_len);
+    if let Some(len) = text_len
+        && u64::from(policy.chunks) != len.div_ceil(CHUNK_BYTES as u64)
+    {
+        return Err(format!(
+            "policy {} claims {} chunks, but its {} bytes take {}",
+            policy.sha256,
+            policy.chunks,
+            policy.size.unwrap_or(0),
+            len.div_ceil(CHUNK_BYTES as u64)
         ));
     }
     // The keys first, then one chunk per call: each answer stays ~1 MiB, whatever the
@@ -292,6 +321,12 @@ async fn resolve(config: &EtcdConfig, mut policy: PushedPolicy) -> Result<Pushed
             return Err(format!(
                 "chunk {key} holds {} bytes (at most {CHUNK_BYTES})",
                 chunk.value.len()
+            ));
+        }
+        if text_len.is_some_and(|len| (text.len() + chunk.value.len()) as u64 > len) {
+            return Err(format!(
+                "the chunks of policy {} exceed its size",
+                policy.sha256
             ));
         }
         text.extend_from_slice(&chunk.value);
@@ -474,6 +509,19 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_size_says_how_many_chunks_its_base64_takes() {
+        assert_eq!(base64_len(0), 0);
+        assert_eq!(base64_len(1), 4);
+        assert_eq!(base64_len(3), 4);
+        assert_eq!(base64_len(4), 8);
+        let policy = PushedPolicy::new(&vec![7u8; 5 << 19], "{}");
+        let text = policy.wasm_base64.len() as u64;
+        assert_eq!(base64_len(policy.size.unwrap()), text);
+        assert_eq!(text.div_ceil(CHUNK_BYTES as u64), 4, "2.5 MiB is 4 chunks");
+        assert_eq!(base64_len(u64::MAX), u64::MAX, "saturates");
+    }
+
+    #[test]
     fn a_signature_says_whether_the_push_is_live_or_a_shadow() {
         let dir = tempfile::tempdir().unwrap();
         let trusted = vec![SigningKey::generate(&dir.path().join("ops")).unwrap()];
@@ -537,6 +585,13 @@ mod tests {
         let mut reconfigured = signed.clone();
         reconfigured.config = r#"{"overlap_weight": 0}"#.into();
         assert!(reconfigured.verify(&a, &trusted).is_err());
+        // The size is signed: an etcd writer can neither change it nor strip it (the
+        // chunk count is checked against it before any chunk is read).
+        for size in [Some(1 << 30), None] {
+            let mut resized = signed.clone();
+            resized.size = size;
+            assert!(resized.verify(&a, &trusted).is_err(), "{size:?}");
+        }
         let mut swapped = signed.clone();
         swapped.sha256 = hex(&Sha256::digest(b"other"));
         assert!(swapped.verify(&a, &trusted).is_err());
