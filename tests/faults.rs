@@ -41,6 +41,25 @@ async fn fleet(
     (workers, router, url)
 }
 
+/// Worker flags: the first worker sheds load with 503 and `Retry-After: retry_after`,
+/// the others serve.
+fn first_sheds(retry_after: &'static str) -> impl Fn(usize) -> Vec<&'static str> {
+    move |i| {
+        if i == 0 {
+            vec![
+                "--fault",
+                "status",
+                "--fault-status",
+                "503",
+                "--fault-retry-after-secs",
+                retry_after,
+            ]
+        } else {
+            vec![]
+        }
+    }
+}
+
 async fn complete(
     c: &HttpClient,
     url: &str,
@@ -130,25 +149,8 @@ async fn poison_requests_fail_alone_with_the_engines_message_and_eject_no_one() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn busy_workers_are_skipped_for_their_retry_after_and_never_ejected() {
     // One of two sheds load with 503 and Retry-After: 5.
-    let (workers, _router, url) = fleet(
-        2,
-        |i| {
-            if i == 0 {
-                vec![
-                    "--fault",
-                    "status",
-                    "--fault-status",
-                    "503",
-                    "--fault-retry-after-secs",
-                    "5",
-                ]
-            } else {
-                vec![]
-            }
-        },
-        &["--health-check-interval-ms", "0"],
-    )
-    .await;
+    let (workers, _router, url) =
+        fleet(2, first_sheds("5"), &["--health-check-interval-ms", "0"]).await;
     let c = http::client();
     let started = Instant::now();
     for i in 0..30 {
@@ -205,20 +207,7 @@ async fn busy_workers_are_skipped_for_their_retry_after_and_never_ejected() {
 async fn an_absurd_retry_after_is_capped_and_costs_no_request() {
     let (workers, _router, url) = fleet(
         2,
-        |i| {
-            if i == 0 {
-                vec![
-                    "--fault",
-                    "status",
-                    "--fault-status",
-                    "503",
-                    "--fault-retry-after-secs",
-                    "1e20",
-                ]
-            } else {
-                vec![]
-            }
-        },
+        first_sheds("1e20"),
         &[
             "--health-check-interval-ms",
             "0",

@@ -32,17 +32,6 @@ async fn one_worker(
     (worker, router, url, worker_url)
 }
 
-/// The resident memory of process `pid`, in bytes.
-fn rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    kb * 1024
-}
-
 /// A worker whose KV event socket is held by a hostile peer: a frame declaring 2^62
 /// bytes (which aborted the router when a ZMQ library reserved it), or endless MORE
 /// frames (which grew it past a GiB in a second). The router refuses each connection at
@@ -80,7 +69,8 @@ async fn a_hostile_kv_event_peer_neither_kills_nor_grows_the_router() {
             router.0.try_wait().unwrap().is_none(),
             "{mode:?}: the router died"
         );
-        let rss = rss(router.0.id());
+        let rss =
+            switchyard::replay::external::proc_status_kb(router.0.id(), "VmRSS").unwrap() * 1024;
         assert!(
             rss < 512 << 20,
             "{mode:?}: the router holds {} MiB",

@@ -310,6 +310,11 @@ impl AsyncWrite for Script {
     }
 }
 
+/// Seeds from text.
+fn texts(seeds: &[&str]) -> Vec<Vec<u8>> {
+    seeds.iter().map(|s| s.as_bytes().to_vec()).collect()
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -446,29 +451,7 @@ mod targets {
     /// survives a round trip.
     #[test]
     fn ndjson_lines() {
-        let events = [
-            KvEvent::Snapshot {
-                seq: 4,
-                block_size: 16,
-                blocks: vec![1, u64::MAX],
-            },
-            KvEvent::Stored {
-                seq: 5,
-                parent: Some(1),
-                blocks: vec![2, 3],
-            },
-            KvEvent::Removed {
-                seq: 6,
-                blocks: vec![2],
-            },
-            KvEvent::Cleared { seq: 7 },
-            KvEvent::Load {
-                kv_used_blocks: 3,
-                kv_total_blocks: 100,
-                running: 1,
-                waiting: 0,
-            },
-        ];
+        let events = crate::kv::events::samples();
         let seeds = events
             .iter()
             .map(|e| serde_json::to_vec(e).expect("serialises"))
@@ -493,15 +476,12 @@ mod targets {
     #[test]
     fn openai_bodies() {
         use crate::openai::Api;
-        let seeds = [
+        let seeds = texts(&[
             r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"},{"type":"text","text":"there"}]}],"stream":true,"max_tokens":5,"user":"u1"}"#,
             r#"{"model":"m","prompt":"once upon a time","max_tokens":3,"cache_salt":"t1"}"#,
             r#"{"model":"m","prompt":[1,2,3,4294967295],"stream":false}"#,
             r#"{"model":"m","prompt":["a","b"]}"#,
-        ]
-        .iter()
-        .map(|s| s.as_bytes().to_vec())
-        .collect();
+        ]);
         let tokenizer = crate::tokens::PrefixTokenizer::new(
             std::sync::Arc::new(crate::tokens::Tokenizer::builtin()),
             1 << 16,
@@ -526,16 +506,13 @@ mod targets {
     /// etcd gateway answers: ranges and watch lines.
     #[test]
     fn etcd_answers() {
-        let seeds = [
+        let seeds = texts(&[
             r#"{"header":{"revision":"42"},"kvs":[{"key":"c3cvaW5zdGFuY2VzL2E=","value":"e30=","create_revision":"3","mod_revision":"40","lease":"7587"}],"count":"1"}"#,
             r#"{"result":{"header":{"revision":"43"},"events":[{"kv":{"key":"YQ==","value":"Yg==","mod_revision":"43"}},{"type":"DELETE","kv":{"key":"Yw==","mod_revision":"43"}}]}}"#,
             r#"{"result":{"header":{"revision":"9"},"watch_id":"-1"}}"#,
             r#"{"result":{"canceled":true,"compact_revision":"12","cancel_reason":"compacted"}}"#,
             r#"{"error":{"grpc_code":14,"message":"unavailable"}}"#,
-        ]
-        .iter()
-        .map(|s| s.as_bytes().to_vec())
-        .collect();
+        ]);
         fuzz("etcd", seeds, true, |input| {
             let Ok(v) = serde_json::from_slice::<serde_json::Value>(input) else {
                 return false;
@@ -549,13 +526,10 @@ mod targets {
     /// Engines' `/metrics` pages (vLLM's and SGLang's names).
     #[test]
     fn engine_metrics_pages() {
-        let seeds = [
+        let seeds = texts(&[
             "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 3.0\nvllm:num_requests_waiting{model_name=\"m\"} 1\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.25\nvllm:cache_config_info{num_gpu_blocks=\"2048\",block_size=\"16\"} 1.0\n",
             "sglang:num_running_reqs 2\nsglang:num_queue_reqs 0\nsglang:token_usage 0.5\nsglang:max_total_num_tokens 65536\n",
-        ]
-        .iter()
-        .map(|s| s.as_bytes().to_vec())
-        .collect();
+        ]);
         fuzz("metrics", seeds, false, |input| {
             let text = String::from_utf8_lossy(input);
             let mut accepted = false;
@@ -569,13 +543,10 @@ mod targets {
     /// Engines' `/v1/models` answers, read for their context length.
     #[test]
     fn models_answers() {
-        let seeds = [
+        let seeds = texts(&[
             r#"{"object":"list","data":[{"id":"m","object":"model","max_model_len":32768,"owned_by":"vllm"}]}"#,
             r#"{"object":"list","data":[{"id":"other","max_model_len":4096},{"id":"m","max_model_len":131072}]}"#,
-        ]
-        .iter()
-        .map(|s| s.as_bytes().to_vec())
-        .collect();
+        ]);
         fuzz("models", seeds, true, |input| {
             let Some(n) = crate::kv::engine_metrics::max_model_len(input, "m") else {
                 return false;
@@ -589,7 +560,7 @@ mod targets {
     /// however large.
     #[test]
     fn retry_after_headers() {
-        let seeds = [
+        let seeds = texts(&[
             "5",
             "0",
             "1e20",
@@ -598,10 +569,7 @@ mod targets {
             "NaN",
             "inf",
             " 2.5 ",
-        ]
-        .iter()
-        .map(|s| s.as_bytes().to_vec())
-        .collect();
+        ]);
         fuzz("retry-after", seeds, false, |input| {
             let text = String::from_utf8_lossy(input);
             let Some(d) = crate::http::proxy::parse_retry_after(text.trim()) else {
@@ -619,15 +587,12 @@ mod targets {
     #[test]
     fn policy_texts() {
         use crate::policy::{MAX_GUEST_LABEL, MAX_GUEST_TEXT, guest_label, guest_text};
-        let seeds = [
+        let seeds = texts(&[
             "all busy",
             "kv-cost 0.2.0",
             "line\nbreak\u{7}",
             "ünïcödé ✓ 🚀",
-        ]
-        .iter()
-        .map(|s| s.as_bytes().to_vec())
-        .collect();
+        ]);
         fuzz("policy-text", seeds, false, |input| {
             let s = String::from_utf8_lossy(input);
             let text = guest_text(&s);

@@ -11,12 +11,16 @@
 //!   admin API, health and metrics. Never reads etcd.
 //! - [`kv`]: block hashing, the KV overlap index, approximate mode, load tracking and the
 //!   worker event format — pure data structures, no I/O, no clock.
+//! - [`lines`]: newline-delimited records arriving in pieces (NDJSON and etcd watch
+//!   streams), each byte searched once.
 //! - [`policy`]: the Wasm policy runtime — loading, sandboxing, calling and hot-swapping
 //!   routing policies, with the native `kv-cost` fallback. The only module that knows
 //!   wasmtime.
 //! - [`router`]: `KvRouter`, one per endpoint — candidates from the shared `Client`, the
 //!   index and the load tracker, decided by the endpoint's policy — and the subscriber
 //!   that keeps the index in step with the workers' KV event streams.
+//! - `slot`: one unit of a bounded count, given back when dropped (the front door's
+//!   limits, central mode's peers).
 //! - [`serve`]: `switchyard serve` — discovery, clients, policies, routers and the front
 //!   door wired together; [`config`] resolves its flags, environment and TOML file.
 //! - [`tokens`]: text → token IDs (built-in or Hugging Face `tokenizer.json`) and the chat
@@ -36,11 +40,13 @@ mod fuzz;
 pub mod http;
 pub mod ids;
 pub mod kv;
+pub mod lines;
 pub mod local;
 pub mod openai;
 pub mod policy;
 pub mod replay;
 pub mod router;
 pub mod serve;
+mod slot;
 pub mod tokens;
 pub mod worker;

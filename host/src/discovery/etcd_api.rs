@@ -434,9 +434,7 @@ impl EtcdApi {
         }
         let mut watch = Watch {
             body: resp.into_body(),
-            buf: Vec::new(),
-            scanned: 0,
-            consumed: 0,
+            lines: crate::lines::Lines::default(),
             api: self.clone(),
             prefix: prefix.to_string(),
             keys: listed.iter().map(|kv| kv.key.clone()).collect(),
@@ -462,11 +460,7 @@ impl EtcdApi {
 /// watch does not deliver by the next check means it is dead.
 pub struct Watch {
     body: Incoming,
-    buf: Vec<u8>,
-    /// Bytes of `buf` already searched for a newline (each byte is scanned once).
-    scanned: usize,
-    /// Bytes of `buf` already returned as lines.
-    consumed: usize,
+    lines: crate::lines::Lines,
     api: EtcdApi,
     prefix: String,
     /// The keys under the prefix as the listing and the watch's events have them.
@@ -509,42 +503,32 @@ impl Watch {
     /// The next JSON object of the stream.
     async fn message(&mut self) -> Result<Value, DiscoveryError> {
         loop {
-            // Objects are separated by newlines; blank lines are skipped. Each byte is
-            // searched once, and consumed lines are dropped once per frame read.
-            if let Some(i) = self.buf[self.scanned..].iter().position(|&b| b == b'\n') {
-                let (start, end) = (self.consumed, self.scanned + i);
-                self.consumed = end + 1;
-                self.scanned = end + 1;
-                let line = self.buf[start..end].trim_ascii();
+            // Objects are separated by newlines; blank lines are skipped.
+            if let Some(line) = self.lines.next_line() {
+                let line = line.trim_ascii();
                 if line.is_empty() {
                     continue;
                 }
                 let parsed = serde_json::from_slice(line);
                 return parsed.map_err(|e| self.api.error(format!("watch: not JSON ({e})")));
             }
-            self.scanned = self.buf.len();
-            if self.consumed > 0 {
-                self.buf.drain(..self.consumed);
-                self.scanned -= self.consumed;
-                self.consumed = 0;
-            }
-            if self.buf.len() > MAX_ANSWER {
+            if self.lines.pending() > MAX_ANSWER {
                 return Err(self.api.error("watch: an answer is too large"));
             }
             match self.body.frame().await {
                 None => {
-                    if self.buf.trim_ascii().is_empty() {
+                    let rest = self.lines.rest().trim_ascii();
+                    if rest.is_empty() {
                         return Err(self.api.error("the watch stream ended"));
                     }
                     // A last object without a newline.
-                    let rest = std::mem::take(&mut self.buf);
-                    return serde_json::from_slice(rest.trim_ascii())
-                        .map_err(|e| self.api.error(format!("watch: not JSON ({e})")));
+                    let parsed = serde_json::from_slice(rest);
+                    return parsed.map_err(|e| self.api.error(format!("watch: not JSON ({e})")));
                 }
                 Some(Err(e)) => return Err(self.api.error(format!("watch: {e}"))),
                 Some(Ok(frame)) => {
                     if let Ok(data) = frame.into_data() {
-                        self.buf.extend_from_slice(&data);
+                        self.lines.push(&data);
                     }
                 }
             }
@@ -559,16 +543,12 @@ impl Watch {
             self.delivered = true;
             let out = watch_answer(&v).map_err(|e| self.api.error(e))?;
             for e in &out {
+                let (Event::Put(kv) | Event::Delete(kv)) = e;
+                self.seen_revision = self.seen_revision.max(kv.mod_revision);
                 match e {
-                    Event::Put(kv) => {
-                        self.seen_revision = self.seen_revision.max(kv.mod_revision);
-                        self.keys.insert(kv.key.clone());
-                    }
-                    Event::Delete(kv) => {
-                        self.seen_revision = self.seen_revision.max(kv.mod_revision);
-                        self.keys.remove(&kv.key);
-                    }
-                }
+                    Event::Put(_) => self.keys.insert(kv.key.clone()),
+                    Event::Delete(_) => self.keys.remove(&kv.key),
+                };
             }
             if !out.is_empty() {
                 return Ok(out);

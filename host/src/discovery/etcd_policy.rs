@@ -279,16 +279,14 @@ async fn resolve(config: &EtcdConfig, mut policy: PushedPolicy) -> Result<Pushed
     // With a size (signed, where keys are trusted), the chunks must be exactly what it
     // takes, and no more text is read than its base64 holds.
     let text_len = policy.size.map(base64_len);
-    if let Some(len) = text_len
-        && u64::from(policy.chunks) != len.div_ceil(CHUNK_BYTES as u64)
-    {
-        return Err(format!(
-            "policy {} claims {} chunks, but its {} bytes take {}",
-            policy.sha256,
-            policy.chunks,
-            policy.size.unwrap_or(0),
-            len.div_ceil(CHUNK_BYTES as u64)
-        ));
+    if let Some((size, len)) = policy.size.zip(text_len) {
+        let needed = len.div_ceil(CHUNK_BYTES as u64);
+        if u64::from(policy.chunks) != needed {
+            return Err(format!(
+                "policy {} claims {} chunks, but its {size} bytes take {needed}",
+                policy.sha256, policy.chunks
+            ));
+        }
     }
     // The keys first, then one chunk per call: each answer stays ~1 MiB, whatever the
     // policy's size, so every read fits the etcd timeout.

@@ -41,6 +41,7 @@ use tokio::net::TcpListener;
 
 use crate::discovery::EndpointPath;
 use crate::router::KvRouter;
+use crate::slot::Slot;
 use crate::tokens::PrefixTokenizer;
 pub use error::ApiError;
 pub use metrics::Metrics;
@@ -463,26 +464,6 @@ pub async fn run(
 
 /// Connections over the limit answered at once; more are closed unanswered.
 const REFUSING: usize = 256;
-
-/// One unit of a bounded count, given back when dropped.
-struct Slot(Arc<AtomicUsize>);
-
-impl Slot {
-    fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
-        count
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| Slot(count.clone()))
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
 
 /// A response body that holds an in-flight slot, and its request body's share of the
 /// body budget, until it ends or is dropped.

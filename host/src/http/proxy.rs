@@ -35,7 +35,7 @@ use crate::client::{Client, local_exhaustion};
 use crate::ids::{InstanceId, RequestId};
 use crate::openai::{self, Api, Prompt};
 use crate::router::{KvRouter, RouteError};
-use crate::tokens::TokenizerError;
+use crate::tokens::{PrefixTokenizer, TokenizerError};
 
 /// Releases a request's load booking when dropped.
 struct Booking {
@@ -122,38 +122,33 @@ pub(crate) async fn tokenize(gw: &Arc<Gateway>, prompt: &Prompt) -> Result<Vec<u
 }
 
 async fn tokenize_prompt(gw: &Arc<Gateway>, prompt: &Prompt) -> Result<Vec<u32>, TokenizerError> {
-    if let Prompt::Chat(m) = prompt
-        && m.iter().map(|m| m.content.len()).sum::<usize>() > BLOCKING_TOKENIZE_BYTES
-    {
-        // A long conversation is rendered and tokenized off the async workers together.
-        let started = Instant::now();
-        let (tokenizer, messages) = (gw.tokenizer.clone(), m.clone());
-        let tokens = tokio::task::spawn_blocking(move || {
-            let text = tokenizer.render_chat(&messages)?;
-            tokenizer.encode(&text)
-        })
-        .await
-        .unwrap_or_else(|e| Err(TokenizerError::from_panic(e)));
-        gw.metrics.timings.tokenize(started.elapsed());
-        return tokens;
-    }
-    let text = match prompt {
+    let size = match prompt {
         Prompt::Tokens(t) => return Ok(t.clone()),
-        Prompt::Text(t) => std::borrow::Cow::Borrowed(t.as_str()),
-        Prompt::Chat(m) => std::borrow::Cow::Owned(gw.tokenizer.render_chat(m)?),
+        Prompt::Text(t) => t.len(),
+        Prompt::Chat(m) => m.iter().map(|m| m.content.len()).sum(),
     };
     let started = Instant::now();
-    let tokens = if text.len() > BLOCKING_TOKENIZE_BYTES {
-        // Copied only to hand it to the blocking thread.
-        let (tokenizer, text) = (gw.tokenizer.clone(), text.into_owned());
-        tokio::task::spawn_blocking(move || tokenizer.encode(&text))
+    let tokens = if size > BLOCKING_TOKENIZE_BYTES {
+        // Copied only to hand it to the blocking thread (a conversation is rendered
+        // there too).
+        let (tokenizer, prompt) = (gw.tokenizer.clone(), prompt.clone());
+        tokio::task::spawn_blocking(move || encode(&tokenizer, &prompt))
             .await
             .unwrap_or_else(|e| Err(TokenizerError::from_panic(e)))
     } else {
-        gw.tokenizer.encode(&text)
+        encode(&gw.tokenizer, prompt)
     };
     gw.metrics.timings.tokenize(started.elapsed());
     tokens
+}
+
+/// A prompt's token IDs: a conversation rendered with the chat template first.
+fn encode(tokenizer: &PrefixTokenizer, prompt: &Prompt) -> Result<Vec<u32>, TokenizerError> {
+    match prompt {
+        Prompt::Tokens(t) => Ok(t.clone()),
+        Prompt::Text(t) => tokenizer.encode(t),
+        Prompt::Chat(m) => tokenizer.encode(&tokenizer.render_chat(m)?),
+    }
 }
 
 /// Routes and forwards a completion whose body has been read whole (`super::body`).
@@ -414,7 +409,7 @@ fn set_retry_after(headers: &mut hyper::HeaderMap, d: Duration) {
 /// A `Retry-After` in seconds (the HTTP-date form is not used by inference servers).
 /// A value too large for a `Duration` saturates (the client's `busy_max` caps it next);
 /// a negative, non-finite or unreadable one is no value at all.
-pub(crate) fn retry_after(headers: &hyper::HeaderMap) -> Option<Duration> {
+fn retry_after(headers: &hyper::HeaderMap) -> Option<Duration> {
     let v = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
     parse_retry_after(v)
 }
@@ -626,7 +621,7 @@ impl Relay {
             is_sse,
             tail: Vec::new(),
             done: false,
-            touched: Instant::now(),
+            touched: tokio::time::Instant::now(),
         };
         Response::from_parts(parts, body.boxed())
     }
@@ -647,7 +642,7 @@ struct RelayBody {
     tail: Vec<u8>,
     done: bool,
     /// When the booking was last told the stream is alive.
-    touched: Instant,
+    touched: tokio::time::Instant,
 }
 
 /// How often a relaying stream tells its booking it is alive (a lock per touch; the
@@ -659,8 +654,8 @@ impl RelayBody {
         note_usage_tail(&mut self.tail, &data);
         let now = tokio::time::Instant::now();
         self.timer.as_mut().reset(now + self.idle);
-        if self.touched.elapsed() >= TOUCH_EVERY {
-            self.touched = Instant::now();
+        if now.duration_since(self.touched) >= TOUCH_EVERY {
+            self.touched = now;
             let b = &self.relay.booking;
             b.router.touch(b.request);
         }

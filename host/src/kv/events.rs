@@ -130,36 +130,41 @@ pub fn check_seq(last: Option<u64>, event: &KvEvent) -> SeqCheck {
     }
 }
 
+/// One event of every type (for tests and the fuzzer's seeds).
+#[cfg(test)]
+pub(crate) fn samples() -> [KvEvent; 5] {
+    [
+        KvEvent::Snapshot {
+            seq: 4,
+            block_size: 16,
+            blocks: vec![1, u64::MAX],
+        },
+        KvEvent::Stored {
+            seq: 5,
+            parent: Some(1),
+            blocks: vec![2, 3],
+        },
+        KvEvent::Removed {
+            seq: 6,
+            blocks: vec![3],
+        },
+        KvEvent::Cleared { seq: 7 },
+        KvEvent::Load {
+            kv_used_blocks: 3,
+            kv_total_blocks: 10,
+            running: 1,
+            waiting: 0,
+        },
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn lines_round_trip_and_unknown_fields_are_refused() {
-        let events = [
-            KvEvent::Snapshot {
-                seq: 4,
-                block_size: 16,
-                blocks: vec![1, u64::MAX],
-            },
-            KvEvent::Stored {
-                seq: 5,
-                parent: Some(1),
-                blocks: vec![2, 3],
-            },
-            KvEvent::Removed {
-                seq: 6,
-                blocks: vec![3],
-            },
-            KvEvent::Cleared { seq: 7 },
-            KvEvent::Load {
-                kv_used_blocks: 3,
-                kv_total_blocks: 10,
-                running: 1,
-                waiting: 0,
-            },
-        ];
-        for e in events {
+        for e in samples() {
             let line = e.to_line();
             assert!(line.ends_with('\n') && !line[..line.len() - 1].contains('\n'));
             assert_eq!(serde_json::from_str::<KvEvent>(&line).unwrap(), e);

@@ -78,7 +78,7 @@ pub(crate) fn compile(
         sha256,
         engine: &engine_key,
     };
-    if let Ok(entry) = read_own(&path, MAX_ENTRY)
+    if let Ok(entry) = read_checked(&path, MAX_ENTRY, false)
         && let Some(component) = deserialize_checked(engine, &key, origin, &entry)
     {
         return Ok((component, CacheOutcome::Disk));
@@ -111,14 +111,16 @@ struct Origin<'a> {
 }
 
 impl Origin<'_> {
-    fn tag_context(&self, key: &ring::hmac::Key) -> ring::hmac::Context {
+    /// The tag of `artifact` compiled from this origin.
+    fn tag(&self, key: &ring::hmac::Key, artifact: &[u8]) -> ring::hmac::Tag {
         let mut ctx = ring::hmac::Context::with_key(key);
         ctx.update(b"switchyard policy cache v2\0");
         ctx.update(self.sha256.as_bytes());
         ctx.update(b"\0");
         ctx.update(self.engine.as_bytes());
         ctx.update(b"\0");
-        ctx
+        ctx.update(artifact);
+        ctx.sign()
     }
 }
 
@@ -170,10 +172,6 @@ fn read_checked(path: &Path, max: u64, private: bool) -> std::io::Result<Vec<u8>
     let mut data = Vec::new();
     file.take(max).read_to_end(&mut data)?;
     Ok(data)
-}
-
-fn read_own(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
-    read_checked(path, max, false)
 }
 
 /// Creates `path` exclusively (never through an existing file or link), mode 0600,
@@ -267,9 +265,7 @@ fn store(
     path: &Path,
     artifact: &[u8],
 ) -> std::io::Result<()> {
-    let mut ctx = origin.tag_context(key);
-    ctx.update(artifact);
-    let mut data = ctx.sign().as_ref().to_vec();
+    let mut data = origin.tag(key, artifact).as_ref().to_vec();
     data.extend_from_slice(artifact);
     // Created exclusively under another name, then renamed (which replaces a link at
     // `path` rather than writing through it), so a concurrent reader never sees half a
@@ -290,9 +286,7 @@ fn deserialize_checked(
         return None;
     }
     let (tag, artifact) = data.split_at(TAG_LEN);
-    let mut ctx = origin.tag_context(key);
-    ctx.update(artifact);
-    let expected = ctx.sign();
+    let expected = origin.tag(key, artifact);
     // Every byte compared, whatever the first difference (no early exit to time).
     let differs = expected
         .as_ref()

@@ -271,16 +271,20 @@ fn group_cost(pgid: i32) -> ProcessCost {
             continue;
         }
         cost.cpu_secs += (field(14) + field(15) + field(16) + field(17)) / ticks;
-        if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status"))
-            && let Some(kb) = status
-                .lines()
-                .find_map(|l| l.strip_prefix("VmHWM:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        {
-            cost.peak_rss_mib += kb / 1024.0;
+        if let Some(kb) = proc_status_kb(pid as u32, "VmHWM") {
+            cost.peak_rss_mib += kb as f64 / 1024.0;
         }
     }
     cost
+}
+
+/// A memory figure of process `pid` from `/proc/PID/status` (`VmRSS`, `VmHWM`…), KiB.
+pub fn proc_status_kb(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 /// A port on 127.0.0.1 that was free a moment ago.

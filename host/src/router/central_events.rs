@@ -190,7 +190,7 @@ impl CentralEvents {
 
 /// Accepts engines' connections on one bound address while the hub lives.
 async fn accept(hub: std::sync::Weak<CentralEvents>, listener: tokio::net::TcpListener, rank: u32) {
-    let peers = Arc::new(AtomicU64::new(0));
+    let peers = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -202,13 +202,12 @@ async fn accept(hub: std::sync::Weak<CentralEvents>, listener: tokio::net::TcpLi
             }
         };
         let Some(h) = hub.upgrade() else { return };
-        if peers.fetch_add(1, Ordering::AcqRel) >= MAX_PEERS as u64 {
-            peers.fetch_sub(1, Ordering::AcqRel);
+        let Some(peer_slot) = crate::slot::Slot::take(&peers, MAX_PEERS) else {
             h.refused.fetch_add(1, Ordering::Relaxed);
             continue;
-        }
+        };
         drop(h);
-        let (hub, peers) = (hub.clone(), peers.clone());
+        let hub = hub.clone();
         tokio::spawn(async move {
             let peer = stream.peer_addr().ok();
             if let Err(e) = receive(&hub, stream, rank).await
@@ -219,7 +218,7 @@ async fn accept(hub: std::sync::Weak<CentralEvents>, listener: tokio::net::TcpLi
                     tracing::warn!(rank, ?peer, error = %e, refused = n, "closed a KV events connection");
                 }
             }
-            peers.fetch_sub(1, Ordering::AcqRel);
+            drop(peer_slot);
         });
     }
 }
@@ -237,8 +236,8 @@ async fn receive(
     loop {
         let msg = match sub.recv().await {
             Ok(m) => m,
-            Err(super::zmtp::ZmtpError::Io(_)) => return Ok(()),
-            Err(e) => return Err(e),
+            Err(e) if e.broke_bounds() => return Err(e),
+            Err(_) => return Ok(()),
         };
         let Some(hub) = hub.upgrade() else {
             return Ok(());
@@ -261,10 +260,8 @@ async fn receive(
 mod tests {
     use super::*;
 
-    /// A worker whose feed never drains loses batches past its queue (each a gap its
-    /// sequence discipline handles), counted; other workers' batches still go through.
-    #[tokio::test]
-    async fn a_full_queue_drops_and_counts_without_holding_up_others() {
+    /// A hub bound on a free loopback port, and the port.
+    async fn bound_hub() -> (Arc<CentralEvents>, u16) {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -273,6 +270,14 @@ mod tests {
         let hub = CentralEvents::bind(&[format!("tcp://127.0.0.1:{port}")])
             .await
             .unwrap();
+        (hub, port)
+    }
+
+    /// A worker whose feed never drains loses batches past its queue (each a gap its
+    /// sequence discipline handles), counted; other workers' batches still go through.
+    #[tokio::test]
+    async fn a_full_queue_drops_and_counts_without_holding_up_others() {
+        let (hub, _) = bound_hub().await;
         let stuck = hub.claim("stuck", 0, InstanceId(1)).unwrap();
         let mut live = hub.claim("live", 0, InstanceId(2)).unwrap();
         for seq in 0..(QUEUE as u64 + 10) {
@@ -302,14 +307,7 @@ mod tests {
     #[tokio::test]
     async fn a_hostile_peer_on_the_bound_port_is_closed_and_counted() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let hub = CentralEvents::bind(&[format!("tcp://127.0.0.1:{port}")])
-            .await
-            .unwrap();
+        let (hub, port) = bound_hub().await;
         let mut hostile = super::super::zmtp::hello(b"PUB");
         hostile.push(0x02);
         hostile.extend_from_slice(&(1u64 << 62).to_be_bytes());

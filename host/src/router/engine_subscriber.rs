@@ -134,10 +134,7 @@ impl Feed {
             // A peer that broke the protocol or its bounds is waited out like one that
             // cannot be reached: it must not get a tight reconnect loop. A connection
             // that delivered batches starts the backoff again.
-            let hostile = matches!(
-                why,
-                ZmtpError::TooLarge(_) | ZmtpError::Protocol(_) | ZmtpError::Timeout(_)
-            );
+            let hostile = why.broke_bounds();
             if hostile {
                 self.count_malformed(&format!("the KV event connection broke its bounds: {why}"));
             } else {

@@ -794,12 +794,19 @@ impl KvRouter {
 
     /// `worker`'s `/v1/models` gave its context length.
     pub(crate) fn note_context_len(&self, worker: InstanceId, tokens: u64) {
+        self.set_context_len(worker, Some(tokens));
+        self.fence(worker);
+    }
+
+    /// Records (or, with `None`, forgets) `worker`'s context length and the longest.
+    fn set_context_len(&self, worker: InstanceId, tokens: Option<u64>) {
         let mut lens = self.context_lens.lock();
-        lens.insert(worker, tokens);
+        match tokens {
+            Some(n) => lens.insert(worker, n),
+            None => lens.remove(&worker),
+        };
         self.context_len
             .store(lens.values().copied().max().unwrap_or(0), Ordering::Relaxed);
-        drop(lens);
-        self.fence(worker);
     }
 
     /// `worker`'s KV cache size in blocks, if its reports said.
@@ -830,13 +837,7 @@ impl KvRouter {
         drop(index);
         self.views.write().remove(&worker);
         self.capacities.lock().remove(&worker);
-        {
-            let mut lens = self.context_lens.lock();
-            if lens.remove(&worker).is_some() {
-                self.context_len
-                    .store(lens.values().copied().max().unwrap_or(0), Ordering::Relaxed);
-            }
-        }
+        self.set_context_len(worker, None);
         self.load.lock().forget_report(worker);
         self.quality.forget(worker);
     }

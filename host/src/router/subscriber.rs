@@ -215,9 +215,7 @@ async fn stream_once(
         return End::Broken(format!("HTTP {}", response.status()));
     }
     let mut body = response.into_body();
-    let mut buf: Vec<u8> = Vec::new();
-    // Bytes of `buf` searched for a newline (each is searched once) and already handled.
-    let (mut scanned, mut consumed) = (0usize, 0usize);
+    let mut lines = crate::lines::Lines::default();
     let mut last: Option<u64> = None;
     loop {
         let frame = match tokio::time::timeout(config.idle_timeout, body.frame()).await {
@@ -229,16 +227,8 @@ async fn stream_once(
         let Ok(data) = frame.into_data() else {
             continue;
         };
-        if consumed > 0 {
-            buf.drain(..consumed);
-            scanned -= consumed;
-            consumed = 0;
-        }
-        buf.extend_from_slice(&data);
-        while let Some(i) = buf[scanned..].iter().position(|&b| b == b'\n') {
-            let nl = scanned + i;
-            let line = &buf[consumed..nl];
-            (scanned, consumed) = (nl + 1, nl + 1);
+        lines.push(&data);
+        while let Some(line) = lines.next_line() {
             if line.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
@@ -283,8 +273,7 @@ async fn stream_once(
                 }
             }
         }
-        scanned = buf.len();
-        if buf.len() - consumed > MAX_LINE {
+        if lines.pending() > MAX_LINE {
             return End::Broken(format!("a line longer than {MAX_LINE} bytes"));
         }
     }

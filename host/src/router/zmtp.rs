@@ -83,6 +83,18 @@ pub enum ZmtpError {
     Endpoint(String),
 }
 
+impl ZmtpError {
+    /// The peer broke the protocol or a bound (rather than the connection merely ending,
+    /// or an endpoint being misnamed): a connection to be counted against it and waited
+    /// out, not reconnected at once.
+    pub fn broke_bounds(&self) -> bool {
+        matches!(
+            self,
+            ZmtpError::TooLarge(_) | ZmtpError::Protocol(_) | ZmtpError::Timeout(_)
+        )
+    }
+}
+
 /// The socket types spoken here, and the peers each accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SocketType {

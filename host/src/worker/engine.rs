@@ -66,6 +66,13 @@ pub struct EngineConfig {
     pub timing: TimingModel,
 }
 
+impl EngineConfig {
+    /// The tokens its KV cache holds: the longest request it takes (its `max_model_len`).
+    pub fn capacity_tokens(&self) -> u64 {
+        self.kv_blocks as u64 * u64::from(self.block_size)
+    }
+}
+
 /// What a request's caller hears.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Output {

@@ -80,8 +80,9 @@ pub struct FaultConfig {
     /// The status of [`Fault::Status`] and of marked prompts [default: 500].
     #[serde(default)]
     pub status: Option<u16>,
-    /// A `Retry-After` (seconds) on those answers. Any number, written as Rust prints it: a faithful engine sends whole seconds, a
-    /// broken one anything (`1e20` is written `100000000000000000000`).
+    /// A `Retry-After` (seconds) on those answers. Any number, written as Rust prints
+    /// it: a faithful engine sends whole seconds, a broken one anything (`1e20` is
+    /// written `100000000000000000000`).
     #[serde(default)]
     pub retry_after_secs: Option<f64>,
     /// Prompts containing this text are answered `status` (a "poison" request), whatever
@@ -491,7 +492,7 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
         (&Method::GET, "/v1/models") => json_response(
             StatusCode::OK,
             // Its context is what its cache holds, as the engine refuses longer requests.
-            json!({"object": "list", "data": [{"id": shared.model, "object": "model", "created": 0, "owned_by": "switchyard-mock", "max_model_len": shared.engine.config().kv_blocks as u64 * u64::from(shared.engine.config().block_size)}]}),
+            json!({"object": "list", "data": [{"id": shared.model, "object": "model", "created": 0, "owned_by": "switchyard-mock", "max_model_len": shared.engine.config().capacity_tokens()}]}),
         ),
         (&Method::GET, "/health") => match shared.active_fault() {
             _ if shared.fault.lock().health_lies => {
@@ -605,7 +606,7 @@ fn server_info(shared: &Shared) -> serde_json::Value {
         "page_size": c.block_size,
         "block_size": c.block_size,
         "kv_block_size": c.block_size,
-        "max_total_num_tokens": c.kv_blocks as u64 * u64::from(c.block_size),
+        "max_total_num_tokens": c.capacity_tokens(),
         "max_running_requests": c.max_batch,
         "tp_size": 1,
         "dp_size": 1,
@@ -678,8 +679,7 @@ async fn tokenize(shared: &Shared, req: Request<Incoming>, render: bool) -> Resp
         Ok(t) => t,
         Err(e) => return bad(&e.to_string()),
     };
-    let max_model_len =
-        shared.engine.config().kv_blocks as u64 * u64::from(shared.engine.config().block_size);
+    let max_model_len = shared.engine.config().capacity_tokens();
     if render {
         json_response(
             StatusCode::OK,

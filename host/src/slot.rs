@@ -1,0 +1,28 @@
+//! One unit of a bounded count, given back when dropped: the front door's connections,
+//! requests in flight and refusing tasks, and the engine connections of each central-mode
+//! events address.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// One unit of `count`, taken only while fewer than the bound are out.
+#[derive(Debug)]
+pub(crate) struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    /// A unit of `count`, if fewer than `max` are taken.
+    pub(crate) fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Slot(count.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
