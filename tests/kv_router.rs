@@ -267,3 +267,30 @@ async fn a_batch_landing_after_a_workers_removal_leaves_nothing_of_it() {
     assert_eq!(router.known_capacity(gone), None);
     assert_eq!(router.cached_blocks(stays), 8);
 }
+
+/// A publisher whose every stream opens with a sequence gap is resubscribed with
+/// backoff, not in a tight loop: the subscriber's delays (20 ms doubling to 200 ms in
+/// these tests) put at least 1.3 s between its first and tenth connection, where
+/// resubscribing at once would take milliseconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_gaps_every_time_is_resubscribed_with_backoff() {
+    let server = EventServer::start(&[1, 2]).await;
+    server.gap_every_stream();
+    let (router, _client) = router(vec![instance(1, Some(server.url.clone()))]);
+    eventually("the first connection", || {
+        server.connections.load(Ordering::SeqCst) >= 1
+    })
+    .await;
+    let first = Instant::now();
+    eventually("the tenth connection", || {
+        server.connections.load(Ordering::SeqCst) >= 10
+    })
+    .await;
+    let took = first.elapsed();
+    // 20 + 40 + 80 + 160 + 200 × 5 ms of backoff between the first and the tenth.
+    assert!(
+        took >= Duration::from_millis(1300),
+        "ten connections in {took:?}: no backoff"
+    );
+    assert!(router.event_stats().gaps.load(Ordering::Relaxed) >= 9);
+}

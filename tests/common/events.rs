@@ -21,6 +21,8 @@ struct State {
     blocks: BTreeSet<u64>,
     seq: u64,
     streams: Vec<mpsc::UnboundedSender<Bytes>>,
+    /// Every stream's snapshot is followed at once by a sequence gap (a broken publisher).
+    gap_every_stream: bool,
 }
 
 /// A worker's cache and its event stream at `http://{addr}/events`.
@@ -63,6 +65,10 @@ impl EventServer {
                                 blocks: s.blocks.iter().copied().collect(),
                             };
                             tx.send(Bytes::from(snapshot.to_line())).unwrap();
+                            if s.gap_every_stream {
+                                let gap = KvEvent::Cleared { seq: s.seq + 2 };
+                                tx.send(Bytes::from(gap.to_line())).unwrap();
+                            }
                             s.streams.push(tx);
                         }
                         let stream = futures_stream(rx);
@@ -118,6 +124,11 @@ impl EventServer {
         s.blocks.extend(lost);
         drop(s);
         self.store(blocks);
+    }
+
+    /// From now on every stream opens with a snapshot and, right after it, a gap.
+    pub fn gap_every_stream(&self) {
+        self.state.lock().gap_every_stream = true;
     }
 
     pub fn send_raw(&self, line: &str) {
