@@ -38,8 +38,8 @@ pub mod discovery;
 #[cfg(test)]
 mod fuzz;
 pub mod http;
-pub mod ids;
-pub mod kv;
+pub use switchyard_ids as ids;
+pub use switchyard_kv as kv;
 pub mod lines;
 pub mod local;
 pub mod openai;

@@ -7,98 +7,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::ids::InstanceId;
-
-/// `namespace/component/endpoint`: one routable group of identical workers.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct EndpointPath {
-    namespace: String,
-    component: String,
-    endpoint: String,
-}
-
-/// Why a key or path could not be parsed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum KeyError {
-    /// Not `namespace/component/endpoint`.
-    #[error("`{0}` is not an endpoint path (expected namespace/component/endpoint)")]
-    BadPath(String),
-    /// A segment is empty or has characters other than `[A-Za-z0-9_.-]`.
-    #[error("`{0}` is not a valid path segment (use letters, digits, `_`, `.`, `-`)")]
-    BadSegment(String),
-    /// Not `{root}/instances/{ns}/{comp}/{ep}/{id:x}`.
-    #[error("`{0}` is not an instance key")]
-    BadKey(String),
-}
-
-fn segment(s: &str) -> Result<String, KeyError> {
-    let ok = !s.is_empty()
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
-    if ok {
-        Ok(s.to_string())
-    } else {
-        Err(KeyError::BadSegment(s.to_string()))
-    }
-}
-
-impl EndpointPath {
-    /// Builds a path from its three segments.
-    pub fn new(namespace: &str, component: &str, endpoint: &str) -> Result<Self, KeyError> {
-        Ok(EndpointPath {
-            namespace: segment(namespace)?,
-            component: segment(component)?,
-            endpoint: segment(endpoint)?,
-        })
-    }
-
-    /// The default endpoint for a model: `default/{model}/generate`, with characters a
-    /// segment cannot hold replaced by `-`.
-    pub fn for_model(model: &str) -> EndpointPath {
-        let slug: String = model
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-') {
-                    c
-                } else {
-                    '-'
-                }
-            })
-            .collect();
-        let slug = if slug.is_empty() {
-            "model".to_string()
-        } else {
-            slug
-        };
-        EndpointPath {
-            namespace: "default".into(),
-            component: slug,
-            endpoint: "generate".into(),
-        }
-    }
-
-    /// The etcd prefix holding this endpoint's instances, ending in `/`.
-    pub fn etcd_prefix(&self, root: &str) -> String {
-        format!("{}/instances/{self}/", root.trim_end_matches('/'))
-    }
-}
-
-impl fmt::Display for EndpointPath {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}/{}", self.namespace, self.component, self.endpoint)
-    }
-}
-
-impl FromStr for EndpointPath {
-    type Err = KeyError;
-
-    fn from_str(s: &str) -> Result<Self, KeyError> {
-        let parts: Vec<&str> = s.split('/').collect();
-        match parts[..] {
-            [ns, comp, ep] => EndpointPath::new(ns, comp, ep),
-            _ => Err(KeyError::BadPath(s.to_string())),
-        }
-    }
-}
+pub use crate::ids::{EndpointPath, KeyError};
 
 /// The etcd key of one registered instance.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -170,11 +79,6 @@ mod tests {
             prop_assert_eq!(text.parse::<InstanceKey>().unwrap(), key);
         }
 
-        #[test]
-        fn endpoint_paths_round_trip(ns in seg(), comp in seg(), ep in seg()) {
-            let path = EndpointPath::new(&ns, &comp, &ep).unwrap();
-            prop_assert_eq!(path.to_string().parse::<EndpointPath>().unwrap(), path);
-        }
 
         #[test]
         fn parsing_arbitrary_text_never_panics(s in ".{0,80}") {
@@ -204,15 +108,5 @@ mod tests {
                 .id,
             InstanceId(0x1f)
         );
-    }
-
-    #[test]
-    fn model_names_become_valid_endpoints() {
-        let p = EndpointPath::for_model("meta-llama/Llama-3.1-8B Instruct");
-        assert_eq!(
-            p.to_string(),
-            "default/meta-llama-Llama-3.1-8B-Instruct/generate"
-        );
-        assert_eq!(p.to_string().parse::<EndpointPath>().unwrap(), p);
     }
 }

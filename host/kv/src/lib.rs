@@ -43,7 +43,7 @@ mod tests {
         let keys: Vec<u64> = (0..10_000u64).map(|i| (i << 48) | 0x5eed).collect();
         let buckets = |s: &Keyed| {
             keys.iter()
-                .map(|k| s.hash_one(crate::ids::BlockHash(*k)) & 0xffff)
+                .map(|k| s.hash_one(switchyard_ids::BlockHash(*k)) & 0xffff)
                 .collect::<std::collections::HashSet<_>>()
                 .len()
         };

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::Keyed;
-use crate::ids::{BlockHash, InstanceId, RequestId};
+use switchyard_ids::{BlockHash, InstanceId, RequestId};
 
 /// What a worker last reported about itself.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]

@@ -13,7 +13,7 @@ use std::collections::{HashMap, HashSet};
 use smallvec::SmallVec;
 
 use super::Keyed;
-use crate::ids::{BlockHash, InstanceId};
+use switchyard_ids::{BlockHash, InstanceId};
 
 /// A set of worker slots. Missing high words are zero.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

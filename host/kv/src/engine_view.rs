@@ -29,7 +29,7 @@ use std::collections::HashMap;
 use super::Keyed;
 use super::engine_events::{EngineEvent, Medium, StoredBlocks};
 use super::hash::{hash_block, mix};
-use crate::ids::BlockHash;
+use switchyard_ids::BlockHash;
 
 /// A change to apply to the overlap index, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -432,7 +432,7 @@ fn release(refs: &mut HashMap<u64, u32, Keyed>, h: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::hash::BlockHasher;
+    use crate::hash::BlockHasher;
 
     fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> EngineEvent {
         EngineEvent::Stored(StoredBlocks {

@@ -5,7 +5,7 @@
 //!
 //! The router and the mock worker call the same code, so their hashes agree.
 
-use crate::ids::BlockHash;
+use switchyard_ids::BlockHash;
 
 /// Hashes token IDs into chained block hashes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,8 +43,7 @@ impl BlockHasher {
         let Some(salt) = salt else {
             return self.hashes(tokens);
         };
-        let extra =
-            crate::kv::engine_events::extra_hash(&[crate::kv::engine_events::ExtraKey::Str(salt)]);
+        let extra = crate::engine_events::extra_hash(&[crate::engine_events::ExtraKey::Str(salt)]);
         let mut out = Vec::with_capacity(tokens.len() / self.block_size);
         let mut parent = self.seed;
         for (i, block) in tokens.chunks_exact(self.block_size).enumerate() {

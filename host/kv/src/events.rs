@@ -130,9 +130,8 @@ pub fn check_seq(last: Option<u64>, event: &KvEvent) -> SeqCheck {
     }
 }
 
-/// One event of every type (for tests and the fuzzer's seeds).
-#[cfg(test)]
-pub(crate) fn samples() -> [KvEvent; 5] {
+/// One event of every type: seeds for tests and fuzzers.
+pub fn samples() -> [KvEvent; 5] {
     [
         KvEvent::Snapshot {
             seq: 4,

@@ -7,7 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::index::OverlapIndex;
-use crate::ids::{BlockHash, InstanceId};
+use switchyard_ids::{BlockHash, InstanceId};
 
 /// Predicted cache contents.
 #[derive(Debug)]
