@@ -1,7 +1,7 @@
 //! Bindings generated from `wit/policy.wit`, kept private to the policy module.
 
 wasmtime::component::bindgen!({
-    path: "../wit",
+    path: "../../wit",
     world: "policy",
 });
 

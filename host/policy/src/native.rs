@@ -2,8 +2,8 @@
 //! `switchyard-cost-model`), used whenever a policy call fails.
 
 use super::types::{Candidates, Request};
-use crate::ids::InstanceId;
 use switchyard_cost_model::{KvCostConfig, RequestShape};
+use switchyard_ids::InstanceId;
 
 pub use switchyard_cost_model::KvCostConfig as Config;
 

@@ -17,7 +17,7 @@ use super::engine::PolicyEngine;
 use super::sandbox::{GuestLog, HostState, InstanceLimits};
 use super::types::{CandidateRow, Candidates, Rejection, Request};
 use super::{PolicyError, describe_error};
-use crate::ids::InstanceId;
+use switchyard_ids::InstanceId;
 
 /// Where a policy's bytes came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,7 +110,8 @@ impl CallFailure {
         Self::REASONS[self.reason_index()]
     }
 
-    pub(crate) fn reason_index(&self) -> usize {
+    /// The position of this failure's reason in `REASONS` (for counters indexed by it).
+    pub fn reason_index(&self) -> usize {
         match self {
             CallFailure::Timeout(_) => 0,
             CallFailure::OutOfMemory(_) => 1,
@@ -272,7 +273,7 @@ impl LoadedPolicy {
 
     /// Brings the idle instances up to the warm target on this thread (loads, swaps and
     /// rollbacks by the operator: never on a request's path).
-    pub(crate) fn prepare(&self) {
+    pub fn prepare(&self) {
         self.shared.refill();
     }
 

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use super::loaded::LoadedPolicy;
 use super::types::{CandidateRow, Candidates, Request};
-use crate::ids::InstanceId;
+use switchyard_ids::InstanceId;
 
 /// Per-call wall times of one policy at one candidate count.
 #[derive(Debug, Clone, Copy)]

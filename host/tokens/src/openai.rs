@@ -4,7 +4,7 @@
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::tokens::ChatMessage;
+use crate::ChatMessage;
 
 /// The prompt of a request, as the client sent it.
 #[derive(Debug, Clone, PartialEq, Eq)]

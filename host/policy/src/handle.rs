@@ -13,7 +13,7 @@ use super::loaded::{CallFailure, CallOutcome, LoadedPolicy, PolicyInfo};
 use super::native;
 use super::types::{Candidates, Rejection, Request};
 use super::{PolicyEngine, PolicyError};
-use crate::ids::InstanceId;
+use switchyard_ids::InstanceId;
 
 /// Who made a decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 //! the generated struct-of-arrays record itself, so a call lowers it without copying.
 
 use super::bindings::wit;
-use crate::ids::InstanceId;
+use switchyard_ids::InstanceId;
 
 /// What the host knows about the request being routed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -173,7 +173,8 @@ impl Candidates {
         self.cols.worker_ids.iter().map(|&id| InstanceId(id))
     }
 
-    pub(crate) fn view(&self) -> switchyard_cost_model::CandidateView<'_> {
+    /// The candidate as the shared cost model reads it.
+    pub fn view(&self) -> switchyard_cost_model::CandidateView<'_> {
         switchyard_cost_model::CandidateView {
             overlap_blocks: &self.cols.overlap_blocks,
             active_blocks: &self.cols.active_blocks,

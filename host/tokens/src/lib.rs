@@ -1,5 +1,5 @@
 //! Text to token IDs, shared by the router and the mock worker so that both cut a prompt
-//! into the same blocks.
+//! into the same blocks, and [`openai`], the OpenAI-compatible request format both read.
 //!
 //! - [`Tokenizer::builtin`] needs no files: text is split into words, numbers,
 //!   punctuation and whitespace runs; words longer than four characters are cut into
@@ -13,6 +13,7 @@
 
 mod byte_level;
 pub mod chat;
+pub mod openai;
 pub mod prefix;
 
 pub use chat::{ChatFormat, ChatTemplateError};
@@ -391,7 +392,7 @@ mod tests {
             .build()
             .into();
         let corpus = [
-            include_str!("mod.rs"),
+            include_str!("lib.rs"),
             include_str!("prefix.rs"),
             include_str!("chat.rs"),
         ];

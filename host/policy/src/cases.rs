@@ -29,7 +29,7 @@ use serde::Deserialize;
 
 use super::loaded::{CallOutcome, LoadedPolicy};
 use super::types::{CandidateRow, Candidates, RejectionKind, Request};
-use crate::ids::InstanceId;
+use switchyard_ids::InstanceId;
 
 /// One scripted decision.
 #[derive(Debug, Clone, Deserialize)]
