@@ -514,7 +514,7 @@ pub struct EtcdAccessArgs {
 impl EtcdAccessArgs {
     /// `config` with this TLS trust and these credentials.
     pub fn apply(&self, config: EtcdConfig) -> Result<EtcdConfig, ConfigError> {
-        let tls = crate::http::upstream::Tls::with_ca_files(&self.etcd_ca_files)
+        let tls = switchyard_net::upstream::Tls::with_ca_files(&self.etcd_ca_files)
             .map_err(|e| ConfigError(format!("etcd: {e}")))?;
         let password = match (
             &self.etcd_password_file,
@@ -781,7 +781,7 @@ impl ServeArgs {
         }
         let defaults = GatewayConfig::default();
         let ca_files = flag_or_file(self.ca_files, file.ca_files);
-        let tls = crate::http::upstream::Tls::with_ca_files(&ca_files)
+        let tls = switchyard_net::upstream::Tls::with_ca_files(&ca_files)
             .map_err(|e| ConfigError(e.to_string()))?;
         let gateway = GatewayConfig {
             tls,

@@ -59,9 +59,9 @@ impl Etcd {
     pub fn api(&self) -> switchyard::discovery::etcd_api::EtcdApi {
         let tls = match &self.tls {
             Some((_, _, ca)) => {
-                switchyard::http::upstream::Tls::with_ca_files(std::slice::from_ref(ca)).unwrap()
+                switchyard::net::upstream::Tls::with_ca_files(std::slice::from_ref(ca)).unwrap()
             }
-            None => switchyard::http::upstream::Tls::default(),
+            None => switchyard::net::upstream::Tls::default(),
         };
         switchyard::discovery::etcd_api::EtcdApi::with_access(
             &[self.url()],

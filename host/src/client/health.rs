@@ -3,11 +3,11 @@
 
 use std::time::Duration;
 
-use crate::http::upstream::{Connector, Tls};
 use bytes::Bytes;
 use http_body_util::Empty;
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::rt::TokioExecutor;
+use switchyard_net::upstream::{Connector, Tls};
 
 use crate::discovery::InstanceInfo;
 
@@ -88,7 +88,7 @@ impl HealthCheck for HttpHealthCheck {
                 Some(why) => HealthError::Local(why),
                 None => HealthError::Unhealthy(format!(
                     "GET {url}: {}",
-                    crate::http::proxy::error_chain(&e)
+                    switchyard_net::error_chain(&e)
                 )),
             })?;
         let status = response.status();

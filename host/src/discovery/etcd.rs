@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 use super::etcd_api::{EtcdApi, EtcdAuth, Event, Kv};
-use crate::http::upstream::Tls;
+use switchyard_net::upstream::Tls;
 
 use super::{
     Discovery, DiscoveryError, DiscoveryUpdate, EndpointPath, InstanceInfo, InstanceKey,

@@ -28,7 +28,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::DiscoveryError;
-use crate::http::upstream::{Connector, Tls};
+use switchyard_net::upstream::{Connector, Tls};
 
 /// etcd's own user authentication.
 #[derive(Clone, PartialEq, Eq)]
@@ -262,7 +262,7 @@ impl EtcdApi {
                     self.current.store(n, Ordering::Relaxed);
                     return Ok(resp);
                 }
-                Ok(Err(e)) => last = format!("{uri}: {}", crate::http::proxy::error_chain(&e)),
+                Ok(Err(e)) => last = format!("{uri}: {}", switchyard_net::error_chain(&e)),
                 Err(_) => last = format!("{uri}: no answer within {:?}", self.timeout),
             }
         }
@@ -434,7 +434,7 @@ impl EtcdApi {
         }
         let mut watch = Watch {
             body: resp.into_body(),
-            lines: crate::lines::Lines::default(),
+            lines: switchyard_net::lines::Lines::default(),
             api: self.clone(),
             prefix: prefix.to_string(),
             keys: listed.iter().map(|kv| kv.key.clone()).collect(),
@@ -460,7 +460,7 @@ impl EtcdApi {
 /// watch does not deliver by the next check means it is dead.
 pub struct Watch {
     body: Incoming,
-    lines: crate::lines::Lines,
+    lines: switchyard_net::lines::Lines,
     api: EtcdApi,
     prefix: String,
     /// The keys under the prefix as the listing and the watch's events have them.

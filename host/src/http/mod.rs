@@ -18,7 +18,6 @@ pub mod body;
 pub mod error;
 pub mod metrics;
 pub mod proxy;
-pub mod upstream;
 pub mod write_deadline;
 
 use std::convert::Infallible;
@@ -41,10 +40,10 @@ use tokio::net::TcpListener;
 
 use crate::discovery::EndpointPath;
 use crate::router::KvRouter;
-use crate::slot::Slot;
 use crate::tokens::PrefixTokenizer;
 pub use error::ApiError;
 pub use metrics::Metrics;
+use switchyard_net::slot::Slot;
 
 /// Response bodies.
 pub type Body = BoxBody<Bytes, std::io::Error>;
@@ -119,7 +118,7 @@ pub struct GatewayConfig {
     /// baseline for benchmarks).
     pub outlier_detection: bool,
     /// The trust put in `https://` workers' certificates.
-    pub tls: upstream::Tls,
+    pub tls: switchyard_net::upstream::Tls,
 }
 
 impl Default for GatewayConfig {
@@ -141,7 +140,7 @@ impl Default for GatewayConfig {
             admin_listener: false,
             availability: true,
             outlier_detection: true,
-            tls: upstream::Tls::default(),
+            tls: switchyard_net::upstream::Tls::default(),
         }
     }
 }
@@ -151,7 +150,7 @@ pub struct Gateway {
     pub(crate) config: GatewayConfig,
     pub(crate) fleet: Arc<dyn Fleet>,
     pub(crate) tokenizer: Arc<PrefixTokenizer>,
-    pub(crate) http: HttpClient<upstream::Connector, Full<Bytes>>,
+    pub(crate) http: HttpClient<switchyard_net::upstream::Connector, Full<Bytes>>,
     pub(crate) metrics: Metrics,
     draining: AtomicBool,
     /// Completion requests in flight (bounded by `max_in_flight`).

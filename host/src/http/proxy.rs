@@ -442,28 +442,10 @@ fn classify(e: &hyper_util::client::legacy::Error) -> Failure {
         source = err.source();
     }
     if closed && !e.is_connect() {
-        Failure::Closed(error_chain(e))
+        Failure::Closed(switchyard_net::error_chain(e))
     } else {
-        Failure::Unreachable(error_chain(e))
+        Failure::Unreachable(switchyard_net::error_chain(e))
     }
-}
-
-/// An error and its causes in words, outermost first, each said once (`client error
-/// (Connect): invalid peer certificate: UnknownIssuer`).
-pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut last = out.clone();
-    let mut source = e.source();
-    while let Some(err) = source {
-        let said = err.to_string();
-        if !last.contains(&said) {
-            out.push_str(": ");
-            out.push_str(&said);
-        }
-        last = said;
-        source = err.source();
-    }
-    out
 }
 
 /// Removes what described the worker's connection to the router rather than the answer

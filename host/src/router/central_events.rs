@@ -202,7 +202,7 @@ async fn accept(hub: std::sync::Weak<CentralEvents>, listener: tokio::net::TcpLi
             }
         };
         let Some(h) = hub.upgrade() else { return };
-        let Some(peer_slot) = crate::slot::Slot::take(&peers, MAX_PEERS) else {
+        let Some(peer_slot) = switchyard_net::slot::Slot::take(&peers, MAX_PEERS) else {
             h.refused.fetch_add(1, Ordering::Relaxed);
             continue;
         };

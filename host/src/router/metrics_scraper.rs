@@ -13,10 +13,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::http::upstream::Connector;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::client::legacy::Client as HttpClient;
+use switchyard_net::upstream::Connector;
 
 use super::KvRouter;
 use crate::ids::InstanceId;

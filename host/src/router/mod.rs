@@ -68,7 +68,7 @@ pub struct KvRouterConfig {
     /// A booked request still open after this long is released anyway.
     pub load_expiry: Duration,
     /// The trust put in `https://` workers' certificates (event streams, metrics pages).
-    pub tls: crate::http::upstream::Tls,
+    pub tls: switchyard_net::upstream::Tls,
     /// The bound sockets engines connect to (central mode), if any.
     pub central_events: Option<Arc<central_events::CentralEvents>>,
     /// Pass clients' `Authorization` header on to this endpoint's workers.
@@ -86,7 +86,7 @@ impl KvRouterConfig {
             hash_seed: 0,
             approximate: Approximate::default(),
             load_expiry: Duration::from_secs(600),
-            tls: crate::http::upstream::Tls::default(),
+            tls: switchyard_net::upstream::Tls::default(),
             central_events: None,
             forward_authorization: false,
             report_ttl: crate::kv::load::REPORT_TTL,
@@ -161,10 +161,10 @@ impl Index {
 /// The client of the router's background readers (event streams, metrics pages), for
 /// `http://` and `https://` workers alike.
 fn background_http(
-    tls: &crate::http::upstream::Tls,
+    tls: &switchyard_net::upstream::Tls,
     connect_timeout: Duration,
 ) -> hyper_util::client::legacy::Client<
-    crate::http::upstream::Connector,
+    switchyard_net::upstream::Connector,
     http_body_util::Empty<bytes::Bytes>,
 > {
     hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())

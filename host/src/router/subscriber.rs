@@ -10,10 +10,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use crate::http::upstream::Connector;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client as HttpClient;
+use switchyard_net::upstream::Connector;
 
 use super::KvRouter;
 use crate::ids::InstanceId;
@@ -215,7 +215,7 @@ async fn stream_once(
         return End::Broken(format!("HTTP {}", response.status()));
     }
     let mut body = response.into_body();
-    let mut lines = crate::lines::Lines::default();
+    let mut lines = switchyard_net::lines::Lines::default();
     let mut last: Option<u64> = None;
     loop {
         let frame = match tokio::time::timeout(config.idle_timeout, body.frame()).await {

@@ -7,11 +7,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// One unit of `count`, taken only while fewer than the bound are out.
 #[derive(Debug)]
-pub(crate) struct Slot(Arc<AtomicUsize>);
+pub struct Slot(Arc<AtomicUsize>);
 
 impl Slot {
     /// A unit of `count`, if fewer than `max` are taken.
-    pub(crate) fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
+    pub fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
         count
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < max).then_some(n + 1)
