@@ -34,7 +34,7 @@
 
 pub mod client;
 pub mod config;
-pub mod discovery;
+pub use switchyard_discovery as discovery;
 #[cfg(test)]
 mod fuzz;
 pub mod http;

@@ -28,7 +28,7 @@ use super::zmtp::{Connection, KV_EVENT_LIMITS, SocketType, tcp_address};
 use crate::ids::InstanceId;
 
 /// The `kv_events` of a worker whose engine connects to the router's bound sockets.
-pub const BOUND: &str = "bound";
+pub const BOUND: &str = crate::discovery::EngineEventSource::BOUND;
 
 /// Batches queued per (topic, rank) before new ones are dropped (and become a gap).
 pub const QUEUE: usize = 4096;

@@ -6,8 +6,8 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::ids::InstanceId;
-pub use crate::ids::{EndpointPath, KeyError};
+use switchyard_ids::InstanceId;
+pub use switchyard_ids::{EndpointPath, KeyError};
 
 /// The etcd key of one registered instance.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

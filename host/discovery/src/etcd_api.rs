@@ -558,7 +558,7 @@ impl Watch {
 }
 
 /// The keys of a range answer of the gateway, and the revision they were read at.
-pub(crate) fn range_answer(v: &Value) -> Result<(Vec<Kv>, i64), String> {
+pub fn range_answer(v: &Value) -> Result<(Vec<Kv>, i64), String> {
     let revision = int(&v["header"]["revision"]);
     let kvs = match v.get("kvs") {
         Some(list) => serde_json::from_value::<Vec<RawKv>>(list.clone())
@@ -574,7 +574,7 @@ pub(crate) fn range_answer(v: &Value) -> Result<(Vec<Kv>, i64), String> {
 /// The events of one watch answer of the gateway (none for a progress or creation
 /// answer); an error when the watch failed or was canceled (e.g. its start revision was
 /// compacted).
-pub(crate) fn watch_answer(v: &Value) -> Result<Vec<Event>, String> {
+pub fn watch_answer(v: &Value) -> Result<Vec<Event>, String> {
     if let Some(e) = v.get("error") {
         return Err(format!("watch: {e}"));
     }

@@ -59,7 +59,7 @@ impl EtcdConfig {
 }
 
 /// The instance under `kv`, and whether it is draining (about to deregister).
-pub(crate) fn parse_kv(kv: &Kv) -> Result<(InstanceInfo, bool), DiscoveryError> {
+pub fn parse_kv(kv: &Kv) -> Result<(InstanceInfo, bool), DiscoveryError> {
     let key_text = String::from_utf8_lossy(&kv.key);
     let key: InstanceKey = key_text.parse()?;
     let record: InstanceRecord =

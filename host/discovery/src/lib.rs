@@ -7,7 +7,7 @@
 //! needed). Workers register with [`etcd_register`]; routing policies are distributed to
 //! every router replica with [`etcd_policy`].
 //!
-//! Only `discovery/etcd*` knows etcd. Must not know: routing, policies, HTTP serving.
+//! Only this crate knows etcd. Must not know: routing, policies, HTTP serving.
 
 pub mod etcd;
 pub mod etcd_api;
@@ -20,8 +20,8 @@ pub mod signing;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-use crate::ids::InstanceId;
 pub use key::{EndpointPath, InstanceKey, KeyError};
+use switchyard_ids::InstanceId;
 
 /// What discovery knows about one worker instance.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,6 +69,10 @@ fn one() -> u32 {
 }
 
 impl EngineEventSource {
+    /// The `endpoint` of a worker whose engine connects to the router's bound sockets
+    /// (central mode) instead of being connected to.
+    pub const BOUND: &'static str = "bound";
+
     /// A source at `endpoint`, no replay, every topic, one rank.
     pub fn new(endpoint: impl Into<String>) -> EngineEventSource {
         EngineEventSource {
@@ -82,7 +86,7 @@ impl EngineEventSource {
     /// Checks the endpoints (`tcp://HOST:PORT`, or `bound` with a topic) and the rank
     /// count.
     pub fn validate(&self) -> Result<(), String> {
-        let bound = self.endpoint == crate::router::central_events::BOUND;
+        let bound = self.endpoint == Self::BOUND;
         if bound && self.topic.is_empty() {
             return Err(
                 "kv_events = \"bound\" needs the topic the engine publishes under, which names the worker"
