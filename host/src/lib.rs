@@ -32,7 +32,7 @@
 //! - [`worker`]: the mock worker, a simulated LLM engine (KV cache with LRU eviction,
 //!   continuous batching, timing model, KV events, fault injection).
 
-pub mod client;
+pub use switchyard_router::client;
 pub mod config;
 pub use switchyard_discovery as discovery;
 #[cfg(test)]
@@ -45,7 +45,7 @@ pub use switchyard_net as net;
 pub use switchyard_policy as policy;
 pub use switchyard_tokens::openai;
 pub mod replay;
-pub mod router;
+pub use switchyard_router as router;
 pub mod serve;
 pub use switchyard_tokens as tokens;
 pub mod worker;

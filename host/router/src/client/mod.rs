@@ -38,11 +38,11 @@ use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
-use crate::discovery::{DiscoveryUpdate, EndpointPath, InstanceInfo};
-use crate::ids::InstanceId;
 pub use health::{HealthCheck, HealthError, HttpHealthCheck, local_exhaustion};
 pub use outlier::{DownKind, InstanceHealth, OutlierConfig};
 pub use registry::ClientRegistry;
+use switchyard_discovery::{DiscoveryUpdate, EndpointPath, InstanceInfo};
+use switchyard_ids::InstanceId;
 
 /// Re-admission probing and outlier detection.
 #[derive(Debug, Clone)]

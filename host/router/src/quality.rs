@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::ids::InstanceId;
-use crate::policy::RejectionKind;
+use switchyard_ids::InstanceId;
+use switchyard_policy::RejectionKind;
 
 /// The kinds of requests not routed, in [`DecisionQuality::unrouted`] order.
 pub const UNROUTED: [&str; 5] = ["no_instances", "busy", "all_busy", "no_fit", "refused"];

@@ -19,8 +19,8 @@ use hyper_util::client::legacy::Client as HttpClient;
 use switchyard_net::upstream::Connector;
 
 use super::KvRouter;
-use crate::ids::InstanceId;
-use crate::kv::engine_metrics;
+use switchyard_ids::InstanceId;
+use switchyard_kv::engine_metrics;
 
 /// Longest a scrape may take.
 pub const SCRAPE_TIMEOUT: Duration = Duration::from_secs(1);

@@ -1,8 +1,8 @@
 //! Deterministic tests of the availability rules (paused time, scripted health).
 
 use super::*;
-use crate::discovery::EndpointPath;
 use std::sync::atomic::AtomicBool;
+use switchyard_discovery::EndpointPath;
 
 /// A health check whose answer the test sets, counting the probes it answers.
 #[derive(Default)]

@@ -25,10 +25,10 @@ use tokio::sync::mpsc;
 
 use super::zmtp::{Connection, KV_EVENT_LIMITS, SocketType, tcp_address};
 
-use crate::ids::InstanceId;
+use switchyard_ids::InstanceId;
 
 /// The `kv_events` of a worker whose engine connects to the router's bound sockets.
-pub const BOUND: &str = crate::discovery::EngineEventSource::BOUND;
+pub const BOUND: &str = switchyard_discovery::EngineEventSource::BOUND;
 
 /// Batches queued per (topic, rank) before new ones are dropped (and become a gap).
 pub const QUEUE: usize = 4096;

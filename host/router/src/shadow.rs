@@ -18,8 +18,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 
-use crate::ids::InstanceId;
-use crate::policy::{CallFailure, CallOutcome, Candidates, LoadedPolicy, Request};
+use switchyard_ids::InstanceId;
+use switchyard_policy::{CallFailure, CallOutcome, Candidates, LoadedPolicy, Request};
 
 /// Decisions waiting for the shadow, at most; past that they are dropped.
 pub const SHADOW_QUEUE: usize = 1024;
@@ -311,7 +311,7 @@ impl std::fmt::Debug for Shadow {
 #[derive(Debug, Clone)]
 pub struct ShadowStatus {
     /// The shadow's identity.
-    pub info: crate::policy::PolicyInfo,
+    pub info: switchyard_policy::PolicyInfo,
     /// The share of decisions offered to it.
     pub sample: f64,
     /// When it was attached.

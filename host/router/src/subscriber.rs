@@ -16,8 +16,8 @@ use hyper_util::client::legacy::Client as HttpClient;
 use switchyard_net::upstream::Connector;
 
 use super::KvRouter;
-use crate::ids::InstanceId;
-use crate::kv::events::{KvEvent, SeqCheck, check_seq};
+use switchyard_ids::InstanceId;
+use switchyard_kv::events::{KvEvent, SeqCheck, check_seq};
 
 /// Subscription timing.
 #[derive(Debug, Clone)]
@@ -154,7 +154,7 @@ enum Source {
     /// Switchyard's NDJSON stream at this URL.
     Ndjson(String),
     /// The engine's ZMQ publisher.
-    Engine(Arc<crate::discovery::EngineEventSource>),
+    Engine(Arc<switchyard_discovery::EngineEventSource>),
 }
 
 enum End {

@@ -16,10 +16,10 @@ use std::sync::Arc;
 use super::zmtp::{Connection, KV_EVENT_LIMITS, SocketType, ZmtpError};
 
 use super::{KvRouter, ViewStatus};
-use crate::discovery::EngineEventSource;
-use crate::ids::InstanceId;
-use crate::kv::engine_events::{EngineBatch, decode_batch};
-use crate::kv::engine_view::{EngineView, IndexOp, SeqVerdict};
+use switchyard_discovery::EngineEventSource;
+use switchyard_ids::InstanceId;
+use switchyard_kv::engine_events::{EngineBatch, decode_batch};
+use switchyard_kv::engine_view::{EngineView, IndexOp, SeqVerdict};
 
 /// Engine hashes kept per worker, over all its ranks, before a runaway stream is reset
 /// (far above any GPU cache: 4M blocks of 16 tokens is 64M tokens); less once the

@@ -3,9 +3,15 @@
 //! index) and load (from the tracker) — asks the endpoint's policy, validates the
 //! answer, and books the request's load on the chosen worker.
 //!
-//! Must not know: wasmtime (it sees `PolicyHandle`), etcd, HTTP serving.
+//! The router core, embeddable by any front door: [`client`] (an endpoint's available
+//! instances, instance-down reports, outlier detection and re-admission), `KvRouter`,
+//! and the subscribers that keep its view of the workers' caches and load current.
+//!
+//! Must not know: wasmtime (it sees `PolicyHandle`), etcd (it sees `Discovery`), HTTP
+//! serving.
 
 pub mod central_events;
+pub mod client;
 pub mod engine_subscriber;
 pub mod metrics_scraper;
 pub mod quality;
@@ -21,20 +27,20 @@ use arc_swap::ArcSwapOption;
 use parking_lot::{Mutex, RwLock};
 
 use crate::client::Client;
-use crate::discovery::EndpointPath;
-use crate::ids::{BlockHash, InstanceId, RequestId};
-use crate::kv::approx::ApproxIndex;
-use crate::kv::engine_view::{IndexOp, ViewCounts};
-use crate::kv::events::KvEvent;
-use crate::kv::hash::BlockHasher;
-use crate::kv::index::OverlapIndex;
-use crate::kv::load::{LoadTracker, ReportedLoad};
-use crate::policy::{
+use quality::DecisionQuality;
+use shadow::{Shadow, ShadowSeries, ShadowStatus};
+use switchyard_discovery::EndpointPath;
+use switchyard_ids::{BlockHash, InstanceId, RequestId};
+use switchyard_kv::approx::ApproxIndex;
+use switchyard_kv::engine_view::{IndexOp, ViewCounts};
+use switchyard_kv::events::KvEvent;
+use switchyard_kv::hash::BlockHasher;
+use switchyard_kv::index::OverlapIndex;
+use switchyard_kv::load::{LoadTracker, ReportedLoad};
+use switchyard_policy::{
     CandidateRow, Candidates, Decider, Decision, DecisionOutcome, LoadedPolicy, PolicyError,
     PolicyHandle, PolicyStatus, Rejection, Request, policy_label,
 };
-use quality::DecisionQuality;
-use shadow::{Shadow, ShadowSeries, ShadowStatus};
 
 /// Approximate mode, for workers that publish no KV events: the router's decisions
 /// become predicted cache contents.
@@ -89,7 +95,7 @@ impl KvRouterConfig {
             tls: switchyard_net::upstream::Tls::default(),
             central_events: None,
             forward_authorization: false,
-            report_ttl: crate::kv::load::REPORT_TTL,
+            report_ttl: switchyard_kv::load::REPORT_TTL,
         }
     }
 }
@@ -657,7 +663,7 @@ impl KvRouter {
     }
 
     /// Current load of `worker`.
-    pub fn load_of(&self, worker: InstanceId) -> crate::kv::load::WorkerLoad {
+    pub fn load_of(&self, worker: InstanceId) -> switchyard_kv::load::WorkerLoad {
         self.load.lock().load(worker, Instant::now())
     }
 

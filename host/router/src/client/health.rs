@@ -9,7 +9,7 @@ use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::rt::TokioExecutor;
 use switchyard_net::upstream::{Connector, Tls};
 
-use crate::discovery::InstanceInfo;
+use switchyard_discovery::InstanceInfo;
 
 /// Why a health check did not pass.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -7,7 +7,7 @@ use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
 use super::{Client, ClientConfig, HealthCheck};
-use crate::discovery::{Discovery, EndpointPath};
+use switchyard_discovery::{Discovery, EndpointPath};
 
 /// Creates each endpoint's `Client` once, wires it to discovery, and hands the same
 /// `Arc` to every caller: the KV router and the proxy can never see different sets.
