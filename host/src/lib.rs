@@ -32,20 +32,20 @@
 //! - [`worker`]: the mock worker, a simulated LLM engine (KV cache with LRU eviction,
 //!   continuous batching, timing model, KV events, fault injection).
 
-pub use switchyard_router::client;
-pub mod config;
 pub use switchyard_discovery as discovery;
+pub use switchyard_router::client;
+pub use switchyard_server::config;
 #[cfg(test)]
 mod fuzz;
-pub mod http;
 pub use switchyard_ids as ids;
 pub use switchyard_kv as kv;
-pub mod local;
+pub use switchyard_lab::local;
+pub use switchyard_lab::replay;
 pub use switchyard_net as net;
 pub use switchyard_policy as policy;
-pub use switchyard_tokens::openai;
-pub mod replay;
 pub use switchyard_router as router;
-pub mod serve;
+pub use switchyard_server as http;
+pub use switchyard_server::serve;
 pub use switchyard_tokens as tokens;
-pub mod worker;
+pub use switchyard_tokens::openai;
+pub use switchyard_worker as worker;

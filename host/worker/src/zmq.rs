@@ -16,7 +16,7 @@ use tokio::sync::broadcast;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::cache::CacheEvent;
-use crate::kv::engine_events::{EventOut, Shape, StoredOut, encode_batch};
+use switchyard_kv::engine_events::{EventOut, Shape, StoredOut, encode_batch};
 
 /// Batches kept for replay (vLLM's default `buffer_steps`).
 pub const REPLAY_BUFFER: usize = 10_000;

@@ -5,8 +5,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::ids::BlockHash;
-use crate::kv::events::KvEvent;
+use switchyard_ids::BlockHash;
+use switchyard_kv::events::KvEvent;
 
 #[derive(Debug, Clone, Copy)]
 struct Entry {

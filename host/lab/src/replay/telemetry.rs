@@ -11,7 +11,7 @@ use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::router::shadow::ShadowTally;
+use switchyard_router::shadow::ShadowTally;
 
 /// The admin path of the replay's endpoint.
 const ENDPOINT: &str = "/admin/endpoints/default/replay/generate";
@@ -51,7 +51,7 @@ pub struct ShadowTelemetry {
 impl Telemetry {
     /// Block-weighted overlap achieved over the best available.
     pub fn overlap_ratio(&self) -> Option<f64> {
-        crate::router::shadow::ratio(
+        switchyard_router::shadow::ratio(
             self.chosen_overlap_blocks,
             self.best_overlap_blocks,
             self.routed,
@@ -102,7 +102,7 @@ async fn call(
 /// shadow of the replay's endpoint on the router at `url`.
 pub async fn attach_shadow(url: &str, token: &str, spec: &str) -> Result<(), String> {
     let (name, config) = spec.split_once('=').unwrap_or((spec, "{}"));
-    let (target, body) = if crate::policy::builtin(name).is_some() {
+    let (target, body) = if switchyard_policy::builtin(name).is_some() {
         (
             format!("{url}{ENDPOINT}/shadow?builtin={name}"),
             Bytes::new(),

@@ -15,9 +15,11 @@
 
 pub mod admin;
 pub mod body;
+pub mod config;
 pub mod error;
 pub mod metrics;
 pub mod proxy;
+pub mod serve;
 pub mod write_deadline;
 
 use std::convert::Infallible;
@@ -38,12 +40,12 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::json;
 use tokio::net::TcpListener;
 
-use crate::discovery::EndpointPath;
-use crate::router::KvRouter;
-use crate::tokens::PrefixTokenizer;
 pub use error::ApiError;
 pub use metrics::Metrics;
+use switchyard_discovery::EndpointPath;
 use switchyard_net::slot::Slot;
+use switchyard_router::KvRouter;
+use switchyard_tokens::PrefixTokenizer;
 
 /// Response bodies.
 pub type Body = BoxBody<Bytes, std::io::Error>;
@@ -228,10 +230,11 @@ impl Gateway {
                 )))
             }
             (&Method::POST, "/v1/chat/completions") => {
-                self.admit(crate::openai::Api::Chat, req).await
+                self.admit(switchyard_tokens::openai::Api::Chat, req).await
             }
             (&Method::POST, "/v1/completions") => {
-                self.admit(crate::openai::Api::Completions, req).await
+                self.admit(switchyard_tokens::openai::Api::Completions, req)
+                    .await
             }
             (&Method::GET, "/v1/models") => Ok(self.models()),
             (&Method::GET, "/health") => {
@@ -262,7 +265,7 @@ impl Gateway {
     /// in-flight slot taken, held until the response body ends (streams included).
     async fn admit(
         self: &Arc<Self>,
-        api: crate::openai::Api,
+        api: switchyard_tokens::openai::Api,
         req: Request<Incoming>,
     ) -> Result<Response<Body>, ApiError> {
         let started = std::time::Instant::now();
@@ -508,7 +511,7 @@ async fn refuse_connection(mut stream: tokio::net::TcpStream) {
         }
     })
     .await;
-    let body = crate::openai::error_body(
+    let body = switchyard_tokens::openai::error_body(
         "the router is at its connection limit",
         "server_error",
         None,

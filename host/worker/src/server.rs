@@ -35,13 +35,13 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 
 use super::engine::{Engine, EngineConfig, Output};
-use crate::discovery::{EndpointPath, InstanceInfo};
-use crate::ids::InstanceId;
-use crate::kv::events::KvEvent;
-use crate::kv::hash::BlockHasher;
-use crate::openai::{self, Api, Prompt};
-use crate::tokens::prefix::DEFAULT_BUDGET_TOKENS;
-use crate::tokens::{PrefixTokenizer, Tokenizer};
+use switchyard_discovery::{EndpointPath, InstanceInfo};
+use switchyard_ids::InstanceId;
+use switchyard_kv::events::KvEvent;
+use switchyard_kv::hash::BlockHasher;
+use switchyard_tokens::openai::{self, Api, Prompt};
+use switchyard_tokens::prefix::DEFAULT_BUDGET_TOKENS;
+use switchyard_tokens::{PrefixTokenizer, Tokenizer};
 
 type Body = BoxBody<Bytes, std::io::Error>;
 
@@ -154,7 +154,7 @@ pub struct MockWorkerConfig {
     /// Serve HTTPS with this certificate instead of plain HTTP.
     pub tls: Option<Arc<rustls::ServerConfig>>,
     /// How chats become prompts (`None`: ChatML), as the engine's chat template does.
-    pub chat: Option<Arc<crate::tokens::ChatFormat>>,
+    pub chat: Option<Arc<switchyard_tokens::ChatFormat>>,
     /// Completions need `Authorization: Bearer <key>`, as with vLLM's `--api-key`.
     pub api_key: Option<String>,
 }
@@ -277,7 +277,7 @@ impl MockWorker {
             .with_chat(
                 config
                     .chat
-                    .unwrap_or_else(|| Arc::new(crate::tokens::ChatFormat::ChatMl)),
+                    .unwrap_or_else(|| Arc::new(switchyard_tokens::ChatFormat::ChatMl)),
             ),
             fault: Mutex::new(config.fault),
             served: AtomicU64::new(0),
@@ -345,7 +345,7 @@ impl MockWorker {
 
     /// Where the ZMQ KV events are published, if they are (an unspecified bind address
     /// is given as this worker's HTTP host).
-    pub fn engine_events(&self) -> Option<crate::discovery::EngineEventSource> {
+    pub fn engine_events(&self) -> Option<switchyard_discovery::EngineEventSource> {
         let (z, topic) = self.shared.zmq.as_ref()?;
         let host = |a: SocketAddr| {
             let ip = if a.ip().is_unspecified() {
@@ -360,7 +360,7 @@ impl MockWorker {
             };
             format!("tcp://{}", SocketAddr::new(ip, a.port()))
         };
-        Some(crate::discovery::EngineEventSource {
+        Some(switchyard_discovery::EngineEventSource {
             endpoint: host(z.publish),
             replay: z.replay.map(host),
             topic: topic.clone(),

@@ -18,7 +18,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use super::ApiError;
-use crate::openai;
+use switchyard_tokens::openai;
 
 /// Bytes of request bodies held at once, across every request; given back when the
 /// [`Held`] guard is dropped (when the request's answer ends).

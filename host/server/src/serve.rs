@@ -18,18 +18,18 @@ use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use tokio::net::TcpListener;
 
-use crate::client::{ClientRegistry, HttpHealthCheck};
 use crate::config::{DiscoveryConfig, PolicySpec, ServeConfig};
-use crate::discovery::etcd::{EtcdDiscovery, list_all};
-use crate::discovery::etcd_policy::{PolicyEvent, PushedPolicy, Role};
-use crate::discovery::fixed::FixedDiscovery;
-use crate::discovery::{Discovery, EndpointPath, InstanceInfo, etcd_policy};
-use crate::http::{Fleet, Gateway, GatewayConfig};
-use crate::ids::InstanceId;
-use crate::policy::{PolicyEngine, PolicyError, PolicyHandle, PolicySource};
-use crate::router::subscriber::{self, SubscriberConfig};
-use crate::router::{KvRouter, KvRouterConfig};
-use crate::tokens::{PrefixTokenizer, Tokenizer};
+use crate::{Fleet, Gateway, GatewayConfig};
+use switchyard_discovery::etcd::{EtcdDiscovery, list_all};
+use switchyard_discovery::etcd_policy::{PolicyEvent, PushedPolicy, Role};
+use switchyard_discovery::fixed::FixedDiscovery;
+use switchyard_discovery::{Discovery, EndpointPath, InstanceInfo, etcd_policy};
+use switchyard_ids::InstanceId;
+use switchyard_policy::{PolicyEngine, PolicyError, PolicyHandle, PolicySource};
+use switchyard_router::client::{ClientRegistry, HttpHealthCheck};
+use switchyard_router::subscriber::{self, SubscriberConfig};
+use switchyard_router::{KvRouter, KvRouterConfig};
+use switchyard_tokens::{PrefixTokenizer, Tokenizer};
 
 /// Longest time between two listings of the endpoints (a change to the instances prefix
 /// lists them at once).
@@ -116,7 +116,7 @@ pub struct ServeFleet {
     /// endpoint's resources kept.
     endpoint_grace: Duration,
     /// Keys whose signed pushes are applied (none: every push is).
-    trusted_keys: Vec<crate::discovery::signing::PublicKey>,
+    trusted_keys: Vec<switchyard_discovery::signing::PublicKey>,
     endpoint_forward_authorization: BTreeMap<EndpointPath, bool>,
     engine_metrics: Option<Duration>,
 }
@@ -184,7 +184,7 @@ impl ServeFleet {
         ));
         subscriber::spawn(&router, SubscriberConfig::default());
         if let Some(every) = self.engine_metrics {
-            crate::router::metrics_scraper::spawn(&router, every);
+            switchyard_router::metrics_scraper::spawn(&router, every);
         }
         tracing::info!(endpoint = %entry.endpoint, policy = %spec.spec, block_size = entry.block_size, "endpoint ready");
         routers.insert(entry.endpoint.clone(), router.clone());
@@ -580,10 +580,10 @@ pub enum ServeError {
     Policy(#[from] PolicyError),
     /// The tokenizer cannot load.
     #[error(transparent)]
-    Tokenizer(#[from] crate::tokens::TokenizerError),
+    Tokenizer(#[from] switchyard_tokens::TokenizerError),
     /// The chat template cannot load.
     #[error(transparent)]
-    ChatTemplate(#[from] crate::tokens::ChatTemplateError),
+    ChatTemplate(#[from] switchyard_tokens::ChatTemplateError),
     /// A KV events socket cannot be bound.
     #[error("{0}")]
     KvEvents(String),
@@ -608,7 +608,7 @@ pub async fn serve(
         Some(path) => Tokenizer::from_file(path)?,
         None => Tokenizer::builtin(),
     });
-    let chat = crate::tokens::ChatFormat::resolve(
+    let chat = switchyard_tokens::ChatFormat::resolve(
         config.chat_template.as_deref(),
         config.tokenizer.as_deref(),
     )?;
@@ -619,7 +619,7 @@ pub async fn serve(
         None
     } else {
         Some(
-            crate::router::central_events::CentralEvents::bind(&config.kv_events_bind)
+            switchyard_router::central_events::CentralEvents::bind(&config.kv_events_bind)
                 .await
                 .map_err(ServeError::KvEvents)?,
         )
@@ -666,8 +666,8 @@ pub async fn serve(
             // Three missed scrapes before a worker's report stops counting.
             report_ttl: config
                 .engine_metrics
-                .map_or(crate::kv::load::REPORT_TTL, |every| {
-                    (every * 3).max(crate::kv::load::REPORT_TTL)
+                .map_or(switchyard_kv::load::REPORT_TTL, |every| {
+                    (every * 3).max(switchyard_kv::load::REPORT_TTL)
                 }),
             hash_seed: config.kv_hash_key,
             ..KvRouterConfig::new(16)
@@ -688,7 +688,7 @@ pub async fn serve(
             // Endpoints are listed again as soon as the instances prefix changes (one
             // watch on it), and every 30 s in any case.
             let changed = Arc::new(tokio::sync::Notify::new());
-            background.push(crate::discovery::etcd::watch_changes(
+            background.push(switchyard_discovery::etcd::watch_changes(
                 etcd.clone(),
                 changed.clone(),
             ));
@@ -766,20 +766,20 @@ pub async fn serve(
     if let Some(admin) = admin {
         tracing::info!(addr = %admin.local_addr()?, "serving the admin API");
         let mut stopped = stopped.clone();
-        background.push(tokio::spawn(crate::http::run(
+        background.push(tokio::spawn(crate::run(
             gateway.clone(),
             admin,
-            crate::http::Listener::Admin,
+            crate::Listener::Admin,
             async move {
                 let _ = stopped.wait_for(|s| *s).await;
             },
             config.shutdown_grace,
         )));
     }
-    crate::http::run(
+    crate::run(
         gateway,
         listener,
-        crate::http::Listener::Public,
+        crate::Listener::Public,
         async move {
             shutdown.await;
             let _ = stop.send(true);
@@ -797,7 +797,7 @@ pub async fn serve(
 /// using them when a file changes (a refused file leaves the current policy in place).
 fn watch_policy_files(fleet: Arc<ServeFleet>, config: &ServeConfig) -> tokio::task::JoinHandle<()> {
     let mut files: Vec<(std::path::PathBuf, String, Option<EndpointPath>)> = Vec::new();
-    let is_file = |spec: &str| crate::policy::builtin(spec).is_none();
+    let is_file = |spec: &str| switchyard_policy::builtin(spec).is_none();
     if is_file(&config.default_policy.spec) {
         files.push((
             config.default_policy.spec.clone().into(),

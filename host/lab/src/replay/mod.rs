@@ -23,8 +23,8 @@ use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
 
 use crate::local::{LocalFleet, LocalFleetConfig};
-use crate::worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, TimingModel};
 use external::{ExternalRouter, LiveTimings, ProcessCost, RouterProcess};
+use switchyard_worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, TimingModel};
 use trace::TraceRequest;
 
 /// What to replay, against what.
@@ -259,7 +259,7 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
             // Predictions live as long in the workers' simulated time as they would
             // live in real time.
             prediction_ttl_secs: Some(
-                crate::router::Approximate::default().ttl.as_secs_f64() / config.speedup,
+                switchyard_router::Approximate::default().ttl.as_secs_f64() / config.speedup,
             ),
             routers,
             // The workers' metrics read once a second of their simulated time.
@@ -301,7 +301,7 @@ async fn replay_external(
 ) -> Result<PolicyRun, String> {
     let mut engine = config.engine.clone();
     engine.speedup = config.speedup;
-    let tokenizer = crate::tokens::Tokenizer::from_file_if_any(config.tokenizer.as_deref())
+    let tokenizer = switchyard_tokens::Tokenizer::from_file_if_any(config.tokenizer.as_deref())
         .map_err(|e| e.to_string())?;
     let mut workers = Vec::new();
     for _ in 0..config.workers.max(1) {
@@ -576,7 +576,8 @@ async fn one(
     if !tail.ends_with(b"data: [DONE]\n\n") {
         return failed("the stream ended without [DONE]".into());
     }
-    let (prompt_tokens, cached_tokens) = crate::openai::scan_usage(&tail).unwrap_or((0, 0));
+    let (prompt_tokens, cached_tokens) =
+        switchyard_tokens::openai::scan_usage(&tail).unwrap_or((0, 0));
     Outcome {
         ok: true,
         ttft: ttft.unwrap_or_default().as_secs_f64() * speedup,

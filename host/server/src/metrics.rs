@@ -15,10 +15,10 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::client::Availability;
-use crate::policy::{CallFailure, PolicyError};
-use crate::router::KvRouter;
-use crate::router::shadow::ShadowCounters;
+use switchyard_policy::{CallFailure, PolicyError};
+use switchyard_router::KvRouter;
+use switchyard_router::client::Availability;
+use switchyard_router::shadow::ShadowCounters;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EndpointLabel {
@@ -191,7 +191,7 @@ pub struct Metrics {
     pub trends: Trends,
     /// Failed upstream attempts per instance.
     pub failures_by_instance:
-        parking_lot::Mutex<std::collections::BTreeMap<crate::ids::InstanceId, u64>>,
+        parking_lot::Mutex<std::collections::BTreeMap<switchyard_ids::InstanceId, u64>>,
 }
 
 impl Metrics {
@@ -211,7 +211,7 @@ impl Metrics {
     pub fn render(
         &self,
         routers: &[std::sync::Arc<KvRouter>],
-        prefix: crate::tokens::prefix::PrefixStats,
+        prefix: switchyard_tokens::prefix::PrefixStats,
         fleet: Vec<(&'static str, &'static str, u64)>,
     ) -> String {
         // Endpoints released since the last scrape leave no series behind.
@@ -323,9 +323,9 @@ type Samples<V> = Vec<(Labels, V)>;
 struct Scrape {
     responses: [(&'static str, u64); 3],
     front: Vec<(&'static str, &'static str, u64)>,
-    failures_by_instance: Vec<(crate::ids::InstanceId, u64)>,
+    failures_by_instance: Vec<(switchyard_ids::InstanceId, u64)>,
     routers: Vec<std::sync::Arc<KvRouter>>,
-    prefix: crate::tokens::prefix::PrefixStats,
+    prefix: switchyard_tokens::prefix::PrefixStats,
 }
 
 impl std::fmt::Debug for Scrape {
@@ -504,7 +504,7 @@ impl Collector for Scrape {
                 )]
             }),
         )?;
-        let client = |f: fn(&crate::client::ClientCounters) -> &AtomicU64| {
+        let client = |f: fn(&switchyard_router::client::ClientCounters) -> &AtomicU64| {
             per_router(rs, move |r| vec![(vec![], load(f(r.client().counters())))])
         };
         counters(
@@ -561,17 +561,20 @@ impl Collector for Scrape {
             "Responses whose worker reported a cached prefix the router had not predicted on that worker (many: tokenization differs)",
             per_router(rs, |r| vec![(vec![], r.unpredicted_cache_hits())]),
         )?;
-        let instances =
-            |f: fn(&KvRouter, crate::ids::InstanceId, &crate::client::InstanceState) -> i64| {
-                per_router(rs, move |r| {
-                    r.client()
-                        .snapshot()
-                        .instances
-                        .iter()
-                        .map(|(id, st)| (vec![("instance", id.to_string())], f(r, *id, st)))
-                        .collect()
-                })
-            };
+        let instances = |f: fn(
+            &KvRouter,
+            switchyard_ids::InstanceId,
+            &switchyard_router::client::InstanceState,
+        ) -> i64| {
+            per_router(rs, move |r| {
+                r.client()
+                    .snapshot()
+                    .instances
+                    .iter()
+                    .map(|(id, st)| (vec![("instance", id.to_string())], f(r, *id, st)))
+                    .collect()
+            })
+        };
         gauges(
             e,
             "instance_available",
@@ -682,7 +685,7 @@ impl Scrape {
                 let counts = r.quality().unrouted.each_ref().map(load);
                 by(
                     "kind",
-                    crate::router::quality::UNROUTED.into_iter().zip(counts),
+                    switchyard_router::quality::UNROUTED.into_iter().zip(counts),
                 )
             }),
         )?;
@@ -724,7 +727,7 @@ impl Scrape {
                     .map(|s| {
                         (
                             vec![
-                                ("shadow", crate::policy::policy_label(&s.info)),
+                                ("shadow", switchyard_policy::policy_label(&s.info)),
                                 ("sample", s.sample.to_string()),
                             ],
                             1,
@@ -866,7 +869,7 @@ struct Reading {
     routed: u64,
     chosen: u64,
     best: u64,
-    latency: [u64; crate::router::quality::LATENCY_BUCKETS],
+    latency: [u64; switchyard_router::quality::LATENCY_BUCKETS],
     compared: u64,
     agreed: u64,
 }
@@ -904,7 +907,7 @@ pub struct Trends {
 impl Trends {
     /// Takes one point per endpoint (the first sample of an endpoint only sets its base).
     pub fn sample(&self, routers: &[std::sync::Arc<KvRouter>]) {
-        use crate::router::quality::latency_quantile;
+        use switchyard_router::quality::latency_quantile;
         let at_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
@@ -935,7 +938,7 @@ impl Trends {
             points.push_back(TrendPoint {
                 at_ms,
                 decisions_per_s: routed as f64 / secs,
-                overlap_ratio: crate::router::shadow::ratio(chosen, best, routed),
+                overlap_ratio: switchyard_router::shadow::ratio(chosen, best, routed),
                 p50_us: latency_quantile(0.5, &now.latency, &last.latency),
                 p99_us: latency_quantile(0.99, &now.latency, &last.latency),
                 shadow_agreement: (compared > 0).then(|| agreed as f64 / compared as f64),

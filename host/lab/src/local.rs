@@ -7,9 +7,9 @@ use std::net::SocketAddr;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
-use crate::config::ServeArgs;
-use crate::serve::{ServeError, serve};
-use crate::worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig};
+use switchyard_server::config::ServeArgs;
+use switchyard_server::serve::{ServeError, serve};
+use switchyard_worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig};
 
 /// What to start.
 #[derive(Debug, Clone)]
@@ -102,10 +102,10 @@ pub enum LocalFleetError {
     Io(#[from] std::io::Error),
     /// The router's configuration was refused.
     #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
+    Config(#[from] switchyard_server::config::ConfigError),
     /// The tokenizer could not be loaded.
     #[error(transparent)]
-    Tokenizer(#[from] crate::tokens::TokenizerError),
+    Tokenizer(#[from] switchyard_tokens::TokenizerError),
 }
 
 /// `--worker` for `w`: its URL, with its ZMQ event sockets if it publishes them.
@@ -125,7 +125,8 @@ fn worker_spec(w: &MockWorker) -> String {
 impl LocalFleet {
     /// Starts the workers, then the router in front of them.
     pub async fn start(config: LocalFleetConfig) -> Result<LocalFleet, LocalFleetError> {
-        let tokenizer = crate::tokens::Tokenizer::from_file_if_any(config.tokenizer.as_deref())?;
+        let tokenizer =
+            switchyard_tokens::Tokenizer::from_file_if_any(config.tokenizer.as_deref())?;
         let mut workers = Vec::new();
         for _ in 0..config.workers.max(1) {
             let worker_config = MockWorkerConfig {
@@ -135,7 +136,7 @@ impl LocalFleet {
                 fault: FaultConfig::NONE,
                 tokenizer: tokenizer.clone(),
                 zmq_events: (config.kv_events == KvEventsMode::Zmq).then(|| {
-                    crate::worker::zmq::ZmqEventsConfig {
+                    switchyard_worker::zmq::ZmqEventsConfig {
                         publish: "127.0.0.1:0".parse().expect("valid"),
                         replay: Some("127.0.0.1:0".parse().expect("valid")),
                         topic: "kv-events".into(),

@@ -31,11 +31,11 @@ use hyper::header::{ACCEPT, AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, HeaderVa
 use hyper::{Request, Response, StatusCode};
 
 use super::{ApiError, Body, Gateway};
-use crate::client::{Client, local_exhaustion};
-use crate::ids::{InstanceId, RequestId};
-use crate::openai::{self, Api, Prompt};
-use crate::router::{KvRouter, RouteError};
-use crate::tokens::{PrefixTokenizer, TokenizerError};
+use switchyard_ids::{InstanceId, RequestId};
+use switchyard_router::client::{Client, local_exhaustion};
+use switchyard_router::{KvRouter, RouteError};
+use switchyard_tokens::openai::{self, Api, Prompt};
+use switchyard_tokens::{PrefixTokenizer, TokenizerError};
 
 /// Releases a request's load booking when dropped.
 struct Booking {
@@ -110,7 +110,7 @@ struct Attempts {
 const BLOCKING_TOKENIZE_BYTES: usize = 8 << 10;
 
 /// The prompt's token IDs (text reuses a conversation's earlier tokens, see
-/// [`PrefixTokenizer`](crate::tokens::PrefixTokenizer)); a prompt that cannot be
+/// [`PrefixTokenizer`](switchyard_tokens::PrefixTokenizer)); a prompt that cannot be
 /// tokenized is the client's error (400).
 pub(crate) async fn tokenize(gw: &Arc<Gateway>, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
     tokenize_prompt(gw, prompt).await.map_err(|e| {

@@ -26,15 +26,15 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{Value, json};
 
 use super::{ApiError, Body, Gateway, json_response};
-use crate::client::Availability;
-use crate::discovery::EndpointPath;
-use crate::policy::{
+use switchyard_discovery::EndpointPath;
+use switchyard_policy::{
     LoadedPolicy, PolicyError, PolicyHandle, PolicyInfo, PolicySource, PolicyStatus,
 };
-use crate::router::KvRouter;
-use crate::router::shadow::ShadowStatus;
+use switchyard_router::KvRouter;
+use switchyard_router::client::Availability;
+use switchyard_router::shadow::ShadowStatus;
 
-use crate::policy::MAX_POLICY_BYTES;
+use switchyard_policy::MAX_POLICY_BYTES;
 
 /// The cookie the admin page's reads carry: the sha256 of the admin token, never the
 /// token itself. It grants GET requests only, so a page another site opens cannot
@@ -199,7 +199,7 @@ pub(crate) async fn handle(
     let (endpoint, action) = split_action(rest).ok_or_else(|| ApiError::NotFound(path.clone()))?;
     let endpoint: EndpointPath = endpoint
         .parse()
-        .map_err(|e: crate::discovery::KeyError| ApiError::Refused(e.to_string()))?;
+        .map_err(|e: switchyard_discovery::KeyError| ApiError::Refused(e.to_string()))?;
     let router = gw
         .fleet
         .router(&endpoint)
@@ -286,12 +286,12 @@ async fn read_upload(gw: &Gateway, req: Request<Incoming>) -> Result<Upload, Api
     let builtin = query_value(&req, "builtin").map(str::to_string);
     // Only a built-in's name: never a path on the router's disk.
     if let Some(name) = &builtin
-        && crate::policy::builtin(name).is_none()
+        && switchyard_policy::builtin(name).is_none()
     {
-        let known: Vec<&str> = crate::policy::BUILTINS.iter().map(|b| b.name).collect();
+        let known: Vec<&str> = switchyard_policy::BUILTINS.iter().map(|b| b.name).collect();
         return Err(ApiError::Refused(format!(
             "`builtin={}` is not a built-in policy (built-ins: {})",
-            crate::policy::guest_text(name),
+            switchyard_policy::guest_text(name),
             known.join(", ")
         )));
     }
@@ -302,7 +302,7 @@ async fn read_upload(gw: &Gateway, req: Request<Incoming>) -> Result<Upload, Api
             _ => {
                 return Err(ApiError::Refused(format!(
                     "`sample={}` must be a share of the decisions in (0, 1]",
-                    crate::policy::guest_text(v)
+                    switchyard_policy::guest_text(v)
                 )));
             }
         },
@@ -402,10 +402,10 @@ async fn explain(
     let (body, _held) = super::body::read(req.into_body(), &gw.bodies, limits).await?;
     // A chat request has `messages`; anything else is read as a completion request.
     let api = match serde_json::from_slice::<Value>(&body) {
-        Ok(v) if v.get("messages").is_some() => crate::openai::Api::Chat,
-        _ => crate::openai::Api::Completions,
+        Ok(v) if v.get("messages").is_some() => switchyard_tokens::openai::Api::Chat,
+        _ => switchyard_tokens::openai::Api::Completions,
     };
-    let parsed = crate::openai::parse(api, &body).map_err(ApiError::BadRequest)?;
+    let parsed = switchyard_tokens::openai::parse(api, &body).map_err(ApiError::BadRequest)?;
     let tokens = super::proxy::tokenize(gw, &parsed.prompt).await?;
     let hashes = router
         .hasher()
@@ -429,9 +429,9 @@ async fn explain(
         })
         .collect();
     let (chosen, rejected) = match &decision.outcome {
-        crate::policy::DecisionOutcome::Chosen(id) => (Some(id.to_string()), None),
-        crate::policy::DecisionOutcome::Rejected(r) => (None, Some(r.reason.clone())),
-        crate::policy::DecisionOutcome::NoCandidates => (None, None),
+        switchyard_policy::DecisionOutcome::Chosen(id) => (Some(id.to_string()), None),
+        switchyard_policy::DecisionOutcome::Rejected(r) => (None, Some(r.reason.clone())),
+        switchyard_policy::DecisionOutcome::NoCandidates => (None, None),
     };
     let status = router.policy().status();
     Ok(json_response(
@@ -446,8 +446,8 @@ async fn explain(
             "chosen": chosen,
             "rejected": rejected,
             "decided_by": match decision.decider {
-                crate::policy::Decider::Policy => "policy",
-                crate::policy::Decider::Fallback => "fallback",
+                switchyard_policy::Decider::Policy => "policy",
+                switchyard_policy::Decider::Fallback => "fallback",
             },
             "policy": {"name": status.info.name, "version": status.info.version, "generation": decision.generation},
             "failure": decision.failure.map(|f| f.to_string()),
@@ -610,7 +610,7 @@ pub fn shadow_json(s: &ShadowStatus) -> Value {
 fn quality_json(r: &KvRouter) -> Value {
     use std::sync::atomic::Ordering::Relaxed;
     let q = r.quality();
-    let unrouted: serde_json::Map<String, Value> = crate::router::quality::UNROUTED
+    let unrouted: serde_json::Map<String, Value> = switchyard_router::quality::UNROUTED
         .iter()
         .zip(&q.unrouted)
         .map(|(k, n)| ((*k).to_string(), json!(n.load(Relaxed))))

@@ -160,7 +160,7 @@ mod tests {
 
     #[test]
     fn text_prompts_are_as_long_as_the_trace_says_and_share_prefixes() {
-        let tokenizer = crate::tokens::Tokenizer::builtin();
+        let tokenizer = switchyard_tokens::Tokenizer::builtin();
         let a = text(&req(&[1, 2, 3], 1301));
         let b = text(&req(&[1, 2, 9], 1500));
         let (ta, tb) = (tokenizer.encode(&a).unwrap(), tokenizer.encode(&b).unwrap());

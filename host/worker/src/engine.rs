@@ -24,8 +24,8 @@ use tokio::sync::{Notify, broadcast, mpsc};
 
 use super::cache::CacheEvent;
 use super::cache::{KvCache, Lease};
-use crate::ids::BlockHash;
-use crate::kv::events::KvEvent;
+use switchyard_ids::BlockHash;
+use switchyard_kv::events::KvEvent;
 
 /// Constants of the timing model, in microseconds of simulated time.
 ///

@@ -6,8 +6,8 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Response, StatusCode};
 
 use super::Body;
-use crate::openai;
-use crate::router::RouteError;
+use switchyard_router::RouteError;
+use switchyard_tokens::openai;
 
 /// Why a request failed.
 #[derive(Debug, thiserror::Error)]

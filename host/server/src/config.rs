@@ -10,11 +10,11 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::client::{ClientConfig, OutlierConfig};
-use crate::discovery::etcd::EtcdConfig;
-use crate::discovery::{EndpointPath, EngineEventSource};
-use crate::http::GatewayConfig;
-use crate::policy::RuntimeConfig;
+use crate::GatewayConfig;
+use switchyard_discovery::etcd::EtcdConfig;
+use switchyard_discovery::{EndpointPath, EngineEventSource};
+use switchyard_policy::RuntimeConfig;
+use switchyard_router::client::{ClientConfig, OutlierConfig};
 
 /// Flags of `switchyard serve`.
 #[derive(Debug, Default, Clone, clap::Args)]
@@ -469,7 +469,7 @@ pub struct ServeConfig {
     /// Shutdown grace period.
     pub shutdown_grace: Duration,
     /// Predicted caches of workers without an event stream.
-    pub approximate: crate::router::Approximate,
+    pub approximate: switchyard_router::Approximate,
     /// How often workers' engine metrics are read (`None`: never).
     pub engine_metrics: Option<Duration>,
     /// Addresses of the SUB sockets engines connect to (central mode), rank by rank.
@@ -485,7 +485,7 @@ pub struct ServeConfig {
     /// Where the admin API is served, if not on `listen`.
     pub admin_listen: Option<SocketAddr>,
     /// Keys whose signed etcd pushes are applied (none: every push is).
-    pub policy_trusted_keys: Vec<crate::discovery::signing::PublicKey>,
+    pub policy_trusted_keys: Vec<switchyard_discovery::signing::PublicKey>,
 }
 
 /// A list given by repeatable flags (or their variable) wins whole over the file's.
@@ -537,7 +537,7 @@ impl EtcdAccessArgs {
             (None, Err(_)) => None,
         };
         let auth = match (&self.etcd_user, password) {
-            (Some(user), Some(password)) => Some(crate::discovery::etcd_api::EtcdAuth {
+            (Some(user), Some(password)) => Some(switchyard_discovery::etcd_api::EtcdAuth {
                 user: user.clone(),
                 password,
             }),
@@ -933,7 +933,7 @@ impl ServeArgs {
                 ..outlier
             }
         };
-        let approx_defaults = crate::router::Approximate::default();
+        let approx_defaults = switchyard_router::Approximate::default();
         let prediction_ttl = self.prediction_ttl_secs.or(file.prediction_ttl_secs);
         let prediction_ttl = match prediction_ttl {
             None => approx_defaults.ttl,
@@ -946,7 +946,7 @@ impl ServeArgs {
                     ))
                 })?,
         };
-        let approximate = crate::router::Approximate {
+        let approximate = switchyard_router::Approximate {
             ttl: prediction_ttl,
             max_blocks: self
                 .prediction_max_blocks
@@ -987,7 +987,7 @@ impl ServeArgs {
         };
         let policy_trusted_keys = flag_or_file(self.policy_trusted_keys, file.policy_trusted_keys)
             .iter()
-            .map(|path| crate::discovery::signing::PublicKey::load(path).map_err(ConfigError))
+            .map(|path| switchyard_discovery::signing::PublicKey::load(path).map_err(ConfigError))
             .collect::<Result<Vec<_>, _>>()?;
         let kv_hash_key = match self.kv_hash_key.or(file.kv_hash_key) {
             Some(key) => key,
@@ -1022,7 +1022,7 @@ impl ServeArgs {
             tokenizer_cache_tokens: self
                 .tokenizer_cache_tokens
                 .or(file.tokenizer_cache_tokens)
-                .unwrap_or(crate::tokens::prefix::DEFAULT_BUDGET_TOKENS),
+                .unwrap_or(switchyard_tokens::prefix::DEFAULT_BUDGET_TOKENS),
             gateway,
             runtime,
             client: ClientConfig {
