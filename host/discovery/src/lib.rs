@@ -47,6 +47,31 @@ pub struct InstanceInfo {
     pub registration: u64,
 }
 
+impl InstanceInfo {
+    /// A worker at `url` serving `model` for `endpoint`, with no event source (the router
+    /// predicts its cache), its health at `/health`, in its first registration. For
+    /// fixed fleets and embedders that know their workers without discovery.
+    pub fn new(
+        id: InstanceId,
+        endpoint: EndpointPath,
+        url: impl Into<String>,
+        model: impl Into<String>,
+        block_size: u32,
+    ) -> InstanceInfo {
+        InstanceInfo {
+            id,
+            endpoint,
+            url: url.into(),
+            model: model.into(),
+            block_size,
+            events_url: None,
+            engine_events: None,
+            health_path: "/health".into(),
+            registration: 1,
+        }
+    }
+}
+
 /// Where a worker's engine publishes its KV events (vLLM's and SGLang's ZMQ publisher).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct EngineEventSource {

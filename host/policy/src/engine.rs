@@ -2,10 +2,10 @@
 //! that enforces per-call time budgets, and the compiled-code caches.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use wasmtime::component::{Component, Linker};
@@ -13,9 +13,9 @@ use wasmtime::{Config, Engine};
 
 use super::bindings::PolicyPre;
 use super::cache::{self, CacheOutcome};
-use super::loaded::{LoadedPolicy, PolicySource, Warmer};
 use super::sandbox::{self, HostState, MemoryBudget};
-use super::{PolicyError, builtin, describe_error};
+use super::warmer::Warmer;
+use super::{PolicyError, describe_error};
 
 /// Limits and knobs of the policy runtime.
 #[derive(Debug, Clone)]
@@ -284,44 +284,12 @@ impl PolicyEngine {
         &self.inner.config
     }
 
-    /// Loads a policy: a built-in name (`kv-cost`, `round-robin`) or a path to a `.wasm`.
-    pub fn load_spec(&self, spec: &str, config_json: &str) -> Result<LoadedPolicy, PolicyError> {
-        match builtin(spec) {
-            Some(b) => self.load(PolicySource::Builtin(b.name), b.wasm, config_json),
-            None if spec.ends_with(".wasm") || Path::new(spec).exists() => {
-                self.load_file(Path::new(spec), config_json)
-            }
-            None => Err(PolicyError::UnknownBuiltin(spec.to_string())),
-        }
-    }
-
-    /// Loads a policy from a `.wasm` file.
-    pub fn load_file(&self, path: &Path, config_json: &str) -> Result<LoadedPolicy, PolicyError> {
-        use std::io::Read;
-        let io = |source| PolicyError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
-        // Read at most one byte past the limit: a huge file is refused, not read whole.
-        let mut bytes = Vec::new();
-        std::fs::File::open(path)
-            .map_err(io)?
-            .take(super::MAX_POLICY_BYTES as u64 + 1)
-            .read_to_end(&mut bytes)
-            .map_err(io)?;
-        self.load(PolicySource::File(path.to_path_buf()), &bytes, config_json)
-    }
-
-    /// Compiles (or fetches from cache), links, instantiates and configures a policy.
-    /// The returned policy has one warm, configured instance; it has not been
-    /// canary-tested yet (see [`LoadedPolicy::canary`]).
-    pub fn load(
+    /// Compiles (or fetches from cache) and links a component after checking its header
+    /// and imports: the linked component, its sha256 and where the code came from.
+    pub(crate) fn link(
         &self,
-        source: PolicySource,
         bytes: &[u8],
-        config_json: &str,
-    ) -> Result<LoadedPolicy, PolicyError> {
-        let started = Instant::now();
+    ) -> Result<(PolicyPre<HostState>, String, CacheOutcome), PolicyError> {
         if bytes.len() > super::MAX_POLICY_BYTES {
             return Err(PolicyError::TooLarge);
         }
@@ -337,15 +305,7 @@ impl PolicyEngine {
         })?;
         let pre = PolicyPre::new(instance_pre)
             .map_err(|e| PolicyError::WrongWorld(describe_error(&e)))?;
-        LoadedPolicy::new(
-            self.clone(),
-            pre,
-            source,
-            sha256,
-            config_json,
-            cache,
-            started,
-        )
+        Ok((pre, sha256, cache))
     }
 
     fn compile(

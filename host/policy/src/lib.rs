@@ -26,6 +26,7 @@ pub mod native;
 mod sandbox;
 pub mod scaffold;
 mod types;
+mod warmer;
 
 pub use builtin::{BUILTINS, Builtin, builtin};
 pub use cache::CacheOutcome;

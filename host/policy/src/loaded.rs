@@ -1,10 +1,11 @@
 //! A loaded policy: compiled code, its pre-linked instance template, and a pool of warm
-//! instances that decisions check out, use, and give back.
+//! instances that decisions check out, use, and give back; and the engine's `load`
+//! methods, which make one.
 
 use std::panic::AssertUnwindSafe;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_queue::ArrayQueue;
@@ -16,7 +17,8 @@ use super::cache::CacheOutcome;
 use super::engine::PolicyEngine;
 use super::sandbox::{GuestLog, HostState, InstanceLimits};
 use super::types::{CandidateRow, Candidates, Rejection, Request};
-use super::{PolicyError, describe_error};
+use super::warmer::Warmer;
+use super::{PolicyError, builtin, describe_error};
 use switchyard_ids::InstanceId;
 
 /// Where a policy's bytes came from.
@@ -174,30 +176,6 @@ struct WarmFailure {
     backoff: Duration,
 }
 
-/// The background thread that creates warm instances off the request path. Cheap to
-/// clone; the thread ends when the last clone (and the engine) is dropped.
-#[derive(Clone)]
-pub(crate) struct Warmer {
-    tx: std::sync::mpsc::Sender<Weak<Shared>>,
-}
-
-impl Warmer {
-    pub(crate) fn start() -> std::io::Result<Warmer> {
-        let (tx, rx) = std::sync::mpsc::channel::<Weak<Shared>>();
-        std::thread::Builder::new()
-            .name("policy-warmer".into())
-            .spawn(move || {
-                while let Ok(weak) = rx.recv() {
-                    if let Some(shared) = weak.upgrade() {
-                        shared.refill_queued.store(false, Ordering::Release);
-                        shared.refill();
-                    }
-                }
-            })?;
-        Ok(Warmer { tx })
-    }
-}
-
 struct Warm {
     store: Store<HostState>,
     policy: Policy,
@@ -284,7 +262,13 @@ impl LoadedPolicy {
             return;
         }
         // The warmer holds only a weak reference: a dropped policy is not kept alive.
-        let _ = s.warmer.tx.send(Arc::downgrade(&self.shared));
+        let weak = Arc::downgrade(&self.shared);
+        s.warmer.queue(move || {
+            if let Some(shared) = weak.upgrade() {
+                shared.refill_queued.store(false, Ordering::Release);
+                shared.refill();
+            }
+        });
     }
 
     /// A decision found no idle instance: the target grows (up to the pool's capacity),
@@ -660,6 +644,60 @@ impl Shared {
             return CallFailure::OutOfMemory(cfg.memory_cap);
         }
         CallFailure::Trap(text)
+    }
+}
+
+/// Loading, beside what it makes: the engine compiles and links, knowing nothing of
+/// [`LoadedPolicy`].
+impl PolicyEngine {
+    /// Loads a policy: a built-in name (`kv-cost`, `round-robin`) or a path to a `.wasm`.
+    pub fn load_spec(&self, spec: &str, config_json: &str) -> Result<LoadedPolicy, PolicyError> {
+        match builtin(spec) {
+            Some(b) => self.load(PolicySource::Builtin(b.name), b.wasm, config_json),
+            None if spec.ends_with(".wasm") || Path::new(spec).exists() => {
+                self.load_file(Path::new(spec), config_json)
+            }
+            None => Err(PolicyError::UnknownBuiltin(spec.to_string())),
+        }
+    }
+
+    /// Loads a policy from a `.wasm` file.
+    pub fn load_file(&self, path: &Path, config_json: &str) -> Result<LoadedPolicy, PolicyError> {
+        use std::io::Read;
+        let io = |source| PolicyError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        // Read at most one byte past the limit: a huge file is refused, not read whole.
+        let mut bytes = Vec::new();
+        std::fs::File::open(path)
+            .map_err(io)?
+            .take(super::MAX_POLICY_BYTES as u64 + 1)
+            .read_to_end(&mut bytes)
+            .map_err(io)?;
+        self.load(PolicySource::File(path.to_path_buf()), &bytes, config_json)
+    }
+
+    /// Compiles (or fetches from cache), links, instantiates and configures a policy.
+    /// The returned policy has one warm, configured instance; it has not been
+    /// canary-tested yet (see [`LoadedPolicy::canary`]).
+    pub fn load(
+        &self,
+        source: PolicySource,
+        bytes: &[u8],
+        config_json: &str,
+    ) -> Result<LoadedPolicy, PolicyError> {
+        let started = Instant::now();
+        let (pre, sha256, cache) = self.link(bytes)?;
+        LoadedPolicy::new(
+            self.clone(),
+            pre,
+            source,
+            sha256,
+            config_json,
+            cache,
+            started,
+        )
     }
 }
 

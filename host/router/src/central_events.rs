@@ -244,7 +244,7 @@ async fn receive(
         };
         // Exactly `[topic, seq, payload]`: the topic names the worker.
         let parsed = (msg.len() == 3)
-            .then(|| super::engine_subscriber::topic_frames(msg))
+            .then(|| super::zmtp::topic_frames(msg))
             .flatten()
             .and_then(|(topic, seq, payload)| Some((topic?, seq, payload)));
         match parsed {

@@ -337,16 +337,7 @@ impl Feed {
 
 /// `[topic, seq, payload]` (or `[seq, payload]` from a publisher without topics).
 fn frames(msg: Vec<Bytes>) -> Option<(u64, Bytes)> {
-    topic_frames(msg).map(|(_, seq, payload)| (seq, payload))
-}
-
-/// The last three frames as `[topic, seq, payload]`, or `[seq, payload]` (no topic): the
-/// topic, if any, the sequence number (8 bytes big-endian) and the payload.
-pub(super) fn topic_frames(mut f: Vec<Bytes>) -> Option<(Option<Bytes>, u64, Bytes)> {
-    let payload = f.pop()?;
-    let seq = f.pop()?;
-    let seq = <[u8; 8]>::try_from(&seq[..]).ok().map(u64::from_be_bytes)?;
-    Some((f.pop(), seq, payload))
+    super::zmtp::topic_frames(msg).map(|(_, seq, payload)| (seq, payload))
 }
 
 /// Asks a replay socket for the batches from `from` (up to, not including, `to`).

@@ -446,6 +446,15 @@ fn properties(mut rest: &[u8]) -> Result<Vec<Property<'_>>, ZmtpError> {
     Ok(out)
 }
 
+/// An engine's event message split: the last three frames as `[topic, seq, payload]`, or `[seq, payload]` (no topic): the
+/// topic, if any, the sequence number (8 bytes big-endian) and the payload.
+pub fn topic_frames(mut f: Vec<Bytes>) -> Option<(Option<Bytes>, u64, Bytes)> {
+    let payload = f.pop()?;
+    let seq = f.pop()?;
+    let seq = <[u8; 8]>::try_from(&seq[..]).ok().map(u64::from_be_bytes)?;
+    Some((f.pop(), seq, payload))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
