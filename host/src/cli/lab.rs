@@ -1,0 +1,283 @@
+//! `switchyard demo`, `replay` and `trace-gen`: fleets in one process and the traces they are measured with.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use switchyard::local::{LocalFleet, LocalFleetConfig};
+use switchyard::worker::{EngineConfig, TimingModel};
+
+use super::shutdown_signal;
+
+#[derive(Args)]
+pub struct TraceGenArgs {
+    /// Requests.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().requests)]
+    pub requests: usize,
+    /// Mean arrivals per second of trace time.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().rate)]
+    pub rate: f64,
+    /// Requests arriving at the same instant (1: Poisson arrivals).
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().burst)]
+    pub burst: usize,
+    /// Mean turns per conversation.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().turns)]
+    pub turns: f64,
+    /// Least seconds between two turns of a conversation.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().think_secs)]
+    pub think_secs: f64,
+    /// Distinct system prompts.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().system_prompts)]
+    pub system_prompts: usize,
+    /// Tokens per system prompt.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().system_tokens)]
+    pub system_tokens: u32,
+    /// Share of user messages that are long documents.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().long_fraction)]
+    pub long_fraction: f64,
+    /// Short messages: most tokens.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().short_tokens.1)]
+    pub short_max: u32,
+    /// Long messages: most tokens.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().long_tokens.1)]
+    pub long_max: u32,
+    /// Seed.
+    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().seed)]
+    pub seed: u64,
+}
+
+/// Writes a synthetic trace to stdout.
+pub fn trace_gen(a: TraceGenArgs) -> anyhow::Result<()> {
+    let defaults = switchyard::replay::synth::SynthConfig::default();
+    let config = switchyard::replay::synth::SynthConfig {
+        requests: a.requests,
+        rate: a.rate,
+        burst: a.burst,
+        turns: a.turns,
+        think_secs: a.think_secs,
+        system_prompts: a.system_prompts,
+        system_tokens: a.system_tokens,
+        long_fraction: a.long_fraction,
+        short_tokens: (defaults.short_tokens.0.min(a.short_max), a.short_max),
+        long_tokens: (defaults.long_tokens.0.min(a.long_max), a.long_max),
+        seed: a.seed,
+        ..defaults
+    };
+    let trace = switchyard::replay::synth::generate(&config);
+    print!("{}", switchyard::replay::synth::to_jsonl(&trace));
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct ReplayArgs {
+    /// The trace (JSON lines: timestamp, input_length, output_length, hash_ids).
+    pub trace: PathBuf,
+    /// Policies to compare, each on fresh workers: built-in names or `.wasm` paths, each
+    /// optionally followed by `=` and its JSON configuration. Repeat the flag or separate
+    /// with commas (commas inside a JSON configuration are kept). `none` runs no policy
+    /// in process (only the `--router`s).
+    #[arg(long = "policy", default_value = "kv-cost,round-robin,random")]
+    pub policies: Vec<String>,
+    /// Mock workers.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// KV cache per worker, in blocks.
+    #[arg(long, default_value_t = 65536)]
+    pub kv_blocks: usize,
+    /// Timing model: prefill cost per uncached prompt token, in µs.
+    #[arg(long, default_value_t = TimingModel::default().prefill_us_per_token)]
+    pub prefill_us_per_token: f64,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 64)]
+    pub block_size: u32,
+    /// Most requests running at once per worker.
+    #[arg(long, default_value_t = 32)]
+    pub max_batch: usize,
+    /// Replay this many times faster than the trace (the workers' time runs as fast).
+    #[arg(long, default_value_t = 20.0)]
+    pub speedup: f64,
+    /// Replay at most this many requests.
+    #[arg(long, default_value_t = 1000)]
+    pub max_requests: usize,
+    /// How the in-process router learns the workers' caches: `zmq` (vLLM's ZMQ events,
+    /// as engines publish them), `ndjson` (the mock workers' own stream) or `none`
+    /// (approximate mode: predicted from its decisions, predictions living 120 s of
+    /// simulated time). Several, comma-separated, run every policy once per mode.
+    #[arg(long, default_value = "zmq", value_delimiter = ',')]
+    pub kv_events: Vec<switchyard::local::KvEventsMode>,
+    /// Another program as the client, a shell command: `{url}` (the router), `{trace}`
+    /// (the requests, timestamps divided by the speedup), `{out}` (a directory where it
+    /// must leave aiperf's `profile_export.jsonl`), `{model}`. E.g. `aiperf profile
+    /// --url {url} --model {model} --endpoint-type completions --streaming --input-file
+    /// {trace} --custom-dataset-type mooncake_trace --fixed-schedule --artifact-dir {out}
+    /// --tokenizer ...`. Its files go to `--router-logs`.
+    #[arg(long)]
+    pub client: Option<String>,
+    /// The mock workers' `tokenizer.json` (and the in-process router's; give external
+    /// routers the same file in their command) [default: the built-in tokenizer].
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Stop sending after this many seconds per policy.
+    #[arg(long, default_value_t = 300)]
+    pub duration: u64,
+    /// Cap on generated tokens per request.
+    #[arg(long, default_value_t = 256)]
+    pub max_output: u32,
+    /// Also replay through a router run as a process of its own, as `NAME=COMMAND`
+    /// (repeatable), on fresh mock workers after the policies. In COMMAND, `{port}` is the
+    /// port it must listen on at 127.0.0.1, `{workers}` the workers' URLs separated by
+    /// spaces, `{workers_comma}` by commas, `{worker_args}` `--worker URL` per worker.
+    /// Its CPU time and peak memory are reported; every run then sends text prompts.
+    #[arg(long = "router")]
+    pub routers: Vec<String>,
+    /// Router replicas: with N above 1, every policy also runs through N in-process
+    /// routers sharing the workers (each with its own state, as N `serve` processes),
+    /// the requests sent to them in turn, beside its run through one.
+    #[arg(long = "routers", default_value_t = 1)]
+    pub replicas: usize,
+    /// A policy that decides as a shadow beside every policy run (built-in name or
+    /// `.wasm` path, `=CONFIG` optionally): one run compares them on the same decisions
+    /// (agreement, cache used, predicted cost) in the decision telemetry table.
+    #[arg(long)]
+    pub shadow: Option<String>,
+    /// Where the external routers' output goes.
+    #[arg(long, default_value = "replay-logs")]
+    pub router_logs: PathBuf,
+    /// Where to write the results as JSON.
+    #[arg(long, default_value = "replay-results.json")]
+    pub json: PathBuf,
+    /// Where to write the TTFT chart (SVG).
+    #[arg(long, default_value = "replay-ttft.svg")]
+    pub chart: PathBuf,
+}
+
+pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.speedup > 0.0, "--speedup must be positive");
+    let mut config = switchyard::replay::ReplayConfig::new(args.trace.clone());
+    if !args.policies.is_empty() {
+        config.policies = args
+            .policies
+            .iter()
+            .flat_map(|p| switchyard::replay::split_policies(p))
+            .filter(|p| p != "none")
+            .collect();
+    }
+    for spec in &args.routers {
+        config.routers.push(
+            switchyard::replay::external::ExternalRouter::parse(spec)
+                .map_err(anyhow::Error::msg)?,
+        );
+    }
+    config.client = args.client.clone();
+    config.replicas = args.replicas.max(1);
+    config.shadow = args.shadow.clone();
+    anyhow::ensure!(
+        config.replicas == 1 || config.client.is_none(),
+        "--routers N drives its replicas with the replay's own client; drop --client"
+    );
+    if !config.routers.is_empty() || config.client.is_some() {
+        std::fs::create_dir_all(&args.router_logs)?;
+        config.logs = args.router_logs.clone();
+    }
+    config.workers = args.workers.max(1);
+    config.kv_events = args.kv_events.clone();
+    config.tokenizer = args.tokenizer.clone();
+    config.engine.kv_blocks = args.kv_blocks;
+    config.engine.block_size = args.block_size.max(1);
+    config.engine.max_batch = args.max_batch.max(1);
+    config.engine.timing.prefill_us_per_token = args.prefill_us_per_token;
+    config.speedup = args.speedup;
+    config.max_requests = args.max_requests;
+    config.duration = Duration::from_secs(args.duration);
+    config.max_output = args.max_output.max(1);
+    eprintln!(
+        "replaying {} (at most {} requests, {}x) against {} mock workers of {} x {}-token blocks, batch {}",
+        args.trace.display(),
+        config.max_requests,
+        config.speedup,
+        config.workers,
+        config.engine.kv_blocks,
+        config.engine.block_size,
+        config.engine.max_batch
+    );
+    let (runs, bound, count) = switchyard::replay::run(&config)
+        .await
+        .map_err(|e| anyhow::anyhow!(e))?;
+    println!(
+        "{count} requests from {}; times are simulated (wall time x {}).",
+        args.trace.display(),
+        config.speedup
+    );
+    println!();
+    print!("{}", switchyard::replay::report::table(&runs, bound));
+    if let Some(t) = switchyard::replay::report::telemetry_table(&runs) {
+        println!("\n{t}");
+    }
+    if let Some(live) = switchyard::replay::report::live_table(&runs) {
+        print!("\n{live}");
+    }
+    std::fs::write(
+        &args.json,
+        serde_json::to_vec_pretty(&switchyard::replay::report::json(&runs, bound))?,
+    )?;
+    std::fs::write(&args.chart, switchyard::replay::report::svg(&runs))?;
+    println!();
+    println!("wrote {} and {}", args.json.display(), args.chart.display());
+    Ok(())
+}
+
+pub async fn demo(
+    listen: std::net::SocketAddr,
+    count: u16,
+    speedup: f64,
+    policy: String,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(count >= 1, "--workers must be at least 1");
+    anyhow::ensure!(speedup > 0.0, "--speedup must be positive");
+    let model = "mock-model";
+    let token = "demo-admin-token";
+    let mut fleet = LocalFleet::start(LocalFleetConfig {
+        workers: usize::from(count),
+        engine: EngineConfig {
+            block_size: 16,
+            kv_blocks: 8192,
+            max_batch: 64,
+            speedup,
+            timing: TimingModel::default(),
+        },
+        model: model.into(),
+        policy,
+        policy_config: "{}".into(),
+        availability: true,
+        listen,
+        kv_events: switchyard::local::KvEventsMode::Zmq,
+        prediction_ttl_secs: None,
+        tokenizer: None,
+        admin_token: Some(token.into()),
+        routers: 1,
+        engine_metrics_ms: None,
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e} (pick another port with --listen)"))?;
+    fleet.ready().await.map_err(|e| anyhow::anyhow!(e))?;
+    let url = fleet.url().to_string();
+    println!("Switchyard demo: {count} mock workers serving `{model}` behind the router at {url}");
+    for w in &fleet.workers {
+        println!("  mock worker {}", w.url());
+    }
+    println!();
+    println!("Try:");
+    println!(
+        "  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+    );
+    println!("  curl -s {url}/v1/models");
+    println!("  curl -s -H 'authorization: Bearer {token}' {url}/admin/endpoints");
+    println!("  curl -s {url}/metrics");
+    println!();
+    println!("The admin page (workers, policy, shadow, live charts): {url}/admin/ui?token={token}");
+    println!();
+    println!("Ctrl-C to stop.");
+    shutdown_signal().await;
+    fleet.stop().await;
+    Ok(())
+}

@@ -1,0 +1,241 @@
+//! `switchyard mock-worker`: simulated engines, configured from flags.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use switchyard::discovery::EndpointPath;
+use switchyard::discovery::etcd::EtcdConfig;
+use switchyard::discovery::etcd_register::Registration;
+use switchyard::worker::{
+    EngineConfig, Fault, FaultConfig, MockWorker, MockWorkerConfig, TimingModel,
+};
+
+use super::shutdown_signal;
+
+#[derive(Args)]
+pub struct MockWorkerArgs {
+    /// Key of the block-hash chain of its NDJSON events: the routers' `--kv-hash-key`.
+    #[arg(long, env = "SWITCHYARD_KV_HASH_KEY", default_value_t = 0)]
+    pub kv_hash_key: u64,
+    /// Address of the first worker; further workers (`--count`) take the next ports.
+    #[arg(long, default_value = "127.0.0.1:8001")]
+    pub listen: std::net::SocketAddr,
+    /// Workers to run in this process.
+    #[arg(long, default_value_t = 1)]
+    pub count: u16,
+    /// The model name served.
+    #[arg(long, default_value = "mock-model")]
+    pub model: String,
+    /// Hugging Face `tokenizer.json` for prompts [default: the built-in tokenizer]: the
+    /// same file as the router's, so both cut prompts into the same blocks.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// The model's chat template: a `tokenizer_config.json` or a Jinja file [default:
+    /// the one beside `--tokenizer`, else ChatML].
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// KV cache size, in blocks, per worker.
+    #[arg(long, default_value_t = 8192)]
+    pub kv_blocks: usize,
+    /// Most requests running at once per worker.
+    #[arg(long, default_value_t = 64)]
+    pub max_batch: usize,
+    /// Run simulated time this many times faster.
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// Timing model: prefill cost per uncached prompt token, in µs.
+    #[arg(long, default_value_t = TimingModel::default().prefill_us_per_token)]
+    pub prefill_us_per_token: f64,
+    /// Timing model: fixed cost of a decode step, in µs.
+    #[arg(long, default_value_t = TimingModel::default().decode_base_us)]
+    pub decode_base_us: f64,
+    /// Timing model: added decode-step cost per running sequence, in µs.
+    #[arg(long, default_value_t = TimingModel::default().decode_us_per_seq)]
+    pub decode_us_per_seq: f64,
+    /// Register the workers in this etcd (comma-separated URLs); no discovery without it.
+    #[arg(long = "etcd", env = "SWITCHYARD_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Root of Switchyard's keys in etcd.
+    #[arg(long, env = "SWITCHYARD_ETCD_ROOT", default_value = "switchyard")]
+    pub etcd_root: String,
+    #[command(flatten)]
+    pub etcd_access: switchyard::config::EtcdAccessArgs,
+    /// Endpoint path to register under (default: default/MODEL/generate).
+    #[arg(long)]
+    pub endpoint: Option<EndpointPath>,
+    /// Registration lease TTL in seconds.
+    #[arg(long, default_value_t = 10)]
+    pub ttl: u64,
+    /// Inject a fault.
+    #[arg(long, value_enum, default_value = "none")]
+    pub fault: Fault,
+    /// The fault starts after this many completion requests.
+    #[arg(long, default_value_t = 0)]
+    pub fault_after: u64,
+    /// Status of `--fault status` and of `--fault-marker` prompts [default: 500].
+    #[arg(long)]
+    pub fault_status: Option<u16>,
+    /// `Retry-After` (seconds) on those answers.
+    #[arg(long)]
+    pub fault_retry_after_secs: Option<f64>,
+    /// Prompts containing this text fail (a "poison" request), whatever the fault.
+    #[arg(long)]
+    pub fault_marker: Option<String>,
+    /// `/health` answers 200 whatever the fault.
+    #[arg(long)]
+    pub health_lies: bool,
+    /// Every completion waits this long before it starts, ms (a slow first token).
+    #[arg(long, default_value_t = 0)]
+    pub first_token_delay_ms: u64,
+    /// Close keep-alive connections idle this long, ms (uvicorn closes after 5 s).
+    #[arg(long)]
+    pub idle_close_ms: Option<u64>,
+    /// Also publish KV events in vLLM's ZMQ format: the PUB socket on this port and the
+    /// replay socket on the next (worker `i` of `--count` on `PORT + 2i`; 0: any free
+    /// ports); registered workers then advertise these sockets instead of the NDJSON
+    /// stream.
+    #[arg(long)]
+    pub zmq_events: Option<u16>,
+    /// The topic of those events.
+    #[arg(long, default_value = "kv-events")]
+    pub zmq_topic: String,
+    /// Serve HTTPS with this PEM certificate chain (with `--tls-key`).
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--tls-cert`.
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Completions need `Authorization: Bearer KEY` (vLLM's `--api-key`).
+    #[arg(long, env = "SWITCHYARD_MOCK_API_KEY")]
+    pub api_key: Option<String>,
+}
+
+pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.count >= 1, "--count must be at least 1");
+    anyhow::ensure!(args.speedup > 0.0, "--speedup must be positive");
+    anyhow::ensure!(
+        args.block_size >= 1 && args.kv_blocks >= 1 && args.max_batch >= 1,
+        "sizes must be at least 1"
+    );
+    let tokenizer = switchyard::tokens::Tokenizer::from_file_if_any(args.tokenizer.as_deref())?;
+    let config = MockWorkerConfig {
+        model: args.model.clone(),
+        engine: EngineConfig {
+            block_size: args.block_size,
+            kv_blocks: args.kv_blocks,
+            max_batch: args.max_batch,
+            speedup: args.speedup,
+            timing: TimingModel {
+                prefill_us_per_token: args.prefill_us_per_token,
+                decode_base_us: args.decode_base_us,
+                decode_us_per_seq: args.decode_us_per_seq,
+            },
+        },
+        hash_seed: args.kv_hash_key,
+        fault: FaultConfig {
+            fault: args.fault,
+            after: args.fault_after,
+            status: args.fault_status,
+            retry_after_secs: args.fault_retry_after_secs,
+            marker: args.fault_marker.clone(),
+            health_lies: args.health_lies,
+            first_token_delay_ms: args.first_token_delay_ms,
+            idle_close_ms: args.idle_close_ms,
+        },
+        tokenizer,
+        chat: Some(std::sync::Arc::new(
+            switchyard::tokens::ChatFormat::resolve(
+                args.chat_template.as_deref(),
+                args.tokenizer.as_deref(),
+            )?,
+        )),
+        zmq_events: None,
+        api_key: args.api_key.clone(),
+        tls: match (&args.tls_cert, &args.tls_key) {
+            (Some(cert), Some(key)) => Some(
+                switchyard::worker::server::server_tls(cert, key).map_err(anyhow::Error::msg)?,
+            ),
+            _ => None,
+        },
+    };
+    let endpoint = args
+        .endpoint
+        .clone()
+        .unwrap_or_else(|| EndpointPath::for_model(&args.model));
+    let mut workers = Vec::new();
+    let mut registrations = Vec::new();
+    for i in 0..args.count {
+        // Port 0: each worker on a free port of its own (printed below).
+        let port = match args.listen.port() {
+            0 => 0,
+            base => base
+                .checked_add(i)
+                .ok_or_else(|| anyhow::anyhow!("port overflow"))?,
+        };
+        let addr = std::net::SocketAddr::new(args.listen.ip(), port);
+        let mut config = config.clone();
+        if let Some(base) = args.zmq_events {
+            // Port 0: any free ports (the registration says which).
+            let port = |k: u16| {
+                if base == 0 {
+                    return Ok(0);
+                }
+                base.checked_add(2 * i + k)
+                    .ok_or_else(|| anyhow::anyhow!("--zmq-events port overflow"))
+            };
+            config.zmq_events = Some(switchyard::worker::zmq::ZmqEventsConfig {
+                publish: std::net::SocketAddr::new(args.listen.ip(), port(0)?),
+                replay: Some(std::net::SocketAddr::new(args.listen.ip(), port(1)?)),
+                topic: args.zmq_topic.clone(),
+            });
+        }
+        let worker = MockWorker::bind(config, addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+        let id = super::register::random_instance_id();
+        if !args.etcd.is_empty() {
+            let etcd = args.etcd_access.apply(EtcdConfig {
+                root: args.etcd_root.clone(),
+                ..EtcdConfig::new(args.etcd.clone())
+            })?;
+            let info = worker.instance_info(id, endpoint.clone());
+            let mut reg = Registration::start(etcd, &info, Duration::from_secs(args.ttl));
+            reg.wait_registered(Duration::from_secs(15)).await?;
+            registrations.push(reg);
+        }
+        println!(
+            "mock worker {}/{}: {} model={} instance={id} kv_blocks={} block_size={}{}",
+            i + 1,
+            args.count,
+            worker.url(),
+            args.model,
+            args.kv_blocks,
+            args.block_size,
+            worker.engine_events().map_or(String::new(), |e| format!(
+                " kv_events={} kv_replay={}",
+                e.endpoint,
+                e.replay.unwrap_or_default()
+            ))
+        );
+        workers.push(worker);
+    }
+    if !registrations.is_empty() {
+        println!(
+            "registered {} worker(s) under {endpoint} in etcd",
+            registrations.len()
+        );
+    }
+    shutdown_signal().await;
+    for reg in registrations {
+        reg.stop().await;
+    }
+    for w in workers {
+        w.shutdown().await;
+    }
+    println!("stopped");
+    Ok(())
+}
