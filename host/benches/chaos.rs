@@ -321,11 +321,7 @@ async fn stall_upload(addr: &str) -> tokio::net::TcpStream {
 }
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = common::runtime(2);
     runtime.block_on(async {
         let (phase, freeze) = if quick() {
             (Duration::from_secs(2), Duration::from_secs(3))

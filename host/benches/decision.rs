@@ -31,11 +31,7 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 
 fn main() {
     let quick = !std::env::args().any(|a| a == "--bench");
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = common::runtime(1);
     let _guard = runtime.enter();
     let engine = PolicyEngine::new(RuntimeConfig::default()).unwrap();
     let mut rng = Rng(11);

@@ -8,6 +8,8 @@
 //!
 //! Run: `cargo bench --bench engine_events` (prints a table).
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -105,11 +107,7 @@ fn ingestion() {
 }
 
 fn lag() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::runtime(2);
     rt.block_on(async {
         let mut publisher = PubSocket::new();
         let endpoint = publisher.bind("tcp://127.0.0.1:0").await.unwrap();

@@ -109,11 +109,7 @@ async fn scenario(name: &str, serve_flags: &[&str], seconds: u64) -> String {
 }
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = common::runtime(2);
     runtime.block_on(async {
         let seconds = if quick() { 4 } else { 16 };
         println!("4 workers in etcd (lease TTL 10 s), 8 concurrent clients for {seconds} s, worker 1 killed with SIGKILL at {} s:", seconds / 4);

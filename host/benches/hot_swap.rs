@@ -20,7 +20,7 @@ const BODY: &str = r#"{"model":"mock","prompt":"swap under load, a short prompt"
 async fn put(c: &Http, url: &str, body: Vec<u8>) -> (bool, Duration) {
     let t = Instant::now();
     let req = hyper::Request::put(url)
-        .header("authorization", "Bearer bench")
+        .header("authorization", "Bearer bench-admin-token")
         .body(Full::new(Bytes::from(body)))
         .unwrap();
     let r = c.request(req).await.unwrap();
@@ -30,11 +30,7 @@ async fn put(c: &Http, url: &str, body: Vec<u8>) -> (bool, Duration) {
 }
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = common::runtime(2);
     runtime.block_on(async {
         let swaps = if quick() { 6 } else { 200 };
         let mut workers = Vec::new();
@@ -46,10 +42,10 @@ fn main() {
         let cache = tempfile::tempdir().unwrap();
         let listen = format!("127.0.0.1:{}", free_port());
         let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
-        let router = switchyard(&["serve", "--listen", &listen, "--worker", &urls.join(","), "--model", "mock", "--kv-events", "true", "--admin-token", "bench"], cache.path());
+        let router = switchyard_with_cache(&["serve", "--listen", &listen, "--worker", &urls.join(","), "--model", "mock", "--kv-events", "true", "--admin-token", "bench-admin-token"], cache.path());
         let c = http();
         let url = format!("http://{listen}");
-        wait_ok(&c, &format!("{url}/ready")).await;
+        wait_ok(&format!("{url}/ready")).await;
         let policy = format!("{url}/admin/endpoints/default/mock/generate/policy");
         let example = std::fs::read(env!("SWITCHYARD_SESSION_AFFINITY_WASM")).unwrap();
 

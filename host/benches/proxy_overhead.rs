@@ -16,11 +16,7 @@ use switchyard::worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig
 const BODY: &str = r#"{"model":"mock","prompt":"Hello there, a short prompt.","max_tokens":1}"#;
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = common::runtime(1);
     runtime.block_on(async {
         let quick = quick();
         let zero = TimingModel { prefill_us_per_token: 0.0, decode_base_us: 0.0, decode_us_per_seq: 0.0 };
@@ -42,10 +38,10 @@ fn main() {
         let cache = tempfile::tempdir().unwrap();
         let port = free_port();
         let listen = format!("127.0.0.1:{port}");
-        let router = switchyard(&["serve", "--listen", &listen, "--worker", &worker.url(), "--model", "mock"], cache.path());
+        let router = switchyard_with_cache(&["serve", "--listen", &listen, "--worker", &worker.url(), "--model", "mock"], cache.path());
         let c = http();
         let router_url = format!("http://{listen}");
-        wait_ok(&c, &format!("{router_url}/ready")).await;
+        wait_ok(&format!("{router_url}/ready")).await;
 
         let (concurrency, count) = if quick { (2, 50) } else { (8, 20_000) };
         let limit = Duration::from_secs(60);

@@ -44,6 +44,13 @@ pub fn free_port() -> u16 {
 /// environment instead (`SWITCHYARD_ADMIN_TOKEN`), as the router requires: a token on its
 /// command line is refused.
 pub fn switchyard(args: &[&str]) -> Proc {
+    let cache = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("policy-cache");
+    switchyard_with_cache(args, &cache)
+}
+
+/// [`switchyard`] with compiled policies cached in `cache` (a benchmark's own, so that its
+/// first loads compile).
+pub fn switchyard_with_cache(args: &[&str], cache: &std::path::Path) -> Proc {
     let log = std::env::var_os("SWITCHYARD_TEST_LOG").is_some();
     let mut rest = Vec::with_capacity(args.len());
     let mut token = None;
@@ -61,10 +68,7 @@ pub fn switchyard(args: &[&str]) -> Proc {
     }
     Proc(
         cmd.args(&rest)
-            .env(
-                "SWITCHYARD_POLICY_CACHE",
-                std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("policy-cache"),
-            )
+            .env("SWITCHYARD_POLICY_CACHE", cache)
             .env("SWITCHYARD_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(if log { Stdio::inherit() } else { Stdio::null() })

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::common::{Http, Proc, free_port, get_text, switchyard, wait_ok};
+use crate::common::{Http, Proc, free_port, get_text, switchyard_with_cache, wait_ok};
 use crate::etcd::Etcd;
 
 pub struct EtcdFleet {
@@ -47,16 +47,16 @@ impl EtcdFleet {
                 "10",
             ];
             args.extend_from_slice(worker_flags);
-            let p = switchyard(&args, cache.path());
-            wait_ok(c, &format!("http://{listen}/health")).await;
+            let p = switchyard_with_cache(&args, cache.path());
+            wait_ok(&format!("http://{listen}/health")).await;
             workers.push((p, listen));
         }
         let listen = format!("127.0.0.1:{}", free_port());
         let mut args = vec!["serve", "--listen", &listen, "--etcd", &etcd_url];
         args.extend_from_slice(serve_flags);
-        let router = switchyard(&args, cache.path());
+        let router = switchyard_with_cache(&args, cache.path());
         let url = format!("http://{listen}");
-        wait_ok(c, &format!("{url}/ready")).await;
+        wait_ok(&format!("{url}/ready")).await;
         // Bounded: 500 polls of 20 ms.
         for _ in 0..500 {
             let page = get_text(c, &format!("{url}/metrics")).await;

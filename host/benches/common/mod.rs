@@ -1,8 +1,15 @@
-//! Helpers shared by the load benchmarks: router and worker processes, a bounded load
-//! generator, process CPU time, and percentiles.
+//! Helpers shared by the load benchmarks: a bounded load generator, process CPU time,
+//! and percentiles. Router and worker processes are the tests' own (`tests/common`).
 #![allow(dead_code)]
 
-use std::process::{Child, Command, Stdio};
+#[path = "../../../tests/common/http.rs"]
+pub mod http;
+#[path = "../../../tests/common/procs.rs"]
+pub mod procs;
+
+#[allow(unused_imports)]
+pub use procs::{Proc, free_port, switchyard_with_cache, wait_ok};
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -21,53 +28,6 @@ pub fn http() -> Http {
     Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(256)
         .build(c)
-}
-
-/// A child process, killed on drop.
-pub struct Proc(pub Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Starts `switchyard ARGS`; its logs are discarded.
-pub fn switchyard(args: &[&str], cache: &std::path::Path) -> Proc {
-    Proc(
-        Command::new(env!("CARGO_BIN_EXE_switchyard"))
-            .args(args)
-            .env("SWITCHYARD_POLICY_CACHE", cache)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn switchyard"),
-    )
-}
-
-/// Waits until GET `url` answers 2xx (bounded).
-pub async fn wait_ok(c: &Http, url: &str) {
-    for _ in 0..3000 {
-        let req = hyper::Request::get(url)
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(1), c.request(req)).await
-            && r.status().is_success()
-        {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("{url} never became ready");
 }
 
 /// User + system CPU time of a process so far.
@@ -170,6 +130,16 @@ pub async fn get_text(c: &Http, url: &str) -> String {
         .unwrap();
     let r = c.request(req).await.unwrap();
     String::from_utf8_lossy(&r.into_body().collect().await.unwrap().to_bytes()).to_string()
+}
+
+/// A Tokio runtime with `threads` worker threads (the load generator's, beside the
+/// router and workers it measures).
+pub fn runtime(threads: usize) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 /// `cargo bench` passes `--bench`; other runs (e.g. `cargo test --benches`) do a tiny run.
