@@ -1,0 +1,188 @@
+//! The TOML file (`--config`) and the static worker syntax it shares with `--worker`.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+use super::ConfigError;
+use switchyard_discovery::EngineEventSource;
+
+/// The TOML file. Same keys as the flags (snake_case), plus per-endpoint policies.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub(crate) listen: Option<SocketAddr>,
+    #[serde(default)]
+    pub(crate) etcd: Vec<String>,
+    pub(crate) etcd_root: Option<String>,
+    pub(crate) etcd_user: Option<String>,
+    pub(crate) etcd_password_file: Option<PathBuf>,
+    #[serde(default)]
+    pub(crate) etcd_ca_files: Vec<PathBuf>,
+    #[serde(default)]
+    pub(crate) workers: Vec<WorkerEntry>,
+    pub(crate) model: Option<String>,
+    pub(crate) kv_events: Option<bool>,
+    pub(crate) kv_hash_key: Option<u64>,
+    pub(crate) block_size: Option<u32>,
+    pub(crate) policy: Option<String>,
+    pub(crate) policy_config: Option<String>,
+    pub(crate) watch: Option<bool>,
+    pub(crate) admin_token: Option<String>,
+    pub(crate) admin_token_file: Option<PathBuf>,
+    pub(crate) admin_listen: Option<SocketAddr>,
+    pub(crate) endpoint_grace_secs: Option<u64>,
+    pub(crate) tokenizer: Option<PathBuf>,
+    pub(crate) chat_template: Option<PathBuf>,
+    pub(crate) tokenizer_cache_tokens: Option<usize>,
+    pub(crate) max_body_bytes: Option<usize>,
+    pub(crate) max_body_bytes_total: Option<usize>,
+    pub(crate) max_prompt_tokens: Option<usize>,
+    pub(crate) max_attempts: Option<usize>,
+    pub(crate) connect_timeout_ms: Option<u64>,
+    pub(crate) first_byte_timeout_secs: Option<u64>,
+    pub(crate) shutdown_grace_secs: Option<u64>,
+    pub(crate) policy_budget_ms: Option<u64>,
+    pub(crate) policy_memory_mb: Option<usize>,
+    pub(crate) policy_memory_total_mb: Option<usize>,
+    pub(crate) policy_warm_instances: Option<usize>,
+    #[serde(default)]
+    pub(crate) policy_trusted_keys: Vec<PathBuf>,
+    pub(crate) policy_cache: Option<PathBuf>,
+    pub(crate) policy_may_reject_all: Option<bool>,
+    pub(crate) availability: Option<bool>,
+    pub(crate) request_timeout_secs: Option<u64>,
+    pub(crate) stream_idle_timeout_secs: Option<u64>,
+    pub(crate) client_idle_timeout_secs: Option<u64>,
+    pub(crate) max_connections: Option<usize>,
+    pub(crate) max_in_flight: Option<usize>,
+    pub(crate) consecutive_failures: Option<u32>,
+    pub(crate) max_ejection_percent: Option<u32>,
+    pub(crate) panic_threshold_percent: Option<u32>,
+    pub(crate) base_ejection_ms: Option<u64>,
+    pub(crate) max_ejection_secs: Option<u64>,
+    pub(crate) health_check_interval_ms: Option<u64>,
+    pub(crate) prediction_ttl_secs: Option<f64>,
+    pub(crate) prediction_max_blocks: Option<usize>,
+    pub(crate) engine_metrics_ms: Option<u64>,
+    pub(crate) discovery_grace_secs: Option<u64>,
+    pub(crate) max_retry_after_secs: Option<u64>,
+    pub(crate) outlier_detection: Option<bool>,
+    pub(crate) health_path: Option<String>,
+    pub(crate) forward_authorization: Option<bool>,
+    #[serde(default)]
+    pub(crate) ca_files: Vec<PathBuf>,
+    #[serde(default)]
+    pub(crate) kv_events_bind: Vec<String>,
+    /// `[endpoints."namespace/component/endpoint"]` tables.
+    #[serde(default)]
+    pub(crate) endpoints: BTreeMap<String, EndpointFile>,
+}
+
+/// Per-endpoint settings in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointFile {
+    pub(crate) policy: Option<String>,
+    pub(crate) policy_config: Option<String>,
+    pub(crate) forward_authorization: Option<bool>,
+}
+
+/// A policy to load: a built-in name or a `.wasm` path, and its configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicySpec {
+    /// Built-in name or path.
+    pub spec: String,
+    /// JSON configuration.
+    pub config: String,
+}
+
+/// A `workers` entry of the TOML file: a URL (with optional `#kv_events=…`) or a table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum WorkerEntry {
+    Url(String),
+    Table(WorkerTable),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct WorkerTable {
+    pub(crate) url: String,
+    pub(crate) kv_events: Option<String>,
+    pub(crate) kv_replay: Option<String>,
+    #[serde(default)]
+    pub(crate) topic: String,
+    pub(crate) data_parallel_size: Option<u32>,
+}
+
+/// A static worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StaticWorker {
+    /// Base URL, without a trailing `/`.
+    pub url: String,
+    /// Its engine's ZMQ KV event publisher, if any.
+    pub engine_events: Option<EngineEventSource>,
+}
+
+impl StaticWorker {
+    /// Parses `URL` or `URL#kv_events=…&kv_replay=…&topic=…&dp=N`.
+    pub fn parse(s: &str) -> Result<StaticWorker, ConfigError> {
+        let (url, options) = s.split_once('#').unwrap_or((s, ""));
+        let mut table = WorkerTable {
+            url: url.to_string(),
+            kv_events: None,
+            kv_replay: None,
+            topic: String::new(),
+            data_parallel_size: None,
+        };
+        for kv in options.split('&').filter(|kv| !kv.is_empty()) {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            match k {
+                "kv_events" => table.kv_events = Some(v.to_string()),
+                "kv_replay" => table.kv_replay = Some(v.to_string()),
+                "topic" => table.topic = v.to_string(),
+                "dp" | "data_parallel_size" => {
+                    table.data_parallel_size = Some(v.parse().map_err(|_| {
+                        ConfigError(format!("worker `{s}`: dp=`{v}` is not a number"))
+                    })?)
+                }
+                _ => {
+                    return Err(ConfigError(format!(
+                        "worker `{s}`: unknown option `{k}` (known: kv_events, kv_replay, topic, dp)"
+                    )));
+                }
+            }
+        }
+        StaticWorker::from_table(table)
+    }
+
+    pub(super) fn from_table(t: WorkerTable) -> Result<StaticWorker, ConfigError> {
+        let url = t.url.trim_end_matches('/').to_string();
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            return Err(ConfigError(format!("worker `{url}` is not an http(s) URL")));
+        }
+        let engine_events = match t.kv_events {
+            None if t.kv_replay.is_some() => {
+                return Err(ConfigError(format!(
+                    "worker `{url}`: kv_replay without kv_events"
+                )));
+            }
+            None => None,
+            Some(endpoint) => {
+                let src = EngineEventSource {
+                    endpoint,
+                    replay: t.kv_replay,
+                    topic: t.topic,
+                    data_parallel_size: t.data_parallel_size.unwrap_or(1),
+                };
+                src.validate()
+                    .map_err(|e| ConfigError(format!("worker `{url}`: {e}")))?;
+                Some(src)
+            }
+        };
+        Ok(StaticWorker { url, engine_events })
+    }
+}

@@ -1,0 +1,278 @@
+use super::*;
+use switchyard_discovery::EngineEventSource;
+
+fn file(text: &str) -> tempfile::NamedTempFile {
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), text).unwrap();
+    f
+}
+
+#[test]
+fn the_admin_token_comes_from_a_private_file_or_the_environment_and_is_long() {
+    use std::os::unix::fs::PermissionsExt;
+    let args = |token: Option<&str>, path: Option<&std::path::Path>| ServeArgs {
+        workers: vec!["http://a:1".into()],
+        admin_token: token.map(str::to_string),
+        admin_token_file: path.map(std::path::Path::to_path_buf),
+        ..Default::default()
+    };
+    let private = |text: &str| {
+        let f = file(text);
+        std::fs::set_permissions(f.path(), std::fs::Permissions::from_mode(0o600)).unwrap();
+        f
+    };
+    let f = private("s3cret-s3cret-s3cret\n");
+    let c = args(None, Some(f.path())).resolve().unwrap();
+    assert_eq!(
+        c.gateway.admin_token.as_deref(),
+        Some("s3cret-s3cret-s3cret")
+    );
+    let err = args(Some("x"), Some(f.path())).resolve().unwrap_err();
+    assert!(err.to_string().contains("not both"), "{err}");
+    let empty = private("  \n");
+    let err = args(None, Some(empty.path())).resolve().unwrap_err();
+    assert!(err.to_string().contains("is empty"), "{err}");
+    let missing = std::path::Path::new("/nonexistent/token");
+    assert!(args(None, Some(missing)).resolve().is_err());
+    // Readable by others, too short, or on the command line: refused, saying why.
+    std::fs::set_permissions(f.path(), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let err = args(None, Some(f.path())).resolve().unwrap_err();
+    assert!(err.to_string().contains("chmod 600"), "{err}");
+    let err = args(Some("short"), None).resolve().unwrap_err();
+    assert!(err.to_string().contains("at least 16"), "{err}");
+    assert!(args(Some("a-long-enough-token"), None).resolve().is_ok());
+    let err = ServeArgs {
+        workers: vec!["http://a:1".into()],
+        admin_token_on_command_line: Some("a-long-enough-token".into()),
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap_err();
+    assert!(err.to_string().contains("process list"), "{err}");
+}
+
+#[test]
+fn flags_beat_the_file_and_the_file_beats_defaults() {
+    let f = file(
+        r#"
+        listen = "127.0.0.1:9000"
+        workers = ["http://127.0.0.1:8001/"]
+        policy = "round-robin"
+        max_attempts = 5
+        [endpoints."default/other/generate"]
+        policy = "kv-cost"
+        policy_config = '{"overlap_weight": 2}'
+        "#,
+    );
+    let args = ServeArgs {
+        config: Some(f.path().into()),
+        max_attempts: Some(2),
+        ..Default::default()
+    };
+    let c = args.resolve().unwrap();
+    assert_eq!(c.listen.port(), 9000);
+    assert_eq!(c.gateway.max_attempts, 2);
+    assert_eq!(c.default_policy.spec, "round-robin");
+    let ep: EndpointPath = "default/other/generate".parse().unwrap();
+    assert_eq!(c.endpoint_policies[&ep].config, r#"{"overlap_weight": 2}"#);
+    match c.discovery {
+        DiscoveryConfig::Static { workers, model, .. } => {
+            assert_eq!(
+                workers,
+                vec![StaticWorker {
+                    url: "http://127.0.0.1:8001".into(),
+                    engine_events: None
+                }]
+            );
+            assert_eq!(model, "mock-model");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn the_policy_cache_directory_comes_from_the_flag_or_the_file() {
+    let f = file("workers = [\"http://x:1\"]\npolicy_cache = \"/var/cache/sy\"\n");
+    let c = ServeArgs {
+        config: Some(f.path().into()),
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap();
+    assert_eq!(c.runtime.cache_dir, Some(PathBuf::from("/var/cache/sy")));
+    let c = ServeArgs {
+        config: Some(f.path().into()),
+        policy_cache: Some("/tmp/other".into()),
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap();
+    assert_eq!(c.runtime.cache_dir, Some(PathBuf::from("/tmp/other")));
+}
+
+#[test]
+fn prediction_lifetime_and_size_come_from_flags_or_the_file() {
+    let f = file(
+        "workers = [\"http://x:1\"]\nprediction_ttl_secs = 6.5\nprediction_max_blocks = 5000\n",
+    );
+    let c = ServeArgs {
+        config: Some(f.path().into()),
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap();
+    assert_eq!(c.approximate.ttl, Duration::from_millis(6500));
+    assert_eq!(c.approximate.max_blocks, 5000);
+    let c = ServeArgs {
+        config: Some(f.path().into()),
+        prediction_ttl_secs: Some(30.0),
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap();
+    assert_eq!(c.approximate.ttl, Duration::from_secs(30));
+    let err = ServeArgs {
+        config: Some(f.path().into()),
+        prediction_ttl_secs: Some(0.0),
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap_err();
+    assert!(err.to_string().contains("prediction_ttl_secs"), "{err}");
+}
+
+/// A duration past a year would overflow `Instant` arithmetic on the request path;
+/// each is refused at start with the setting's name, whether from a flag or the file.
+/// The chain is keyed at random where only the router computes it, shared (0, or
+/// the key given) where workers may publish NDJSON events hashed with it.
+#[test]
+fn the_hash_chain_is_keyed_at_random_only_where_no_worker_computes_it() {
+    let args = |kv_events: Option<bool>, key: Option<u64>| ServeArgs {
+        workers: vec!["http://a:1".into()],
+        kv_events,
+        kv_hash_key: key,
+        ..Default::default()
+    };
+    let (a, b) = (
+        args(None, None).resolve().unwrap().kv_hash_key,
+        args(None, None).resolve().unwrap().kv_hash_key,
+    );
+    assert!(a != 0 && b != 0 && a != b, "{a} {b}");
+    assert_eq!(args(Some(true), None).resolve().unwrap().kv_hash_key, 0);
+    assert_eq!(
+        args(Some(true), Some(42)).resolve().unwrap().kv_hash_key,
+        42
+    );
+    assert_eq!(args(None, Some(42)).resolve().unwrap().kv_hash_key, 42);
+}
+
+#[test]
+fn durations_that_would_overflow_a_clock_are_refused_by_name() {
+    let f = file("workers = [\"http://x:1\"]\nrequest_timeout_secs = 18446744073709551615\n");
+    let err = ServeArgs {
+        config: Some(f.path().into()),
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap_err();
+    assert!(err.to_string().contains("request_timeout_secs"), "{err}");
+    let workers = vec!["http://x:1".to_string()];
+    for args in [
+        ServeArgs {
+            prediction_ttl_secs: Some(1e19),
+            ..Default::default()
+        },
+        ServeArgs {
+            max_retry_after_secs: Some(u64::MAX),
+            ..Default::default()
+        },
+        ServeArgs {
+            base_ejection_ms: Some(u64::MAX),
+            ..Default::default()
+        },
+        ServeArgs {
+            shutdown_grace_secs: Some(u64::MAX / 2),
+            ..Default::default()
+        },
+    ] {
+        let err = ServeArgs {
+            workers: workers.clone(),
+            ..args
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(err.to_string().contains("a year"), "{err}");
+    }
+    let c = ServeArgs {
+        workers,
+        max_retry_after_secs: Some(3600),
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap();
+    assert_eq!(c.client.outlier.busy_max, Duration::from_secs(3600));
+}
+
+#[test]
+fn unknown_keys_and_missing_workers_are_errors() {
+    let f = file("workers = [\"http://x:1\"]\npolcy = \"kv-cost\"\n");
+    let err = ServeArgs {
+        config: Some(f.path().into()),
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap_err();
+    assert!(err.to_string().contains("unknown field `polcy`"), "{err}");
+    let err = ServeArgs::default().resolve().unwrap_err();
+    assert!(err.to_string().contains("no workers"), "{err}");
+    let err = ServeArgs {
+        workers: vec!["localhost:1".into()],
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap_err();
+    assert!(err.to_string().contains("not an http(s) URL"), "{err}");
+}
+
+#[test]
+fn workers_name_their_engines_kv_event_sockets_on_the_command_line_or_in_the_file() {
+    let w = StaticWorker::parse(
+        "http://10.0.0.7:8000/#kv_events=tcp://10.0.0.7:5557&kv_replay=tcp://10.0.0.7:5558&topic=kv&dp=2",
+    )
+    .unwrap();
+    assert_eq!(w.url, "http://10.0.0.7:8000");
+    let src = w.engine_events.unwrap();
+    assert_eq!(src.endpoint, "tcp://10.0.0.7:5557");
+    assert_eq!(src.replay.as_deref(), Some("tcp://10.0.0.7:5558"));
+    assert_eq!((src.topic.as_str(), src.data_parallel_size), ("kv", 2));
+    // Central mode: the engine connects to the router; its topic names it.
+    let w = StaticWorker::parse("http://h:1#kv_events=bound&topic=w1&kv_replay=tcp://h:2").unwrap();
+    assert_eq!(w.engine_events.unwrap().endpoint, "bound");
+    for bad in [
+        "http://h:1#kv_events=tcp://*:5557",
+        "http://h:1#kv_events=ipc:///tmp/x",
+        "http://h:1#kv_replay=tcp://h:2",
+        "http://h:1#kv_events=tcp://h:2&dp=0",
+        "http://h:1#kv_event=tcp://h:2",
+        "http://h:1#kv_events=bound",
+    ] {
+        assert!(StaticWorker::parse(bad).is_err(), "{bad}");
+    }
+    let f = file(
+        "[[workers]]\nurl = \"http://a:8000\"\nkv_events = \"tcp://a:5557\"\n\n[[workers]]\nurl = \"http://b:8000\"\n",
+    );
+    let c = ServeArgs {
+        config: Some(f.path().into()),
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap();
+    let DiscoveryConfig::Static { workers, .. } = c.discovery else {
+        panic!()
+    };
+    assert_eq!(
+        workers[0].engine_events,
+        Some(EngineEventSource::new("tcp://a:5557"))
+    );
+    assert_eq!(workers[1].engine_events, None);
+}
