@@ -1,0 +1,345 @@
+//! The mock worker's routes, but for completions (`generate`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use switchyard_kv::events::KvEvent;
+use switchyard_tokens::openai::{self, Api, Prompt};
+
+use super::generate::{MAX_BODY, completion};
+use super::{Body, Fault, FaultConfig, Shared};
+
+pub(super) fn full(
+    status: StatusCode,
+    content_type: &str,
+    body: impl Into<Bytes>,
+) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", content_type)
+        .body(Full::new(body.into()).map_err(|e| match e {}).boxed())
+        .expect("valid response")
+}
+
+pub(super) fn json_response(status: StatusCode, v: serde_json::Value) -> Response<Body> {
+    full(status, "application/json", v.to_string())
+}
+
+pub(super) fn error(
+    status: StatusCode,
+    message: &str,
+    kind: &str,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> Response<Body> {
+    full(
+        status,
+        "application/json",
+        openai::error_body(message, kind, param, code),
+    )
+}
+
+pub(super) async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
+    if let Some(key) = &shared.api_key
+        && matches!(req.uri().path(), "/v1/completions" | "/v1/chat/completions")
+        && req
+            .headers()
+            .get(hyper::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            != Some(key.as_str())
+    {
+        // vLLM's answer to a missing or wrong key.
+        return json_response(StatusCode::UNAUTHORIZED, json!({"error": "Unauthorized"}));
+    }
+    match (req.method(), req.uri().path()) {
+        (&Method::POST, "/v1/completions") => completion(shared, Api::Completions, req).await,
+        (&Method::POST, "/v1/chat/completions") => completion(shared, Api::Chat, req).await,
+        (&Method::GET, "/v1/models") => json_response(
+            StatusCode::OK,
+            // Its context is what its cache holds, as the engine refuses longer requests.
+            json!({"object": "list", "data": [{"id": shared.model, "object": "model", "created": 0, "owned_by": "switchyard-mock", "max_model_len": shared.engine.config().capacity_tokens()}]}),
+        ),
+        (&Method::GET, "/health") => match shared.active_fault() {
+            _ if shared.fault.lock().health_lies => {
+                json_response(StatusCode::OK, json!({"status": "ok"}))
+            }
+            Fault::None | Fault::CutStream | Fault::Stall => {
+                json_response(StatusCode::OK, json!({"status": "ok"}))
+            }
+            // Shedding load (429/503) is not being unhealthy.
+            Fault::Status if matches!(shared.fault.lock().status, Some(429 | 503)) => {
+                json_response(StatusCode::OK, json!({"status": "ok", "shedding": true}))
+            }
+            Fault::Hang => std::future::pending().await,
+            f => json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"status": "faulty", "fault": format!("{f:?}")}),
+            ),
+        },
+        (&Method::GET, "/v1/kv_events") => kv_events(&shared),
+        (&Method::GET, "/metrics") => engine_metrics(&shared),
+        (&Method::GET, "/get_server_info" | "/server_info") => {
+            json_response(StatusCode::OK, server_info(&shared))
+        }
+        (&Method::GET, "/get_model_info" | "/model_info") => json_response(
+            StatusCode::OK,
+            json!({"model_path": shared.model, "tokenizer_path": null, "is_generation": true}),
+        ),
+        (&Method::GET, "/version") => json_response(
+            StatusCode::OK,
+            json!({"version": env!("CARGO_PKG_VERSION")}),
+        ),
+        (&Method::GET, "/v1/loads" | "/get_load") => {
+            let s = shared.engine.stats();
+            json_response(
+                StatusCode::OK,
+                json!({
+                    "num_reqs": s.running + s.waiting,
+                    "num_running_reqs": s.running,
+                    "num_waiting_reqs": s.waiting,
+                    "num_used_blocks": s.kv_used_blocks,
+                    "num_total_blocks": s.kv_total_blocks,
+                    "token_usage": if s.kv_total_blocks == 0 { 0.0 } else { s.kv_used_blocks as f64 / s.kv_total_blocks as f64 },
+                }),
+            )
+        }
+        (&Method::POST, "/tokenize") => tokenize(&shared, req, false).await,
+        (&Method::POST, "/v1/chat/completions/render") => tokenize(&shared, req, true).await,
+        (&Method::GET, "/stats") => json_response(
+            StatusCode::OK,
+            serde_json::to_value(shared.engine.stats()).expect("stats serialise"),
+        ),
+        (&Method::POST, "/admin/fault") => {
+            let body = match Limited::new(req.into_body(), 4096).collect().await {
+                Ok(b) => b.to_bytes(),
+                Err(_) => {
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        "body too large",
+                        "invalid_request_error",
+                        None,
+                        None,
+                    );
+                }
+            };
+            match serde_json::from_slice::<FaultConfig>(&body) {
+                Ok(f) => {
+                    let answer = json!({"fault": format!("{:?}", f.fault), "after": f.after});
+                    shared.set_fault(f);
+                    json_response(StatusCode::OK, answer)
+                }
+                Err(e) => error(
+                    StatusCode::BAD_REQUEST,
+                    &format!("bad fault: {e}"),
+                    "invalid_request_error",
+                    None,
+                    None,
+                ),
+            }
+        }
+        _ => {
+            // Read the body before answering: a client that is still sending it would
+            // otherwise see its connection closed unannounced, and a pooled client's next
+            // request on it would fail.
+            let path = req.uri().path().to_string();
+            let drained = read_body(req).await.is_ok();
+            let mut answer = error(
+                StatusCode::NOT_FOUND,
+                &format!("no such route: {path}"),
+                "invalid_request_error",
+                None,
+                Some("not_found"),
+            );
+            if !drained {
+                answer.headers_mut().insert(
+                    hyper::header::CONNECTION,
+                    hyper::header::HeaderValue::from_static("close"),
+                );
+            }
+            answer
+        }
+    }
+}
+
+/// What SGLang's `/get_server_info` and vLLM-style routers read: the model, the KV block
+/// size under the names each uses, the cache size and the batch limit.
+pub(super) fn server_info(shared: &Shared) -> serde_json::Value {
+    let c = shared.engine.config();
+    json!({
+        "model_path": shared.model,
+        "served_model_name": shared.model,
+        "page_size": c.block_size,
+        "block_size": c.block_size,
+        "kv_block_size": c.block_size,
+        "max_total_num_tokens": c.capacity_tokens(),
+        "max_running_requests": c.max_batch,
+        "tp_size": 1,
+        "dp_size": 1,
+        "version": env!("CARGO_PKG_VERSION"),
+    })
+}
+
+/// A request's body, or the 413 answer when it exceeds `MAX_BODY`.
+pub(super) async fn read_body(req: Request<Incoming>) -> Result<Bytes, Response<Body>> {
+    match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(_) => Err(error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request body too large",
+            "invalid_request_error",
+            None,
+            None,
+        )),
+    }
+}
+
+/// vLLM's `/tokenize` (a `prompt` or chat `messages`) and `/v1/chat/completions/render`
+/// (chat `messages`, answered with the rendered prompt and its tokens), with the same
+/// tokenizer and chat rendering the engine uses, so a router that asks gets exactly the
+/// worker's token IDs.
+pub(super) async fn tokenize(
+    shared: &Shared,
+    req: Request<Incoming>,
+    render: bool,
+) -> Response<Body> {
+    let bad = |m: &str| {
+        error(
+            StatusCode::BAD_REQUEST,
+            m,
+            "invalid_request_error",
+            None,
+            None,
+        )
+    };
+    let body = match read_body(req).await {
+        Ok(b) => b,
+        Err(too_large) => return too_large,
+    };
+    let Ok(serde_json::Value::Object(mut obj)) = serde_json::from_slice(&body) else {
+        return bad("request body must be a JSON object");
+    };
+    obj.entry("model")
+        .or_insert_with(|| serde_json::Value::String(shared.model.clone()));
+    let api = if obj.contains_key("messages") {
+        Api::Chat
+    } else {
+        Api::Completions
+    };
+    if render && api != Api::Chat {
+        return bad("`messages` is required");
+    }
+    let body = serde_json::Value::Object(obj).to_string();
+    let parsed = match openai::parse(api, body.as_bytes()) {
+        Ok(p) => p,
+        Err(e) => return bad(&e.message),
+    };
+    let (text, tokens) = match &parsed.prompt {
+        Prompt::Tokens(t) => (None, Ok(t.clone())),
+        Prompt::Text(t) => (Some(t.clone()), shared.tokenizer.encode(t)),
+        Prompt::Chat(m) => match shared.tokenizer.render_chat(m) {
+            Ok(text) => {
+                let tokens = shared.tokenizer.encode(&text);
+                (Some(text), tokens)
+            }
+            Err(e) => (None, Err(e)),
+        },
+    };
+    let tokens = match tokens {
+        Ok(t) => t,
+        Err(e) => return bad(&e.to_string()),
+    };
+    let max_model_len = shared.engine.config().capacity_tokens();
+    if render {
+        json_response(
+            StatusCode::OK,
+            json!({"prompt": text, "prompt_token_ids": tokens, "count": tokens.len()}),
+        )
+    } else {
+        json_response(
+            StatusCode::OK,
+            json!({"count": tokens.len(), "max_model_len": max_model_len, "tokens": tokens}),
+        )
+    }
+}
+
+/// Load in vLLM's own Prometheus names, as a router scrapes them from a vLLM server.
+pub(super) fn engine_metrics(shared: &Shared) -> Response<Body> {
+    let s = shared.engine.stats();
+    let m = &shared.model;
+    let usage = if s.kv_total_blocks == 0 {
+        0.0
+    } else {
+        s.kv_used_blocks as f64 / s.kv_total_blocks as f64
+    };
+    let page = format!(
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+         # TYPE vllm:num_requests_running gauge\n\
+         vllm:num_requests_running{{engine=\"0\",model_name=\"{m}\"}} {}\n\
+         # HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
+         # TYPE vllm:num_requests_waiting gauge\n\
+         vllm:num_requests_waiting{{engine=\"0\",model_name=\"{m}\"}} {}\n\
+         # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
+         # TYPE vllm:kv_cache_usage_perc gauge\n\
+         vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"{m}\"}} {usage}\n\
+         # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+         # TYPE vllm:cache_config_info gauge\n\
+         vllm:cache_config_info{{block_size=\"{}\",engine=\"0\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"True\"}} 1.0\n",
+        s.running,
+        s.waiting,
+        shared.hasher.block_size(),
+        s.kv_total_blocks,
+    );
+    full(StatusCode::OK, "text/plain; version=0.0.4", page)
+}
+
+/// The KV event stream: snapshot, then every event, plus a load report each second.
+pub(super) fn kv_events(shared: &Arc<Shared>) -> Response<Body> {
+    let (snapshot, mut events) = shared.engine.subscribe();
+    let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(64);
+    let engine = shared.engine.clone();
+    tokio::spawn(async move {
+        if tx
+            .send(Ok(Frame::data(Bytes::from(snapshot.to_line()))))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            let line = tokio::select! {
+                e = events.recv() => match e {
+                    Ok(e) => e.to_wire().to_line(),
+                    // Lagged or closed: end the stream; the subscriber resubscribes and
+                    // gets a fresh snapshot.
+                    Err(_) => return,
+                },
+                _ = tick.tick() => {
+                    let s = engine.stats();
+                    KvEvent::Load {
+                        kv_used_blocks: s.kv_used_blocks,
+                        kv_total_blocks: s.kv_total_blocks,
+                        running: s.running as u32,
+                        waiting: s.waiting as u32,
+                    }
+                    .to_line()
+                }
+            };
+            if tx.send(Ok(Frame::data(Bytes::from(line)))).await.is_err() {
+                return;
+            }
+        }
+    });
+    Response::builder()
+        .header("content-type", "application/x-ndjson")
+        .body(StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed())
+        .expect("valid response")
+}
