@@ -1,0 +1,354 @@
+//! Families read at scrape time from the routers, their clients and policies, so that
+//! nothing is counted twice.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+
+use switchyard_policy::{CallFailure, PolicyError};
+use switchyard_router::KvRouter;
+use switchyard_router::client::Availability;
+
+pub(super) type Labels = Vec<(&'static str, String)>;
+
+/// One family's samples: its labels (empty for a single unlabelled sample) and value.
+pub(super) type Samples<V> = Vec<(Labels, V)>;
+
+/// Everything read at scrape time, encoded by `prometheus-client`.
+pub(super) struct Scrape {
+    pub(super) responses: [(&'static str, u64); 3],
+    pub(super) front: Vec<(&'static str, &'static str, u64)>,
+    pub(super) failures_by_instance: Vec<(switchyard_ids::InstanceId, u64)>,
+    pub(super) routers: Vec<std::sync::Arc<KvRouter>>,
+    pub(super) prefix: switchyard_tokens::prefix::PrefixStats,
+}
+
+impl std::fmt::Debug for Scrape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Scrape")
+    }
+}
+
+pub(super) fn family<M: EncodeMetric>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    samples: &[(Labels, M)],
+) -> std::fmt::Result {
+    if samples.is_empty() {
+        return Ok(());
+    }
+    let mut m = enc.encode_descriptor(name, help, None, kind)?;
+    if let [(labels, metric)] = samples
+        && labels.is_empty()
+    {
+        return metric.encode(m);
+    }
+    for (labels, metric) in samples {
+        metric.encode(m.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+pub(super) fn counters(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: Samples<u64>,
+) -> std::fmt::Result {
+    let s: Vec<_> = samples
+        .into_iter()
+        .map(|(l, v)| (l, ConstCounter::new(v)))
+        .collect();
+    family(enc, name, help, MetricType::Counter, &s)
+}
+
+pub(super) fn gauges(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: Samples<i64>,
+) -> std::fmt::Result {
+    let s: Vec<_> = samples
+        .into_iter()
+        .map(|(l, v)| (l, ConstGauge::new(v)))
+        .collect();
+    family(enc, name, help, MetricType::Gauge, &s)
+}
+
+/// One sample per (value of label `key`, count).
+pub(super) fn by<K: ToString, V>(
+    key: &'static str,
+    rows: impl IntoIterator<Item = (K, V)>,
+) -> Samples<V> {
+    rows.into_iter()
+        .map(|(k, v)| (vec![(key, k.to_string())], v))
+        .collect()
+}
+
+/// Per-router samples of one family: `f` gives each router's rows (labels after
+/// `endpoint`, value).
+pub(super) fn per_router<V>(
+    routers: &[std::sync::Arc<KvRouter>],
+    mut f: impl FnMut(&KvRouter) -> Vec<(Labels, V)>,
+) -> Samples<V> {
+    let mut out = Vec::new();
+    for r in routers {
+        let ep = r.endpoint().to_string();
+        for (labels, v) in f(r) {
+            let mut all = vec![("endpoint", ep.clone())];
+            all.extend(labels);
+            out.push((all, v));
+        }
+    }
+    out
+}
+
+impl Collector for Scrape {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        let e = &mut enc;
+        let rs = &self.routers;
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        counters(
+            e,
+            "responses",
+            "Requests answered, by status class",
+            by("class", self.responses),
+        )?;
+        for (name, help, v) in &self.front {
+            counters(e, name, help, vec![(vec![], *v)])?;
+        }
+        counters(
+            e,
+            "instance_upstream_failures",
+            "Failed upstream attempts per instance",
+            by("instance", self.failures_by_instance.iter().copied()),
+        )?;
+        // Totals over every policy the endpoint has had: counters never go down.
+        counters(
+            e,
+            "decisions",
+            "Routing decisions made, whichever policy was live",
+            per_router(rs, |r| vec![(vec![], r.policy().totals().decisions)]),
+        )?;
+        counters(
+            e,
+            "policy_failures",
+            "Policy calls that failed by the policy's fault (the native kv-cost decided)",
+            per_router(rs, |r| vec![(vec![], r.policy().totals().failures)]),
+        )?;
+        counters(
+            e,
+            "policy_fallbacks",
+            "Decisions the native kv-cost made because the policy call failed, by reason",
+            per_router(rs, |r| {
+                by(
+                    "reason",
+                    CallFailure::REASONS
+                        .into_iter()
+                        .zip(r.policy().totals().fallbacks),
+                )
+            }),
+        )?;
+        counters(
+            e,
+            "policy_refusals",
+            "Policies refused on their way in (not loaded, the live one kept serving), by reason",
+            per_router(rs, |r| {
+                by(
+                    "reason",
+                    PolicyError::REASONS
+                        .into_iter()
+                        .zip(r.policy().totals().refusals),
+                )
+            }),
+        )?;
+        counters(
+            e,
+            "policy_rejections",
+            "Requests a policy rejected on purpose",
+            per_router(rs, |r| vec![(vec![], r.policy().totals().rejections)]),
+        )?;
+        counters(
+            e,
+            "policy_rollbacks",
+            "Policy rollbacks, by who asked: the operator, a run of failures, a failure rate",
+            per_router(rs, |r| {
+                let t = r.policy().totals();
+                by(
+                    "reason",
+                    [
+                        ("operator", t.manual_rollbacks),
+                        ("failures", t.automatic_rollbacks),
+                        ("failure_rate", t.rate_rollbacks),
+                    ],
+                )
+            }),
+        )?;
+        gauges(
+            e,
+            "policy_info",
+            "The live policy of each endpoint: its name, version and generation (always 1)",
+            per_router(rs, |r| {
+                let st = r.policy().status();
+                vec![(
+                    vec![
+                        ("policy", st.info.name.clone()),
+                        ("version", st.info.version.clone()),
+                        ("generation", st.generation.to_string()),
+                    ],
+                    1,
+                )]
+            }),
+        )?;
+        let client = |f: fn(&switchyard_router::client::ClientCounters) -> &AtomicU64| {
+            per_router(rs, move |r| vec![(vec![], load(f(r.client().counters())))])
+        };
+        counters(
+            e,
+            "instance_down_reports",
+            "Instances reported down by the proxy or the health checks",
+            client(|c| &c.reported_down),
+        )?;
+        counters(
+            e,
+            "ejections",
+            "Instances ejected, by kind: unreachable, failing (outlier detection), unhealthy (probes)",
+            per_router(rs, |r| {
+                let c = r.client().counters();
+                by(
+                    "kind",
+                    [
+                        ("unreachable", load(&c.ejected_unreachable)),
+                        ("failing", load(&c.ejected_failing)),
+                        ("unhealthy", load(&c.ejected_unhealthy)),
+                    ],
+                )
+            }),
+        )?;
+        counters(
+            e,
+            "ejections_refused",
+            "Ejections refused because too many instances were out already",
+            client(|c| &c.ejections_refused),
+        )?;
+        counters(
+            e,
+            "held_removals",
+            "Instances kept routable after discovery removed them, while requests were in flight",
+            client(|c| &c.held_removals),
+        )?;
+        gauges(
+            e,
+            "panic_mode",
+            "1 while too few instances are available and every instance not known unreachable is routed to",
+            per_router(rs, |r| {
+                vec![(vec![], i64::from(r.client().snapshot().panic))]
+            }),
+        )?;
+        counters(
+            e,
+            "expired_bookings",
+            "Load bookings released by the hard expiry (each one a leak)",
+            per_router(rs, |r| vec![(vec![], r.expired_bookings())]),
+        )?;
+        counters(
+            e,
+            "unpredicted_cache_hits",
+            "Responses whose worker reported a cached prefix the router had not predicted on that worker (many: tokenization differs)",
+            per_router(rs, |r| vec![(vec![], r.unpredicted_cache_hits())]),
+        )?;
+        let instances = |f: fn(
+            &KvRouter,
+            switchyard_ids::InstanceId,
+            &switchyard_router::client::InstanceState,
+        ) -> i64| {
+            per_router(rs, move |r| {
+                r.client()
+                    .snapshot()
+                    .instances
+                    .iter()
+                    .map(|(id, st)| (vec![("instance", id.to_string())], f(r, *id, st)))
+                    .collect()
+            })
+        };
+        gauges(
+            e,
+            "instance_available",
+            "1 while the instance is available (routed to)",
+            instances(|_, _, st| i64::from(st.availability == Availability::Available)),
+        )?;
+        gauges(
+            e,
+            "instance_in_flight",
+            "Requests this router has in flight on the instance (the policy sees the worker's own report plus these)",
+            instances(|r, id, _| i64::from(r.load_of(id).booked)),
+        )?;
+        self.quality(e)?;
+        self.shadows(e)?;
+        let p = &self.prefix;
+        counters(
+            e,
+            "token_prefix_hits",
+            "Text prompts that reused the tokens of an earlier prompt's prefix",
+            vec![(vec![], p.hits)],
+        )?;
+        counters(
+            e,
+            "token_prefix_misses",
+            "Long text prompts tokenized from the start",
+            vec![(vec![], p.misses)],
+        )?;
+        counters(
+            e,
+            "token_prefix_mismatches",
+            "Audits that found reused tokens wrong (reuse is then off)",
+            vec![(vec![], p.mismatches)],
+        )?;
+        counters(
+            e,
+            "tokenizer_lean_mismatches",
+            "Audits that found the lean byte-level tokenizer's IDs wrong (it is then off)",
+            vec![(vec![], p.lean_mismatches)],
+        )?;
+        gauges(
+            e,
+            "token_prefix_cached_tokens",
+            "Tokens held for reuse",
+            vec![(vec![], i64::try_from(p.tokens).unwrap_or(i64::MAX))],
+        )?;
+        // Central mode's sockets are shared by every endpoint: said once.
+        if let Some(hub) = rs.iter().find_map(|r| r.central_events()) {
+            for (name, help, c) in [
+                (
+                    "kv_events_unrouted",
+                    "Engine KV event batches on the bound sockets under a topic no worker names",
+                    &hub.unrouted,
+                ),
+                (
+                    "kv_events_dropped",
+                    "Engine KV event batches on the bound sockets dropped at a full worker queue (seen as gaps)",
+                    &hub.dropped,
+                ),
+                (
+                    "kv_events_malformed_frames",
+                    "Messages on the bound sockets that were not [topic, seq, payload]",
+                    &hub.malformed,
+                ),
+                (
+                    "kv_events_refused_connections",
+                    "Connections to the bound sockets closed for breaking ZMTP or its bounds, or past the peer limit",
+                    &hub.refused,
+                ),
+            ] {
+                counters(e, name, help, vec![(vec![], load(c))])?;
+            }
+        }
+        Ok(())
+    }
+}
