@@ -1,0 +1,477 @@
+//! [`KvRouter`]: one per endpoint — candidates from the shared `Client`, the index and
+//! the load tracker, decided by the endpoint's policy, booked on the chosen worker.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use arc_swap::ArcSwapOption;
+use parking_lot::{Mutex, RwLock};
+
+use crate::client::Client;
+use quality::DecisionQuality;
+use shadow::{Shadow, ShadowSeries, ShadowStatus};
+use switchyard_discovery::EndpointPath;
+use switchyard_ids::{BlockHash, InstanceId, RequestId};
+use switchyard_kv::approx::ApproxIndex;
+use switchyard_kv::events::KvEvent;
+use switchyard_kv::hash::BlockHasher;
+use switchyard_kv::index::OverlapIndex;
+use switchyard_kv::load::LoadTracker;
+use switchyard_policy::{
+    CandidateRow, Candidates, Decider, Decision, DecisionOutcome, LoadedPolicy, PolicyError,
+    PolicyHandle, PolicyStatus, Request, policy_label,
+};
+
+use crate::feeds::CacheReports;
+use crate::{
+    CacheView, Index, KvRouterConfig, RouteError, Routed, ViewStatus, central_events,
+    metrics_scraper, quality, shadow, subscriber,
+};
+
+/// The KV-aware router of one endpoint.
+pub struct KvRouter {
+    pub(crate) endpoint: EndpointPath,
+    pub(crate) client: Arc<Client>,
+    pub(crate) policy: Arc<PolicyHandle>,
+    pub(crate) hasher: BlockHasher,
+    pub(crate) config: KvRouterConfig,
+    /// Read by every decision; written by event subscribers, and by decisions for
+    /// workers without events.
+    pub(crate) index: RwLock<Index>,
+    /// Short critical sections only: read candidates' loads, book, release.
+    pub(crate) load: Mutex<LoadTracker>,
+    pub(crate) next_request: AtomicU64,
+    /// Bookings released by the hard expiry: every path of a request releases its own,
+    /// so each one here is a leak.
+    pub(crate) expired_bookings: AtomicU64,
+    pub(crate) event_stats: subscriber::EventStats,
+    pub(crate) cache_reports: CacheReports,
+    /// Workers with an event-fed view, and its state; the others are approximate.
+    pub(crate) views: RwLock<std::collections::HashMap<InstanceId, ViewStatus>>,
+    /// Workers' KV cache sizes in blocks, where their load reports say.
+    pub(crate) capacities: Mutex<std::collections::HashMap<InstanceId, u64>>,
+    /// Workers' context lengths (`max_model_len` of their `/v1/models`), and the
+    /// longest of them (0: none known), read by every request.
+    pub(crate) context_lens: Mutex<std::collections::HashMap<InstanceId, u64>>,
+    pub(crate) context_len: AtomicU64,
+    pub(crate) scrape_stats: metrics_scraper::ScrapeStats,
+    pub(crate) quality: DecisionQuality,
+    /// The candidate policy deciding beside the live one, if any.
+    pub(crate) shadow: ArcSwapOption<Shadow>,
+    /// Serialises attaching, removing and promoting shadows.
+    pub(crate) shadow_lock: Mutex<()>,
+    pub(crate) shadow_series: ShadowSeries,
+}
+
+impl KvRouter {
+    /// A router for `client`'s endpoint deciding with `policy`.
+    pub fn new(client: Arc<Client>, policy: Arc<PolicyHandle>, config: KvRouterConfig) -> KvRouter {
+        let index = Index {
+            events: OverlapIndex::new(),
+            predicted: ApproxIndex::new(config.approximate.ttl, config.approximate.max_blocks),
+        };
+        let load = Mutex::new(LoadTracker::new(config.report_ttl));
+        KvRouter {
+            endpoint: client.endpoint().clone(),
+            hasher: BlockHasher::new(config.block_size, config.hash_seed),
+            client,
+            policy,
+            config,
+            index: RwLock::new(index),
+            load,
+            next_request: AtomicU64::new(1),
+            expired_bookings: AtomicU64::new(0),
+            cache_reports: CacheReports::default(),
+            event_stats: subscriber::EventStats::default(),
+            views: RwLock::new(std::collections::HashMap::new()),
+            capacities: Mutex::new(std::collections::HashMap::new()),
+            context_lens: Mutex::new(std::collections::HashMap::new()),
+            context_len: AtomicU64::new(0),
+            scrape_stats: metrics_scraper::ScrapeStats::default(),
+            quality: DecisionQuality::default(),
+            shadow: ArcSwapOption::empty(),
+            shadow_lock: Mutex::new(()),
+            shadow_series: ShadowSeries::default(),
+        }
+    }
+
+    /// How good the live decisions have been.
+    pub fn quality(&self) -> &DecisionQuality {
+        &self.quality
+    }
+
+    /// The counters of every shadow identity this endpoint has run.
+    pub fn shadow_series(&self) -> &ShadowSeries {
+        &self.shadow_series
+    }
+
+    /// Attaches `policy` (loaded by the caller; it must pass its canary here) as the
+    /// endpoint's shadow, offered a `sample` share of the decisions. Replaces any
+    /// shadow attached before.
+    pub fn attach_shadow(
+        &self,
+        policy: LoadedPolicy,
+        sample: f64,
+    ) -> Result<ShadowStatus, PolicyError> {
+        if let Err(e) = policy.canary() {
+            self.policy.refused(&e);
+            return Err(e);
+        }
+        let _guard = self.shadow_lock.lock();
+        let label = policy_label(policy.info());
+        let counters = self.shadow_series.counters(&label);
+        let info = policy.info().clone();
+        let shadow = Shadow::start(policy, sample, counters, &self.endpoint.to_string())
+            .map_err(|e| PolicyError::Runtime(format!("cannot start the shadow's thread: {e}")))?;
+        let status = shadow.status();
+        self.shadow.store(Some(Arc::new(shadow)));
+        self.policy.note(
+            "shadow",
+            &info,
+            format!(
+                "deciding beside the live policy on {:.0} % of requests",
+                status.sample * 100.0
+            ),
+        );
+        Ok(status)
+    }
+
+    /// Removes the shadow; what it did is returned. Its thread ends after the call in
+    /// progress; decisions still queued are dropped undecided.
+    pub fn detach_shadow(&self) -> Option<ShadowStatus> {
+        let _guard = self.shadow_lock.lock();
+        let old = self.shadow.swap(None)?;
+        let status = old.status();
+        self.policy
+            .note("shadow_removed", &status.info, "shadow removed".into());
+        Some(status)
+    }
+
+    /// The shadow now, if one is attached.
+    pub fn shadow_status(&self) -> Option<ShadowStatus> {
+        self.shadow.load().as_ref().map(|s| s.status())
+    }
+
+    /// Makes the shadow the live policy in one step (a swap: the live one becomes the
+    /// rollback target) and removes it as a shadow. `None` when there is no shadow; a
+    /// swap refused (its canary, run again) leaves the shadow attached.
+    pub fn promote_shadow(&self) -> Option<Result<PolicyStatus, PolicyError>> {
+        let _guard = self.shadow_lock.lock();
+        let shadow = self.shadow.load_full()?;
+        let was = shadow.status();
+        let status = match self.policy.swap(shadow.policy().clone()) {
+            Ok(status) => status,
+            Err(e) => return Some(Err(e)),
+        };
+        self.shadow.store(None);
+        self.policy.note(
+            "promote",
+            &was.info,
+            format!(
+                "shadow promoted after {} compared decisions ({} agreed)",
+                was.tally.compared, was.tally.agreed
+            ),
+        );
+        Some(Ok(status))
+    }
+
+    /// The endpoint.
+    pub fn endpoint(&self) -> &EndpointPath {
+        &self.endpoint
+    }
+
+    /// The shared client (the same `Arc` the proxy uses).
+    pub fn client(&self) -> &Arc<Client> {
+        &self.client
+    }
+
+    /// The endpoint's policy.
+    pub fn policy(&self) -> &Arc<PolicyHandle> {
+        &self.policy
+    }
+
+    /// The block hasher (the same chain the workers use).
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
+    /// Bookings the hard expiry released (leaks).
+    pub fn expired_bookings(&self) -> u64 {
+        self.expired_bookings.load(Ordering::Relaxed)
+    }
+
+    /// Counters of the KV event subscriptions.
+    pub fn event_stats(&self) -> &subscriber::EventStats {
+        &self.event_stats
+    }
+
+    /// Routes a request given its token IDs, avoiding `exclude` (workers that already
+    /// failed this request).
+    pub fn route(
+        &self,
+        tokens: &[u32],
+        session_key: Option<u64>,
+        exclude: &[InstanceId],
+    ) -> Result<Routed, RouteError> {
+        let hashes = self.hasher.hashes(tokens);
+        self.route_blocks(
+            tokens.len() as u32,
+            &hashes,
+            session_key,
+            exclude,
+            Instant::now(),
+        )
+    }
+
+    /// Routes a request given its block hashes (`prompt_tokens` may exceed the hashed
+    /// blocks by a partial block).
+    pub fn route_blocks(
+        &self,
+        prompt_tokens: u32,
+        hashes: &[BlockHash],
+        session_key: Option<u64>,
+        exclude: &[InstanceId],
+        now: Instant,
+    ) -> Result<Routed, RouteError> {
+        let started = Instant::now();
+        let busy = self.client.busy(now);
+        let (candidates, _) = if busy.is_empty() {
+            self.candidates(hashes, exclude)
+        } else {
+            let mut skip = exclude.to_vec();
+            skip.extend(busy.iter().map(|(id, _)| *id));
+            self.candidates(hashes, &skip)
+        };
+        if candidates.is_empty() {
+            let routable = self.client.routable();
+            if let Some(retry_after) = busy
+                .iter()
+                .filter(|(id, _)| routable.contains(id) && !exclude.contains(id))
+                .map(|(_, left)| *left)
+                .min()
+            {
+                self.quality.unrouted(1);
+                return Err(RouteError::Busy {
+                    endpoint: self.endpoint.to_string(),
+                    retry_after,
+                });
+            }
+            self.quality.unrouted(0);
+            return Err(RouteError::NoInstances {
+                endpoint: self.endpoint.to_string(),
+                excluded: exclude.len(),
+            });
+        }
+        let prompt_blocks = hashes.len() as u32;
+        let request = self.request(prompt_tokens, hashes, session_key);
+        let decision = self.policy.decide(request, &candidates);
+        if let Some(shadow) = &*self.shadow.load() {
+            let live = match &decision.outcome {
+                DecisionOutcome::Chosen(id) => Some(*id),
+                _ => None,
+            };
+            let seen = Request {
+                sequence: decision.sequence,
+                seed: decision.seed,
+                ..request
+            };
+            shadow.offer(decision.sequence, &seen, &candidates, live);
+        }
+        let worker = match &decision.outcome {
+            DecisionOutcome::Chosen(id) => *id,
+            DecisionOutcome::Rejected(r) => {
+                self.quality.unrouted(quality::rejection_index(r.kind));
+                return Err(RouteError::Rejected(r.clone()));
+            }
+            DecisionOutcome::NoCandidates => {
+                self.quality.unrouted(0);
+                return Err(RouteError::NoInstances {
+                    endpoint: self.endpoint.to_string(),
+                    excluded: exclude.len(),
+                });
+            }
+        };
+        debug_assert!(decision.decider == Decider::Fallback || candidates.contains(worker));
+        let overlap_blocks = candidates.overlap_of(worker).unwrap_or(0);
+        self.quality
+            .routed(worker, overlap_blocks, candidates.best_overlap());
+        let request = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
+        let uncached = u64::from(prompt_tokens)
+            .saturating_sub(u64::from(overlap_blocks) * u64::from(self.config.block_size));
+        let expired = {
+            let mut load = self.load.lock();
+            let expired = load.maybe_expire(now, self.config.load_expiry);
+            load.book(request, worker, hashes, uncached, now);
+            expired
+        };
+        if expired > 0 {
+            self.expired_bookings
+                .fetch_add(expired as u64, Ordering::Relaxed);
+            tracing::warn!(endpoint = %self.endpoint, expired, "load bookings leaked and were released by the hard expiry");
+        }
+        if !self.is_exact(worker) {
+            self.index.write().predicted.record(worker, hashes, now);
+        }
+        let decision_time = started.elapsed();
+        self.quality.record_latency(decision_time);
+        Ok(Routed {
+            worker,
+            request,
+            overlap_blocks,
+            prompt_blocks,
+            decision,
+            decision_time,
+        })
+    }
+
+    /// The candidates for a request with these block hashes: every routable instance
+    /// (available, or in panic mode every one not known to be unreachable) not in
+    /// `exclude`, ascending, with its overlap and load; and the overlaps found (sorted by
+    /// worker).
+    pub fn candidates(
+        &self,
+        hashes: &[BlockHash],
+        exclude: &[InstanceId],
+    ) -> (Candidates, Vec<(InstanceId, u32)>) {
+        let available = self.client.routable();
+        let mut overlaps = Vec::new();
+        self.index
+            .read()
+            .overlaps(hashes, |w, n| overlaps.push((w, n)));
+        overlaps.sort_unstable();
+        // A worker whose event view is incomplete may have predictions too: the longer wins.
+        overlaps.dedup_by(|later, kept| {
+            if later.0 == kept.0 {
+                kept.1 = kept.1.max(later.1);
+                true
+            } else {
+                false
+            }
+        });
+        let mut candidates = Candidates::with_capacity(available.len());
+        let now = Instant::now();
+        let load = self.load.lock();
+        for &id in available.iter().filter(|id| !exclude.contains(id)) {
+            let l = load.load(id, now);
+            let cached = overlaps
+                .binary_search_by_key(&id, |(w, _)| *w)
+                .map_or(0, |i| overlaps[i].1);
+            let overlap = load.extend_overlap(id, hashes, cached);
+            candidates.push(CandidateRow {
+                id,
+                overlap_blocks: overlap,
+                active_blocks: l.active_blocks,
+                pending_prefill_tokens: l.pending_prefill_tokens.min(u64::from(u32::MAX)) as u32,
+                in_flight: l.in_flight,
+                kv_usage: l.reported.and_then(|r| r.kv_usage()),
+            });
+        }
+        (candidates, overlaps)
+    }
+
+    /// What the router would do with a request, without routing it: the candidates as
+    /// the policy would see them and the policy's decision (nothing is booked or
+    /// predicted; the policy's decision counters do count it).
+    pub fn explain(&self, prompt_tokens: u32, hashes: &[BlockHash]) -> (Candidates, Decision) {
+        let (candidates, _) = self.candidates(hashes, &[]);
+        let decision = self
+            .policy
+            .decide(self.request(prompt_tokens, hashes, None), &candidates);
+        (candidates, decision)
+    }
+
+    /// The policy's view of a request with these block hashes.
+    fn request(
+        &self,
+        prompt_tokens: u32,
+        hashes: &[BlockHash],
+        session_key: Option<u64>,
+    ) -> Request {
+        Request {
+            prompt_tokens,
+            prompt_blocks: hashes.len() as u32,
+            block_size: self.config.block_size,
+            session_key,
+            seed: 0,
+            sequence: 0,
+        }
+    }
+
+    /// Applies a cache event as if `worker` had sent it (for benchmarks and tools that
+    /// feed the index directly).
+    pub fn apply_cache_event(&self, worker: InstanceId, event: &KvEvent) {
+        self.mark_snapshot(worker);
+        self.apply_event(worker, event);
+    }
+
+    /// The request's first token arrived.
+    pub fn prefill_done(&self, request: RequestId) {
+        self.load.lock().prefill_done(request);
+    }
+
+    /// The request is alive (its response is still relaying): its booking is not a leak.
+    pub fn touch(&self, request: RequestId) {
+        self.load.lock().touch(request, Instant::now());
+    }
+
+    /// The request ended, failed or was cancelled.
+    pub fn finish(&self, request: RequestId) {
+        self.load.lock().finish(request);
+    }
+
+    /// Current load of `worker`.
+    pub fn load_of(&self, worker: InstanceId) -> switchyard_kv::load::WorkerLoad {
+        self.load.lock().load(worker, Instant::now())
+    }
+
+    /// Blocks the index says `worker` holds.
+    pub fn cached_blocks(&self, worker: InstanceId) -> usize {
+        let index = self.index.read();
+        index.events.worker_blocks(worker) + index.predicted.index().worker_blocks(worker)
+    }
+
+    /// Every block the index says `worker` holds, sorted.
+    pub fn cached_block_list(&self, worker: InstanceId) -> Vec<BlockHash> {
+        self.index.read().worker_block_list(worker)
+    }
+
+    /// Whether the router's view of `worker`'s cache is exact (event-fed, in sync).
+    pub fn is_exact(&self, worker: InstanceId) -> bool {
+        self.views.read().get(&worker).is_some_and(|v| v.complete)
+    }
+
+    /// Where the router's view of `worker`'s cache comes from.
+    pub fn cache_view(&self, worker: InstanceId) -> CacheView {
+        match self.views.read().get(&worker) {
+            Some(v) if v.complete => CacheView::Events,
+            Some(_) => CacheView::Incomplete,
+            None => CacheView::Approximate,
+        }
+    }
+
+    /// The state of `worker`'s event-fed view, if it has one.
+    pub fn view_status(&self, worker: InstanceId) -> Option<ViewStatus> {
+        self.views.read().get(&worker).copied()
+    }
+
+    /// `worker`'s KV cache size in blocks, if its reports said.
+    pub fn known_capacity(&self, worker: InstanceId) -> Option<u64> {
+        self.capacities.lock().get(&worker).copied()
+    }
+
+    /// Whether clients' `Authorization` header goes on to this endpoint's workers.
+    pub fn forwards_authorization(&self) -> bool {
+        self.config.forward_authorization
+    }
+
+    /// The bound sockets engines connect to (central mode), if any.
+    pub fn central_events(&self) -> Option<&Arc<central_events::CentralEvents>> {
+        self.config.central_events.as_ref()
+    }
+
+    /// Counters of the engine-metrics scrapes.
+    pub fn scrape_stats(&self) -> &metrics_scraper::ScrapeStats {
+        &self.scrape_stats
+    }
+}
