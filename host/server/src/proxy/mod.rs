@@ -1,0 +1,371 @@
+//! The proxy: route a completion request, forward it to the chosen worker, pass the
+//! response through unchanged (streaming included), and fail over.
+//!
+//! Each failed attempt is classified (see ARCHITECTURE.md, "Failover"):
+//! - unreachable (refused, reset, connect timeout): the worker is ejected at once and the
+//!   request tried elsewhere; a connection the worker closed before answering is retried
+//!   once on a fresh connection first, and the router's own resource exhaustion (out of
+//!   file descriptors or ports) is never blamed on a worker;
+//! - 429 or 503: the worker is busy: skipped for its `Retry-After`, never ejected;
+//! - another 5xx, or no first byte of a stream within the first-byte timeout: tried
+//!   elsewhere; the failure is counted against the worker only once another worker has
+//!   served the request, and a request that failed on two workers is the request's fault
+//!   (poison): it is not retried further, counts against no one, and the client gets the
+//!   worker's own answer;
+//! - a non-streaming request that exceeds the request timeout gets 504 and is not
+//!   retried (it would take as long elsewhere); the worker is counted only if its health
+//!   check fails too.
+//!
+//! Once bytes have reached the client, an upstream failure or a stall longer than the
+//! idle timeout ends the stream (with an SSE error event for event streams). The load
+//! booking is released on every path: end, failure, retry, stall, client gone.
+//!
+//! - this module: the attempts and their failover ([`completion`]);
+//! - `tokenize`: prompts to token IDs, off the async threads when long;
+//! - `forward`: one attempt on one worker, its failure classified;
+//! - `relay`: the answer streamed to the client, the booking kept and released.
+
+mod forward;
+mod relay;
+mod tokenize;
+
+pub use forward::parse_retry_after;
+pub(crate) use tokenize::tokenize;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::Response;
+use hyper::body::Incoming;
+use hyper::header::{ACCEPT, AUTHORIZATION};
+
+use crate::{ApiError, Body, Gateway};
+use switchyard_ids::{InstanceId, RequestId};
+use switchyard_router::client::Client;
+use switchyard_router::{KvRouter, RouteError};
+use switchyard_tokens::openai::{self, Api};
+
+use forward::{forward, set_retry_after};
+use relay::Relay;
+use tokenize::BLOCKING_TOKENIZE_BYTES;
+
+/// Releases a request's load booking when dropped.
+pub(super) struct Booking {
+    pub(super) router: Arc<KvRouter>,
+    pub(super) request: RequestId,
+}
+
+impl Drop for Booking {
+    fn drop(&mut self) {
+        self.router.finish(self.request);
+    }
+}
+
+/// A worker's own answer, kept to pass on to the client.
+pub(super) type Answer = (hyper::http::response::Parts, Bytes);
+
+/// Why one attempt failed before the first byte reached the client.
+#[derive(Debug)]
+pub(super) enum Failure {
+    /// Refused, reset, connect timeout, or the response broke before its first byte.
+    Unreachable(String),
+    /// The worker closed the connection before answering (e.g. an idle keep-alive
+    /// connection it had just closed); worth one retry on a fresh connection.
+    Closed(String),
+    /// The router itself is out of a resource (file descriptors, ports).
+    Local(String),
+    /// No answer within the timeout.
+    Timeout(String),
+    /// 429 or 503: busy, with the worker's `Retry-After`.
+    Busy(Answer, Option<Duration>),
+    /// Another 5xx.
+    Status(Answer),
+}
+
+impl Failure {
+    fn reason(&self) -> String {
+        match self {
+            Failure::Unreachable(e) => format!("unreachable: {e}"),
+            Failure::Closed(e) => format!("connection closed before an answer: {e}"),
+            Failure::Local(e) => format!("the router is out of resources: {e}"),
+            Failure::Timeout(e) => format!("timed out: {e}"),
+            Failure::Busy((p, _), _) => format!("busy: answered {}", p.status),
+            Failure::Status((p, _)) => format!("answered {}", p.status),
+        }
+    }
+}
+
+pub(super) enum Forwarded {
+    /// A 2xx head and its first data frame (or none: an empty body).
+    Ok(hyper::http::response::Parts, Option<Bytes>, Incoming),
+    /// A 4xx other than 429: the worker refused the request itself; passed through.
+    ClientError(Answer),
+}
+
+/// What the request has done so far, across attempts.
+#[derive(Default)]
+pub(super) struct Attempts {
+    /// Workers not to try again for this request.
+    pub(super) exclude: Vec<InstanceId>,
+    /// 5xx answers and timeouts, counted against their workers only if another worker
+    /// then serves the request.
+    pub(super) pending: Vec<(InstanceId, String)>,
+    /// The last worker answer worth passing on (a 5xx or a busy answer).
+    pub(super) answer: Option<Answer>,
+    /// The last failure.
+    pub(super) last: Option<Failure>,
+    /// Fresh-connection retries used (one per request).
+    pub(super) reconnects: u32,
+}
+
+/// Routes and forwards a completion whose body has been read whole (`super::body`).
+pub(crate) async fn completion(
+    gw: &Arc<Gateway>,
+    api: Api,
+    req: &hyper::http::request::Parts,
+    body: Bytes,
+    request_started: Instant,
+) -> Result<Response<Body>, ApiError> {
+    let path = req.uri.path().to_string();
+    let accept = req.headers.get(ACCEPT).cloned();
+    // Kept only for endpoints whose workers may see clients' credentials.
+    let auth = req.headers.get(AUTHORIZATION).cloned();
+    let parsed = if body.len() > BLOCKING_TOKENIZE_BYTES {
+        // A large body is parsed off the async workers.
+        let b = body.clone();
+        tokio::task::spawn_blocking(move || openai::parse(api, &b))
+            .await
+            .map_err(|e| ApiError::Upstream(format!("the request parser failed: {e}")))?
+    } else {
+        openai::parse(api, &body)
+    }
+    .map_err(ApiError::BadRequest)?;
+    let router = gw.fleet.router_for_model(&parsed.model).ok_or_else(|| {
+        if gw.fleet.model_known(&parsed.model) {
+            ApiError::ModelUnavailable(parsed.model.clone())
+        } else {
+            ApiError::UnknownModel(parsed.model.clone())
+        }
+    })?;
+    let auth = auth.filter(|_| router.forwards_authorization());
+    let tokens = tokenize(gw, &parsed.prompt).await?;
+    // Refused before anything is booked or predicted: a prompt no worker can take must
+    // not cost the router its locks or its prediction budget.
+    let context = router
+        .context_len()
+        .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
+    if tokens.len() > gw.config.max_prompt_tokens.min(context) {
+        let limit = if context < gw.config.max_prompt_tokens {
+            format!("the model's context is {context} tokens (its workers' max_model_len)")
+        } else {
+            format!(
+                "this router takes at most {} (--max-prompt-tokens)",
+                gw.config.max_prompt_tokens
+            )
+        };
+        return Err(ApiError::BadRequest(openai::BadRequest {
+            message: format!("the prompt has {} tokens; {limit}", tokens.len()),
+            param: Some(
+                if api == Api::Chat {
+                    "messages"
+                } else {
+                    "prompt"
+                }
+                .into(),
+            ),
+        }));
+    }
+    let session_key = parsed
+        .user
+        .as_deref()
+        .map(|u| xxhash_rust::xxh3::xxh3_64(u.as_bytes()));
+    let hashes = router
+        .hasher()
+        .salted_hashes(&tokens, parsed.cache_salt.as_deref());
+    let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
+    // A stream's first bytes come at its first token; a plain answer's only at its end.
+    let limit = if parsed.stream {
+        gw.config.first_byte_timeout
+    } else {
+        gw.config.request_timeout
+    };
+    let client = router.client().clone();
+    let endpoint = router.endpoint().to_string();
+
+    let mut a = Attempts::default();
+    let mut attempt = 0;
+    while attempt < gw.config.max_attempts.max(1) {
+        let routed = match router.route_blocks(
+            prompt_tokens,
+            &hashes,
+            session_key,
+            &a.exclude,
+            Instant::now(),
+        ) {
+            Ok(r) => {
+                gw.metrics
+                    .timings
+                    .decision(&endpoint, r.decision_time, r.decision.call_time);
+                r
+            }
+            Err(e @ RouteError::Rejected(_)) => return Err(e.into()),
+            Err(e) => return give_up(&client, a, Some(e)),
+        };
+        if attempt > 0 {
+            gw.metrics.retries.fetch_add(1, Ordering::Relaxed);
+        }
+        attempt += 1;
+        let booking = Booking {
+            router: router.clone(),
+            request: routed.request,
+        };
+        let worker = routed.worker;
+        let Some(instance) = client.instance(worker) else {
+            a.exclude.push(worker);
+            continue;
+        };
+        let sent = forward(
+            gw,
+            &instance.url,
+            &path,
+            accept.as_ref(),
+            auth.as_ref(),
+            body.clone(),
+            limit,
+        )
+        .await;
+        let failure = match sent {
+            Ok(Forwarded::Ok(parts, first, rest)) => {
+                gw.metrics
+                    .timings
+                    .first_byte(&endpoint, request_started.elapsed());
+                router.prefill_done(routed.request);
+                client.record_success(worker);
+                // Served here: the earlier 5xx answers were those workers' own faults.
+                for (w, reason) in a.pending.drain(..) {
+                    client.record_failure(w, &reason);
+                }
+                let relay = Relay {
+                    gw: gw.clone(),
+                    client: client.clone(),
+                    worker,
+                    booking,
+                    started: request_started,
+                    endpoint: endpoint.clone(),
+                    predicted_blocks: routed.overlap_blocks,
+                };
+                return Ok(relay.stream(parts, first, rest));
+            }
+            Ok(Forwarded::ClientError((parts, bytes))) => {
+                // The request's own fault, so any earlier 5xx most likely was too.
+                client.record_success(worker);
+                return Ok(answer((parts, bytes)));
+            }
+            Err(f) => f,
+        };
+        drop(booking);
+        let reason = failure.reason();
+        tracing::warn!(endpoint = %router.endpoint(), instance = %worker, url = %instance.url, reason, attempt, "upstream attempt failed");
+        if !matches!(failure, Failure::Busy(..) | Failure::Local(_)) {
+            gw.metrics.upstream_failures.fetch_add(1, Ordering::Relaxed);
+            *gw.metrics
+                .failures_by_instance
+                .lock()
+                .entry(worker)
+                .or_insert(0) += 1;
+        }
+        if !gw.config.outlier_detection {
+            // The baseline: every failure ejects at once, and the request moves on.
+            if gw.config.availability {
+                client.report_instance_down(worker, &reason);
+            }
+            a.exclude.push(worker);
+            a.last = Some(failure);
+            continue;
+        }
+        match &failure {
+            Failure::Local(e) => {
+                gw.metrics.local_failures.fetch_add(1, Ordering::Relaxed);
+                return Err(ApiError::Overloaded(format!(
+                    "the router cannot open a connection to a worker: {e}"
+                )));
+            }
+            Failure::Closed(_) if a.reconnects == 0 => {
+                // Once, on a fresh connection, to the same worker, uncounted.
+                a.reconnects += 1;
+                attempt -= 1;
+                continue;
+            }
+            Failure::Closed(_) | Failure::Unreachable(_) => {
+                if gw.config.availability {
+                    client.report_instance_down(worker, &reason);
+                }
+            }
+            Failure::Busy(ans, retry_after) => {
+                let skip = client.report_busy(worker, *retry_after);
+                gw.metrics.busy.fetch_add(1, Ordering::Relaxed);
+                let mut ans = (ans.0.clone(), ans.1.clone());
+                set_retry_after(&mut ans.0.headers, skip);
+                a.answer = Some(ans);
+            }
+            Failure::Status(ans) => {
+                a.answer = Some((ans.0.clone(), ans.1.clone()));
+                a.pending.push((worker, reason.clone()));
+            }
+            Failure::Timeout(_) if !parsed.stream => {
+                // Not retried: it would take as long elsewhere. Counted against the
+                // worker only if it is silent.
+                let c = client.clone();
+                tokio::spawn(async move { c.check_now(worker, &reason).await });
+                return Err(ApiError::UpstreamTimeout(format!(
+                    "no answer within the request timeout of {limit:?}"
+                )));
+            }
+            Failure::Timeout(_) => a.pending.push((worker, reason.clone())),
+        }
+        a.exclude.push(worker);
+        a.last = Some(failure);
+        let failed_workers = a.pending.len();
+        if failed_workers >= 2 {
+            // Failed on two workers: the request's fault. Eject no one, stop here.
+            gw.metrics.poison.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(endpoint = %router.endpoint(), workers = failed_workers, "request failed on several workers; treated as its own fault (poison), not retried");
+            a.pending.clear();
+            return give_up(&client, a, None);
+        }
+    }
+    give_up(&client, a, None)
+}
+
+/// The answer when no attempt succeeded: the worker's own answer if there is one (a
+/// 5xx or busy answer), else the routing error (503) or the last failure (502/504).
+/// A single pending 5xx with no worker left to confirm it counts against its worker.
+pub(super) fn give_up(
+    client: &Client,
+    a: Attempts,
+    route: Option<RouteError>,
+) -> Result<Response<Body>, ApiError> {
+    for (w, reason) in &a.pending {
+        client.record_failure(*w, reason);
+    }
+    if let Some(ans) = a.answer {
+        return Ok(answer(ans));
+    }
+    match (a.last, route) {
+        (None, Some(e)) => Err(e.into()),
+        (Some(Failure::Timeout(t)), Some(e)) => {
+            Err(ApiError::UpstreamTimeout(format!("{t}; and then {e}")))
+        }
+        (Some(f), Some(e)) => Err(ApiError::Upstream(format!("{}; and then {e}", f.reason()))),
+        (Some(Failure::Timeout(t)), None) => Err(ApiError::UpstreamTimeout(t)),
+        (Some(f), None) => Err(ApiError::Upstream(f.reason())),
+        (None, None) => Err(ApiError::Upstream("no attempt was made".into())),
+    }
+}
+
+pub(super) fn answer((parts, bytes): Answer) -> Response<Body> {
+    Response::from_parts(parts, Full::new(bytes).map_err(|e| match e {}).boxed())
+}
