@@ -26,7 +26,9 @@
 //! Must not know: etcd, HTTP serving, policies.
 
 mod health;
+mod membership;
 pub mod outlier;
+mod recovery;
 mod registry;
 
 use std::collections::{BTreeMap, HashMap};
@@ -41,8 +43,10 @@ use tokio::sync::watch;
 pub use health::{HealthCheck, HealthError, HttpHealthCheck, local_exhaustion};
 pub use outlier::{DownKind, InstanceHealth, OutlierConfig};
 pub use registry::ClientRegistry;
-use switchyard_discovery::{DiscoveryUpdate, EndpointPath, InstanceInfo};
+use switchyard_discovery::{EndpointPath, InstanceInfo};
 use switchyard_ids::InstanceId;
+
+use recovery::{active_checks, probe};
 
 /// Re-admission probing and outlier detection.
 #[derive(Debug, Clone)]
@@ -87,7 +91,7 @@ pub enum Availability {
 }
 
 impl Availability {
-    fn is_unreachable(&self) -> bool {
+    pub(super) fn is_unreachable(&self) -> bool {
         matches!(
             self,
             Availability::Down {
@@ -156,27 +160,27 @@ pub struct ClientCounters {
 
 /// One endpoint's instances. Create through [`ClientRegistry`] so that it is shared.
 pub struct Client {
-    endpoint: EndpointPath,
-    config: ClientConfig,
-    health: Arc<dyn HealthCheck>,
+    pub(crate) endpoint: EndpointPath,
+    pub(crate) config: ClientConfig,
+    pub(crate) health: Arc<dyn HealthCheck>,
     /// The published state; readers load it without locking.
-    current: ArcSwap<Snapshot>,
+    pub(crate) current: ArcSwap<Snapshot>,
     /// The available IDs, sent under `writer` after each change so that every receiver
     /// sees changes in the order they were made.
-    available_tx: watch::Sender<Arc<[InstanceId]>>,
+    pub(crate) available_tx: watch::Sender<Arc<[InstanceId]>>,
     /// The snapshot version, sent after every change (also those that leave the
     /// available set alone, e.g. discovery removing a down instance).
-    version_tx: watch::Sender<u64>,
+    pub(crate) version_tx: watch::Sender<u64>,
     /// Serialises writers (discovery updates, reports, re-admissions) and owns the
     /// per-instance tasks (a probe, or a hold). Never held across an await.
-    writer: Mutex<HashMap<InstanceId, tokio::task::AbortHandle>>,
+    pub(crate) writer: Mutex<HashMap<InstanceId, tokio::task::AbortHandle>>,
     /// Busy instances and when they may take traffic again. Usually empty; `any_busy`
     /// lets routing skip the lock then.
-    busy: Mutex<Vec<(InstanceId, Instant)>>,
-    any_busy: AtomicBool,
-    counters: ClientCounters,
-    runtime: tokio::runtime::Handle,
-    me: Weak<Client>,
+    pub(crate) busy: Mutex<Vec<(InstanceId, Instant)>>,
+    pub(crate) any_busy: AtomicBool,
+    pub(crate) counters: ClientCounters,
+    pub(crate) runtime: tokio::runtime::Handle,
+    pub(crate) me: Weak<Client>,
 }
 
 impl Client {
@@ -333,7 +337,7 @@ impl Client {
 
     /// Takes `id` out of the available set, subject to the share cap. Returns whether it
     /// changed anything, and the snapshot version.
-    fn eject(&self, id: InstanceId, reason: &str, kind: DownKind) -> (bool, u64) {
+    pub(super) fn eject(&self, id: InstanceId, reason: &str, kind: DownKind) -> (bool, u64) {
         let mut changed = false;
         let mut refused = false;
         let mut removed_held = false;
@@ -401,340 +405,6 @@ impl Client {
             tracing::warn!(endpoint = %self.endpoint, instance = %id, reason, "ejection refused: the endpoint already has its share of instances out");
         }
         (changed, version)
-    }
-
-    /// Applies one discovery update; returns the resulting snapshot version.
-    pub fn apply(&self, update: DiscoveryUpdate) -> u64 {
-        let mut to_hold = Vec::new();
-        let version = self.write(|instances, tasks| match update {
-            DiscoveryUpdate::Reset(list) => {
-                let mut next = BTreeMap::new();
-                for info in list {
-                    let id = info.id;
-                    let state = self.admit(instances.remove(&id), info, tasks);
-                    next.insert(id, state);
-                }
-                for (id, state) in std::mem::take(instances) {
-                    if let Some(state) = self.removed(id, state, tasks, &mut to_hold) {
-                        next.insert(id, state);
-                    }
-                }
-                *instances = next;
-            }
-            DiscoveryUpdate::Insert(info) => {
-                let id = info.id;
-                let state = self.admit(instances.remove(&id), info, tasks);
-                instances.insert(id, state);
-            }
-            DiscoveryUpdate::Remove(id) => {
-                if let Some(state) = instances.remove(&id)
-                    && let Some(state) = self.removed(id, state, tasks, &mut to_hold)
-                {
-                    instances.insert(id, state);
-                }
-            }
-            DiscoveryUpdate::Leave(id) => {
-                instances.remove(&id);
-                if let Some(t) = tasks.remove(&id) {
-                    t.abort();
-                }
-            }
-        });
-        for id in to_hold {
-            tracing::warn!(endpoint = %self.endpoint, instance = %id, grace = ?self.config.outlier.discovery_grace, "discovery removed a serving instance; it keeps serving while it answers, for the grace period");
-        }
-        version
-    }
-
-    /// What becomes of an instance that discovery no longer lists: gone, unless it was
-    /// serving and a grace period applies; then it is held (and checked at once).
-    fn removed(
-        &self,
-        id: InstanceId,
-        mut state: InstanceState,
-        tasks: &mut HashMap<InstanceId, tokio::task::AbortHandle>,
-        held: &mut Vec<InstanceId>,
-    ) -> Option<InstanceState> {
-        let grace = self.config.outlier.discovery_grace;
-        if state.held_until.is_some() {
-            return Some(state);
-        }
-        if state.availability != Availability::Available || grace.is_zero() {
-            if let Some(t) = tasks.remove(&id) {
-                t.abort();
-            }
-            return None;
-        }
-        state.held_until = Some(SystemTime::now() + grace);
-        let task = self
-            .runtime
-            .spawn(hold(self.me.clone(), id, state.info.registration, grace));
-        if let Some(old) = tasks.insert(id, task.abort_handle()) {
-            old.abort();
-        }
-        self.counters.held_removals.fetch_add(1, Ordering::Relaxed);
-        held.push(id);
-        Some(state)
-    }
-
-    /// The state of an announced instance: its old availability if this is the same
-    /// registration, available otherwise (a new registration re-admits it). Either way
-    /// discovery lists it, so a hold ends.
-    fn admit(
-        &self,
-        old: Option<InstanceState>,
-        info: InstanceInfo,
-        tasks: &mut HashMap<InstanceId, tokio::task::AbortHandle>,
-    ) -> InstanceState {
-        let Some(old) = old else {
-            return InstanceState {
-                info: Arc::new(info),
-                availability: Availability::Available,
-                health: Arc::default(),
-                held_until: None,
-            };
-        };
-        if old.held_until.is_some()
-            && let Some(t) = tasks.remove(&info.id)
-        {
-            t.abort();
-        }
-        let availability = if old.info.registration == info.registration {
-            old.availability
-        } else {
-            if old.availability != Availability::Available {
-                if let Some(t) = tasks.remove(&info.id) {
-                    t.abort();
-                }
-                self.counters
-                    .readmitted_by_discovery
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::info!(endpoint = %self.endpoint, instance = %info.id, "instance registered again; available");
-            }
-            old.health.fresh();
-            Availability::Available
-        };
-        InstanceState {
-            info: Arc::new(info),
-            availability,
-            health: old.health,
-            held_until: None,
-        }
-    }
-
-    /// Runs one writer step on a copy of the state and publishes the result.
-    fn write(
-        &self,
-        f: impl FnOnce(
-            &mut BTreeMap<InstanceId, InstanceState>,
-            &mut HashMap<InstanceId, tokio::task::AbortHandle>,
-        ),
-    ) -> u64 {
-        let mut tasks = self.writer.lock();
-        let old = self.current.load_full();
-        let mut instances = old.instances.clone();
-        f(&mut instances, &mut tasks);
-        let available: Vec<InstanceId> = instances
-            .iter()
-            .filter(|(_, s)| s.availability == Availability::Available)
-            .map(|(id, _)| *id)
-            .collect();
-        let available_changed = *available != *old.available;
-        let available: Arc<[InstanceId]> = if available_changed {
-            Arc::from(available)
-        } else {
-            old.available.clone()
-        };
-        let panic = self.config.outlier.panics(available.len(), instances.len());
-        let routable: Arc<[InstanceId]> = if panic {
-            instances
-                .iter()
-                .filter(|(_, s)| !s.availability.is_unreachable())
-                .map(|(id, _)| *id)
-                .collect()
-        } else {
-            available.clone()
-        };
-        if panic != old.panic {
-            if panic {
-                self.counters.panics.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(endpoint = %self.endpoint, available = available.len(), discovered = instances.len(), "panic mode: too few instances available; routing over every instance not known to be unreachable");
-            } else {
-                tracing::info!(endpoint = %self.endpoint, available = available.len(), "panic mode over");
-            }
-        }
-        let version = old.version + 1;
-        self.current.store(Arc::new(Snapshot {
-            version,
-            instances,
-            available: available.clone(),
-            routable,
-            panic,
-        }));
-        if available_changed {
-            self.available_tx.send_replace(available);
-        }
-        self.version_tx.send_replace(version);
-        version
-    }
-
-    /// The instance's info if it is still down under `registration` (else probing stops).
-    fn still_down(&self, id: InstanceId, registration: u64) -> Option<Arc<InstanceInfo>> {
-        let snap = self.current.load();
-        let state = snap.instances.get(&id)?;
-        (state.info.registration == registration && state.availability != Availability::Available)
-            .then(|| state.info.clone())
-    }
-
-    fn probe_result(&self, id: InstanceId, registration: u64, result: Result<(), String>) -> bool {
-        let mut readmitted = false;
-        self.write(|instances, tasks| {
-            let Some(state) = instances.get_mut(&id) else {
-                return;
-            };
-            if state.info.registration != registration {
-                return;
-            }
-            match (&result, &mut state.availability) {
-                (Ok(()), Availability::Down { .. }) => {
-                    state.availability = Availability::Available;
-                    state.health.readmitted(Instant::now());
-                    tasks.remove(&id);
-                    readmitted = true;
-                    self.counters
-                        .readmitted_by_probe
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                (Err(_), Availability::Down { failed_probes, .. }) => {
-                    *failed_probes += 1;
-                    self.counters.failed_probes.fetch_add(1, Ordering::Relaxed);
-                }
-                _ => {}
-            }
-        });
-        match result {
-            Ok(()) if readmitted => {
-                tracing::info!(endpoint = %self.endpoint, instance = %id, "instance healthy again; available on probation");
-            }
-            Err(e) => {
-                tracing::debug!(endpoint = %self.endpoint, instance = %id, error = %e, "health probe failed");
-            }
-            _ => {}
-        }
-        readmitted
-    }
-
-    /// Ends the hold of an instance discovery removed (grace over, or it did not answer).
-    fn end_hold(&self, id: InstanceId, registration: u64, why: &str) {
-        let mut removed = false;
-        self.write(|instances, tasks| {
-            if instances
-                .get(&id)
-                .is_some_and(|s| s.held_until.is_some() && s.info.registration == registration)
-            {
-                instances.remove(&id);
-                tasks.remove(&id);
-                removed = true;
-            }
-        });
-        if removed {
-            tracing::info!(endpoint = %self.endpoint, instance = %id, why, "held instance removed");
-        }
-    }
-
-    /// One round of active health checks over the available instances, concurrently.
-    async fn check_available(self: &Arc<Self>) {
-        let snap = self.current.load_full();
-        let mut handles = Vec::new();
-        for (&id, s) in &snap.instances {
-            if s.availability != Availability::Available {
-                continue;
-            }
-            let (me, info, health) = (self.clone(), s.info.clone(), s.health.clone());
-            let held = s.held_until.is_some();
-            handles.push(tokio::spawn(async move {
-                match me.health.check(&info).await {
-                    Ok(()) => health.passed_check(),
-                    Err(HealthError::Local(e)) => {
-                        tracing::warn!(instance = %id, error = %e, "health check not made");
-                    }
-                    Err(HealthError::Unhealthy(e)) if held => {
-                        me.end_hold(id, info.registration, &e)
-                    }
-                    Err(HealthError::Unhealthy(e)) => {
-                        if health.failed_check(&me.config.outlier) {
-                            let reason = format!("health check failed: {e}");
-                            me.eject(id, &reason, DownKind::Unhealthy);
-                        }
-                    }
-                }
-            }));
-        }
-        for h in handles {
-            let _ = h.await;
-        }
-    }
-}
-
-/// Probes an ejected instance, after its ejection time, until it is healthy,
-/// re-registered or gone.
-async fn probe(client: Weak<Client>, id: InstanceId, registration: u64, ejected_for: Duration) {
-    let Some(mut delay) = client.upgrade().map(|c| c.config.probe_initial) else {
-        return;
-    };
-    tokio::time::sleep(ejected_for).await;
-    loop {
-        let Some(c) = client.upgrade() else { return };
-        let Some(info) = c.still_down(id, registration) else {
-            return;
-        };
-        let result = match c.health.check(&info).await {
-            Ok(()) => Some(Ok(())),
-            Err(HealthError::Unhealthy(e)) => Some(Err(e)),
-            // No verdict: the router itself is out of resources.
-            Err(HealthError::Local(_)) => None,
-        };
-        if let Some(result) = result
-            && c.probe_result(id, registration, result)
-        {
-            return;
-        }
-        drop(c);
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(
-            client
-                .upgrade()
-                .map_or(Duration::from_secs(30), |c| c.config.probe_max),
-        );
-    }
-}
-
-/// Holds an instance that discovery removed while it served: one health probe now (a
-/// worker that does not answer leaves at once), then removal when the grace ends.
-async fn hold(client: Weak<Client>, id: InstanceId, registration: u64, grace: Duration) {
-    let Some(c) = client.upgrade() else { return };
-    let Some(info) = c.instance(id) else { return };
-    if let Err(HealthError::Unhealthy(e)) = c.health.check(&info).await {
-        c.end_hold(id, registration, &format!("does not answer: {e}"));
-        return;
-    }
-    drop(c);
-    tokio::time::sleep(grace).await;
-    if let Some(c) = client.upgrade() {
-        c.end_hold(id, registration, "grace period over");
-    }
-}
-
-/// Checks every available instance each `every`, so that a hung worker leaves before
-/// requests time out on it. Ends with the client.
-async fn active_checks(client: Weak<Client>, every: Duration) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tick.tick().await;
-    loop {
-        tick.tick().await;
-        let Some(c) = client.upgrade() else { return };
-        c.check_available().await;
     }
 }
 

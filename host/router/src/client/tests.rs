@@ -2,6 +2,7 @@
 
 use super::*;
 use std::sync::atomic::AtomicBool;
+use switchyard_discovery::DiscoveryUpdate;
 use switchyard_discovery::EndpointPath;
 
 /// A health check whose answer the test sets, counting the probes it answers.
