@@ -9,6 +9,7 @@ pub mod health;
 pub mod hostile_zmtp;
 pub mod http;
 pub mod kv;
+pub mod policy;
 pub mod procs;
 pub mod prom;
 pub mod router;
