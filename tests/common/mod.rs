@@ -13,6 +13,7 @@ pub mod policy;
 pub mod procs;
 pub mod prom;
 pub mod router;
+pub mod serve;
 pub mod tls;
 
 /// The `.wasm` of a guest built by the host's build script, by artifact name.
