@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 pub mod etcd;
 pub mod events;
+pub mod faults;
 pub mod health;
 pub mod hostile_zmtp;
 pub mod http;
