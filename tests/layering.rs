@@ -2,7 +2,8 @@
 //! dependencies (from `cargo metadata`) point only to lower floors, and the crates that
 //! must stay free of something (I/O in the KV crate, wasmtime outside the policy
 //! runtime, HTTP in the pure crates) are. A change that breaks the layering fails here
-//! with the crate and the dependency named, not in review.
+//! with the crate and the dependency named, not in review; so does an import circle
+//! between two modules of one crate.
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -153,4 +154,21 @@ fn wasmtime_zeromq_and_http_stay_where_they_belong() {
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// Inside a crate, no two modules import each other, directly or around a ring (Cargo
+/// already refuses such a circle between crates). The scan is `tools/module-circles.py`'s.
+#[test]
+fn no_modules_import_each_other_in_a_circle() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tools/module-circles.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .output()
+        .expect("python3 runs (tools/test.sh installs it)");
+    assert!(
+        out.status.success(),
+        "import circles:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -233,6 +233,39 @@ pub(super) fn medium(v: Option<&ValueRef<'_>>) -> Result<Medium, DecodeError> {
     }
 }
 
+/// The named fields of one event, whichever shape it came in.
+pub(super) struct Fields<'a> {
+    pub(super) tag: &'a str,
+    pub(super) positional: Option<Vec<Raw<'a>>>,
+    pub(super) map: Option<Vec<(Raw<'a>, Raw<'a>)>>,
+}
+
+impl<'a> Fields<'a> {
+    /// Field `name`, at `index` after the tag in the positional shape.
+    pub(super) fn get(&self, name: &str, index: usize) -> Option<Raw<'a>> {
+        match (&self.positional, &self.map) {
+            (Some(p), _) => p.get(index + 1).copied(),
+            (_, Some(m)) => field(m, name),
+            _ => None,
+        }
+    }
+
+    /// A scalar field, decoded.
+    pub(super) fn scalar(
+        &self,
+        name: &str,
+        index: usize,
+    ) -> Result<Option<ValueRef<'a>>, DecodeError> {
+        scalar(self.get(name, index))
+    }
+
+    /// `group_idx` (maps only), 0 when absent.
+    pub(super) fn group(&self) -> Result<u32, DecodeError> {
+        let g = scalar(self.map.as_ref().and_then(|m| field(m, "group_idx")))?;
+        Ok(group(g.as_ref()))
+    }
+}
+
 pub(super) fn group(v: Option<&ValueRef<'_>>) -> u32 {
     v.and_then(as_u64)
         .map_or(0, |g| g.min(u64::from(u32::MAX)) as u32)

@@ -18,7 +18,7 @@ use switchyard_router::subscriber::{self, SubscriberConfig};
 use switchyard_router::{KvRouter, KvRouterConfig};
 
 use super::EndpointEntry;
-use super::pushes::Pushes;
+use super::Pushes;
 
 /// The endpoints, their routers and policies.
 pub struct ServeFleet {

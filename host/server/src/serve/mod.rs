@@ -15,7 +15,6 @@ mod fleet;
 mod pushes;
 
 pub use fleet::ServeFleet;
-use pushes::Pushes;
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -30,7 +29,7 @@ use tokio::net::TcpListener;
 use crate::config::{DiscoveryConfig, ServeConfig};
 use crate::{Fleet, Gateway, GatewayConfig};
 use switchyard_discovery::etcd::{EtcdDiscovery, list_all};
-use switchyard_discovery::etcd_policy::Role;
+use switchyard_discovery::etcd_policy::{PushedPolicy, Role};
 use switchyard_discovery::fixed::FixedDiscovery;
 use switchyard_discovery::{Discovery, EndpointPath, InstanceInfo, etcd_policy};
 use switchyard_ids::InstanceId;
@@ -48,6 +47,42 @@ pub(super) const ENDPOINT_RELIST: Duration = Duration::from_secs(30);
 pub(super) struct EndpointEntry {
     endpoint: EndpointPath,
     block_size: u32,
+}
+
+/// What tells one push from another.
+type PushKey = (String, String, u64, Option<String>);
+
+/// Pushed policies: etcd's view, and what each endpoint's router was made to run.
+#[derive(Default)]
+pub(super) struct Pushes {
+    /// The push etcd holds for each endpoint.
+    pub(super) desired: HashMap<EndpointPath, Arc<PushedPolicy>>,
+    /// The push each endpoint was last reconciled to, applied or refused (its sha256,
+    /// config, push time and signature: a new push of the same policy is a new push);
+    /// absent: it runs its configured policy.
+    pub(super) attempted: HashMap<EndpointPath, PushKey>,
+}
+
+impl Pushes {
+    /// What etcd holds for `endpoint`, and what it was last reconciled to.
+    pub(super) fn of(
+        &self,
+        endpoint: &EndpointPath,
+    ) -> (Option<Arc<PushedPolicy>>, Option<PushKey>) {
+        (
+            self.desired.get(endpoint).cloned(),
+            self.attempted.get(endpoint).cloned(),
+        )
+    }
+}
+
+fn push_key(p: &PushedPolicy) -> PushKey {
+    (
+        p.sha256.clone(),
+        p.config.clone(),
+        p.pushed_at,
+        p.signature.clone(),
+    )
 }
 
 /// Static workers as instances (IDs derived from their URLs).

@@ -1,52 +1,16 @@
 //! Policies pushed through etcd (live and shadow), reconciled one endpoint at a time.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use parking_lot::Mutex;
 
 use switchyard_discovery::EndpointPath;
-use switchyard_discovery::etcd_policy::{PolicyEvent, PushedPolicy};
+use switchyard_discovery::etcd_policy::PolicyEvent;
 use switchyard_policy::{PolicyError, PolicySource};
 
 use super::fleet::ServeFleet;
-
-/// What tells one push from another.
-pub(super) type PushKey = (String, String, u64, Option<String>);
-
-/// Pushed policies: etcd's view, and what each endpoint's router was made to run.
-#[derive(Default)]
-pub(super) struct Pushes {
-    /// The push etcd holds for each endpoint.
-    pub(super) desired: HashMap<EndpointPath, Arc<PushedPolicy>>,
-    /// The push each endpoint was last reconciled to, applied or refused (its sha256,
-    /// config, push time and signature: a new push of the same policy is a new push);
-    /// absent: it runs its configured policy.
-    pub(super) attempted: HashMap<EndpointPath, PushKey>,
-}
-
-impl Pushes {
-    /// What etcd holds for `endpoint`, and what it was last reconciled to.
-    pub(super) fn of(
-        &self,
-        endpoint: &EndpointPath,
-    ) -> (Option<Arc<PushedPolicy>>, Option<PushKey>) {
-        (
-            self.desired.get(endpoint).cloned(),
-            self.attempted.get(endpoint).cloned(),
-        )
-    }
-}
-
-pub(super) fn push_key(p: &PushedPolicy) -> PushKey {
-    (
-        p.sha256.clone(),
-        p.config.clone(),
-        p.pushed_at,
-        p.signature.clone(),
-    )
-}
+use super::{Pushes, push_key};
 
 impl ServeFleet {
     /// Swaps `endpoint`'s policy to a `.wasm` file's bytes, after validation.

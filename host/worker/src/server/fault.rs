@@ -4,7 +4,7 @@ use hyper::{Response, StatusCode};
 use serde::Deserialize;
 
 use super::Body;
-use super::routes::error;
+use super::reply::error;
 
 /// An injected fault.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]

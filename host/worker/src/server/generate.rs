@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use crate::engine::Output;
 use switchyard_tokens::openai::{self, Api, Prompt};
 
-use super::routes::{error, json_response, read_body};
+use super::reply::{error, json_response, read_body};
 use super::{Body, Fault, Shared};
 
 /// Deterministic filler text for generated token `i`.
@@ -32,8 +32,6 @@ pub(super) fn filler(i: u32) -> &'static str {
     ];
     WORDS[i as usize % WORDS.len()]
 }
-
-pub(super) const MAX_BODY: usize = 32 << 20;
 
 pub(super) async fn completion(
     shared: Arc<Shared>,

@@ -21,6 +21,7 @@
 
 mod fault;
 mod generate;
+mod reply;
 mod routes;
 
 pub use fault::{Fault, FaultConfig};

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use http_body_util::{BodyExt, Limited, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::json;
@@ -13,38 +13,9 @@ use tokio::sync::mpsc;
 use switchyard_kv::events::KvEvent;
 use switchyard_tokens::openai::{self, Api, Prompt};
 
-use super::generate::{MAX_BODY, completion};
+use super::generate::completion;
+use super::reply::{error, full, json_response, read_body};
 use super::{Body, Fault, FaultConfig, Shared};
-
-pub(super) fn full(
-    status: StatusCode,
-    content_type: &str,
-    body: impl Into<Bytes>,
-) -> Response<Body> {
-    Response::builder()
-        .status(status)
-        .header("content-type", content_type)
-        .body(Full::new(body.into()).map_err(|e| match e {}).boxed())
-        .expect("valid response")
-}
-
-pub(super) fn json_response(status: StatusCode, v: serde_json::Value) -> Response<Body> {
-    full(status, "application/json", v.to_string())
-}
-
-pub(super) fn error(
-    status: StatusCode,
-    message: &str,
-    kind: &str,
-    param: Option<&str>,
-    code: Option<&str>,
-) -> Response<Body> {
-    full(
-        status,
-        "application/json",
-        openai::error_body(message, kind, param, code),
-    )
-}
 
 pub(super) async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
     if let Some(key) = &shared.api_key
@@ -185,20 +156,6 @@ pub(super) fn server_info(shared: &Shared) -> serde_json::Value {
         "dp_size": 1,
         "version": env!("CARGO_PKG_VERSION"),
     })
-}
-
-/// A request's body, or the 413 answer when it exceeds `MAX_BODY`.
-pub(super) async fn read_body(req: Request<Incoming>) -> Result<Bytes, Response<Body>> {
-    match Limited::new(req.into_body(), MAX_BODY).collect().await {
-        Ok(b) => Ok(b.to_bytes()),
-        Err(_) => Err(error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "request body too large",
-            "invalid_request_error",
-            None,
-            None,
-        )),
-    }
 }
 
 /// vLLM's `/tokenize` (a `prompt` or chat `messages`) and `/v1/chat/completions/render`
