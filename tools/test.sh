@@ -14,7 +14,8 @@
 #   chromium      (Debian)  the admin page is tested in a real headless browser
 #   wasm32-wasip2 (rustup)  the policies' target (the build adds it too)
 #
-# Extra arguments go to `cargo test`, e.g. `tools/test.sh --test faults`.
+# Extra arguments go to `cargo test`, e.g. `tools/test.sh --test faults`; without any,
+# the benchmarks also run once in their quick mode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -92,3 +93,9 @@ installed_targets="$(rustup target list --installed)"
 grep -qx wasm32-wasip2 <<<"$installed_targets" || rustup target add wasm32-wasip2
 
 cargo test --workspace "$@"
+# With no arguments, every benchmark too, in its quick mode (without `--bench` each runs
+# a small bounded load): a benchmark that no longer runs is caught here, not when
+# someone next measures.
+if [ "$#" -eq 0 ]; then
+    cargo test --workspace --bench '*'
+fi
