@@ -59,15 +59,8 @@ fn endpoint() -> EndpointPath {
 
 fn info(id: u64, url: &str) -> InstanceInfo {
     InstanceInfo {
-        id: InstanceId(id),
-        endpoint: endpoint(),
-        url: url.to_string(),
-        model: "test-model".into(),
-        block_size: 16,
-        events_url: None,
-        engine_events: None,
-        health_path: "/health".into(),
         registration: 0,
+        ..InstanceInfo::new(InstanceId(id), endpoint(), url, "test-model", 16)
     }
 }
 

@@ -18,16 +18,10 @@ use switchyard::router::{KvRouter, RouteError};
 const PATIENCE: Duration = Duration::from_secs(30);
 
 fn instance(id: u64, events_url: Option<String>) -> InstanceInfo {
+    let url = format!("http://127.0.0.1:{}", 1 + id);
     InstanceInfo {
-        id: InstanceId(id),
-        endpoint: EndpointPath::for_model("m"),
-        url: format!("http://127.0.0.1:{}", 1 + id),
-        model: "m".into(),
-        block_size: 16,
         events_url,
-        engine_events: None,
-        health_path: "/health".into(),
-        registration: 1,
+        ..InstanceInfo::new(InstanceId(id), EndpointPath::for_model("m"), url, "m", 16)
     }
 }
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::etcd::Etcd;
 use common::http::{self, get, post_json, sse_events};
 use common::procs::{mock_worker, serve};
-use common::router::{PATIENCE, TOKEN, eventually, instance, metric};
+use common::router::{PATIENCE, TOKEN, admin_get, auth, eventually, instance, metric};
 use common::serve::*;
 use hyper::{Method, StatusCode};
 use serde_json::{Value, json};

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use common::http::{self, post_json};
 use common::procs::{mock_worker, serve};
-use common::router::{PATIENCE, TOKEN, eventually, metric};
+use common::router::{PATIENCE, TOKEN, admin_get, auth, eventually, metric};
 use common::serve::*;
 use hyper::{Method, StatusCode};
 

@@ -20,17 +20,14 @@ const PATIENCE: Duration = Duration::from_secs(30);
 const BLOCK: u32 = 16;
 
 fn instance(id: u64) -> InstanceInfo {
-    InstanceInfo {
-        id: InstanceId(id),
-        endpoint: EndpointPath::for_model("m"),
-        url: format!("http://127.0.0.1:{}", 1 + id),
-        model: "m".into(),
-        block_size: BLOCK,
-        events_url: None,
-        engine_events: None,
-        health_path: "/health".into(),
-        registration: 1,
-    }
+    let url = format!("http://127.0.0.1:{}", 1 + id);
+    InstanceInfo::new(
+        InstanceId(id),
+        EndpointPath::for_model("m"),
+        url,
+        "m",
+        BLOCK,
+    )
 }
 
 fn engine(budget: Duration) -> PolicyEngine {

@@ -99,15 +99,8 @@ pub fn instance(
     engine_events: Option<EngineEventSource>,
 ) -> InstanceInfo {
     InstanceInfo {
-        id,
-        endpoint: EndpointPath::for_model("m"),
-        url,
-        model: "m".into(),
-        block_size: BLOCK,
-        events_url: None,
         engine_events: engine_events.map(Arc::new),
-        health_path: "/health".into(),
-        registration: 1,
+        ..InstanceInfo::new(id, EndpointPath::for_model("m"), url, "m", BLOCK)
     }
 }
 

@@ -42,13 +42,18 @@ pub async fn admin_send(c: &HttpClient, method: Method, url: &str) -> (StatusCod
     (status, String::from_utf8_lossy(&body).into_owned())
 }
 
-/// The endpoint's instances from the admin API (`{"panic": .., "instances": [..]}`).
-pub async fn instances(c: &HttpClient, router: &str) -> Value {
+/// The admin API's bearer credential for [`TOKEN`].
+pub fn auth() -> String {
+    format!("Bearer {TOKEN}")
+}
+
+/// `GET url` on the admin API, which must answer 200 with JSON.
+pub async fn admin_get(c: &HttpClient, url: &str) -> Value {
     let (status, _, body) = http::send(
         c,
         Method::GET,
-        &format!("{router}/admin/endpoints/default/mock/generate/instances"),
-        &[("authorization", &format!("Bearer {TOKEN}"))],
+        url,
+        &[("authorization", &auth())],
         "",
         PATIENCE,
     )
@@ -56,6 +61,15 @@ pub async fn instances(c: &HttpClient, router: &str) -> Value {
     .unwrap();
     assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
     serde_json::from_slice(&body).unwrap()
+}
+
+/// The endpoint's instances from the admin API (`{"panic": .., "instances": [..]}`).
+pub async fn instances(c: &HttpClient, router: &str) -> Value {
+    admin_get(
+        c,
+        &format!("{router}/admin/endpoints/default/mock/generate/instances"),
+    )
+    .await
 }
 
 /// How many instances are available.

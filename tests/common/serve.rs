@@ -7,28 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use super::etcd::Etcd;
 use super::http::{self, HttpClient, get};
 use super::procs::{mock_worker, serve};
-use super::router::{PATIENCE, TOKEN, eventually};
+use super::router::{PATIENCE, TOKEN, auth, eventually};
 use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
-
-pub fn auth() -> String {
-    format!("Bearer {TOKEN}")
-}
-
-pub async fn admin_get(c: &HttpClient, url: &str) -> Value {
-    let (status, _, body) = http::send(
-        c,
-        Method::GET,
-        url,
-        &[("authorization", &auth())],
-        "",
-        PATIENCE,
-    )
-    .await
-    .unwrap();
-    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
-    serde_json::from_slice(&body).unwrap()
-}
 
 pub async fn wait_available(c: &HttpClient, router: &str, n: usize) {
     eventually(&format!("{n} available instances"), || async {

@@ -25,16 +25,10 @@ impl HealthCheck for Scripted {
 }
 
 fn info(id: u64, registration: u64) -> InstanceInfo {
+    let url = format!("http://127.0.0.1:{}", 9000 + id);
     InstanceInfo {
-        id: InstanceId(id),
-        endpoint: EndpointPath::for_model("m"),
-        url: format!("http://127.0.0.1:{}", 9000 + id),
-        model: "m".into(),
-        block_size: 16,
-        events_url: None,
-        engine_events: None,
-        health_path: "/health".into(),
         registration,
+        ..InstanceInfo::new(InstanceId(id), EndpointPath::for_model("m"), url, "m", 16)
     }
 }
 
