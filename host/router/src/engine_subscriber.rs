@@ -33,6 +33,14 @@ pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 pub const REPLAY_QUIET: Duration = Duration::from_secs(10);
 const REPLAY_MAX_BATCHES: usize = 100_000;
 
+/// How long a new connection may stay silent before the replay socket is asked once
+/// more. An engine applies a new subscription some time after the router sends it; a
+/// batch published in between is never delivered, and the catch-up made on connecting
+/// may have run before it was published. The next batch would show the gap, but an idle
+/// engine sends none: without this second catch-up its cache would stay short of those
+/// blocks while the view says it is exact.
+pub const JOIN_SETTLE: Duration = Duration::from_secs(1);
+
 /// Follows `worker`'s engine events until aborted (every rank in a task of its own, all
 /// aborted with this one).
 pub async fn follow(
@@ -117,7 +125,21 @@ impl Feed {
             tracing::info!(instance = %self.worker, endpoint = self.endpoint, rank = self.rank, "following the engine's KV events");
             self.catch_up().await;
             let mut received = 0u64;
+            // Once per connection, and only while it has been silent since.
+            let mut settle = Some(tokio::time::Instant::now() + JOIN_SETTLE);
             let why = loop {
+                if let Some(at) = settle {
+                    match tokio::time::timeout_at(at, sub.readable()).await {
+                        Err(_) => {
+                            settle = None;
+                            self.catch_up().await;
+                            continue;
+                        }
+                        Ok(Err(e)) => break e,
+                        // Batches flow: a missed one shows as a gap in the next.
+                        Ok(Ok(())) => settle = None,
+                    }
+                }
                 let msg = match sub.recv().await {
                     Ok(m) => m,
                     Err(e) => break e,

@@ -27,7 +27,7 @@
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 /// What one connection may take from its peer.
@@ -267,6 +267,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             self.write_frame(more, f).await?;
         }
         self.stream.get_mut().flush().await?;
+        Ok(())
+    }
+
+    /// Resolves once the peer has sent something (or closed the connection), without
+    /// consuming it: cancel-safe, unlike [`Connection::recv`], so it can be raced against
+    /// a timer.
+    pub async fn readable(&mut self) -> Result<(), ZmtpError> {
+        self.stream.fill_buf().await?;
         Ok(())
     }
 
