@@ -36,6 +36,9 @@ impl Etcd {
         Etcd::start_with(Some((cert, key, ca)))
     }
 
+    /// A port found free may be taken again before etcd binds it (by another test's
+    /// listener, or as the local port of some connection): etcd then exits at once. So a
+    /// start that fails is tried again, on fresh ports and a fresh directory, twice.
     fn start_with(tls: Option<(PathBuf, PathBuf, PathBuf)>) -> Etcd {
         let mut etcd = Etcd {
             child: None,
@@ -44,8 +47,20 @@ impl Etcd {
             dir: tempfile::tempdir().unwrap(),
             tls,
         };
-        etcd.spawn();
-        etcd
+        for attempt in 1..=3 {
+            match etcd.try_spawn() {
+                Ok(()) => return etcd,
+                Err(why) if attempt < 3 => {
+                    eprintln!("etcd start {attempt} failed ({why}); trying other ports");
+                    etcd.stop();
+                    etcd.client_port = free_port();
+                    etcd.peer_port = free_port();
+                    etcd.dir = tempfile::tempdir().unwrap();
+                }
+                Err(why) => panic!("{why}"),
+            }
+        }
+        unreachable!("the last attempt returns or panics")
     }
 
     pub fn url(&self) -> String {
@@ -76,6 +91,12 @@ impl Etcd {
     }
 
     fn spawn(&mut self) {
+        if let Err(why) = self.try_spawn() {
+            panic!("{why}");
+        }
+    }
+
+    fn try_spawn(&mut self) -> Result<(), String> {
         let client = self.url();
         let listen = client.replace("localhost", "127.0.0.1");
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
@@ -108,12 +129,22 @@ impl Etcd {
             .spawn()
             .expect("cannot start `etcd`: install Debian's etcd-server (.ci/run does)");
         self.child = Some(child);
-        self.wait_ready();
+        self.wait_ready()
     }
 
-    fn wait_ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(20);
+    fn wait_ready(&mut self) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                return Err(format!(
+                    "etcd exited ({status}) before answering on {}",
+                    self.url()
+                ));
+            }
             if std::net::TcpStream::connect(("127.0.0.1", self.client_port)).is_ok() {
                 // The port is open; wait for the server to answer requests too (on a
                 // thread of its own: the caller may be inside a Tokio runtime).
@@ -128,12 +159,12 @@ impl Etcd {
                 .join()
                 .unwrap();
                 if ok {
-                    return;
+                    return Ok(());
                 }
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("etcd did not become ready on {}", self.url());
+        Err(format!("etcd did not become ready on {}", self.url()))
     }
 
     /// Kills the server (as a crash would), keeping its data.

@@ -93,6 +93,10 @@ pub fn watch_changes(
             let result: Result<(), DiscoveryError> = async {
                 let (kvs, revision) = api.range_prefix(&prefix).await?;
                 let mut watch = api.watch_prefix(&prefix, &kvs, revision + 1).await?;
+                // Changes from here on arrive as events; one made before the watch began
+                // (between the caller's last listing and this one) arrives as nothing,
+                // so the caller lists again now.
+                changed.notify_one();
                 delay = config.backoff_initial;
                 let mut alive = tokio::time::interval(config.timeout);
                 alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
