@@ -98,17 +98,9 @@ pub fn watch_changes(
                 // so the caller lists again now.
                 changed.notify_one();
                 delay = config.backoff_initial;
-                let mut alive = tokio::time::interval(config.timeout);
-                alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
-                    tokio::select! {
-                        events = watch.next() => {
-                            if !events?.is_empty() {
-                                changed.notify_one();
-                            }
-                        }
-                        _ = alive.tick() => watch.check().await?,
-                    }
+                    watch.next_checked().await?;
+                    changed.notify_one();
                 }
             }
             .await;
@@ -209,16 +201,8 @@ async fn list_and_watch(
     }
     // Connected and listed: the next failure starts backing off from the beginning.
     *delay = config.backoff_initial;
-    let mut alive = tokio::time::interval(config.timeout);
-    alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let events = tokio::select! {
-            events = watch.next() => events?,
-            _ = alive.tick() => {
-                watch.check().await?;
-                continue;
-            }
-        };
+        let events = watch.next_checked().await?;
         for event in events {
             let update = match event {
                 Event::Put(kv) => match parse_kv(&kv) {

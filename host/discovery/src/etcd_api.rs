@@ -441,6 +441,8 @@ impl EtcdApi {
             seen_revision: listed.iter().map(|kv| kv.mod_revision).max().unwrap_or(0),
             delivered: false,
             suspect: None,
+            next_check: tokio::time::Instant::now(),
+            check_every: self.timeout,
         };
         // The first answer confirms the watch was created.
         let first = watch.message().await?;
@@ -471,6 +473,9 @@ pub struct Watch {
     delivered: bool,
     /// What the last check found missing, if anything.
     suspect: Option<String>,
+    /// When [`Watch::next_checked`] checks next (at once, then every call timeout).
+    next_check: tokio::time::Instant,
+    check_every: std::time::Duration,
 }
 
 impl Watch {
@@ -530,6 +535,20 @@ impl Watch {
                     if let Ok(data) = frame.into_data() {
                         self.lines.push(&data);
                     }
+                }
+            }
+        }
+    }
+
+    /// [`Watch::next`], with the watch [checked](Watch::check) at every call timeout while
+    /// it waits: what every long-lived watch runs.
+    pub async fn next_checked(&mut self) -> Result<Vec<Event>, DiscoveryError> {
+        loop {
+            match tokio::time::timeout_at(self.next_check, self.next()).await {
+                Ok(events) => return events,
+                Err(_) => {
+                    self.next_check = tokio::time::Instant::now() + self.check_every;
+                    self.check().await?;
                 }
             }
         }

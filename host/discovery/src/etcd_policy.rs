@@ -477,16 +477,8 @@ async fn cycle(
         .watch_prefix(&prefix(&config.root, role), &kvs, revision + 1)
         .await?;
     *delay = config.backoff_initial;
-    let mut alive = tokio::time::interval(config.timeout);
-    alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let events = tokio::select! {
-            events = watch.next() => events?,
-            _ = alive.tick() => {
-                watch.check().await?;
-                continue;
-            }
-        };
+        let events = watch.next_checked().await?;
         for event in events {
             match event {
                 Event::Put(kv) => {
