@@ -280,13 +280,8 @@ async fn register_hostile(
     let (huge, huge_n) = hostile_zmtp::hostile_publisher(hostile_zmtp::Hostile::HugeFrame).await;
     let (endless, endless_n) =
         hostile_zmtp::hostile_publisher(hostile_zmtp::Hostile::EndlessMore).await;
+    let endpoint = EndpointPath::for_model("mock");
     let info = InstanceInfo {
-        id: InstanceId(0xbad),
-        endpoint: EndpointPath::for_model("mock"),
-        url: format!("http://{worker}"),
-        model: "mock".into(),
-        block_size: 16,
-        events_url: None,
         // Rank 0 and rank 1: one of each kind of hostile peer (rank r connects to the
         // endpoint's port plus r, so each rank names its own endpoint here).
         engine_events: Some(Arc::new(EngineEventSource {
@@ -295,8 +290,14 @@ async fn register_hostile(
             topic: String::new(),
             data_parallel_size: 1,
         })),
-        health_path: "/health".into(),
         registration: 0,
+        ..InstanceInfo::new(
+            InstanceId(0xbad),
+            endpoint,
+            format!("http://{worker}"),
+            "mock",
+            16,
+        )
     };
     let key = InstanceKey {
         root: "switchyard".into(),

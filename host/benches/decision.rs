@@ -50,16 +50,10 @@ fn main() {
         );
         client.apply(DiscoveryUpdate::Reset(
             (0..workers)
-                .map(|i| InstanceInfo {
-                    id: InstanceId(i),
-                    endpoint: EndpointPath::for_model("bench"),
-                    url: format!("http://127.0.0.1:{}", 10_000 + i),
-                    model: "bench".into(),
-                    block_size: 16,
-                    events_url: None,
-                    engine_events: None,
-                    health_path: "/health".into(),
-                    registration: 1,
+                .map(|i| {
+                    let url = format!("http://127.0.0.1:{}", 10_000 + i);
+                    let endpoint = EndpointPath::for_model("bench");
+                    InstanceInfo::new(InstanceId(i), endpoint, url, "bench", 16)
                 })
                 .collect(),
         ));

@@ -121,18 +121,11 @@ fn lag() {
             ClientConfig::default(),
             Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
         );
+        let source = EngineEventSource::new(format!("tcp://127.0.0.1:{port}"));
+        let endpoint = EndpointPath::for_model("bench");
         client.apply(DiscoveryUpdate::Reset(vec![InstanceInfo {
-            id,
-            endpoint: EndpointPath::for_model("bench"),
-            url: "http://127.0.0.1:9".into(),
-            model: "bench".into(),
-            block_size: BLOCK,
-            events_url: None,
-            engine_events: Some(Arc::new(EngineEventSource::new(format!(
-                "tcp://127.0.0.1:{port}"
-            )))),
-            health_path: "/health".into(),
-            registration: 1,
+            engine_events: Some(Arc::new(source)),
+            ..InstanceInfo::new(id, endpoint, "http://127.0.0.1:9", "bench", BLOCK)
         }]));
         let engine = PolicyEngine::new(RuntimeConfig::default()).unwrap();
         let policy = Arc::new(
