@@ -12,7 +12,7 @@ pub enum ExtraKey<'a> {
     Int(i64),
 }
 
-/// The hash of a block's extra keys, as [`decode_batch`] computes it from an event's
+/// The hash of a block's extra keys, as [`decode_batch`](super::decode_batch) computes it from an event's
 /// `extra_keys` entry (a tuple of these keys); 0 for none.
 pub fn extra_hash(keys: &[ExtraKey<'_>]) -> u64 {
     if keys.is_empty() {

@@ -20,7 +20,7 @@
 //! idle timeout ends the stream (with an SSE error event for event streams). The load
 //! booking is released on every path: end, failure, retry, stall, client gone.
 //!
-//! - this module: the attempts and their failover ([`completion`]);
+//! - this module: the attempts and their failover (`completion`);
 //! - `tokenize`: prompts to token IDs, off the async threads when long;
 //! - `forward`: one attempt on one worker, its failure classified;
 //! - `relay`: the answer streamed to the client, the booking kept and released.
