@@ -65,8 +65,14 @@ const NO_HTTP: &[&str] = &[
     "switchyard-policy",
 ];
 
-/// Workspace crate → its normal and build dependencies' names.
-fn declared() -> BTreeMap<String, Vec<String>> {
+/// Workspace crate → its normal and build dependencies' names, read once for all tests.
+fn declared() -> &'static BTreeMap<String, Vec<String>> {
+    static DECLARED: std::sync::OnceLock<BTreeMap<String, Vec<String>>> =
+        std::sync::OnceLock::new();
+    DECLARED.get_or_init(read_metadata)
+}
+
+fn read_metadata() -> BTreeMap<String, Vec<String>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
         .args([
@@ -110,7 +116,7 @@ fn floor(name: &str) -> Option<u32> {
 fn every_crate_has_a_floor_and_depends_only_on_lower_ones() {
     let crates = declared();
     let mut wrong = Vec::new();
-    for (name, deps) in &crates {
+    for (name, deps) in crates {
         let Some(own) = floor(name) else {
             wrong.push(format!("{name} has no floor in FLOORS"));
             continue;
@@ -141,7 +147,7 @@ fn the_kv_crate_uses_nothing_that_does_io() {
 fn wasmtime_zeromq_and_http_stay_where_they_belong() {
     let crates = declared();
     let mut wrong = Vec::new();
-    for (name, deps) in &crates {
+    for (name, deps) in crates {
         for dep in deps {
             if let Some((_, owner)) = ONLY_IN.iter().find(|(d, _)| d == dep)
                 && owner != name
