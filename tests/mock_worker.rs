@@ -583,3 +583,83 @@ async fn a_router_tokenizing_unlike_its_workers_says_so_and_the_same_tokenizer_f
     assert!(cached > 0);
     assert_eq!(unpredicted, 0.0);
 }
+
+/// The load a mock reports, read from each place a router reads it: vLLM's `/metrics`
+/// (through the official Prometheus parser), SGLang's `/v1/loads` and `/get_load`.
+struct Reported {
+    kv_usage: f64,
+    prefix_queries: f64,
+    prefix_hits: f64,
+    token_usage: f64,
+    num_used_tokens: u64,
+    num_tokens: u64,
+}
+
+async fn reported(c: &HttpClient, w: &MockWorker) -> Reported {
+    let (_, page) = get(c, &format!("{}/metrics", w.url())).await;
+    let samples = common::prom::parse(&String::from_utf8_lossy(&page));
+    let sample = |name: &str| {
+        samples
+            .iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("no {name} in /metrics"))
+            .value
+    };
+    let (_, loads) = get(c, &format!("{}/v1/loads", w.url())).await;
+    let loads: Value = serde_json::from_slice(&loads).unwrap();
+    let (_, legacy) = get(c, &format!("{}/get_load", w.url())).await;
+    let legacy: Value = serde_json::from_slice(&legacy).unwrap();
+    Reported {
+        kv_usage: sample("vllm:kv_cache_usage_perc"),
+        prefix_queries: sample("vllm:prefix_cache_queries_total"),
+        prefix_hits: sample("vllm:prefix_cache_hits_total"),
+        token_usage: loads["loads"][0]["token_usage"].as_f64().unwrap(),
+        num_used_tokens: loads["loads"][0]["num_used_tokens"].as_u64().unwrap(),
+        num_tokens: legacy[0]["num_tokens"].as_u64().unwrap(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_full_of_finished_requests_reports_no_usage_and_still_counts_its_hits() {
+    // 64 blocks of 16 tokens; each prompt takes ~30 blocks, different from its first, so
+    // six of them fill the cache and evict.
+    let w = worker(64).await;
+    let c = http::client();
+    let prompt = |i: usize| format!("Request {i}. {}", long_prompt("report"));
+    for i in 0..6 {
+        let (status, body, _) = post_json(
+            &c,
+            &format!("{}/v1/completions", w.url()),
+            &json!({"model": "mock", "prompt": prompt(i), "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+    }
+    let s = stats(&c, &w).await;
+    assert_eq!(s["running"], 0, "{s}");
+    assert!(s["kv_cached_blocks"].as_u64().unwrap() >= 56, "{s}");
+    // Nothing runs: the cached blocks are free to evict, and every report says so.
+    let idle = reported(&c, &w).await;
+    assert_eq!(idle.kv_usage, 0.0);
+    assert_eq!(idle.token_usage, 0.0);
+    assert_eq!(idle.num_used_tokens, 0);
+    assert_eq!(idle.num_tokens, 0);
+    assert!(idle.prefix_queries > 0.0);
+
+    // The last prompt again: its blocks are still cached, and the hits count them.
+    let (_, again, _) = post_json(
+        &c,
+        &format!("{}/v1/completions", w.url()),
+        &json!({"model": "mock", "prompt": prompt(5), "max_tokens": 2}),
+    )
+    .await;
+    let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_f64()
+        .unwrap();
+    let prompt_tokens = again["usage"]["prompt_tokens"].as_f64().unwrap();
+    assert!(cached > 0.0, "{again}");
+    let after = reported(&c, &w).await;
+    assert_eq!(after.prefix_hits - idle.prefix_hits, cached);
+    assert_eq!(after.prefix_queries - idle.prefix_queries, prompt_tokens);
+    assert_eq!(after.kv_usage, 0.0);
+}

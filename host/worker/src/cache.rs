@@ -120,9 +120,24 @@ impl KvCache {
         self.capacity
     }
 
-    /// Blocks in use (cached or private).
-    pub fn used(&self) -> usize {
+    /// Blocks holding data: cached (in use or not) plus private. What admission can
+    /// allocate without evicting is the rest.
+    pub fn occupied(&self) -> usize {
         self.blocks.len() + self.private
+    }
+
+    /// Blocks held by running requests: their pinned prompt blocks plus their private
+    /// ones. A cached block no request uses is free in this count, though it stays
+    /// reusable until evicted: vLLM's `kv_cache_usage_perc` (its block pool counts such
+    /// blocks in the free queue) and SGLang's `token_usage` (evictable radix-cache
+    /// tokens left out) mean the same.
+    pub fn active(&self) -> usize {
+        self.blocks.len() - self.lru.len() + self.private
+    }
+
+    /// Blocks holding a cached prefix, in use or not.
+    pub fn cached(&self) -> usize {
+        self.blocks.len()
     }
 
     /// Leading blocks of `hashes` that are cached.
@@ -165,7 +180,7 @@ impl KvCache {
             .zip(&present)
             .filter(|(h, p)| **p && self.blocks[*h].pins == 0)
             .count();
-        let free = self.capacity - self.used();
+        let free = self.capacity - self.occupied();
         let evictable = self.lru.len() - reusable;
         if needed > free + evictable {
             return Err(CacheFull {
@@ -179,7 +194,7 @@ impl KvCache {
             }
         }
         let mut evicted = Vec::new();
-        while self.capacity - self.used() < needed {
+        while self.capacity - self.occupied() < needed {
             let (_, victim) = self.lru.pop_first().expect("counted as evictable");
             self.blocks.remove(&victim);
             evicted.push(victim.0);
@@ -403,6 +418,20 @@ mod tests {
     }
 
     #[test]
+    fn finished_requests_blocks_stay_cached_but_count_as_free() {
+        let mut c = KvCache::new(8, 16);
+        let a = c.admit(&h(&[1, 2, 3]), &[], 2).unwrap();
+        assert_eq!((c.active(), c.cached(), c.occupied()), (5, 3, 5));
+        // A second request sharing the prefix pins the shared blocks once.
+        let b = c.admit(&h(&[1, 2, 4]), &[], 0).unwrap();
+        assert_eq!((c.active(), c.cached()), (6, 4));
+        c.release(&a);
+        assert_eq!((c.active(), c.cached()), (3, 4));
+        c.release(&b);
+        assert_eq!((c.active(), c.cached(), c.occupied()), (0, 4, 4));
+    }
+
+    #[test]
     fn pinned_blocks_are_never_evicted() {
         let mut c = KvCache::new(3, 16);
         let running = c.admit(&h(&[1, 2]), &[], 0).unwrap();
@@ -445,7 +474,8 @@ mod tests {
                     let lease = running.remove(0);
                     c.release(&lease);
                 }
-                prop_assert!(c.used() <= c.capacity());
+                prop_assert!(c.occupied() <= c.capacity());
+                prop_assert!(c.active() <= c.occupied());
                 if let Some((seq, set)) = &mut mirror {
                     for e in c.take_events() {
                         let e = e.to_wire();

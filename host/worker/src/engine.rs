@@ -101,7 +101,8 @@ pub struct EngineStats {
     pub cancelled: u64,
     /// Prompt tokens actually prefilled (computed, not cached).
     pub prefill_tokens: u64,
-    /// Prompt tokens served from the cache.
+    /// Prompt tokens served from the cache (vLLM's `prefix_cache_hits`; its
+    /// `prefix_cache_queries` are these plus `prefill_tokens`).
     pub cached_tokens: u64,
     /// Tokens generated.
     pub generated_tokens: u64,
@@ -111,10 +112,41 @@ pub struct EngineStats {
     pub running: u64,
     /// Requests waiting now.
     pub waiting: u64,
-    /// KV blocks in use now.
+    /// KV blocks held by running requests now. Cached blocks no request uses count as
+    /// free, as vLLM and SGLang count them.
     pub kv_used_blocks: u64,
+    /// KV blocks holding a cached prefix now, in use or not (what eviction depends on).
+    pub kv_cached_blocks: u64,
     /// KV blocks in total.
     pub kv_total_blocks: u64,
+    /// Prompt tokens of the requests waiting now.
+    pub waiting_prompt_tokens: u64,
+    /// Prompt tokens admitted in the last step that admitted any, and how many of them
+    /// were cached (SGLang's `cache_hit_rate` is the ratio, per prefill batch).
+    pub last_batch_prompt_tokens: u64,
+    /// See `last_batch_prompt_tokens`.
+    pub last_batch_cached_tokens: u64,
+}
+
+impl EngineStats {
+    /// The share of KV blocks held by running requests, in [0, 1].
+    pub fn kv_usage(&self) -> f64 {
+        if self.kv_total_blocks == 0 {
+            0.0
+        } else {
+            (self.kv_used_blocks as f64 / self.kv_total_blocks as f64).min(1.0)
+        }
+    }
+
+    /// SGLang's `cache_hit_rate`: cached over admitted prompt tokens in the last batch
+    /// that admitted any.
+    pub fn last_batch_hit_rate(&self) -> f64 {
+        if self.last_batch_prompt_tokens == 0 {
+            0.0
+        } else {
+            self.last_batch_cached_tokens as f64 / self.last_batch_prompt_tokens as f64
+        }
+    }
 }
 
 struct Waiting {
@@ -225,15 +257,18 @@ impl Engine {
         for e in s.cache.take_events() {
             let _ = self.events.send(e);
         }
-        s.stats.kv_used_blocks = s.cache.used() as u64;
+        s.stats.kv_used_blocks = s.cache.active() as u64;
+        s.stats.kv_cached_blocks = s.cache.cached() as u64;
         s.stats.running = s.running.len() as u64;
         s.stats.waiting = s.waiting.len() as u64;
+        s.stats.waiting_prompt_tokens = s.waiting.iter().map(|w| u64::from(w.prompt_tokens)).sum();
     }
 
     /// Admits what fits; returns the prompt tokens to prefill in this step.
     fn admit(&self, s: &mut State) -> u64 {
         let bs = self.config.block_size;
         let mut prefill = 0u64;
+        let mut batch = (0u64, 0u64);
         while s.running.len() < self.config.max_batch {
             let Some(w) = s.waiting.front() else { break };
             if w.out.is_closed() {
@@ -255,6 +290,8 @@ impl Engine {
                     prefill += uncached;
                     s.stats.prefill_tokens += uncached;
                     s.stats.cached_tokens += u64::from(cached_tokens);
+                    batch.0 += u64::from(w.prompt_tokens);
+                    batch.1 += u64::from(cached_tokens.min(w.prompt_tokens));
                     let _ = w.out.send(Output::Admitted { cached_tokens });
                     s.running.push(Running {
                         lease,
@@ -271,6 +308,12 @@ impl Engine {
                 }
                 Err(_) => break,
             }
+        }
+        if batch.0 > 0 {
+            (
+                s.stats.last_batch_prompt_tokens,
+                s.stats.last_batch_cached_tokens,
+            ) = batch;
         }
         prefill
     }

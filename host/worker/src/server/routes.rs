@@ -68,20 +68,8 @@ pub(super) async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
             StatusCode::OK,
             json!({"version": env!("CARGO_PKG_VERSION")}),
         ),
-        (&Method::GET, "/v1/loads" | "/get_load") => {
-            let s = shared.engine.stats();
-            json_response(
-                StatusCode::OK,
-                json!({
-                    "num_reqs": s.running + s.waiting,
-                    "num_running_reqs": s.running,
-                    "num_waiting_reqs": s.waiting,
-                    "num_used_blocks": s.kv_used_blocks,
-                    "num_total_blocks": s.kv_total_blocks,
-                    "token_usage": if s.kv_total_blocks == 0 { 0.0 } else { s.kv_used_blocks as f64 / s.kv_total_blocks as f64 },
-                }),
-            )
-        }
+        (&Method::GET, "/v1/loads") => json_response(StatusCode::OK, v1_loads(&shared)),
+        (&Method::GET, "/get_load") => json_response(StatusCode::OK, get_load(&shared)),
         (&Method::POST, "/tokenize") => tokenize(&shared, req, false).await,
         (&Method::POST, "/v1/chat/completions/render") => tokenize(&shared, req, true).await,
         (&Method::GET, "/stats") => json_response(
@@ -227,15 +215,79 @@ pub(super) async fn tokenize(
     }
 }
 
-/// Load in vLLM's own Prometheus names, as a router scrapes them from a vLLM server.
+/// SGLang's `GET /v1/loads` (`sglang/srt/entrypoints/v1_loads.py`, the `core` section of
+/// `SchedulerMetricsMixin.get_loads`), for one data-parallel rank. Tokens are KV slots:
+/// `num_used_tokens` are those held by running requests (evictable radix-cache tokens
+/// left out), `num_total_tokens` adds the waiting requests' prompts.
+pub(super) fn v1_loads(shared: &Shared) -> serde_json::Value {
+    let s = shared.engine.stats();
+    let bs = u64::from(shared.hasher.block_size());
+    let used = s.kv_used_blocks.saturating_mul(bs);
+    let capacity = s.kv_total_blocks.saturating_mul(bs);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    let load = json!({
+        "dp_rank": 0,
+        "timestamp": now,
+        "num_running_reqs": s.running,
+        "num_waiting_reqs": s.waiting,
+        "num_total_reqs": s.running + s.waiting,
+        "num_used_tokens": used,
+        "num_total_tokens": used.saturating_add(s.waiting_prompt_tokens),
+        "max_total_num_tokens": capacity,
+        "token_usage": round4(s.kv_usage()),
+        "gen_throughput": 0.0,
+        "cache_hit_rate": round4(s.last_batch_hit_rate()),
+        "utilization": round4(s.kv_usage()),
+        "max_running_requests": shared.engine.config().max_batch,
+    });
+    json!({
+        "timestamp": now,
+        "version": env!("CARGO_PKG_VERSION"),
+        "dp_rank_count": 1,
+        "loads": [load],
+        "aggregate": {
+            "total_running_reqs": s.running,
+            "total_waiting_reqs": s.waiting,
+            "total_reqs": s.running + s.waiting,
+            "total_used_tokens": used,
+            "total_tokens": used.saturating_add(s.waiting_prompt_tokens),
+            "avg_token_usage": round4(s.kv_usage()),
+            "avg_throughput": 0.0,
+            "avg_utilization": round4(s.kv_usage()),
+        },
+    })
+}
+
+/// SGLang's older `GET /get_load` (`Scheduler.get_load`): one entry per data-parallel
+/// rank, `num_tokens` the KV slots held by running requests plus the waiting prompts.
+pub(super) fn get_load(shared: &Shared) -> serde_json::Value {
+    let s = shared.engine.stats();
+    let used = s
+        .kv_used_blocks
+        .saturating_mul(u64::from(shared.hasher.block_size()));
+    json!([{
+        "dp_rank": 0,
+        "num_reqs": s.running + s.waiting,
+        "num_waiting_reqs": s.waiting,
+        "num_tokens": used.saturating_add(s.waiting_prompt_tokens),
+    }])
+}
+
+fn round4(x: f64) -> f64 {
+    (x * 1e4).round() / 1e4
+}
+
+/// Load in vLLM's own Prometheus names (vLLM 0.11's V1 engine, `vllm/v1/metrics/loggers.py`),
+/// as a router scrapes them from a vLLM server. `kv_cache_usage_perc` is the share of
+/// blocks held by running requests (vLLM's block pool: `1 - free / total`, where cached
+/// blocks no request uses are in the free queue); the prefix-cache counters are in
+/// tokens, queried and hit, as vLLM counts them.
 pub(super) fn engine_metrics(shared: &Shared) -> Response<Body> {
     let s = shared.engine.stats();
     let m = &shared.model;
-    let usage = if s.kv_total_blocks == 0 {
-        0.0
-    } else {
-        s.kv_used_blocks as f64 / s.kv_total_blocks as f64
-    };
+    let usage = s.kv_usage();
     let page = format!(
         "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
          # TYPE vllm:num_requests_running gauge\n\
@@ -246,11 +298,19 @@ pub(super) fn engine_metrics(shared: &Shared) -> Response<Body> {
          # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
          # TYPE vllm:kv_cache_usage_perc gauge\n\
          vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"{m}\"}} {usage}\n\
+         # HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.\n\
+         # TYPE vllm:prefix_cache_queries_total counter\n\
+         vllm:prefix_cache_queries_total{{engine=\"0\",model_name=\"{m}\"}} {}\n\
+         # HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n\
+         # TYPE vllm:prefix_cache_hits_total counter\n\
+         vllm:prefix_cache_hits_total{{engine=\"0\",model_name=\"{m}\"}} {}\n\
          # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
          # TYPE vllm:cache_config_info gauge\n\
          vllm:cache_config_info{{block_size=\"{}\",engine=\"0\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"True\"}} 1.0\n",
         s.running,
         s.waiting,
+        s.prefill_tokens.saturating_add(s.cached_tokens),
+        s.cached_tokens,
         shared.hasher.block_size(),
         s.kv_total_blocks,
     );
