@@ -9,59 +9,83 @@ use switchyard::worker::{EngineConfig, TimingModel};
 
 use super::shutdown_signal;
 
+/// Shapes `trace-gen` starts from; each flag given overrides the shape's value.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum TraceShape {
+    /// Multi-turn chat over shared system prompts; caches of 4,096 blocks evict.
+    Chat,
+    /// Long conversations (10–40k-token documents, turns towards 100k tokens) that
+    /// large caches (65,536 blocks of 64 tokens) hold without evicting much.
+    LargeCache,
+}
+
 #[derive(Args)]
 pub struct TraceGenArgs {
-    /// Requests.
-    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().requests)]
-    pub requests: usize,
-    /// Mean arrivals per second of trace time.
-    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().rate)]
-    pub rate: f64,
+    /// The shape to start from.
+    #[arg(long, value_enum, default_value = "chat")]
+    pub shape: TraceShape,
+    /// Requests (default 1,500).
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Mean arrivals per second of trace time (chat: 4; large-cache: 2).
+    #[arg(long)]
+    pub rate: Option<f64>,
     /// Requests arriving at the same instant (1: Poisson arrivals).
-    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().burst)]
-    pub burst: usize,
-    /// Mean turns per conversation.
-    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().turns)]
-    pub turns: f64,
-    /// Least seconds between two turns of a conversation.
-    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().think_secs)]
-    pub think_secs: f64,
-    /// Distinct system prompts.
-    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().system_prompts)]
-    pub system_prompts: usize,
-    /// Tokens per system prompt.
-    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().system_tokens)]
-    pub system_tokens: u32,
-    /// Share of user messages that are long documents.
-    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().long_fraction)]
-    pub long_fraction: f64,
-    /// Short messages: most tokens.
-    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().short_tokens.1)]
-    pub short_max: u32,
-    /// Long messages: most tokens.
-    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().long_tokens.1)]
-    pub long_max: u32,
-    /// Seed.
-    #[arg(long, default_value_t = switchyard::replay::synth::SynthConfig::default().seed)]
-    pub seed: u64,
+    #[arg(long)]
+    pub burst: Option<usize>,
+    /// Mean turns per conversation (chat: 6; large-cache: 12).
+    #[arg(long)]
+    pub turns: Option<f64>,
+    /// Least seconds between two turns of a conversation (chat: 10; large-cache: 5).
+    #[arg(long)]
+    pub think_secs: Option<f64>,
+    /// Distinct system prompts (8).
+    #[arg(long)]
+    pub system_prompts: Option<usize>,
+    /// Tokens per system prompt (2,048).
+    #[arg(long)]
+    pub system_tokens: Option<u32>,
+    /// Share of user messages that are long documents (chat: 0.1; large-cache: 0.05).
+    #[arg(long)]
+    pub long_fraction: Option<f64>,
+    /// Short messages: most tokens (chat: 600; large-cache: 2,000).
+    #[arg(long)]
+    pub short_max: Option<u32>,
+    /// Long messages: most tokens (16,000).
+    #[arg(long)]
+    pub long_max: Option<u32>,
+    /// A conversation is cut past this many prompt tokens (chat: 64,000; large-cache:
+    /// 100,000).
+    #[arg(long)]
+    pub max_prompt_tokens: Option<u32>,
+    /// Seed (1).
+    #[arg(long)]
+    pub seed: Option<u64>,
 }
 
 /// Writes a synthetic trace to stdout.
 pub fn trace_gen(a: TraceGenArgs) -> anyhow::Result<()> {
-    let defaults = switchyard::replay::synth::SynthConfig::default();
-    let config = switchyard::replay::synth::SynthConfig {
-        requests: a.requests,
-        rate: a.rate,
-        burst: a.burst,
-        turns: a.turns,
-        think_secs: a.think_secs,
-        system_prompts: a.system_prompts,
-        system_tokens: a.system_tokens,
-        long_fraction: a.long_fraction,
-        short_tokens: (defaults.short_tokens.0.min(a.short_max), a.short_max),
-        long_tokens: (defaults.long_tokens.0.min(a.long_max), a.long_max),
-        seed: a.seed,
-        ..defaults
+    use switchyard::replay::synth::SynthConfig;
+    let shape = match a.shape {
+        TraceShape::Chat => SynthConfig::default(),
+        TraceShape::LargeCache => SynthConfig::large_cache(),
+    };
+    let short_max = a.short_max.unwrap_or(shape.short_tokens.1);
+    let long_max = a.long_max.unwrap_or(shape.long_tokens.1);
+    let config = SynthConfig {
+        requests: a.requests.unwrap_or(shape.requests),
+        rate: a.rate.unwrap_or(shape.rate),
+        burst: a.burst.unwrap_or(shape.burst),
+        turns: a.turns.unwrap_or(shape.turns),
+        think_secs: a.think_secs.unwrap_or(shape.think_secs),
+        system_prompts: a.system_prompts.unwrap_or(shape.system_prompts),
+        system_tokens: a.system_tokens.unwrap_or(shape.system_tokens),
+        long_fraction: a.long_fraction.unwrap_or(shape.long_fraction),
+        short_tokens: (shape.short_tokens.0.min(short_max), short_max),
+        long_tokens: (shape.long_tokens.0.min(long_max), long_max),
+        max_prompt_tokens: a.max_prompt_tokens.unwrap_or(shape.max_prompt_tokens),
+        seed: a.seed.unwrap_or(shape.seed),
+        ..shape
     };
     let trace = switchyard::replay::synth::generate(&config);
     print!("{}", switchyard::replay::synth::to_jsonl(&trace));

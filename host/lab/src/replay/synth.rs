@@ -37,6 +37,9 @@ pub struct SynthConfig {
     pub short_tokens: (u32, u32),
     /// Long user messages: tokens, uniform in this range.
     pub long_tokens: (u32, u32),
+    /// A conversation's first user message, if it has its own range (a document the
+    /// rest of the conversation is about); `None`: like any other message.
+    pub first_tokens: Option<(u32, u32)>,
     /// Answers: tokens, uniform in this range.
     pub output_tokens: (u32, u32),
     /// Conversations are cut (a new one starts) past this many prompt tokens.
@@ -58,9 +61,34 @@ impl Default for SynthConfig {
             long_fraction: 0.1,
             short_tokens: (50, 600),
             long_tokens: (4000, 16000),
+            first_tokens: None,
             output_tokens: (50, 500),
             max_prompt_tokens: 64_000,
             seed: 1,
+        }
+    }
+}
+
+impl SynthConfig {
+    /// Long conversations whose history fits in large caches: each starts with a
+    /// 10–40k-token document and runs ~12 turns towards 100k tokens, resent every turn;
+    /// 150 or so conversations of 1,500 requests hold ~6M distinct tokens, under half of
+    /// four 65,536-block caches of 64 tokens. Arrivals at 2/s keep such a fleet busy
+    /// with the prefill of new documents and the decode of long contexts.
+    pub fn large_cache() -> SynthConfig {
+        SynthConfig {
+            rate: 2.0,
+            turns: 12.0,
+            think_secs: 5.0,
+            system_prompts: 8,
+            system_tokens: 2048,
+            long_fraction: 0.05,
+            short_tokens: (50, 2000),
+            long_tokens: (4000, 16000),
+            first_tokens: Some((10_000, 40_000)),
+            output_tokens: (100, 800),
+            max_prompt_tokens: 100_000,
+            ..SynthConfig::default()
         }
     }
 }
@@ -151,7 +179,9 @@ pub fn generate(config: &SynthConfig) -> Vec<SynthRequest> {
             } else {
                 idle[(rng.next() % idle.len() as u64) as usize]
             };
-            let user = if rng.unit() < config.long_fraction {
+            let user = if let (true, Some(first)) = (new, config.first_tokens) {
+                rng.range(first)
+            } else if rng.unit() < config.long_fraction {
                 rng.range(config.long_tokens)
             } else {
                 rng.range(config.short_tokens)
@@ -240,6 +270,27 @@ mod tests {
         assert!(firsts.len() <= config.system_prompts, "{firsts:?}");
         // Deterministic.
         assert_eq!(to_jsonl(&generate(&config)), to_jsonl(&generate(&config)));
+    }
+
+    #[test]
+    fn the_large_cache_shape_grows_long_conversations_that_fit_large_caches() {
+        let reqs = parsed(&SynthConfig::large_cache());
+        let block = TRACE_BLOCK as u64;
+        let distinct: std::collections::HashSet<u64> = reqs
+            .iter()
+            .flat_map(|r| r.hash_ids.iter().copied())
+            .collect();
+        let distinct_tokens = distinct.len() as u64 * block;
+        // Fits under half of four caches of 65,536 blocks of 64 tokens...
+        assert!(distinct_tokens < 4 * 65_536 * 64 / 2, "{distinct_tokens}");
+        // ...while the prompts resent add up to far more: most of every prompt is history.
+        let sent: u64 = reqs.iter().map(|r| u64::from(r.input_length)).sum();
+        assert!(
+            sent > 5 * distinct_tokens,
+            "{sent} sent, {distinct_tokens} distinct"
+        );
+        assert!(reqs.iter().any(|r| r.input_length > 80_000));
+        assert!(reqs.iter().all(|r| r.input_length <= 100_000 + 40_000));
     }
 
     #[test]
