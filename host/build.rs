@@ -32,6 +32,7 @@ fn main() {
             "flaky",
             "picks_last",
             "picks_first",
+            "built_for_0_1",
         ],
     );
 }

@@ -85,6 +85,13 @@ async fn a_snapshot_then_deltas_land_in_the_index() {
             .is_some_and(|r| r.kv_used_blocks == 30)
     })
     .await;
+    // The policy sees both signals, each from where it is true: the usage the engine
+    // reported (its running requests hold 30 of 100 blocks) and the fullness of its
+    // cache, which the router's index knows (4 blocks held of 100).
+    let (candidates, _) = router.explain(64, &hashes(&[2, 3]));
+    let row = candidates.row(0);
+    assert_eq!(row.kv_usage, Some(0.3));
+    assert_eq!(row.cache_fullness, Some(0.04));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -182,6 +182,40 @@ fn session_affinity_example_keeps_sessions_and_spills_over_when_full() {
 }
 
 #[test]
+fn a_policy_built_against_the_previous_contract_still_loads_and_decides() {
+    let engine = engine();
+    let old = engine.load_file(&guest("built_for_0_1"), "{}").unwrap();
+    assert_eq!(old.info().world, "switchyard:policy@0.1.0");
+    assert_eq!(
+        handle(&engine, "kv-cost", "{}").current().info().world,
+        "switchyard:policy@0.2.0"
+    );
+    let h = PolicyHandle::new(engine.clone(), old).unwrap();
+    // It reads the fields 0.1.0 has: the lowest reported usage wins.
+    let with = |id, usage, fullness| CandidateRow {
+        kv_usage: usage,
+        cache_fullness: fullness,
+        ..row(id, 0, 0, 0)
+    };
+    let candidates: Candidates = [
+        with(1, Some(0.7), Some(0.1)),
+        with(2, Some(0.2), Some(1.0)),
+        with(3, None, Some(0.0)),
+    ]
+    .into_iter()
+    .collect();
+    let d = h.decide(request(16, 1), &candidates);
+    assert_eq!(d.decider, Decider::Policy);
+    assert_eq!(chosen(&d.outcome), InstanceId(2));
+    // Its rejection arrives as a rejection, with its reason.
+    let unreported: Candidates = [with(1, None, Some(0.5))].into_iter().collect();
+    match h.decide(request(16, 1), &unreported).outcome {
+        DecisionOutcome::Rejected(r) => assert!(r.reason.contains("16-block prompt"), "{r:?}"),
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+#[test]
 fn wasm_and_native_kv_cost_agree_on_random_candidate_sets() {
     let engine = engine();
     let configs = [
@@ -189,6 +223,7 @@ fn wasm_and_native_kv_cost_agree_on_random_candidate_sets() {
         r#"{"overlap_weight": 0}"#,
         r#"{"overlap_weight": 2.5}"#,
         r#"{"overlap_weight": 1, "temperature": 0.7}"#,
+        r#"{"pressure_weight": 3}"#,
     ];
     let mut rng = Rng(42);
     for config in configs {
@@ -205,7 +240,8 @@ fn wasm_and_native_kv_cost_agree_on_random_candidate_sets() {
                     active_blocks: rng.below(40) as u32,
                     pending_prefill_tokens: rng.below(4) as u32 * 16,
                     in_flight: rng.below(5) as u32,
-                    kv_usage: None,
+                    kv_usage: (rng.below(3) > 0).then(|| rng.below(5) as f32 / 4.0),
+                    cache_fullness: (rng.below(3) > 0).then(|| rng.below(5) as f32 / 4.0),
                 })
                 .collect();
             let req = Request {

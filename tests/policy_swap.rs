@@ -567,5 +567,5 @@ fn the_policy_history_keeps_the_latest_changes_only() {
         (last.kind, last.policy.as_str()),
         ("swap", "round-robin@0.1.0")
     );
-    assert!(last.detail.contains("kv-cost@0.2.0"), "{}", last.detail);
+    assert!(last.detail.contains("kv-cost@0.3.0"), "{}", last.detail);
 }

@@ -24,6 +24,7 @@ fn candidates(n: u64) -> Candidates {
             pending_prefill_tokens: ((i * 31) % 4) as u32 * 256,
             in_flight: (i % 9) as u32,
             kv_usage: Some(0.4),
+            cache_fullness: Some(0.9),
         })
         .collect()
 }

@@ -22,6 +22,7 @@ pub fn row(id: u64, overlap: u32, active: u32, in_flight: u32) -> CandidateRow {
         pending_prefill_tokens: 0,
         in_flight,
         kv_usage: None,
+        cache_fullness: None,
     }
 }
 

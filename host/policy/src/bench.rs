@@ -52,6 +52,7 @@ pub fn call_cost(policy: &LoadedPolicy, candidates: usize, calls: usize) -> Call
                     pending_prefill_tokens: (next() % 8192) as u32,
                     in_flight: (next() % 16) as u32,
                     kv_usage: Some((next() % 1000) as f32 / 1000.0),
+                    cache_fullness: Some((next() % 1000) as f32 / 1000.0),
                 })
                 .collect();
             rows.sort_by_key(|r| r.id);

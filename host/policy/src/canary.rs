@@ -62,6 +62,7 @@ pub(super) fn random_canary(rng: &mut CanaryRng, size: usize) -> (Request, Candi
                 pending_prefill_tokens: if busy { rng.below(65_536) as u32 } else { 0 },
                 in_flight: if busy { rng.below(16) as u32 } else { 0 },
                 kv_usage: (rng.below(4) != 0).then(|| rng.below(1001) as f32 / 1000.0),
+                cache_fullness: (rng.below(4) != 0).then(|| rng.below(1001) as f32 / 1000.0),
             }
         })
         .collect();
@@ -97,6 +98,7 @@ pub(crate) fn canary_candidates() -> Candidates {
         pending_prefill_tokens: pending,
         in_flight,
         kv_usage: Some(0.5),
+        cache_fullness: Some(0.9),
     })
     .collect()
 }

@@ -21,7 +21,8 @@
 //! Request fields (all optional): `prompt_tokens` (default `prompt_blocks × block_size`),
 //! `prompt_blocks`, `block_size` (16), `session_key`, `seed` (1), `sequence` (the case's
 //! number, from 1: 0 is the canary's). Candidate fields: `id` (required), `overlap_blocks`,
-//! `active_blocks`, `pending_prefill_tokens`, `in_flight`, `kv_usage` (omitted: unknown).
+//! `active_blocks`, `pending_prefill_tokens`, `in_flight`, `kv_usage` and `cache_fullness`
+//! (omitted: unknown).
 //! `expect`: `{"worker": ID}`, `{"worker_in": [IDs]}`, `{"reject": KIND}` (`all-busy`,
 //! `no-fit`, `refused`, or `any`), or `{"answer": true}` (any valid answer).
 
@@ -74,6 +75,7 @@ pub struct CaseCandidate {
     #[serde(default)]
     in_flight: u32,
     kv_usage: Option<f32>,
+    cache_fullness: Option<f32>,
 }
 
 /// What a case expects.
@@ -142,6 +144,7 @@ impl Case {
                 pending_prefill_tokens: c.pending_prefill_tokens,
                 in_flight: c.in_flight,
                 kv_usage: c.kv_usage,
+                cache_fullness: c.cache_fullness,
             })
             .collect();
         // The router hands candidates sorted by ID.

@@ -289,7 +289,7 @@ impl PolicyEngine {
     pub(crate) fn link(
         &self,
         bytes: &[u8],
-    ) -> Result<(PolicyPre<HostState>, String, CacheOutcome), PolicyError> {
+    ) -> Result<(PolicyPre, String, CacheOutcome), PolicyError> {
         if bytes.len() > super::MAX_POLICY_BYTES {
             return Err(PolicyError::TooLarge);
         }

@@ -61,6 +61,9 @@ pub struct PolicyInfo {
     pub load_time: Duration,
     /// Whether the compiled code came from a cache.
     pub cache: CacheOutcome,
+    /// The world version it implements (`switchyard:policy@0.2.0`, or `@0.1.0` for a
+    /// component built against the previous WIT).
+    pub world: &'static str,
 }
 
 /// Why one `choose` call did not produce a valid answer. The decision itself still
@@ -148,7 +151,7 @@ pub struct LoadedPolicy {
 
 struct Shared {
     engine: PolicyEngine,
-    pre: PolicyPre<HostState>,
+    pre: PolicyPre,
     info: PolicyInfo,
     log: Arc<GuestLog>,
     /// Idle warm instances. A decision pops one, calls it, and pushes it back: no lock
@@ -185,7 +188,7 @@ struct Warm {
 impl LoadedPolicy {
     pub(crate) fn new(
         engine: PolicyEngine,
-        pre: PolicyPre<HostState>,
+        pre: PolicyPre,
         source: PolicySource,
         sha256: String,
         config: &str,
@@ -201,6 +204,7 @@ impl LoadedPolicy {
         let warm_target = engine.config().warm_instances.clamp(1, max_warm);
         let warmer = engine.inner.warmer.clone();
         let proven = matches!(source, PolicySource::Builtin(_));
+        let world = pre.world();
         let mut shared = Shared {
             engine,
             pre,
@@ -217,6 +221,7 @@ impl LoadedPolicy {
                 loaded_at: SystemTime::now(),
                 load_time: Duration::ZERO,
                 cache,
+                world,
             },
             log,
             pool: ArrayQueue::new(max_warm),

@@ -47,8 +47,12 @@ pub struct CandidateRow {
     pub pending_prefill_tokens: u32,
     /// Requests in flight on it.
     pub in_flight: u32,
-    /// KV usage it reported, in [0, 1], if any.
+    /// KV usage its engine reported (the share held by running requests), in [0, 1],
+    /// if any.
     pub kv_usage: Option<f32>,
+    /// How full its prefix cache is (the router's index over its cache size), in
+    /// [0, 1], if its cache size is known.
+    pub cache_fullness: Option<f32>,
 }
 
 /// The candidate workers of one decision, as parallel columns (struct of arrays).
@@ -79,6 +83,7 @@ impl Candidates {
                 pending_prefill_tokens: Vec::with_capacity(n),
                 in_flight: Vec::with_capacity(n),
                 kv_usage: Vec::with_capacity(n),
+                cache_fullness: Vec::with_capacity(n),
             },
             ascending: true,
         }
@@ -94,6 +99,7 @@ impl Candidates {
         c.pending_prefill_tokens.push(row.pending_prefill_tokens);
         c.in_flight.push(row.in_flight);
         c.kv_usage.push(row.kv_usage.unwrap_or(-1.0));
+        c.cache_fullness.push(row.cache_fullness.unwrap_or(-1.0));
     }
 
     /// Removes every candidate, keeping the allocations.
@@ -105,6 +111,7 @@ impl Candidates {
         c.pending_prefill_tokens.clear();
         c.in_flight.clear();
         c.kv_usage.clear();
+        c.cache_fullness.clear();
         self.ascending = true;
     }
 
@@ -118,6 +125,7 @@ impl Candidates {
             .clone_from(&o.pending_prefill_tokens);
         c.in_flight.clone_from(&o.in_flight);
         c.kv_usage.clone_from(&o.kv_usage);
+        c.cache_fullness.clone_from(&o.cache_fullness);
         self.ascending = other.ascending;
     }
 
@@ -141,6 +149,7 @@ impl Candidates {
             pending_prefill_tokens: c.pending_prefill_tokens[i],
             in_flight: c.in_flight[i],
             kv_usage: (c.kv_usage[i] >= 0.0).then_some(c.kv_usage[i]),
+            cache_fullness: (c.cache_fullness[i] >= 0.0).then_some(c.cache_fullness[i]),
         }
     }
 
@@ -181,6 +190,7 @@ impl Candidates {
             pending_prefill_tokens: &self.cols.pending_prefill_tokens,
             in_flight: &self.cols.in_flight,
             kv_usage: &self.cols.kv_usage,
+            cache_fullness: &self.cols.cache_fullness,
         }
     }
 }

@@ -336,9 +336,20 @@ impl KvRouter {
     ) -> (Candidates, Vec<(InstanceId, u32)>) {
         let available = self.client.routable();
         let mut overlaps = Vec::new();
-        self.index
-            .read()
-            .overlaps(hashes, |w, n| overlaps.push((w, n)));
+        // Each candidate's cache fullness: the blocks the index holds for it over its
+        // cache size, where its reports gave one.
+        let fullness: Vec<Option<f32>> = {
+            let index = self.index.read();
+            index.overlaps(hashes, |w, n| overlaps.push((w, n)));
+            let capacities = self.capacities.lock();
+            available
+                .iter()
+                .map(|id| {
+                    let capacity = *capacities.get(id).filter(|c| **c > 0)?;
+                    Some((index.worker_blocks(*id) as f64 / capacity as f64).min(1.0) as f32)
+                })
+                .collect()
+        };
         overlaps.sort_unstable();
         // A worker whose event view is incomplete may have predictions too: the longer wins.
         overlaps.dedup_by(|later, kept| {
@@ -352,7 +363,10 @@ impl KvRouter {
         let mut candidates = Candidates::with_capacity(available.len());
         let now = Instant::now();
         let load = self.load.lock();
-        for &id in available.iter().filter(|id| !exclude.contains(id)) {
+        for (&id, &cache_fullness) in available.iter().zip(&fullness) {
+            if exclude.contains(&id) {
+                continue;
+            }
             let l = load.load(id, now);
             let cached = overlaps
                 .binary_search_by_key(&id, |(w, _)| *w)
@@ -365,6 +379,7 @@ impl KvRouter {
                 pending_prefill_tokens: l.pending_prefill_tokens.min(u64::from(u32::MAX)) as u32,
                 in_flight: l.in_flight,
                 kv_usage: l.reported.and_then(|r| r.kv_usage()),
+                cache_fullness,
             });
         }
         (candidates, overlaps)
@@ -427,8 +442,7 @@ impl KvRouter {
 
     /// Blocks the index says `worker` holds.
     pub fn cached_blocks(&self, worker: InstanceId) -> usize {
-        let index = self.index.read();
-        index.events.worker_blocks(worker) + index.predicted.index().worker_blocks(worker)
+        self.index.read().worker_blocks(worker)
     }
 
     /// Every block the index says `worker` holds, sorted.

@@ -151,6 +151,12 @@ impl Index {
         self.predicted.index().overlaps(hashes, f);
     }
 
+    /// The blocks the index holds for `worker`: its cache as its events say, or as the
+    /// router predicts it.
+    pub(crate) fn worker_blocks(&self, worker: InstanceId) -> usize {
+        self.events.worker_blocks(worker) + self.predicted.index().worker_blocks(worker)
+    }
+
     pub(crate) fn worker_block_list(&self, worker: InstanceId) -> Vec<BlockHash> {
         let mut v = self.events.worker_block_list(worker);
         v.extend(self.predicted.index().worker_block_list(worker));

@@ -331,6 +331,7 @@ pub fn policy_check(spec: &str, config: &str, runtime: RuntimeConfig) -> anyhow:
     let info = loaded.info();
     println!("policy:   {} {}", info.name, info.version);
     println!("sha256:   {}", info.sha256);
+    println!("world:    {}", info.world);
     println!("source:   {}", info.source);
     println!("config:   {}", info.config);
     println!(

@@ -6,17 +6,19 @@
 //!
 //! For candidate `i` of a request with `P` full prompt blocks and block size `B`, with
 //! `u[i] = P - min(overlap_blocks[i], P)` the blocks it would have to prefill there, `n[i]`
-//! its requests in flight and `k[i]` its reported KV usage (0 when unknown):
+//! its requests in flight, `f[i]` how full its prefix cache is and `k[i]` the KV usage its
+//! engine reports (the share held by running requests; each 0 when unknown):
 //!
 //! ```text
 //! q          = min over candidates of pending_prefill_tokens / B, over max(P, 1)
 //! m          = min over candidates of n
 //! prefill[i] = pending_prefill_tokens[i] / B
 //!            + u[i] * (1 + overload_weight * q + stall_weight * m
-//!                        + eviction_weight * k[i])
+//!                        + eviction_weight * f[i])
 //! cost[i]    = overlap_weight * prefill[i]
 //!            + in_flight_weight * n[i]
 //!            + active_weight * (active_blocks[i] + P)
+//!            + pressure_weight * k[i] * P
 //! ```
 //!
 //! Everything is in blocks of prefill work. The first line is the request's own wait for
@@ -24,7 +26,10 @@
 //! costs more than its compute: it stalls the requests decoding on the worker that
 //! prefills it for that long (`stall_weight`, per request in flight on the least loaded
 //! candidate: the stall wherever the block goes), and on a worker whose cache is full it
-//! evicts a block some later request may have wanted (`eviction_weight`); together these
+//! evicts a block some later request may have wanted (`eviction_weight`, scaled by the
+//! cache fullness the router knows from its index: how many blocks it holds over the
+//! worker's cache size, not the engine's usage, which counts only running requests'
+//! blocks and reads ~0 on an idle worker with a full cache); together these
 //! keep a prefix on the worker that holds it, and send a new prefix where it disturbs
 //! least. The stall is priced at the fleet's least in-flight count, not at each
 //! candidate's own: a worker whose cache is full of long prompts runs fewer requests *and*
@@ -37,6 +42,9 @@
 //! spreading then shortens no queue for long and the extra prefill lengthens them all.
 //! `active_weight` prices the KV memory held by requests in flight; it is 0 by default,
 //! since blocks are a poor proxy for time (long prompts would dominate every decision).
+//! `pressure_weight` prices the engine's own KV usage (a request may wait for memory, or
+//! preempt, where running requests hold most of it); 0 by default (ARCHITECTURE.md says
+//! what it was tried at).
 //!
 //! With `temperature == 0` the lowest cost wins and ties are broken uniformly by the
 //! request's seed. With `temperature > 0` the candidate is sampled with probability
@@ -63,8 +71,11 @@ pub struct KvCostConfig {
     /// Cost per KV block held by in-flight requests (memory pressure).
     pub active_weight: f64,
     /// Cost of each uncached block on a worker whose cache is full, in blocks: what
-    /// placing it there evicts (scaled by the worker's reported KV usage).
+    /// placing it there evicts (scaled by the cache fullness the router knows).
     pub eviction_weight: f64,
+    /// Cost per prompt block of the KV usage the worker's engine reports (the share
+    /// held by running requests): memory pressure, where the request may wait or preempt.
+    pub pressure_weight: f64,
     /// Fleet overload: each uncached block also costs this much times the prefill queued
     /// on the least queued candidate, measured in this request's own prompts. When every
     /// worker has prefill waiting, moving a request away from its cache buys little wait
@@ -81,6 +92,7 @@ impl Default for KvCostConfig {
             in_flight_weight: 20.0,
             active_weight: 0.0,
             eviction_weight: 10.0,
+            pressure_weight: 0.0,
             overload_weight: 4.0,
         }
     }
@@ -102,6 +114,7 @@ impl KvCostConfig {
             ("in_flight_weight", config.in_flight_weight),
             ("active_weight", config.active_weight),
             ("eviction_weight", config.eviction_weight),
+            ("pressure_weight", config.pressure_weight),
             ("overload_weight", config.overload_weight),
         ] {
             if !(value.is_finite() && value >= 0.0) {
@@ -136,8 +149,11 @@ pub struct CandidateView<'a> {
     pub pending_prefill_tokens: &'a [u32],
     /// Requests in flight on each candidate.
     pub in_flight: &'a [u32],
-    /// Reported KV usage in [0, 1] of each candidate (negative: not reported).
+    /// KV usage in [0, 1] each candidate's engine reported: the share held by running
+    /// requests (negative: not reported).
     pub kv_usage: &'a [f32],
+    /// How full each candidate's prefix cache is, in [0, 1] (negative: unknown).
+    pub cache_fullness: &'a [f32],
 }
 
 impl CandidateView<'_> {
@@ -150,6 +166,7 @@ impl CandidateView<'_> {
             .min(self.pending_prefill_tokens.len())
             .min(self.in_flight.len())
             .min(self.kv_usage.len())
+            .min(self.cache_fullness.len())
     }
 
     /// True when there is no candidate.
@@ -216,20 +233,32 @@ impl Costs {
             c.pending_prefill_tokens[i],
             c.in_flight[i],
             c.kv_usage[i],
+            c.cache_fullness[i],
         )
     }
 
     #[inline(always)]
-    fn cost(&self, overlap: u32, active: u32, pending: u32, in_flight: u32, usage: f32) -> f64 {
+    fn cost(
+        &self,
+        overlap: u32,
+        active: u32,
+        pending: u32,
+        in_flight: u32,
+        usage: f32,
+        fullness: f32,
+    ) -> f64 {
         let k = &self.config;
         let uncached = self.blocks - f64::from(overlap.min(self.prompt_blocks));
         let n = f64::from(in_flight);
+        // Negative (unknown) and NaN both read as 0.
         let usage = f64::from(usage.clamp(0.0, 1.0));
+        let fullness = f64::from(fullness.clamp(0.0, 1.0));
         let prefill = f64::from(pending) * self.per_token
-            + uncached * (self.base + k.eviction_weight * usage);
+            + uncached * (self.base + k.eviction_weight * fullness);
         k.overlap_weight * prefill
             + k.in_flight_weight * n
             + k.active_weight * (f64::from(active) + self.blocks)
+            + k.pressure_weight * usage * self.blocks
     }
 }
 
@@ -256,9 +285,12 @@ pub fn choose(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>) 
         .zip(&c.active_blocks[..n])
         .zip(&c.pending_prefill_tokens[..n])
         .zip(&c.in_flight[..n])
-        .zip(&c.kv_usage[..n]);
-    for (i, ((((&overlap, &active), &pending), &in_flight), &usage)) in rows.enumerate() {
-        let x = costs.cost(overlap, active, pending, in_flight, usage);
+        .zip(&c.kv_usage[..n])
+        .zip(&c.cache_fullness[..n]);
+    for (i, (((((&overlap, &active), &pending), &in_flight), &usage), &fullness)) in
+        rows.enumerate()
+    {
+        let x = costs.cost(overlap, active, pending, in_flight, usage, fullness);
         if x < best {
             best = x;
             pick = i;
@@ -333,6 +365,7 @@ mod tests {
             pending_prefill_tokens: p,
             in_flight: &ZEROS[..o.len()],
             kv_usage: &UNKNOWN[..o.len()],
+            cache_fullness: &UNKNOWN[..o.len()],
         }
     }
 
@@ -390,7 +423,7 @@ mod tests {
         };
         let mut c = view(&[0, 0], &[0, 0], &[480_000, 200_000]);
         c.in_flight = &[25, 37];
-        c.kv_usage = &[1.0, 1.0];
+        c.cache_fullness = &[1.0, 1.0];
         assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(1));
         // The same fleet still keeps a cached prompt on its worker: a busy fleet makes
         // every uncached block dearer, wherever it goes.
@@ -407,8 +440,30 @@ mod tests {
         };
         let mut c = view(&[0, 0, 0], &[0, 0, 0], &[0, 0, 0]);
         c.in_flight = &[1, 1, 1];
-        c.kv_usage = &[1.0, 0.2, 0.9];
+        c.cache_fullness = &[1.0, 0.2, 0.9];
         assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(1));
+        // The engines' usage counts only running requests' blocks: an idle worker whose
+        // cache is full reads 0 there, and it is the fullness that keeps the new prefix
+        // off it.
+        c.kv_usage = &[0.0, 0.9, 0.0];
+        assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(1));
+    }
+
+    #[test]
+    fn memory_pressure_is_priced_only_when_asked() {
+        let req = RequestShape {
+            prompt_blocks: 40,
+            block_size: 64,
+            seed: 7,
+        };
+        // Equal in everything but the engines' usage: running requests hold 95 % of
+        // worker 0's memory and 10 % of worker 1's. Worker 0 holds a few prompt blocks.
+        let mut c = view(&[4, 0], &[0, 0], &[0, 0]);
+        c.in_flight = &[3, 3];
+        c.kv_usage = &[0.95, 0.1];
+        assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(0));
+        let pressure = KvCostConfig::from_json(r#"{"pressure_weight": 2}"#).unwrap();
+        assert_eq!(choose(&pressure, &req, &c), Some(1));
     }
 
     #[test]

@@ -41,6 +41,7 @@ impl Guest for KvCost {
             pending_prefill_tokens: &candidates.pending_prefill_tokens,
             in_flight: &candidates.in_flight,
             kv_usage: &candidates.kv_usage,
+            cache_fullness: &candidates.cache_fullness,
         };
         match switchyard_cost_model::choose(&CONFIG.get(), &shape, &view) {
             Some(i) => Ok(candidates.worker_ids[i]),

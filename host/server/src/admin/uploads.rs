@@ -185,6 +185,7 @@ pub(super) async fn explain(
                 "pending_prefill_tokens": c.pending_prefill_tokens,
                 "in_flight": c.in_flight,
                 "kv_usage": c.kv_usage,
+                "cache_fullness": c.cache_fullness,
                 "cache_view": router.cache_view(c.id),
             })
         })

@@ -37,6 +37,7 @@ pub fn status_json(s: &PolicyStatus) -> Value {
             "loaded_at": secs(s.info.loaded_at),
             "load_ms": s.info.load_time.as_secs_f64() * 1e3,
             "compiled": format!("{:?}", s.info.cache),
+            "world": s.info.world,
             "generation": s.generation,
             "active_since": secs(s.active_since),
             "decisions": s.decisions,
@@ -100,6 +101,7 @@ pub(super) fn instances_json(r: &KvRouter) -> Value {
                 "pending_prefill_tokens": load.pending_prefill_tokens,
                 "kv_usage": load.reported.and_then(|l| l.kv_usage()),
                 "cached_blocks": r.cached_blocks(*id),
+                "cache_blocks": r.known_capacity(*id),
             })
         })
         .collect();
