@@ -486,6 +486,16 @@ mod tests {
         llama3["model"]["ignore_merges"] = true.into();
         let mut qwen = llama3.clone();
         qwen["normalizer"] = serde_json::json!({"type": "NFC"});
+        // DeepSeek V3's shape: digits and CJK runs split off first, its own pattern, and
+        // an empty normalizer sequence.
+        let mut deepseek = gpt2.clone();
+        deepseek["normalizer"] = serde_json::json!({"type": "Sequence", "normalizers": []});
+        deepseek["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated", "invert": false},
+            {"type": "Split", "pattern": {"Regex": "[\u{4e00}-\u{9fa5}\u{3040}-\u{309f}\u{30a0}-\u{30ff}]+"}, "behavior": "Isolated", "invert": false},
+            {"type": "Split", "pattern": {"Regex": "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"},
+             "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]});
         // A pattern without the usual ending runs on fancy-regex.
         let mut other = gpt2.clone();
         other["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
@@ -498,6 +508,7 @@ mod tests {
             ("gpt2", &gpt2),
             ("llama3", &llama3),
             ("qwen", &qwen),
+            ("deepseek", &deepseek),
             ("other", &other),
             ("normalized", &normalized),
         ] {

@@ -2,16 +2,16 @@
 //!
 //! A multi-turn chat resends its whole history with every turn, so most of each prompt's
 //! text was tokenized before. [`PrefixTokenizer`] cuts a text at *cut points* that depend
-//! only on the text before them (the first whitespace after every [`CHUNK`] bytes since the
-//! previous cut), remembers the tokens of each request's two longest cut prefixes under a
+//! only on the text before them (the first space between two letters after every
+//! [`CHUNK`] bytes since the previous cut), remembers the tokens of each request's two longest cut prefixes under a
 //! hash of each prefix, and on the next turn tokenizes only what follows the longest
 //! remembered prefix. Two texts that share a prefix share its cut points, so the next
 //! turn of a conversation finds the previous turn's entry.
 //!
 //! Concatenating the tokens of the pieces equals tokenizing the whole only when the
 //! tokenizer never merges across a cut. That holds for the built-in tokenizer (a
-//! whitespace run always starts a token) and for the usual BPE pre-tokenizers, but not
-//! for every `tokenizer.json`, so the discipline is:
+//! whitespace run always starts a token) and for the usual BPE pre-tokenizers (see
+//! [`cuts`]), but not for every `tokenizer.json`, so the discipline is:
 //! - at construction, sample texts are tokenized both ways; any difference turns the
 //!   cache off for good (logged once);
 //! - while serving, one cache hit in [`AUDIT_EVERY`] is also tokenized whole and
@@ -123,15 +123,26 @@ impl Cache {
     }
 }
 
-/// The cut points of `text`: byte offsets, each the start of a whitespace run at least
-/// [`CHUNK`] bytes after the previous cut, and short of the end.
+/// The cut points of `text`: byte offsets of a single ASCII space between two ASCII
+/// letters (`word word`), each at least [`CHUNK`] bytes after the previous cut, and short
+/// of the end.
+///
+/// Every pre-tokenizer in use ends a letter run at a space and starts the next piece with
+/// it (GPT-2's and Llama 3's / cl100k's ` ?\p{L}+` and `[^\r\n\p{L}\p{N}]?\p{L}+`,
+/// DeepSeek's and Qwen's variants, Metaspace's `▁word`), so no piece spans the cut and
+/// BPE never merges across it. Any whitespace would not do: cl100k-style patterns put
+/// punctuation and the newlines after it in one piece (`,\n`), and some put a space before
+/// a newline with it.
 fn cuts(text: &str) -> Vec<usize> {
     let bytes = text.as_bytes();
     let mut out = Vec::new();
     let mut i = CHUNK;
-    while i < bytes.len() {
-        // ASCII whitespace after a non-whitespace byte (never inside a UTF-8 sequence).
-        if bytes[i].is_ascii_whitespace() && !bytes[i - 1].is_ascii_whitespace() {
+    while i + 1 < bytes.len() {
+        // ASCII bytes on both sides: never inside a UTF-8 sequence.
+        if bytes[i] == b' '
+            && bytes[i - 1].is_ascii_alphabetic()
+            && bytes[i + 1].is_ascii_alphabetic()
+        {
             out.push(i);
             i += CHUNK;
         } else {
@@ -147,8 +158,8 @@ impl PrefixTokenizer {
         let t = Self::unchecked(tokenizer, budget_tokens);
         if t.enabled() && !t.cuts_are_exact() {
             tracing::warn!(
-                "this tokenizer merges tokens across whitespace: prompts are tokenized whole, \
-                 without reusing a conversation's earlier tokens"
+                "this tokenizer merges tokens across the space between two words: prompts are \
+                 tokenized whole, without reusing a conversation's earlier tokens"
             );
             t.audit.turn_off();
         }
@@ -437,6 +448,39 @@ mod tests {
         assert!(!off.enabled());
         off.encode(&conversation(2)).unwrap();
         assert_eq!(off.stats(), PrefixStats::default());
+    }
+
+    #[test]
+    fn a_tokenizer_that_joins_punctuation_and_newlines_still_reuses_earlier_turns() {
+        // cl100k's, Llama 3's and DeepSeek's patterns put punctuation and the newlines
+        // after it in one piece (",\n" one token here): a cut at any whitespace would split
+        // it, a cut between two words does not.
+        let json = r#"{
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "post_processor": null, "decoder": null,
+            "pre_tokenizer": {"type": "Split", "behavior": "Isolated", "invert": false,
+                "pattern": {"Regex": " ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": {"a": 0, "b": 1, " ": 2, ",": 3, "\n": 4, ",\n": 5, " a": 6},
+                      "merges": [[",", "\n"], [" ", "a"]]}
+        }"#;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, json).unwrap();
+        let joining = Arc::new(Tokenizer::from_file(&path).unwrap());
+        let t = PrefixTokenizer::new(joining.clone(), DEFAULT_BUDGET_TOKENS);
+        assert!(
+            t.enabled(),
+            "cuts between words are exact for this tokenizer"
+        );
+        let turn = |n: usize| "ab ab,\nab ba,\n\nb a ".repeat(n);
+        for n in [300, 400, 500] {
+            let text = turn(n);
+            assert_eq!(t.encode(&text).unwrap(), joining.encode(&text).unwrap());
+        }
+        let s = t.stats();
+        assert_eq!((s.hits, s.misses, s.mismatches), (2, 1, 0), "{s:?}");
     }
 
     #[test]

@@ -91,6 +91,21 @@ fn is_false(v: &Value) -> bool {
     matches!(v, Value::Null | Value::Bool(false))
 }
 
+/// Whether a normalizer this path can run is NFC (else none): no normalizer, NFC, or a
+/// `Sequence` of those (DeepSeek's files have an empty one).
+fn normalizer_is_nfc(v: &Value) -> Result<bool, String> {
+    match field(v, "type").as_str() {
+        None => Ok(false),
+        Some("NFC") => Ok(true),
+        Some("Sequence") => field(v, "normalizers")
+            .as_array()
+            .ok_or("a Sequence normalizer without normalizers")?
+            .iter()
+            .try_fold(false, |nfc, n| Ok(normalizer_is_nfc(n)? || nfc)),
+        Some(other) => Err(format!("normalizer {other}")),
+    }
+}
+
 /// The regexes of a pre-tokenizer, if this path can run it, into `out`; whether it has a
 /// `ByteLevel` step.
 fn pre_tokenizer_splits(v: &Value, out: &mut Vec<Splitter>) -> Result<bool, String> {
@@ -148,11 +163,7 @@ impl ByteLevelBpe {
                 return Err(format!("{key} is set"));
             }
         }
-        let nfc = match field(field(&v, "normalizer"), "type").as_str() {
-            None => false,
-            Some("NFC") => true,
-            Some(other) => return Err(format!("normalizer {other}")),
-        };
+        let nfc = normalizer_is_nfc(field(&v, "normalizer"))?;
         let mut splits = Vec::new();
         if !pre_tokenizer_splits(field(&v, "pre_tokenizer"), &mut splits)? {
             return Err("no ByteLevel pre-tokenizer".into());
