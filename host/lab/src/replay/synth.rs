@@ -73,11 +73,11 @@ impl SynthConfig {
     /// Long conversations whose history fits in large caches: each starts with a
     /// 10–40k-token document and runs ~12 turns towards 100k tokens, resent every turn;
     /// 150 or so conversations of 1,500 requests hold ~6M distinct tokens, under half of
-    /// four 65,536-block caches of 64 tokens. Arrivals at 2/s keep such a fleet busy
+    /// four 65,536-block caches of 64 tokens. Arrivals at 6/s keep such a fleet busy
     /// with the prefill of new documents and the decode of long contexts.
     pub fn large_cache() -> SynthConfig {
         SynthConfig {
-            rate: 2.0,
+            rate: 6.0,
             turns: 12.0,
             think_secs: 5.0,
             system_prompts: 8,
