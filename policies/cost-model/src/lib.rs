@@ -12,8 +12,9 @@
 //! ```text
 //! q          = min over candidates of pending_prefill_tokens / B, over max(P, 1)
 //! m          = min over candidates of n
+//! s[i]       = m + stall_local * (n[i] - m) / (1 + q)
 //! prefill[i] = pending_prefill_tokens[i] / B
-//!            + u[i] * (1 + overload_weight * q + stall_weight * m
+//!            + u[i] * (1 + overload_weight * q + stall_weight * s[i]
 //!                        + eviction_weight * f[i])
 //! cost[i]    = overlap_weight * prefill[i]
 //!            + in_flight_weight * n[i]
@@ -24,17 +25,21 @@
 //! Everything is in blocks of prefill work. The first line is the request's own wait for
 //! its first token (the prefill queued ahead of it, then its own). An uncached block
 //! costs more than its compute: it stalls the requests decoding on the worker that
-//! prefills it for that long (`stall_weight`, per request in flight on the least loaded
-//! candidate: the stall wherever the block goes), and on a worker whose cache is full it
+//! prefills it for that long (`stall_weight` per request stalled, `s[i]`: by default the
+//! requests in flight on the least loaded candidate, the stall wherever the block goes),
+//! and on a worker whose cache is full it
 //! evicts a block some later request may have wanted (`eviction_weight`, scaled by the
 //! cache fullness the router knows from its index: how many blocks it holds over the
 //! worker's cache size, not the engine's usage, which counts only running requests'
 //! blocks and reads ~0 on an idle worker with a full cache); together these
 //! keep a prefix on the worker that holds it, and send a new prefix where it disturbs
-//! least. The stall is priced at the fleet's least in-flight count, not at each
-//! candidate's own: a worker whose cache is full of long prompts runs fewer requests *and*
-//! has the longest prefill queue, and a per-candidate price sent every long uncached
-//! prompt there (the stall term, `u × n`, outweighed its queue).
+//! least. Under saturation the stall is priced at the fleet's least in-flight count, not
+//! at each candidate's own: a worker whose cache is full of long prompts runs fewer
+//! requests *and* has the longest prefill queue, and a per-candidate price sent every long
+//! uncached prompt there (the stall term, `u × n`, outweighed its queue). While some
+//! worker has nothing queued that cannot happen, and the own count is the exact price:
+//! `stall_local` 1 charges it then (0 by default: it gained E2E on one trace and lost
+//! TTFT on another).
 //! Each request in flight costs a decode slot and step time (`in_flight_weight`), which
 //! is what balances load: a cached prefix wins unless its worker is clearly busier. When
 //! the whole fleet is queued (`q`: the least queued worker's waiting prefill, in prompts
@@ -63,8 +68,14 @@ pub struct KvCostConfig {
     /// Softmax temperature; `0` picks the cheapest candidate deterministically.
     pub temperature: f64,
     /// Prefill stalls every sequence decoding on the same worker: each uncached block
-    /// also costs this much per request in flight on the least loaded candidate.
+    /// also costs this much per request it stalls (see `stall_local`).
     pub stall_weight: f64,
+    /// The share of a candidate's in-flight count above the least loaded candidate's
+    /// that the stall counts, divided by `1 + q` (`q`: the least queued candidate's
+    /// pending prefill, in this request's prompts): with 1, all of it while some worker
+    /// has nothing queued, less the busier the fleet. `0` (the default): always the least
+    /// loaded count (ARCHITECTURE.md says what 1 did).
+    pub stall_local: f64,
     /// Cost of each request in flight on a worker, in blocks of prefill: the decode
     /// slot it holds and the step time it adds for everyone else.
     pub in_flight_weight: f64,
@@ -89,6 +100,7 @@ impl Default for KvCostConfig {
             overlap_weight: 1.0,
             temperature: 0.0,
             stall_weight: 0.25,
+            stall_local: 0.0,
             in_flight_weight: 20.0,
             active_weight: 0.0,
             eviction_weight: 10.0,
@@ -111,6 +123,7 @@ impl KvCostConfig {
             ("overlap_weight", config.overlap_weight),
             ("temperature", config.temperature),
             ("stall_weight", config.stall_weight),
+            ("stall_local", config.stall_local),
             ("in_flight_weight", config.in_flight_weight),
             ("active_weight", config.active_weight),
             ("eviction_weight", config.eviction_weight),
@@ -189,6 +202,10 @@ struct Costs {
     /// What every uncached block costs besides its own compute, the same on every
     /// candidate: 1 plus the fleet-overload and stall terms.
     base: f64,
+    /// The least in-flight count among the candidates.
+    least_in_flight: f64,
+    /// The stall's price per request in flight above `least_in_flight`.
+    local_stall: f64,
 }
 
 impl Costs {
@@ -196,7 +213,7 @@ impl Costs {
         // The prefill queued on the least queued candidate, in units of this request's
         // own prompt (a pass over the candidates only when the term is on): 0 while any
         // worker has no prefill waiting.
-        let floor = if config.overload_weight > 0.0 {
+        let floor = if config.overload_weight > 0.0 || config.stall_local > 0.0 {
             let least = c.pending_prefill_tokens[..c.len()]
                 .iter()
                 .copied()
@@ -209,19 +226,18 @@ impl Costs {
             0.0
         };
         // The stall an uncached block causes wherever it goes: the requests in flight on
-        // the least loaded candidate.
-        let stall = if config.stall_weight > 0.0 {
-            let least = c.in_flight[..c.len()].iter().copied().min().unwrap_or(0);
-            config.stall_weight * f64::from(least)
-        } else {
-            0.0
-        };
+        // the least loaded candidate; the rest of each candidate's own count is added per
+        // candidate, scaled down as the whole fleet queues.
+        let least = c.in_flight[..c.len()].iter().copied().min().unwrap_or(0);
+        let stall = config.stall_weight * f64::from(least);
         Costs {
             config: *config,
             blocks: f64::from(req.prompt_blocks),
             per_token: 1.0 / f64::from(req.block_size.max(1)),
             prompt_blocks: req.prompt_blocks,
             base: 1.0 + config.overload_weight * floor + stall,
+            least_in_flight: f64::from(least),
+            local_stall: config.stall_weight * config.stall_local / (1.0 + floor),
         }
     }
 
@@ -253,8 +269,9 @@ impl Costs {
         // Negative (unknown) and NaN both read as 0.
         let usage = f64::from(usage.clamp(0.0, 1.0));
         let fullness = f64::from(fullness.clamp(0.0, 1.0));
+        let stall = self.local_stall * (n - self.least_in_flight);
         let prefill = f64::from(pending) * self.per_token
-            + uncached * (self.base + k.eviction_weight * fullness);
+            + uncached * (self.base + stall + k.eviction_weight * fullness);
         k.overlap_weight * prefill
             + k.in_flight_weight * n
             + k.active_weight * (f64::from(active) + self.blocks)
@@ -447,6 +464,31 @@ mod tests {
         // off it.
         c.kv_usage = &[0.0, 0.9, 0.0];
         assert_eq!(choose(&KvCostConfig::default(), &req, &c), Some(1));
+    }
+
+    #[test]
+    fn the_local_stall_counts_each_workers_own_decodes_only_while_the_fleet_has_room() {
+        let req = RequestShape {
+            prompt_blocks: 100,
+            block_size: 64,
+            seed: 7,
+        };
+        // Uncached everywhere; worker 0 runs 20 requests, worker 1 runs 12 and has 3,200
+        // tokens (half a prompt) more prefill queued.
+        let mut c = view(&[0, 0], &[0, 0], &[0, 3200]);
+        c.in_flight = &[20, 12];
+        let local =
+            KvCostConfig::from_json(r#"{"stall_local": 1, "in_flight_weight": 0}"#).unwrap();
+        let least = KvCostConfig::from_json(r#"{"in_flight_weight": 0}"#).unwrap();
+        // Priced at the least loaded count, the shorter queue wins; at each worker's own,
+        // the 8 more decodes a prefill on worker 0 would stall (0.25 × 8 × 100 blocks)
+        // outweigh the 50 blocks of queue.
+        assert_eq!(choose(&least, &req, &c), Some(0));
+        assert_eq!(choose(&local, &req, &c), Some(1));
+        // When every worker has a deep queue (here 20 prompts' worth), the local share
+        // fades and the queue decides again.
+        c.pending_prefill_tokens = &[128_000, 131_200];
+        assert_eq!(choose(&local, &req, &c), Some(0));
     }
 
     #[test]
