@@ -72,7 +72,7 @@ impl Default for SynthConfig {
 impl SynthConfig {
     /// Long conversations whose history fits in large caches: each starts with a
     /// 10–40k-token document and runs ~12 turns towards 100k tokens, resent every turn;
-    /// 150 or so conversations of 1,500 requests hold ~6M distinct tokens, under half of
+    /// the ~120 conversations of 1,500 requests hold ~8M distinct tokens, under half of
     /// four 65,536-block caches of 64 tokens. Arrivals at 6/s keep such a fleet busy
     /// with the prefill of new documents and the decode of long contexts.
     pub fn large_cache() -> SynthConfig {
