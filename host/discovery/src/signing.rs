@@ -44,10 +44,13 @@ impl std::str::FromStr for PublicKey {
     }
 }
 
+/// A key file's size bound: an ed25519 key in base64 is under a hundred bytes.
+const MAX_KEY_FILE: u64 = 64 << 10;
+
 impl PublicKey {
     /// Reads a `.pub` file.
     pub fn load(path: &Path) -> Result<PublicKey, String> {
-        let text = std::fs::read_to_string(path)
+        let text = switchyard_net::files::read_to_string(path, MAX_KEY_FILE)
             .map_err(|e| format!("cannot read the public key {}: {e}", path.display()))?;
         text.parse()
             .map_err(|e| format!("{} is not an ed25519 public key: {e}", path.display()))
@@ -114,7 +117,7 @@ impl SigningKey {
                 ));
             }
         }
-        let text = std::fs::read_to_string(path)
+        let text = switchyard_net::files::read_to_string(path, MAX_KEY_FILE)
             .map_err(|e| format!("cannot read the signing key {}: {e}", path.display()))?;
         let der = b64()
             .decode(text.trim())

@@ -232,7 +232,11 @@ pub async fn policy_push(
         .map_err(anyhow::Error::msg)?;
     let bytes = match switchyard::policy::builtin(&spec) {
         Some(b) => b.wasm.to_vec(),
-        None => std::fs::read(&spec).map_err(|e| anyhow::anyhow!("cannot read {spec}: {e}"))?,
+        None => switchyard::net::files::read(
+            std::path::Path::new(&spec),
+            switchyard::policy::MAX_POLICY_BYTES as u64,
+        )
+        .map_err(|e| anyhow::anyhow!("cannot read {spec}: {e}"))?,
     };
     // Validate here first, so that an operator sees a broken policy at once.
     let engine = PolicyEngine::new(RuntimeConfig::default())?;
@@ -265,7 +269,7 @@ pub async fn policy_push(
 }
 
 pub fn policy_test(spec: &str, cases: &std::path::Path, config: &str) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(cases)
+    let text = switchyard::net::files::read_to_string(cases, 64 << 20)
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", cases.display()))?;
     let cases = switchyard::policy::cases::parse(&text)
         .map_err(|e| anyhow::anyhow!("{}: {e}", cases.display()))?;

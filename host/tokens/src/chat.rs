@@ -66,7 +66,7 @@ impl ChatFormat {
             path: path.to_path_buf(),
             why,
         };
-        let text = std::fs::read_to_string(path).map_err(|e| load(e.to_string()))?;
+        let text = super::read_text(path, super::MAX_TEMPLATE_FILE).map_err(load)?;
         if path.extension().is_some_and(|e| e == "json") {
             let config: Value =
                 serde_json::from_str(&text).map_err(|e| load(format!("not JSON: {e}")))?;
@@ -99,14 +99,16 @@ impl ChatFormat {
     pub fn beside_tokenizer(tokenizer: &Path) -> Result<Option<ChatFormat>, ChatTemplateError> {
         let dir = tokenizer.parent().unwrap_or(Path::new("."));
         let config_path = dir.join("tokenizer_config.json");
-        let config: Option<Value> = std::fs::read_to_string(&config_path)
+        let config: Option<Value> = super::read_text(&config_path, super::MAX_TEMPLATE_FILE)
             .ok()
             .and_then(|t| serde_json::from_str(&t).ok());
         let jinja = dir.join("chat_template.jinja");
         if jinja.is_file() {
-            let source = std::fs::read_to_string(&jinja).map_err(|e| ChatTemplateError::Load {
-                path: jinja.clone(),
-                why: e.to_string(),
+            let source = super::read_text(&jinja, super::MAX_TEMPLATE_FILE).map_err(|why| {
+                ChatTemplateError::Load {
+                    path: jinja.clone(),
+                    why,
+                }
             })?;
             let token = |k| config.as_ref().map(|c| token_of(c, k)).unwrap_or_default();
             return ChatTemplate::new(

@@ -76,6 +76,27 @@ impl Audit {
     }
 }
 
+/// A `tokenizer.json`'s size bound: the largest models ship 10–35 MB.
+pub const MAX_TOKENIZER_FILE: u64 = 64 << 20;
+
+/// A chat template's (or `tokenizer_config.json`'s) size bound.
+pub const MAX_TEMPLATE_FILE: u64 = 16 << 20;
+
+/// A file the operator named, at most `limit` bytes of UTF-8 (a path naming `/dev/zero`
+/// or a huge file by mistake is refused, not read to exhaustion). The same discipline as
+/// `switchyard-net`'s `files`, which this crate sits beside and cannot use.
+pub(crate) fn read_text(path: &Path, limit: u64) -> Result<String, String> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(limit.saturating_add(1)).read_to_end(&mut bytes))
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > limit {
+        return Err(format!("it is larger than {limit} bytes"));
+    }
+    String::from_utf8(bytes).map_err(|_| "it is not UTF-8 text".to_string())
+}
+
 /// Vocabulary size of the built-in tokenizer.
 pub const BUILTIN_VOCAB: u32 = 100_000;
 
@@ -221,7 +242,7 @@ impl Tokenizer {
         let err = |e: &dyn std::fmt::Display| {
             TokenizerError(format!("cannot load {}: {e}", path.display()))
         };
-        let json = std::fs::read_to_string(path).map_err(|e| err(&e))?;
+        let json = read_text(path, MAX_TOKENIZER_FILE).map_err(|e| err(&e))?;
         let hf: tokenizers::Tokenizer = json.parse().map_err(|e| err(&e))?;
         Ok(Tokenizer::HuggingFace(Box::new(HuggingFace::new(
             hf, &json, path,
@@ -371,6 +392,9 @@ mod tests {
         assert_eq!(t.encode("hello there").unwrap(), vec![1, 0]);
         let err = Tokenizer::from_file(&dir.path().join("missing.json")).unwrap_err();
         assert!(err.to_string().contains("missing.json"), "{err}");
+        // A path naming an endless source is refused at the bound, not read forever.
+        let err = Tokenizer::from_file(Path::new("/dev/zero")).unwrap_err();
+        assert!(err.to_string().contains("larger than"), "{err}");
     }
 
     /// A byte-level BPE `tokenizer.json` (1,000 tokens, ChatML's markers added) trained

@@ -14,12 +14,15 @@ use super::file::WorkerEntry;
 use super::secrets::admin_token;
 use super::*;
 
+/// The config file's size bound: a TOML file of settings is kilobytes.
+const MAX_CONFIG_FILE: u64 = 1 << 20;
+
 impl ServeArgs {
     /// Merges flags, environment and the file.
     pub fn resolve(self) -> Result<ServeConfig, ConfigError> {
         let file: FileConfig = match &self.config {
             Some(path) => {
-                let text = std::fs::read_to_string(path)
+                let text = switchyard_net::files::read_to_string(path, MAX_CONFIG_FILE)
                     .map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
                 toml::from_str(&text)
                     .map_err(|e| ConfigError(format!("{}: {e}", path.display())))?

@@ -38,7 +38,7 @@ impl EtcdAccessArgs {
             std::env::var("SWITCHYARD_ETCD_PASSWORD"),
         ) {
             (Some(path), _) => Some(
-                std::fs::read_to_string(path)
+                switchyard_net::files::read_to_string(path, 4096)
                     .map_err(|e| {
                         ConfigError(format!(
                             "cannot read the etcd password file {}: {e}",

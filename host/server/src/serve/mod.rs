@@ -363,8 +363,15 @@ fn watch_policy_files(fleet: Arc<ServeFleet>, config: &ServeConfig) -> tokio::ta
                     continue;
                 }
                 last[i] = now;
-                let Ok(bytes) = std::fs::read(path) else {
-                    continue;
+                // Bounded: a watched path replaced by a huge file (or a device) is
+                // refused with a log line, not read into memory.
+                let limit = switchyard_policy::MAX_POLICY_BYTES as u64;
+                let bytes = match switchyard_net::files::read(path, limit) {
+                    Ok(bytes) => bytes,
+                    Err(why) => {
+                        tracing::warn!(path = %path.display(), "policy file not reloaded: {why}");
+                        continue;
+                    }
                 };
                 tracing::info!(path = %path.display(), "policy file changed; reloading");
                 let targets: Vec<EndpointPath> = match endpoint {
