@@ -4,9 +4,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use serde_json::Value;
-
-use super::{HashMap, field, is_false};
+use super::{HashMap, ModelShape, is_false};
 
 /// The BPE model, by token ID.
 pub(super) struct Merges {
@@ -40,24 +38,22 @@ pub(super) struct Buffers {
 }
 
 impl Merges {
-    pub(super) fn new(model: &Value, byte_chars: &[char; 256]) -> Result<Merges, String> {
-        for key in ["continuing_subword_prefix", "end_of_word_suffix"] {
-            if !field(model, key).as_str().is_none_or(str::is_empty) {
+    pub(super) fn new(model: ModelShape, byte_chars: &[char; 256]) -> Result<Merges, String> {
+        for (key, value) in [
+            (
+                "continuing_subword_prefix",
+                &model.continuing_subword_prefix,
+            ),
+            ("end_of_word_suffix", &model.end_of_word_suffix),
+        ] {
+            if !value.as_str().is_none_or(str::is_empty) {
                 return Err(format!("BPE with {key}"));
             }
         }
-        if !is_false(field(model, "byte_fallback")) {
+        if !is_false(&model.byte_fallback) {
             return Err("BPE with byte_fallback".into());
         }
-        let vocab: HashMap<Box<str>, u32> = field(model, "vocab")
-            .as_object()
-            .ok_or("a BPE without a vocabulary")?
-            .iter()
-            .map(|(k, v)| {
-                let id = v.as_u64().and_then(|id| u32::try_from(id).ok());
-                Ok((k.as_str().into(), id.ok_or("a vocabulary ID")?))
-            })
-            .collect::<Result<_, String>>()?;
+        let vocab = model.vocab.ok_or("a BPE without a vocabulary")?;
         let id = |token: &str| {
             vocab
                 .get(token)
@@ -70,9 +66,7 @@ impl Merges {
         }
         // As `tokenizers` reads them: pairs, or "a b" lines after any "#version" line;
         // a pair listed twice keeps its last rank.
-        let listed = field(model, "merges")
-            .as_array()
-            .ok_or("a BPE without merges")?;
+        let listed = model.merges.as_array().ok_or("a BPE without merges")?;
         let mut pairs = HashMap::default();
         let lines = listed
             .iter()
@@ -92,7 +86,7 @@ impl Merges {
             let rank = u32::try_from(rank).map_err(|_| "too many merges")?;
             pairs.insert((id(a)?, id(b)?), (rank, id(&format!("{a}{b}"))?));
         }
-        let whole = (field(model, "ignore_merges").as_bool() == Some(true)).then_some(vocab);
+        let whole = (model.ignore_merges.as_bool() == Some(true)).then_some(vocab);
         Ok(Merges {
             bytes,
             pairs,

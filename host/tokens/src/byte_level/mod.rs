@@ -67,6 +67,78 @@ pub(crate) struct ByteLevelBpe {
     hasher: foldhash::fast::RandomState,
 }
 
+/// The parts of a `tokenizer.json` this path reads; the rest is skipped unparsed.
+#[derive(serde::Deserialize)]
+struct FileShape {
+    #[serde(default)]
+    truncation: Value,
+    #[serde(default)]
+    padding: Value,
+    #[serde(default)]
+    normalizer: Value,
+    #[serde(default)]
+    pre_tokenizer: Value,
+    #[serde(default)]
+    added_tokens: Value,
+    model: ModelShape,
+}
+
+/// A model as this path reads it: a BPE's vocabulary straight into a hash map (`None`
+/// when it is not a map, as a Unigram's list is: that model is then refused by its type).
+#[derive(serde::Deserialize)]
+pub(super) struct ModelShape {
+    #[serde(rename = "type", default)]
+    pub(super) kind: Value,
+    #[serde(default)]
+    pub(super) dropout: Value,
+    #[serde(default)]
+    pub(super) continuing_subword_prefix: Value,
+    #[serde(default)]
+    pub(super) end_of_word_suffix: Value,
+    #[serde(default)]
+    pub(super) byte_fallback: Value,
+    #[serde(default)]
+    pub(super) ignore_merges: Value,
+    #[serde(default, deserialize_with = "vocab_if_a_map")]
+    pub(super) vocab: Option<HashMap<Box<str>, u32>>,
+    #[serde(default)]
+    pub(super) merges: Value,
+}
+
+/// A vocabulary map of token → ID, or `None` for anything else (skipped).
+fn vocab_if_a_map<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<HashMap<Box<str>, u32>>, D::Error> {
+    struct Lenient;
+    impl<'de> serde::de::Visitor<'de> for Lenient {
+        type Value = Option<HashMap<Box<str>, u32>>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a vocabulary")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut m: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut vocab = HashMap::default();
+            while let Some((token, id)) = m.next_entry::<Box<str>, u32>()? {
+                vocab.insert(token, id);
+            }
+            Ok(Some(vocab))
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut s: A,
+        ) -> Result<Self::Value, A::Error> {
+            while s.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+            Ok(None)
+        }
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    }
+    d.deserialize_any(Lenient)
+}
+
 /// GPT-2's table: printable bytes map to themselves, the rest to 256 and up, in order.
 fn byte_chars() -> [char; 256] {
     let mut table = ['\0'; 256];
@@ -150,26 +222,28 @@ impl ByteLevelBpe {
     /// space) or a sequence of `Split` (isolated) and `ByteLevel`; the normalizer none or
     /// NFC; added tokens without strip or single-word rules; no truncation or padding.
     pub(crate) fn new(json: &str) -> Result<ByteLevelBpe, String> {
-        let v: Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
-        let model = field(&v, "model");
-        if field(model, "type").as_str() != Some("BPE") {
-            return Err(format!("model {:?}", field(model, "type")));
+        // Into the shape this path reads, not a `Value` tree: a large vocabulary as a
+        // `Value` is a B-tree of strings, most of the load's time and its memory peak.
+        let v: FileShape = serde_json::from_str(json).map_err(|e| e.to_string())?;
+        let model = &v.model;
+        if model.kind.as_str() != Some("BPE") {
+            return Err(format!("model {:?}", model.kind));
         }
-        if field(model, "dropout").as_f64().is_some_and(|d| d > 0.0) {
+        if model.dropout.as_f64().is_some_and(|d| d > 0.0) {
             return Err("BPE dropout".into());
         }
-        for key in ["truncation", "padding"] {
-            if !field(&v, key).is_null() {
+        for (key, value) in [("truncation", &v.truncation), ("padding", &v.padding)] {
+            if !value.is_null() {
                 return Err(format!("{key} is set"));
             }
         }
-        let nfc = normalizer_is_nfc(field(&v, "normalizer"))?;
+        let nfc = normalizer_is_nfc(&v.normalizer)?;
         let mut splits = Vec::new();
-        if !pre_tokenizer_splits(field(&v, "pre_tokenizer"), &mut splits)? {
+        if !pre_tokenizer_splits(&v.pre_tokenizer, &mut splits)? {
             return Err("no ByteLevel pre-tokenizer".into());
         }
         let mut groups: [(Vec<String>, Vec<u32>); 2] = Default::default();
-        for t in field(&v, "added_tokens").as_array().into_iter().flatten() {
+        for t in v.added_tokens.as_array().into_iter().flatten() {
             if ["lstrip", "rstrip", "single_word"]
                 .iter()
                 .any(|k| !is_false(field(t, k)))
@@ -201,7 +275,7 @@ impl ByteLevelBpe {
             added,
             splits,
             nfc,
-            merges: Merges::new(model, &byte_chars)?,
+            merges: Merges::new(v.model, &byte_chars)?,
             byte_chars,
             words: Mutex::new(Words::default()),
             hasher: Default::default(),

@@ -74,4 +74,9 @@ fn shapes_it_cannot_run_say_why() {
     let lstrip = r#"{"id":5,"content":"<mask>","lstrip":true,"rstrip":false,"single_word":false,"normalized":false,"special":true}"#;
     let e = ByteLevelBpe::new(&base(bl, lstrip)).err().unwrap();
     assert!(e.contains("strip"), "{e}");
+    // A model whose vocabulary is a list (Unigram's) is refused by its type.
+    let unigram = r#"{"truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
+        "pre_tokenizer":null,"model":{"type":"Unigram","unk_id":0,"vocab":[["a",-1.0]]}}"#;
+    let e = ByteLevelBpe::new(unigram).err().unwrap();
+    assert!(e.contains("Unigram"), "{e}");
 }
