@@ -3,9 +3,9 @@
 //! A multi-turn chat resends its whole history with every turn, so most of each prompt's
 //! text was tokenized before. [`PrefixTokenizer`] cuts a text at *cut points* that depend
 //! only on the text before them (the first space between two letters after every
-//! [`CHUNK`] bytes since the previous cut), remembers the tokens of each request's two longest cut prefixes under a
-//! hash of each prefix, and on the next turn tokenizes only what follows the longest
-//! remembered prefix. Two texts that share a prefix share its cut points, so the next
+//! [`CHUNK`] bytes since the previous cut), remembers the tokens of each request's two
+//! longest cut prefixes under a hash of each prefix, and on the next turn tokenizes only
+//! what follows the longest remembered prefix. Two texts that share a prefix share its cut points, so the next
 //! turn of a conversation finds the previous turn's entry.
 //!
 //! Concatenating the tokens of the pieces equals tokenizing the whole only when the

@@ -119,7 +119,7 @@ pub struct EngineStats {
     pub kv_cached_blocks: u64,
     /// KV blocks in total.
     pub kv_total_blocks: u64,
-    /// Prompt tokens of the requests waiting now.
+    /// Prompt tokens of the requests waiting now (filled in by [`Engine::stats`]).
     pub waiting_prompt_tokens: u64,
     /// Prompt tokens admitted in the last step that admitted any, and how many of them
     /// were cached (SGLang's `cache_hit_rate` is the ratio, per prefill batch).
@@ -243,7 +243,12 @@ impl Engine {
 
     /// The engine's counters.
     pub fn stats(&self) -> EngineStats {
-        self.state.lock().stats
+        let s = self.state.lock();
+        EngineStats {
+            // Summed when asked, not on every step: only load reports read it.
+            waiting_prompt_tokens: s.waiting.iter().map(|w| u64::from(w.prompt_tokens)).sum(),
+            ..s.stats
+        }
     }
 
     /// Drops every cached block not in use.
@@ -261,7 +266,6 @@ impl Engine {
         s.stats.kv_cached_blocks = s.cache.cached() as u64;
         s.stats.running = s.running.len() as u64;
         s.stats.waiting = s.waiting.len() as u64;
-        s.stats.waiting_prompt_tokens = s.waiting.iter().map(|w| u64::from(w.prompt_tokens)).sum();
     }
 
     /// Admits what fits; returns the prompt tokens to prefill in this step.

@@ -223,7 +223,9 @@ pub(super) fn v1_loads(shared: &Shared) -> serde_json::Value {
     let s = shared.engine.stats();
     let bs = u64::from(shared.hasher.block_size());
     let used = s.kv_used_blocks.saturating_mul(bs);
+    let total = used.saturating_add(s.waiting_prompt_tokens);
     let capacity = s.kv_total_blocks.saturating_mul(bs);
+    let usage = round4(s.kv_usage());
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
@@ -234,12 +236,12 @@ pub(super) fn v1_loads(shared: &Shared) -> serde_json::Value {
         "num_waiting_reqs": s.waiting,
         "num_total_reqs": s.running + s.waiting,
         "num_used_tokens": used,
-        "num_total_tokens": used.saturating_add(s.waiting_prompt_tokens),
+        "num_total_tokens": total,
         "max_total_num_tokens": capacity,
-        "token_usage": round4(s.kv_usage()),
+        "token_usage": usage,
         "gen_throughput": 0.0,
         "cache_hit_rate": round4(s.last_batch_hit_rate()),
-        "utilization": round4(s.kv_usage()),
+        "utilization": usage,
         "max_running_requests": shared.engine.config().max_batch,
     });
     json!({
@@ -252,10 +254,10 @@ pub(super) fn v1_loads(shared: &Shared) -> serde_json::Value {
             "total_waiting_reqs": s.waiting,
             "total_reqs": s.running + s.waiting,
             "total_used_tokens": used,
-            "total_tokens": used.saturating_add(s.waiting_prompt_tokens),
-            "avg_token_usage": round4(s.kv_usage()),
+            "total_tokens": total,
+            "avg_token_usage": usage,
             "avg_throughput": 0.0,
-            "avg_utilization": round4(s.kv_usage()),
+            "avg_utilization": usage,
         },
     })
 }
