@@ -82,15 +82,26 @@ pub struct MockWorkerArgs {
     /// `Retry-After` (seconds) on those answers.
     #[arg(long)]
     pub fault_retry_after_secs: Option<f64>,
+    /// Where a stream's `crash`, `cut-stream` or `stall` strikes: after this many tokens
+    /// [default: crash at once, cut half-way, stall after the first].
+    #[arg(long)]
+    pub fault_after_tokens: Option<u32>,
     /// Prompts containing this text fail (a "poison" request), whatever the fault.
     #[arg(long)]
     pub fault_marker: Option<String>,
+    /// Instead of failing, marked prompts' streams are cut after this many tokens.
+    #[arg(long)]
+    pub fault_marker_after_tokens: Option<u32>,
     /// `/health` answers 200 whatever the fault.
     #[arg(long)]
     pub health_lies: bool,
     /// Every completion waits this long before it starts, ms (a slow first token).
     #[arg(long, default_value_t = 0)]
     pub first_token_delay_ms: u64,
+    /// On SIGTERM, deregister at once, then go on serving the requests running for up to
+    /// this long before exiting (what is still running then is cut), seconds.
+    #[arg(long, default_value_t = 0)]
+    pub shutdown_grace_secs: u64,
     /// Close keep-alive connections idle this long, ms (uvicorn closes after 5 s).
     #[arg(long)]
     pub idle_close_ms: Option<u64>,
@@ -141,7 +152,9 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
             after: args.fault_after,
             status: args.fault_status,
             retry_after_secs: args.fault_retry_after_secs,
+            after_tokens: args.fault_after_tokens,
             marker: args.fault_marker.clone(),
+            marker_after_tokens: args.fault_marker_after_tokens,
             health_lies: args.health_lies,
             first_token_delay_ms: args.first_token_delay_ms,
             idle_close_ms: args.idle_close_ms,
@@ -232,6 +245,16 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
     shutdown_signal().await;
     for reg in registrations {
         reg.stop().await;
+    }
+    // Requests running go on for the grace (bounded: checked every 50 ms).
+    let deadline = std::time::Instant::now() + Duration::from_secs(args.shutdown_grace_secs);
+    while std::time::Instant::now() < deadline
+        && workers.iter().any(|w| {
+            let s = w.stats();
+            s.running + s.waiting > 0
+        })
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     for w in workers {
         w.shutdown().await;

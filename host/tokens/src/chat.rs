@@ -155,6 +155,43 @@ impl ChatFormat {
         }
     }
 
+    /// The prompt for `messages` whose last (assistant) message is left open to be
+    /// continued: no end-of-turn after it and no generation prompt (vLLM's and SGLang's
+    /// `continue_final_message`). With a template: rendered without the generation
+    /// prompt and cut after the last message's text, as Hugging Face's
+    /// `apply_chat_template` does, its trailing whitespace kept.
+    pub fn render_continuation(
+        &self,
+        messages: &[ChatMessage],
+    ) -> Result<String, ChatTemplateError> {
+        let Some((last, earlier)) = messages.split_last() else {
+            return self.render(messages);
+        };
+        match self {
+            ChatFormat::ChatMl => {
+                let mut s = render_chatml_turns(earlier);
+                s.push_str("<|im_start|>");
+                s.push_str(&last.role);
+                s.push('\n');
+                s.push_str(&last.content);
+                Ok(s)
+            }
+            ChatFormat::Template(t) => {
+                let rendered = t.render_with(messages, false)?;
+                // Templates may trim a message; its trailing whitespace is given back.
+                let text = last.content.trim();
+                let Some(at) = rendered.rfind(text) else {
+                    return Err(ChatTemplateError::Render(
+                        "the template drops the final message's text, so it cannot be continued"
+                            .into(),
+                    ));
+                };
+                let trailing = &last.content[last.content.trim_end().len()..];
+                Ok(format!("{}{trailing}", &rendered[..at + text.len()]))
+            }
+        }
+    }
+
     /// Where the template came from (`None`: ChatML).
     pub fn source(&self) -> Option<&Path> {
         match self {
@@ -165,6 +202,12 @@ impl ChatFormat {
 }
 
 fn render_chatml(messages: &[ChatMessage]) -> String {
+    let mut s = render_chatml_turns(messages);
+    s.push_str("<|im_start|>assistant\n");
+    s
+}
+
+fn render_chatml_turns(messages: &[ChatMessage]) -> String {
     let mut s = String::new();
     for m in messages {
         s.push_str("<|im_start|>");
@@ -173,7 +216,6 @@ fn render_chatml(messages: &[ChatMessage]) -> String {
         s.push_str(&m.content);
         s.push_str("<|im_end|>\n");
     }
-    s.push_str("<|im_start|>assistant\n");
     s
 }
 
@@ -237,6 +279,14 @@ impl ChatTemplate {
     }
 
     fn render(&self, messages: &[ChatMessage]) -> Result<String, ChatTemplateError> {
+        self.render_with(messages, true)
+    }
+
+    fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
         let messages: Vec<Value> = messages
             .iter()
             .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
@@ -248,7 +298,7 @@ impl ChatTemplate {
         template
             .render(minijinja::context! {
                 messages => messages,
-                add_generation_prompt => true,
+                add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
             })
@@ -285,6 +335,42 @@ mod tests {
         let path = dir.join("tokenizer_config.json");
         std::fs::write(&path, config.to_string()).unwrap();
         path
+    }
+
+    #[test]
+    fn a_continued_chat_is_the_original_prompt_followed_by_the_partial_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = config_file(
+            dir.path(),
+            serde_json::json!({"chat_template": LLAMA3, "bos_token": "<|begin_of_text|>"}),
+        );
+        let llama = ChatFormat::from_file(&path).unwrap();
+        for chat in [ChatFormat::ChatMl, llama] {
+            let asked = [m("system", "Be brief."), m("user", "Tell a story")];
+            let partial = "Once upon a time ";
+            let mut continued = asked.to_vec();
+            continued.push(m("assistant", partial));
+            let original = chat.render(&asked).unwrap();
+            assert_eq!(
+                chat.render_continuation(&continued).unwrap(),
+                format!("{original}{partial}"),
+                "{chat:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_template_that_drops_the_final_message_cannot_continue_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = config_file(
+            dir.path(),
+            serde_json::json!({"chat_template": "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"}),
+        );
+        let chat = ChatFormat::from_file(&path).unwrap();
+        let e = chat
+            .render_continuation(&[m("user", "Hi"), m("assistant", "Hello the")])
+            .unwrap_err();
+        assert!(e.to_string().contains("cannot be continued"), "{e}");
     }
 
     #[test]

@@ -36,6 +36,17 @@ pub struct CompletionRequest {
     /// vLLM's `cache_salt`: prompts with different salts never share cached blocks (the
     /// salt is mixed into the first block's hash, as the engine does).
     pub cache_salt: Option<String>,
+    /// Chat: the last (assistant) message is left open and continued, with no generation
+    /// prompt after it (vLLM's and SGLang's `continue_final_message` with
+    /// `add_generation_prompt: false`).
+    pub continue_final_message: bool,
+    /// Choices asked for (`n`).
+    pub n: u32,
+    /// Log probabilities asked for (`logprobs` or `top_logprobs` on chat, a number on
+    /// completions).
+    pub logprobs: bool,
+    /// Completions: the prompt is echoed before the answer.
+    pub echo: bool,
 }
 
 /// Which endpoint a request came to.
@@ -190,7 +201,54 @@ pub fn parse(api: Api, body: &[u8]) -> Result<CompletionRequest, BadRequest> {
             return Err(bad("`cache_salt` must be a non-empty string", "cache_salt"));
         }
     };
+    let flag = |key: &str| -> Result<Option<bool>, BadRequest> {
+        match obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(_) => Err(bad(format!("`{key}` must be a boolean"), key)),
+        }
+    };
+    let continue_final_message = flag("continue_final_message")?.unwrap_or(false);
+    if continue_final_message {
+        if api != Api::Chat {
+            return Err(bad(
+                "`continue_final_message` applies to chat completions",
+                "continue_final_message",
+            ));
+        }
+        if flag("add_generation_prompt")?.unwrap_or(true) {
+            return Err(bad(
+                "`continue_final_message` needs `add_generation_prompt: false`",
+                "add_generation_prompt",
+            ));
+        }
+        if let Prompt::Chat(m) = &prompt
+            && m.last().is_some_and(|m| m.role != "assistant")
+        {
+            return Err(bad(
+                "`continue_final_message` needs an assistant message last",
+                "messages",
+            ));
+        }
+    }
+    let n = match obj.get("n") {
+        None | Some(Value::Null) => 1,
+        Some(v) => v
+            .as_u64()
+            .filter(|n| (1..=128).contains(n))
+            .ok_or_else(|| bad("`n` must be an integer between 1 and 128", "n"))?
+            as u32,
+    };
+    let logprobs = match obj.get("logprobs") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(_) => true,
+    } || obj.get("top_logprobs").is_some_and(|v| !v.is_null());
+    let echo = flag("echo")?.unwrap_or(false);
     Ok(CompletionRequest {
+        continue_final_message,
+        n,
+        logprobs,
+        echo,
         cache_salt,
         model,
         prompt,

@@ -183,6 +183,15 @@ impl PrefixTokenizer {
         Ok(self.chat.render(messages)?)
     }
 
+    /// The prompt text of a chat whose last message is continued
+    /// ([`ChatFormat::render_continuation`]).
+    pub fn render_chat_continuation(
+        &self,
+        messages: &[ChatMessage],
+    ) -> Result<String, TokenizerError> {
+        Ok(self.chat.render_continuation(messages)?)
+    }
+
     fn unchecked(tokenizer: Arc<Tokenizer>, budget_tokens: usize) -> PrefixTokenizer {
         PrefixTokenizer {
             tokenizer,

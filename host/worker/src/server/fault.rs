@@ -12,7 +12,7 @@ use super::reply::error;
 pub enum Fault {
     /// Behave.
     None,
-    /// Exit the process at once.
+    /// Exit the process at once (with `after_tokens`: once a stream has sent that many).
     Crash,
     /// Accept requests and never answer.
     Hang,
@@ -20,13 +20,13 @@ pub enum Fault {
     Refuse,
     /// Answer every completion with HTTP 500.
     Error,
-    /// Cut streaming responses half-way.
+    /// Cut streaming responses half-way (with `after_tokens`: after that many).
     CutStream,
     /// Answer every completion with `status` (default 500), with `Retry-After` when
     /// `retry_after_secs` is set (e.g. 503 or 429: load shedding).
     Status,
-    /// Send the first chunk of a stream, then nothing (a non-streaming request hangs);
-    /// health still answers 200.
+    /// Send the first chunk of a stream (with `after_tokens`: that many), then nothing (a
+    /// non-streaming request hangs); health still answers 200.
     Stall,
 }
 
@@ -46,10 +46,17 @@ pub struct FaultConfig {
     /// written `100000000000000000000`).
     #[serde(default)]
     pub retry_after_secs: Option<f64>,
+    /// Where a stream's `crash`, `cut_stream` or `stall` strikes: after this many tokens.
+    #[serde(default)]
+    pub after_tokens: Option<u32>,
     /// Prompts containing this text are answered `status` (a "poison" request), whatever
     /// the fault.
     #[serde(default)]
     pub marker: Option<String>,
+    /// Instead, marked prompts' streams are cut after this many tokens (a request that
+    /// breaks every worker it reaches mid-stream).
+    #[serde(default)]
+    pub marker_after_tokens: Option<u32>,
     /// `/health` answers 200 whatever the fault.
     #[serde(default)]
     pub health_lies: bool,
@@ -68,7 +75,9 @@ impl FaultConfig {
         after: 0,
         status: None,
         retry_after_secs: None,
+        after_tokens: None,
         marker: None,
+        marker_after_tokens: None,
         health_lies: false,
         first_token_delay_ms: 0,
         idle_close_ms: None,

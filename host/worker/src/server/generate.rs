@@ -18,19 +18,45 @@ use switchyard_tokens::openai::{self, Api, Prompt};
 use super::reply::{error, json_response, read_body};
 use super::{Body, Fault, Shared};
 
-/// Deterministic filler text for generated token `i`.
-pub(super) fn filler(i: u32) -> &'static str {
-    const WORDS: [&str; 8] = [
-        "lorem ",
-        "ipsum ",
-        "dolor ",
-        "sit ",
-        "amet ",
-        "consectetur ",
-        "adipiscing ",
-        "elit ",
-    ];
-    WORDS[i as usize % WORDS.len()]
+/// The words the mock generates, one per token, in this order.
+const WORDS: [&str; 8] = [
+    "lorem ",
+    "ipsum ",
+    "dolor ",
+    "sit ",
+    "amet ",
+    "consectetur ",
+    "adipiscing ",
+    "elit ",
+];
+
+/// Generated token `i`'s text when the first is word `first` ([`first_word`]).
+pub(super) fn filler(first: u32, i: u32) -> &'static str {
+    WORDS[(first as usize + i as usize) % WORDS.len()]
+}
+
+/// The first word generated after `context` (the rendered prompt, or the token IDs of a
+/// token prompt): the word after the one the text ends with, else one chosen by a hash of
+/// the context. So the text generated is a function of the context alone, and a stream
+/// cut after some words and continued elsewhere from the prompt plus those words (a
+/// router's migration) goes on with exactly the words the first worker would have sent.
+pub(super) fn first_word(text: Option<&str>, tokens: &[u32]) -> u32 {
+    let hash = match text {
+        Some(t) => {
+            if let Some(k) = WORDS.iter().position(|w| t.ends_with(w)) {
+                return k as u32 + 1;
+            }
+            xxhash_rust::xxh3::xxh3_64(t.as_bytes())
+        }
+        None => {
+            let mut h = xxhash_rust::xxh3::Xxh3::new();
+            for t in tokens {
+                h.update(&t.to_le_bytes());
+            }
+            h.digest()
+        }
+    };
+    (hash % WORDS.len() as u64) as u32
 }
 
 pub(super) async fn completion(
@@ -68,17 +94,25 @@ pub(super) async fn completion(
     }
     let (fault, faults) = shared.fault_for_request();
     shared.update_refuse();
-    if let Some(marker) = faults.marker.as_deref()
-        && !marker.is_empty()
-        && body.windows(marker.len()).any(|w| w == marker.as_bytes())
-    {
-        return faults.status_answer("injected fault: this prompt fails on every worker");
+    let marked = faults
+        .marker
+        .as_deref()
+        .is_some_and(|m| !m.is_empty() && body.windows(m.len()).any(|w| w == m.as_bytes()));
+    // Where this stream is cut, if it is: a marked prompt's, or the fault's.
+    let mut cut_at = None;
+    if marked {
+        match faults.marker_after_tokens {
+            None => {
+                return faults.status_answer("injected fault: this prompt fails on every worker");
+            }
+            Some(n) => cut_at = Some(n),
+        }
     }
     if faults.first_token_delay_ms > 0 {
         tokio::time::sleep(Duration::from_millis(faults.first_token_delay_ms)).await;
     }
     match fault {
-        Fault::Crash => {
+        Fault::Crash if faults.after_tokens.is_none() => {
             tracing::error!("fault injection: crashing");
             std::process::exit(3);
         }
@@ -94,18 +128,26 @@ pub(super) async fn completion(
         }
         Fault::Status => return faults.status_answer("injected fault"),
         Fault::Stall if !parsed.stream => return std::future::pending().await,
-        Fault::None | Fault::CutStream | Fault::Stall => {}
+        Fault::None | Fault::CutStream | Fault::Stall | Fault::Crash => {}
     }
-    let tokens = match &parsed.prompt {
-        Prompt::Tokens(t) => Ok(t.clone()),
-        Prompt::Text(t) => shared.tokenizer.encode(t),
-        Prompt::Chat(m) => shared
-            .tokenizer
-            .render_chat(m)
-            .and_then(|text| shared.tokenizer.encode(&text)),
+    let rendered = match &parsed.prompt {
+        Prompt::Chat(m) if parsed.continue_final_message => {
+            shared.tokenizer.render_chat_continuation(m).map(Some)
+        }
+        Prompt::Chat(m) => shared.tokenizer.render_chat(m).map(Some),
+        Prompt::Text(_) | Prompt::Tokens(_) => Ok(None),
     };
-    let tokens = match tokens {
-        Ok(t) if !t.is_empty() => t,
+    let tokens = rendered.and_then(|rendered| {
+        let text = match (&parsed.prompt, rendered) {
+            (Prompt::Tokens(t), _) => return Ok((t.clone(), first_word(None, t))),
+            (Prompt::Text(t), _) => t.clone(),
+            (Prompt::Chat(_), r) => r.unwrap_or_default(),
+        };
+        let first = first_word(Some(&text), &[]);
+        shared.tokenizer.encode(&text).map(|t| (t, first))
+    });
+    let (tokens, first) = match tokens {
+        Ok((t, first)) if !t.is_empty() => (t, first),
         Ok(_) => {
             return error(
                 StatusCode::BAD_REQUEST,
@@ -186,7 +228,11 @@ pub(super) async fn completion(
         while let Some(o) = out.recv().await {
             match o {
                 Output::Token(i) => {
-                    text.push_str(filler(i));
+                    if fault == Fault::Crash && faults.after_tokens.is_some_and(|s| n >= s) {
+                        tracing::error!("fault injection: crashing mid-answer");
+                        std::process::exit(3);
+                    }
+                    text.push_str(filler(first, i));
                     n += 1;
                 }
                 Output::Done => break,
@@ -215,6 +261,10 @@ pub(super) async fn completion(
     let model = shared.model.clone();
     let max_tokens = parsed.max_tokens;
     let include_usage = parsed.include_usage;
+    let strike = faults.after_tokens;
+    if fault == Fault::CutStream {
+        cut_at = cut_at.or(Some(strike.unwrap_or(max_tokens / 2)));
+    }
     tokio::spawn(async move {
         let object = if api == Api::Chat {
             "chat.completion.chunk"
@@ -229,12 +279,16 @@ pub(super) async fn completion(
         while let Some(o) = out.recv().await {
             let bytes = match o {
                 Output::Token(i) => {
-                    if fault == Fault::Stall && n >= 1 {
+                    if fault == Fault::Stall && n >= strike.unwrap_or(1) {
                         // Silent, with the connection open, until the client leaves.
                         tx.closed().await;
                         return;
                     }
-                    if fault == Fault::CutStream && n >= max_tokens / 2 {
+                    if fault == Fault::Crash && strike.is_some_and(|s| n >= s) {
+                        tracing::error!("fault injection: crashing mid-stream");
+                        std::process::exit(3);
+                    }
+                    if cut_at.is_some_and(|c| n >= c) {
                         let _ = tx
                             .send(Err(std::io::Error::other("injected fault: stream cut")))
                             .await;
@@ -243,13 +297,13 @@ pub(super) async fn completion(
                     n += 1;
                     match api {
                         Api::Chat if i == 0 => chunk(
-                            json!({"index": 0, "delta": {"role": "assistant", "content": filler(i)}, "finish_reason": null}),
+                            json!({"index": 0, "delta": {"role": "assistant", "content": filler(first, i)}, "finish_reason": null}),
                         ),
                         Api::Chat => chunk(
-                            json!({"index": 0, "delta": {"content": filler(i)}, "finish_reason": null}),
+                            json!({"index": 0, "delta": {"content": filler(first, i)}, "finish_reason": null}),
                         ),
                         Api::Completions => chunk(
-                            json!({"index": 0, "text": filler(i), "logprobs": null, "finish_reason": null}),
+                            json!({"index": 0, "text": filler(first, i), "logprobs": null, "finish_reason": null}),
                         ),
                     }
                 }

@@ -17,7 +17,7 @@
 //! | `GET /get_model_info`, `/model_info`, `/version` | what routers probe at start |
 //! | `GET /v1/loads`, `/get_load` | running and waiting requests, KV usage |
 //! | `POST /tokenize`, `POST /v1/chat/completions/render` | vLLM's: the worker's own token IDs for a prompt or chat |
-//! | `POST /admin/fault` | a [`FaultConfig`] as JSON: `{"fault": "crash" \| "hang" \| "refuse" \| "error" \| "status" \| "stall" \| "cut_stream" \| "none", "after": N, "status": 503, "retry_after_secs": 2, "marker": "POISON", "health_lies": true, "first_token_delay_ms": 500, "idle_close_ms": 1000}` (all but `fault` optional) |
+//! | `POST /admin/fault` | a [`FaultConfig`] as JSON: `{"fault": "crash" \| "hang" \| "refuse" \| "error" \| "status" \| "stall" \| "cut_stream" \| "none", "after": N, "after_tokens": 20, "status": 503, "retry_after_secs": 2, "marker": "POISON", "marker_after_tokens": 5, "health_lies": true, "first_token_delay_ms": 500, "idle_close_ms": 1000}` (all but `fault` optional) |
 
 mod fault;
 mod generate;
