@@ -89,6 +89,12 @@ pub struct GatewayConfig {
     pub max_header_bytes: usize,
     /// Workers tried per request (the first plus retries).
     pub max_attempts: usize,
+    /// Times one stream may be continued on another worker after it broke mid-answer
+    /// (0: a broken stream ends with an error event).
+    pub migration_limit: u32,
+    /// How long a worker that left the fleet gracefully (deregistered) may go on
+    /// streaming before its streams are moved to other workers.
+    pub drain_grace: Duration,
     /// Timeout for connecting to a worker.
     pub connect_timeout: Duration,
     /// Timeout for a streaming response's head and first body bytes (its first token).
@@ -131,6 +137,8 @@ impl Default for GatewayConfig {
             max_prompt_tokens: 1 << 20,
             max_header_bytes: 64 << 10,
             max_attempts: 3,
+            migration_limit: 2,
+            drain_grace: Duration::from_secs(20),
             connect_timeout: Duration::from_millis(1000),
             first_byte_timeout: Duration::from_secs(120),
             request_timeout: Duration::from_secs(600),

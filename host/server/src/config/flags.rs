@@ -101,6 +101,14 @@ pub struct ServeArgs {
     /// Workers tried per request [default: 3].
     #[arg(long, env = "SWITCHYARD_MAX_ATTEMPTS")]
     pub max_attempts: Option<usize>,
+    /// Times a stream that breaks mid-answer (worker gone, stalled, or failing) is
+    /// continued on another worker; 0 ends it with an error event [default: 2].
+    #[arg(long, env = "SWITCHYARD_MIGRATION_LIMIT")]
+    pub migration_limit: Option<u32>,
+    /// How long a worker that deregistered may go on streaming before its streams are
+    /// moved to other workers, seconds [default: 20].
+    #[arg(long, env = "SWITCHYARD_DRAIN_GRACE_SECS")]
+    pub drain_grace_secs: Option<u64>,
     /// Worker connect timeout, ms [default: 1000].
     #[arg(long, env = "SWITCHYARD_CONNECT_TIMEOUT_MS")]
     pub connect_timeout_ms: Option<u64>,

@@ -127,6 +127,8 @@ impl ServeArgs {
                 )));
             }
         }
+        /// Each migration prefills the prompt and the answer so far again.
+        const MAX_MIGRATION_LIMIT: u32 = 16;
         let defaults = GatewayConfig::default();
         let ca_files = flag_or_file(self.ca_files, file.ca_files);
         let tls = switchyard_net::upstream::Tls::with_ca_files(&ca_files)
@@ -151,6 +153,21 @@ impl ServeArgs {
                 .or(file.max_attempts)
                 .unwrap_or(defaults.max_attempts)
                 .max(1),
+            migration_limit: match self.migration_limit.or(file.migration_limit) {
+                None => defaults.migration_limit,
+                Some(n) if n <= MAX_MIGRATION_LIMIT => n,
+                Some(n) => {
+                    return Err(ConfigError(format!(
+                        "migration_limit = {n}: at most {MAX_MIGRATION_LIMIT} (each migration prefills the prompt again)"
+                    )));
+                }
+            },
+            drain_grace: bounded(
+                "drain_grace_secs",
+                self.drain_grace_secs.or(file.drain_grace_secs),
+                Duration::from_secs,
+                defaults.drain_grace,
+            )?,
             connect_timeout: bounded(
                 "connect_timeout_ms",
                 self.connect_timeout_ms.or(file.connect_timeout_ms),

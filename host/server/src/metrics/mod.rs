@@ -64,12 +64,22 @@ pub struct Metrics {
     pub timings: Timings,
     /// Each endpoint's last minutes, for the admin page.
     pub trends: Trends,
+    /// Streams that broke mid-answer, by why and what became of them.
+    pub migrations:
+        parking_lot::Mutex<std::collections::BTreeMap<(&'static str, &'static str), u64>>,
+    /// Migrated streams that then ended complete.
+    pub migrated_streams_completed: AtomicU64,
     /// Failed upstream attempts per instance.
     pub failures_by_instance:
         parking_lot::Mutex<std::collections::BTreeMap<switchyard_ids::InstanceId, u64>>,
 }
 
 impl Metrics {
+    /// Counts a broken stream: why it broke, and what became of it.
+    pub fn migration(&self, reason: &'static str, outcome: &'static str) {
+        *self.migrations.lock().entry((reason, outcome)).or_insert(0) += 1;
+    }
+
     /// Counts a response by status.
     pub fn count_status(&self, status: u16) {
         let c = match status {
@@ -119,6 +129,12 @@ impl Metrics {
                 .iter()
                 .map(|(id, n)| (*id, *n))
                 .collect(),
+            migrations: self
+                .migrations
+                .lock()
+                .iter()
+                .map(|(k, n)| (*k, *n))
+                .collect(),
             routers: routers.to_vec(),
             prefix,
         };
@@ -144,13 +160,14 @@ impl Metrics {
             &self.refused_connections,
             &self.prompt_tokens,
             &self.cached_tokens,
+            &self.migrated_streams_completed,
         ]
     }
 }
 
 /// The front door's unlabelled counters: name (without `switchyard_` and `_total`) and
 /// help, in [`Metrics::front_door`] order.
-pub(super) const FRONT_DOOR: [(&str, &str); 12] = [
+pub(super) const FRONT_DOOR: [(&str, &str); 13] = [
     ("retries", "Attempts on another worker after a failure"),
     (
         "upstream_failures",
@@ -186,5 +203,9 @@ pub(super) const FRONT_DOOR: [(&str, &str); 12] = [
     (
         "cached_prompt_tokens",
         "Prompt tokens the workers found cached",
+    ),
+    (
+        "migrated_streams_completed",
+        "Streams continued on another worker that then ended complete",
     ),
 ];

@@ -23,6 +23,7 @@ pub(super) struct Scrape {
     pub(super) responses: [(&'static str, u64); 3],
     pub(super) front: Vec<(&'static str, &'static str, u64)>,
     pub(super) failures_by_instance: Vec<(switchyard_ids::InstanceId, u64)>,
+    pub(super) migrations: Vec<((&'static str, &'static str), u64)>,
     pub(super) routers: Vec<std::sync::Arc<KvRouter>>,
     pub(super) prefix: switchyard_tokens::prefix::PrefixStats,
 }
@@ -128,6 +129,23 @@ impl Collector for Scrape {
             "instance_upstream_failures",
             "Failed upstream attempts per instance",
             by("instance", self.failures_by_instance.iter().copied()),
+        )?;
+        counters(
+            e,
+            "migrations",
+            "Streams that broke mid-answer, by reason (reset, stall, error_event; continuation: the continuation failed) and outcome (continued, completed, failed, limit, poison, not_continuable)",
+            self.migrations
+                .iter()
+                .map(|((reason, outcome), n)| {
+                    (
+                        vec![
+                            ("reason", reason.to_string()),
+                            ("outcome", outcome.to_string()),
+                        ],
+                        *n,
+                    )
+                })
+                .collect(),
         )?;
         // Totals over every policy the endpoint has had: counters never go down.
         counters(

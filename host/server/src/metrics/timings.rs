@@ -23,6 +23,7 @@ pub struct Timings {
     pub(super) tokenize: Histogram,
     pub(super) first_byte: ByEndpoint,
     pub(super) duration: ByEndpoint,
+    pub(super) migration_gap: Histogram,
 }
 
 /// 1 µs to ~0.5 s, doubling.
@@ -43,6 +44,7 @@ impl Default for Timings {
         let tokenize = Histogram::new(exponential_buckets(1e-6, 2.0, 24));
         let first_byte = ByEndpoint::new_with_constructor(request_buckets as fn() -> Histogram);
         let duration = ByEndpoint::new_with_constructor(request_buckets as fn() -> Histogram);
+        let migration_gap = request_buckets();
         registry.register(
             "decision_seconds",
             "Routing decisions: candidates, overlaps, the policy call and the booking",
@@ -68,7 +70,13 @@ impl Default for Timings {
             "From the request's arrival to the end of a complete response",
             duration.clone(),
         );
+        registry.register(
+            "migration_gap_seconds",
+            "What a client of a migrated stream waited: from the last token before the break to the first after it",
+            migration_gap.clone(),
+        );
         Timings {
+            migration_gap,
             registry,
             decision,
             policy_call,
@@ -120,6 +128,11 @@ impl Timings {
         self.duration
             .get_or_create(&label(endpoint))
             .observe(took.as_secs_f64());
+    }
+
+    /// A migrated stream's gap.
+    pub fn migration_gap(&self, gap: Duration) {
+        self.migration_gap.observe(gap.as_secs_f64());
     }
 
     /// Drops the series of an endpoint the router let go of.

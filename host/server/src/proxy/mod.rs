@@ -16,16 +16,21 @@
 //!   retried (it would take as long elsewhere); the worker is counted only if its health
 //!   check fails too.
 //!
-//! Once bytes have reached the client, an upstream failure or a stall longer than the
-//! idle timeout ends the stream (with an SSE error event for event streams). The load
-//! booking is released on every path: end, failure, retry, stall, client gone.
+//! Once bytes have reached the client, an upstream failure, a server-error event or a
+//! stall longer than the idle timeout moves the stream to another worker, which
+//! continues the answer (`migrate`, up to `--migration-limit` times); a stream that
+//! cannot be continued ends (with an SSE error event for event streams). The load
+//! booking is released on every path: end, failure, retry, stall, client gone, and
+//! moves with a migrated stream.
 //!
 //! - this module: the attempts and their failover (`completion`);
 //! - `tokenize`: prompts to token IDs, off the async threads when long;
 //! - `forward`: one attempt on one worker, its failure classified;
-//! - `relay`: the answer streamed to the client, the booking kept and released.
+//! - `relay`: the answer streamed to the client, the booking kept and released;
+//! - `migrate`: a broken stream continued on another worker.
 
 mod forward;
+mod migrate;
 mod relay;
 mod tokenize;
 
@@ -248,14 +253,27 @@ pub(crate) async fn completion(
                 for (w, reason) in a.pending.drain(..) {
                     client.record_failure(w, &reason);
                 }
+                let migration = migrate::Migration::new(
+                    gw,
+                    api,
+                    &path,
+                    accept.as_ref(),
+                    auth.as_ref(),
+                    &body,
+                    &parsed,
+                    session_key,
+                    prompt_tokens,
+                );
                 let relay = Relay {
                     gw: gw.clone(),
                     client: client.clone(),
                     worker,
-                    booking,
+                    router: router.clone(),
+                    booking: Some(booking),
                     started: request_started,
                     endpoint: endpoint.clone(),
                     predicted_blocks: routed.overlap_blocks,
+                    migration,
                 };
                 return Ok(relay.stream(parts, first, rest));
             }

@@ -13,11 +13,23 @@ use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
 
 use crate::{Body, Gateway};
 use switchyard_ids::InstanceId;
+use switchyard_router::KvRouter;
 use switchyard_router::client::Client;
 use switchyard_tokens::openai::{self};
 
 use super::Booking;
 use super::forward::strip_hop_by_hop;
+use super::migrate::{self, Break, Migration, Moved, Next};
+
+/// A continuation being placed on another worker, on a task of its own (the body must be
+/// `Sync`; a future is not); aborted if the client leaves first.
+pub(super) struct Moving(tokio::task::JoinHandle<Result<Moved, String>>);
+
+impl Drop for Moving {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
 
 /// The relay of one response that has started: where to report a stall, and the load
 /// booking it releases when it ends, however it ends.
@@ -25,21 +37,26 @@ pub(super) struct Relay {
     pub(super) gw: Arc<Gateway>,
     pub(super) client: Arc<Client>,
     pub(super) worker: InstanceId,
+    pub(super) router: Arc<KvRouter>,
     /// Released when the relay is dropped: at the end, on a break, or when the client
-    /// leaves.
-    pub(super) booking: Booking,
+    /// leaves; moved to the next worker with a migrated stream.
+    pub(super) booking: Option<Booking>,
     /// When the request arrived, and its endpoint: a complete response is timed.
     pub(super) started: Instant,
     pub(super) endpoint: String,
     /// The prompt blocks the router saw cached on this worker when routing.
     pub(super) predicted_blocks: u32,
+    /// How to continue the stream elsewhere if it breaks (`None`: it ends instead).
+    pub(super) migration: Option<Box<Migration>>,
 }
 
 impl Relay {
-    /// Passes the rest of the worker's response through, byte for byte. Ends early, with
-    /// an error event on event streams, when the worker breaks the stream or is silent
-    /// for longer than the idle timeout (the worker is then counted as failing); stops
-    /// reading from the worker as soon as the client is gone.
+    /// Passes the rest of the worker's response through, byte for byte (a migratable
+    /// stream event by event). When the worker breaks the stream or is silent for longer
+    /// than the idle timeout (the worker is then counted as failing), the stream is
+    /// continued on another worker if it can be ([`migrate`]), else ends early, with an
+    /// error event on event streams; stops reading from the worker as soon as the client
+    /// is gone.
     pub(super) fn stream(
         self,
         mut parts: hyper::http::response::Parts,
@@ -59,16 +76,28 @@ impl Relay {
                 .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         }
         let idle = self.gw.config.stream_idle_timeout;
+        let mut relay = self;
+        if !is_sse {
+            relay.migration = None;
+        }
+        let migrating = relay.migration.is_some();
         let body = RelayBody {
-            relay: self,
+            relay,
             first,
             upstream,
             idle,
-            timer: Box::pin(tokio::time::sleep(idle)),
+            timer: Box::pin(tokio::time::sleep(period(idle, migrating))),
+            last_data: tokio::time::Instant::now(),
+            leaving_since: None,
             is_sse,
             tail: Vec::new(),
             done: false,
             touched: tokio::time::Instant::now(),
+            moving: None,
+            ready: None,
+            pending_break: None,
+            ended_upstream: false,
+            break_reason: String::new(),
         };
         Response::from_parts(parts, body.boxed())
     }
@@ -85,54 +114,170 @@ pub(super) struct RelayBody {
     pub(super) idle: Duration,
     /// Fires when the worker has been silent for `idle`; reset by each chunk.
     pub(super) timer: std::pin::Pin<Box<tokio::time::Sleep>>,
+    /// When the worker last sent something.
+    pub(super) last_data: tokio::time::Instant,
+    /// Since when the worker has been gone from discovery (a drain), if it is.
+    pub(super) leaving_since: Option<tokio::time::Instant>,
     pub(super) is_sse: bool,
     pub(super) tail: Vec<u8>,
     pub(super) done: bool,
     /// When the booking was last told the stream is alive.
     pub(super) touched: tokio::time::Instant,
+    /// A continuation being placed after a break.
+    pub(super) moving: Option<Moving>,
+    /// Events ready for the client (sent before anything else).
+    pub(super) ready: Option<Bytes>,
+    /// A break found in a chunk whose earlier events are sent first.
+    pub(super) pending_break: Option<String>,
+    /// Nothing more comes from upstream: the stream ends once `ready` is sent.
+    pub(super) ended_upstream: bool,
+    /// Why the stream broke, while its continuation is being placed.
+    pub(super) break_reason: String,
 }
 
 /// How often a relaying stream tells its booking it is alive (a lock per touch; the
 /// hard expiry is minutes).
 pub(super) const TOUCH_EVERY: Duration = Duration::from_secs(10);
 
+/// How often a migratable stream looks whether its worker is leaving.
+pub(super) const CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// The relay's timer period: the idle timeout, or the worker check's if shorter.
+fn period(idle: Duration, migrating: bool) -> Duration {
+    if migrating {
+        idle.min(CHECK_EVERY)
+    } else {
+        idle
+    }
+}
+
 impl RelayBody {
     fn data(&mut self, data: Bytes) -> Frame<Bytes> {
         note_usage_tail(&mut self.tail, &data);
         let now = tokio::time::Instant::now();
-        self.timer.as_mut().reset(now + self.idle);
+        // The timer is not moved per chunk: when it fires, it looks at this.
+        self.last_data = now;
         if now.duration_since(self.touched) >= TOUCH_EVERY {
             self.touched = now;
-            let b = &self.relay.booking;
-            b.router.touch(b.request);
+            if let Some(b) = &self.relay.booking {
+                b.router.touch(b.request);
+            }
+        }
+        if let Some(m) = &mut self.relay.migration
+            && let Some(cut) = m.cut_at.take()
+        {
+            self.relay.gw.metrics.timings.migration_gap(cut.elapsed());
         }
         Frame::data(data)
     }
 
+    /// A chunk from the worker: passed on, or (a migratable stream) its complete events,
+    /// rewritten after a migration. `Err`: the worker sent a server error event.
+    fn chunk(&mut self, data: Bytes) -> Result<Option<Bytes>, String> {
+        let Some(m) = &mut self.relay.migration else {
+            return Ok(Some(data));
+        };
+        let (out, broke) = m.take(&data);
+        if let Some(why) = broke {
+            if !out.is_empty() {
+                // Sent before the break is handled, on the next poll.
+                self.ready = Some(out);
+                self.pending_break = Some(why);
+                return Ok(None);
+            }
+            return Err(why);
+        }
+        Ok((!out.is_empty()).then_some(out))
+    }
+
     /// The stream ended complete.
     fn finish(&mut self) {
-        let r = &self.relay;
+        let r = &mut self.relay;
+        if let Some(m) = &mut r.migration {
+            // Another worker finished the answer: the breaks were those workers' faults.
+            for (w, why) in m.broken.drain(..) {
+                r.client.record_failure(w, &why);
+            }
+            if m.used > 0 {
+                r.gw.metrics
+                    .migrated_streams_completed
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
         if let Some((prompt, cached)) = openai::scan_usage(&self.tail) {
             let m = &r.gw.metrics;
             m.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
             m.cached_tokens.fetch_add(cached, Ordering::Relaxed);
-            r.booking
-                .router
-                .note_cache_report(r.predicted_blocks, cached);
+            r.router.note_cache_report(r.predicted_blocks, cached);
         }
         r.gw.metrics
             .timings
             .request_duration(&r.endpoint, r.started.elapsed());
     }
 
-    /// The stream broke or stalled: an error event on event streams, an error otherwise.
-    fn broke(&mut self, why: String) -> Result<Frame<Bytes>, std::io::Error> {
+    /// The stream broke or stalled: continued on another worker if it can be (`None`),
+    /// else an error event on event streams, an error otherwise.
+    fn broke(&mut self, kind: Break, why: String) -> Option<Result<Frame<Bytes>, std::io::Error>> {
+        let worker = self.relay.worker;
+        tracing::warn!(instance = %worker, error = %why, "upstream stream ended early");
+        if let Some(m) = &mut self.relay.migration {
+            if kind.is_failure() {
+                m.broken.push((worker, why.clone()));
+            }
+            let refused = m.refusal();
+            let next = match refused {
+                Some(r) => Err(r),
+                None => m.prepare(worker).map_err(|e| ("not_continuable", e)),
+            };
+            let metrics = &self.relay.gw.metrics;
+            match next {
+                Ok(Next::Continue(req)) => {
+                    metrics.migration(kind.label(), "continued");
+                    m.cut_at = Some(std::time::Instant::now());
+                    self.break_reason = why;
+                    tracing::info!(instance = %worker, migration = m.used, "continuing the stream on another worker");
+                    // The broken worker's booking goes now; the continuation books its own.
+                    self.relay.booking = None;
+                    self.moving = Some(Moving(tokio::spawn(migrate::continue_stream(
+                        self.relay.gw.clone(),
+                        self.relay.router.clone(),
+                        req,
+                    ))));
+                    return None;
+                }
+                Ok(Next::Finish(events)) => {
+                    metrics.migration(kind.label(), "completed");
+                    self.relay.booking = None;
+                    self.ready = Some(events);
+                    self.ended_upstream = true;
+                    return None;
+                }
+                Err((outcome, reason)) => {
+                    metrics.migration(kind.label(), outcome);
+                    if outcome == "poison" {
+                        metrics.poison.fetch_add(1, Ordering::Relaxed);
+                        m.broken.clear();
+                    }
+                    // No worker left to confirm them: the breaks count against their
+                    // workers, as a lone 5xx does.
+                    for (w, w_why) in m.broken.drain(..) {
+                        self.relay.client.record_failure(w, &w_why);
+                    }
+                    return Some(self.end_broken(format!("{why}; not continued: {reason}")));
+                }
+            }
+        }
+        Some(self.end_broken(why))
+    }
+
+    /// Ends the stream with an error (an error event on event streams).
+    fn end_broken(&mut self, why: String) -> Result<Frame<Bytes>, std::io::Error> {
+        self.done = true;
         self.relay
             .gw
             .metrics
             .stream_errors
             .fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(instance = %self.relay.worker, error = %why, "upstream stream ended early");
         if self.is_sse {
             let event = format!(
                 "data: {}\n\n",
@@ -142,6 +287,49 @@ impl RelayBody {
         } else {
             Err(std::io::Error::other(why))
         }
+    }
+
+    /// A migratable stream's worker is going: gone from discovery for the drain grace
+    /// (a graceful stop), or ejected while this stream has been silent for a check
+    /// period (it is not worth waiting for the idle timeout).
+    fn worker_leaving(&mut self, now: tokio::time::Instant) -> Option<(Break, String)> {
+        let r = &self.relay;
+        r.migration.as_ref()?;
+        if r.client.instance(r.worker).is_none() {
+            let grace = r.gw.config.drain_grace;
+            let since = *self.leaving_since.get_or_insert(now);
+            return (now.duration_since(since) >= grace).then(|| {
+                (
+                    Break::Drain,
+                    format!("the worker left the fleet and was still streaming after the drain grace of {grace:?}"),
+                )
+            });
+        }
+        self.leaving_since = None;
+        let silent = now.duration_since(self.last_data);
+        (silent >= CHECK_EVERY && r.client.available().binary_search(&r.worker).is_err()).then(
+            || {
+                (
+                    Break::Ejected,
+                    format!("the worker was ejected and has sent nothing for {silent:?}"),
+                )
+            },
+        )
+    }
+
+    /// The continuation started: its worker's stream becomes this one's.
+    fn moved(&mut self, m: Moved) {
+        let r = &mut self.relay;
+        r.worker = m.worker;
+        r.booking = Some(m.booking);
+        r.predicted_blocks = m.predicted_blocks;
+        self.upstream = m.upstream;
+        self.tail.clear();
+        let now = tokio::time::Instant::now();
+        self.last_data = now;
+        self.leaving_since = None;
+        self.timer.as_mut().reset(now + period(self.idle, true));
+        self.first = m.first;
     }
 }
 
@@ -155,40 +343,114 @@ impl hyper::body::Body for RelayBody {
     ) -> std::task::Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
         use std::task::Poll;
         let this = self.get_mut();
-        if this.done {
-            return Poll::Ready(None);
-        }
-        if let Some(first) = this.first.take() {
-            return Poll::Ready(Some(Ok(this.data(first))));
-        }
         loop {
+            if this.done {
+                return Poll::Ready(None);
+            }
+            if let Some(moving) = this.moving.as_mut() {
+                let polled = std::pin::Pin::new(&mut moving.0)
+                    .poll(cx)
+                    .map(|r| r.unwrap_or_else(|e| Err(format!("the continuation failed: {e}"))));
+                match polled {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Ok(m)) => {
+                        this.moving = None;
+                        this.moved(m);
+                    }
+                    Poll::Ready(Err(why)) => {
+                        this.moving = None;
+                        let m = &this.relay.gw.metrics;
+                        m.migration("continuation", "failed");
+                        let broke = std::mem::take(&mut this.break_reason);
+                        return Poll::Ready(Some(
+                            this.end_broken(format!("{broke}; it could not be continued: {why}")),
+                        ));
+                    }
+                }
+            }
+            if let Some(out) = this.ready.take() {
+                return Poll::Ready(Some(Ok(this.data(out))));
+            }
+            if let Some(why) = this.pending_break.take() {
+                match this.broke(Break::ErrorEvent, why) {
+                    Some(end) => return Poll::Ready(Some(end)),
+                    None => continue,
+                }
+            }
+            if let Some(first) = this.first.take() {
+                match this.chunk(first) {
+                    Ok(Some(out)) => return Poll::Ready(Some(Ok(this.data(out)))),
+                    Ok(None) => {}
+                    Err(why) => {
+                        if let Some(end) = this.broke(Break::ErrorEvent, why) {
+                            return Poll::Ready(Some(end));
+                        }
+                    }
+                }
+                continue;
+            }
+            if this.ended_upstream {
+                this.done = true;
+                this.finish();
+                return Poll::Ready(None);
+            }
             match std::pin::Pin::new(&mut this.upstream).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
                     if let Ok(data) = frame.into_data() {
-                        return Poll::Ready(Some(Ok(this.data(data))));
+                        match this.chunk(data) {
+                            Ok(Some(out)) => return Poll::Ready(Some(Ok(this.data(out)))),
+                            Ok(None) => {}
+                            Err(why) => {
+                                if let Some(end) = this.broke(Break::ErrorEvent, why) {
+                                    return Poll::Ready(Some(end));
+                                }
+                            }
+                        }
                     }
                 }
                 Poll::Ready(None) => {
+                    if this.relay.migration.as_ref().is_some_and(|m| !m.finished) {
+                        let why = "the worker closed the stream before its final chunk".to_string();
+                        if let Some(end) = this.broke(Break::Reset, why) {
+                            return Poll::Ready(Some(end));
+                        }
+                        continue;
+                    }
                     this.done = true;
                     this.finish();
                     return Poll::Ready(None);
                 }
                 Poll::Ready(Some(Err(e))) => {
-                    this.done = true;
-                    return Poll::Ready(Some(
-                        this.broke(format!("the worker's stream broke: {e}")),
-                    ));
+                    if let Some(end) =
+                        this.broke(Break::Reset, format!("the worker's stream broke: {e}"))
+                    {
+                        return Poll::Ready(Some(end));
+                    }
                 }
                 Poll::Pending => {
                     if this.timer.as_mut().poll(cx).is_pending() {
                         return Poll::Pending;
                     }
-                    this.done = true;
+                    let now = tokio::time::Instant::now();
+                    if now.duration_since(this.last_data) < this.idle {
+                        if let Some((kind, why)) = this.worker_leaving(now) {
+                            if let Some(end) = this.broke(kind, why) {
+                                return Poll::Ready(Some(end));
+                            }
+                            continue;
+                        }
+                        let p = period(this.idle, this.relay.migration.is_some());
+                        let next = (this.last_data + this.idle).min(now + p);
+                        this.timer.as_mut().reset(next);
+                        continue;
+                    }
                     let why = format!("the worker sent nothing for {:?}", this.idle);
                     let r = &this.relay;
                     r.client.record_failure(r.worker, &why);
                     r.gw.metrics.stalls.fetch_add(1, Ordering::Relaxed);
-                    return Poll::Ready(Some(this.broke(why)));
+                    if let Some(end) = this.broke(Break::Stall, why) {
+                        return Poll::Ready(Some(end));
+                    }
                 }
             }
         }

@@ -1,0 +1,446 @@
+//! Mid-stream migration, end to end: real mock-worker processes killed, stalled or cut
+//! while they stream, a real router process, real HTTP. A migrated stream must read
+//! exactly as the same request's uninterrupted stream does (the mock's text is a function
+//! of its context), with one identity, one final usage and `[DONE]`.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+use serde_json::{Value, json};
+
+use common::etcd::Etcd;
+use common::http::{self, HttpClient};
+use common::procs::{Proc, mock_worker, serve};
+use common::router::{TOKEN, eventually, instances, metric};
+
+/// One request of the test's traffic: chat or completions, streamed with usage.
+fn request(i: usize, max_tokens: u32) -> (&'static str, Value) {
+    let text = format!("request {i}: tell me about the number {}", i * 7919);
+    if i.is_multiple_of(2) {
+        (
+            "/v1/chat/completions",
+            json!({"model": "mock", "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens, "stream": true, "stream_options": {"include_usage": true}}),
+        )
+    } else {
+        (
+            "/v1/completions",
+            json!({"model": "mock", "prompt": text, "max_tokens": max_tokens, "stream": true,
+                "stream_options": {"include_usage": true}}),
+        )
+    }
+}
+
+/// Streams `body` to `url + path`; `started` counts up once `after` chunks have arrived.
+/// Returns the whole body.
+async fn stream(
+    c: &HttpClient,
+    url: &str,
+    path: &str,
+    body: &Value,
+    after: usize,
+    started: Arc<AtomicUsize>,
+) -> String {
+    let req = Request::post(format!("{url}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let read = async {
+        let resp = c.request(req).await.expect("the router answers");
+        assert_eq!(resp.status(), 200);
+        let mut body = resp.into_body();
+        let mut got = Vec::new();
+        let mut counted = false;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.expect("the client's stream does not break");
+            if let Ok(d) = frame.into_data() {
+                got.extend_from_slice(&d);
+            }
+            if !counted && got.windows(6).filter(|w| w == b"data: ").count() >= after {
+                counted = true;
+                started.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        if !counted {
+            started.fetch_add(1, Ordering::SeqCst);
+        }
+        String::from_utf8(got).unwrap()
+    };
+    tokio::time::timeout(Duration::from_secs(60), read)
+        .await
+        .expect("the stream ends in time")
+}
+
+/// What a client reads from a stream.
+#[derive(Debug, PartialEq)]
+struct Read {
+    text: String,
+    ids: Vec<String>,
+    finish: Option<String>,
+    usage: Option<(u64, u64)>,
+    done: bool,
+    errors: Vec<String>,
+}
+
+fn read(body: &str) -> Read {
+    let mut r = Read {
+        text: String::new(),
+        ids: Vec::new(),
+        finish: None,
+        usage: None,
+        done: false,
+        errors: Vec::new(),
+    };
+    for e in http::sse_events(body.as_bytes()) {
+        assert!(!r.done, "nothing after [DONE]: {body}");
+        if e == "[DONE]" {
+            r.done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(&e).unwrap();
+        if let Some(err) = v.get("error") {
+            r.errors
+                .push(err["message"].as_str().unwrap_or("").to_string());
+            continue;
+        }
+        let id = v["id"].as_str().unwrap().to_string();
+        if !r.ids.contains(&id) {
+            r.ids.push(id);
+        }
+        if let Some(c) = v["choices"].as_array().and_then(|c| c.first()) {
+            let piece = c["delta"]["content"].as_str().or(c["text"].as_str());
+            r.text.push_str(piece.unwrap_or(""));
+            if let Some(f) = c["finish_reason"].as_str() {
+                assert!(r.finish.is_none(), "one final chunk: {body}");
+                r.finish = Some(f.to_string());
+            }
+        }
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            let (p, c) = (
+                u["prompt_tokens"].as_u64().unwrap(),
+                u["completion_tokens"].as_u64().unwrap(),
+            );
+            assert_eq!(u["total_tokens"].as_u64().unwrap(), p + c, "{u}");
+            r.usage = Some((p, c));
+        }
+    }
+    r
+}
+
+/// Three workers at real speed (a token every ~10 ms), and a router over them.
+async fn fleet(worker_flags: &[&[&str]], router_flags: &[&str]) -> (Vec<Proc>, Proc, String) {
+    let mut procs = Vec::new();
+    let mut args = vec![
+        "--model",
+        "mock",
+        "--admin-token",
+        TOKEN,
+        "--health-check-interval-ms",
+        "0",
+    ];
+    let mut urls = Vec::new();
+    for flags in worker_flags {
+        let (p, url) = mock_worker(flags).await;
+        procs.push(p);
+        urls.push(url);
+    }
+    for u in &urls {
+        args.extend(["--worker", u.as_str()]);
+    }
+    args.extend_from_slice(router_flags);
+    let (router, url) = serve(&args).await;
+    (procs, router, url)
+}
+
+async fn uninterrupted(c: &HttpClient, url: &str, n: usize, max_tokens: u32) -> Vec<Read> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let (path, body) = request(i, max_tokens);
+        out.push(read(&stream(c, url, path, &body, 0, Arc::default()).await));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_stream_costs_no_stream_its_text() {
+    let (mut workers, _router, url) = fleet(&[&[], &[], &[]], &[]).await;
+    let c = http::client();
+    const STREAMS: usize = 30;
+    const TOKENS: u32 = 150;
+    let started = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..STREAMS {
+        let (c, url, started) = (c.clone(), url.clone(), started.clone());
+        let (path, body) = request(i, TOKENS);
+        tasks.push(tokio::spawn(async move {
+            stream(&c, &url, path, &body, 5, started).await
+        }));
+    }
+    eventually("every stream under way", || async {
+        started.load(Ordering::SeqCst) == STREAMS
+    })
+    .await;
+    let in_flight_on_the_victim = metric(&c, &url, "switchyard_instance_in_flight", "").await;
+    assert!(in_flight_on_the_victim > 0.0);
+    workers[0].kill();
+    let mut got = Vec::new();
+    for t in tasks {
+        got.push(read(&t.await.unwrap()));
+    }
+    let migrated = metric(
+        &c,
+        &url,
+        "switchyard_migrations_total",
+        "reason=\"reset\",outcome=\"continued\"",
+    )
+    .await;
+    assert!(migrated >= 1.0, "some streams ran on the killed worker");
+    assert_eq!(
+        metric(&c, &url, "switchyard_migrated_streams_completed_total", "").await,
+        migrated
+    );
+    // The same requests again, uninterrupted, on the two workers left.
+    let want = uninterrupted(&c, &url, STREAMS, TOKENS).await;
+    for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+        assert!(got.errors.is_empty(), "stream {i}: {:?}", got.errors);
+        assert_eq!(
+            got.ids.len(),
+            1,
+            "stream {i} has one identity: {:?}",
+            got.ids
+        );
+        assert_eq!(got.finish.as_deref(), Some("length"), "stream {i}");
+        assert!(got.done, "stream {i} ends with [DONE]");
+        assert_eq!(got.text, want.text, "stream {i}: no text lost or repeated");
+        assert_eq!(
+            got.usage, want.usage,
+            "stream {i}: usage of the whole answer"
+        );
+        assert_eq!(got.usage.map(|u| u.1), Some(u64::from(TOKENS)));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_stalls_mid_stream_is_left_after_the_idle_timeout() {
+    let stall: &[&str] = &["--fault", "stall", "--fault-after-tokens", "10"];
+    let (_workers, _router, url) = fleet(
+        &[stall, &[]],
+        &["--stream-idle-timeout-secs", "1", "--policy", "round-robin"],
+    )
+    .await;
+    let c = http::client();
+    // Two at once, taking turns: one lands on the stalling worker.
+    let mut tasks = Vec::new();
+    for i in 0..2 {
+        let (c, url) = (c.clone(), url.clone());
+        let (path, body) = request(i, 40);
+        tasks.push(tokio::spawn(async move {
+            stream(&c, &url, path, &body, 0, Arc::default()).await
+        }));
+    }
+    let mut got = Vec::new();
+    for t in tasks {
+        got.push(read(&t.await.unwrap()));
+    }
+    assert_eq!(
+        metric(
+            &c,
+            &url,
+            "switchyard_migrations_total",
+            "reason=\"stall\",outcome=\"continued\""
+        )
+        .await,
+        1.0
+    );
+    // The stalling worker is out (stalls count against it at once); the healthy one
+    // gives the reference.
+    let want = uninterrupted(&c, &url, 2, 40).await;
+    for (got, want) in got.iter().zip(&want) {
+        assert!(got.errors.is_empty(), "{:?}", got.errors);
+        assert_eq!(got.text, want.text);
+        assert_eq!(got.usage, want.usage);
+        assert!(got.done);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_breaks_every_worker_stops_after_two_and_ejects_no_one() {
+    let poison: &[&str] = &[
+        "--fault-marker",
+        "POISON",
+        "--fault-marker-after-tokens",
+        "5",
+    ];
+    let (_workers, _router, url) =
+        fleet(&[poison, poison, poison], &["--migration-limit", "5"]).await;
+    let c = http::client();
+    let body = json!({"model": "mock", "messages": [{"role": "user", "content": "POISON pill"}],
+        "max_tokens": 40, "stream": true});
+    let got = read(&stream(&c, &url, "/v1/chat/completions", &body, 0, Arc::default()).await);
+    assert_eq!(got.errors.len(), 1, "{got:?}");
+    assert!(
+        got.errors[0].contains("the request's own fault"),
+        "{}",
+        got.errors[0]
+    );
+    assert!(!got.done);
+    assert_eq!(
+        metric(
+            &c,
+            &url,
+            "switchyard_migrations_total",
+            "reason=\"reset\",outcome=\"poison\""
+        )
+        .await,
+        1.0
+    );
+    assert_eq!(
+        metric(&c, &url, "switchyard_poison_requests_total", "").await,
+        1.0
+    );
+    // Every worker still serves, and nobody was counted against.
+    let listed = instances(&c, &url).await;
+    for i in listed["instances"].as_array().unwrap() {
+        assert_eq!(i["available"], true, "{i}");
+        assert_eq!(i["consecutive_failures"], 0, "{i}");
+    }
+    let ok = read(
+        &stream(
+            &c,
+            &url,
+            "/v1/chat/completions",
+            &request(0, 20).1,
+            0,
+            Arc::default(),
+        )
+        .await,
+    );
+    assert!(ok.done && ok.errors.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_migration_off_a_broken_stream_ends_with_an_error_event() {
+    let cut: &[&str] = &["--fault", "cut-stream", "--fault-after-tokens", "5"];
+    let (_workers, _router, url) = fleet(&[cut, cut], &["--migration-limit", "0"]).await;
+    let c = http::client();
+    let got = read(
+        &stream(
+            &c,
+            &url,
+            "/v1/chat/completions",
+            &request(0, 40).1,
+            0,
+            Arc::default(),
+        )
+        .await,
+    );
+    assert_eq!(got.errors.len(), 1, "{got:?}");
+    assert!(got.errors[0].contains("stream broke"), "{}", got.errors[0]);
+    assert!(!got.done);
+    assert_eq!(got.text.split_whitespace().count(), 5);
+    assert_eq!(
+        metric(&c, &url, "switchyard_migrations_total", "").await,
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_asking_for_log_probabilities_is_not_continued() {
+    let cut: &[&str] = &["--fault", "cut-stream", "--fault-after-tokens", "5"];
+    let (_workers, _router, url) = fleet(&[cut, &[]], &[]).await;
+    let c = http::client();
+    // Until one lands on the cutting worker.
+    for i in 0..10 {
+        let (path, mut body) = request(i, 20);
+        body["logprobs"] = if path.contains("chat") {
+            json!(true)
+        } else {
+            json!(1)
+        };
+        let got = read(&stream(&c, &url, path, &body, 0, Arc::default()).await);
+        if !got.errors.is_empty() {
+            assert!(!got.done);
+            assert_eq!(
+                metric(
+                    &c,
+                    &url,
+                    "switchyard_migrations_total",
+                    "outcome=\"continued\""
+                )
+                .await,
+                0.0
+            );
+            return;
+        }
+    }
+    panic!("no request reached the cutting worker");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_workers_streams_finish_elsewhere_after_the_drain_grace() {
+    let etcd = Etcd::start();
+    // The draining worker would go on for half a minute; the router moves its streams
+    // after one second.
+    let (draining, _) = mock_worker(&["--etcd", &etcd.url(), "--shutdown-grace-secs", "30"]).await;
+    let (_stays, _) = mock_worker(&["--etcd", &etcd.url()]).await;
+    let (_router, url) = serve(&[
+        "--etcd",
+        &etcd.url(),
+        "--admin-token",
+        TOKEN,
+        "--policy",
+        "round-robin",
+        "--drain-grace-secs",
+        "1",
+    ])
+    .await;
+    let c = http::client();
+    eventually("both workers discovered", || async {
+        instances(&c, &url).await["instances"]
+            .as_array()
+            .is_some_and(|i| i.len() == 2)
+    })
+    .await;
+    const TOKENS: u32 = 400;
+    let started = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..2 {
+        let (c, url, started) = (c.clone(), url.clone(), started.clone());
+        let (path, body) = request(i, TOKENS);
+        tasks.push(tokio::spawn(async move {
+            stream(&c, &url, path, &body, 5, started).await
+        }));
+    }
+    eventually("both streams under way", || async {
+        started.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    draining.terminate();
+    let mut got = Vec::new();
+    for t in tasks {
+        got.push(read(&t.await.unwrap()));
+    }
+    assert_eq!(
+        metric(
+            &c,
+            &url,
+            "switchyard_migrations_total",
+            "reason=\"drain\",outcome=\"continued\""
+        )
+        .await,
+        1.0
+    );
+    let want = uninterrupted(&c, &url, 2, TOKENS).await;
+    for (got, want) in got.iter().zip(&want) {
+        assert!(got.errors.is_empty(), "{:?}", got.errors);
+        assert_eq!(got.text, want.text);
+        assert_eq!(got.usage, want.usage);
+        assert!(got.done);
+    }
+}
