@@ -11,6 +11,14 @@
 //! by design), ejections, p99 latency of the successful ones; at the end, the in-flight
 //! gauges once the load has stopped (every booking released).
 //!
+//! Then streams: 24 long generations (chat and completions, a token every ~10 ms) through
+//! a fresh fleet of three, one worker killed with SIGKILL while they run; once with
+//! migration (the product) and once with `--migration-limit 0` (a broken stream ends with
+//! an error event). Per router: streams failed, tokens lost and duplicated against the
+//! same requests' uninterrupted text, migrations, the gap the clients saw (the router's
+//! `switchyard_migration_gap_seconds`: mean, and the bucket holding the p99), and the
+//! prompt tokens the continuations prefilled again.
+//!
 //! Run: `cargo bench --bench chaos` (needs `etcd` on the PATH).
 
 mod common;
@@ -321,6 +329,195 @@ async fn stall_upload(addr: &str) -> tokio::net::TcpStream {
     s
 }
 
+/// One streaming request's body: chat or completions, `max_tokens` long, with usage.
+fn stream_request(i: usize, max_tokens: u32) -> (&'static str, String) {
+    let text = format!("stream {i}: a long answer about {}", i * 104_729);
+    if i.is_multiple_of(2) {
+        (
+            "/v1/chat/completions",
+            serde_json::json!({"model": "mock", "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens, "stream": true, "stream_options": {"include_usage": true}})
+            .to_string(),
+        )
+    } else {
+        (
+            "/v1/completions",
+            serde_json::json!({"model": "mock", "prompt": text, "max_tokens": max_tokens,
+                "stream": true, "stream_options": {"include_usage": true}})
+            .to_string(),
+        )
+    }
+}
+
+/// A stream as its client read it: the words of its text, and whether it ended with the
+/// engine's `[DONE]` and no error event.
+struct Streamed {
+    words: Vec<String>,
+    complete: bool,
+}
+
+/// Streams one request; `started` counts up at its fifth event.
+async fn read_stream(
+    c: &Http,
+    url: &str,
+    path: &str,
+    body: String,
+    started: &AtomicUsize,
+) -> Streamed {
+    let req = hyper::Request::post(format!("{url}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let mut got = Vec::new();
+    let mut counted = false;
+    let read = async {
+        let Ok(resp) = c.request(req).await else {
+            return;
+        };
+        let mut body = resp.into_body();
+        while let Some(Ok(frame)) = body.frame().await {
+            if let Ok(d) = frame.into_data() {
+                got.extend_from_slice(&d);
+            }
+            if !counted && got.windows(6).filter(|w| w == b"data: ").count() >= 5 {
+                counted = true;
+                started.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(120), read).await;
+    if !counted {
+        started.fetch_add(1, Ordering::SeqCst);
+    }
+    let text = String::from_utf8_lossy(&got);
+    let mut words = String::new();
+    let mut complete = false;
+    let mut error = false;
+    for event in text.split("\n\n") {
+        let Some(data) = event.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            complete = true;
+            continue;
+        }
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
+            continue;
+        };
+        error |= v.get("error").is_some();
+        if let Some(c) = v["choices"].as_array().and_then(|c| c.first()) {
+            words.push_str(
+                c["delta"]["content"]
+                    .as_str()
+                    .or(c["text"].as_str())
+                    .unwrap_or(""),
+            );
+        }
+    }
+    Streamed {
+        words: words.split_whitespace().map(str::to_string).collect(),
+        complete: complete && !error,
+    }
+}
+
+/// The gap histogram's mean and the upper bound of the bucket holding its p99, in ms.
+fn gap_figures(page: &str) -> (f64, f64) {
+    let count = metric(page, "switchyard_migration_gap_seconds_count");
+    let sum = metric(page, "switchyard_migration_gap_seconds_sum");
+    let mut p99 = f64::NAN;
+    for l in page
+        .lines()
+        .filter(|l| l.starts_with("switchyard_migration_gap_seconds_bucket{"))
+    {
+        let (Some(le), Some(n)) = (
+            l.split("le=\"")
+                .nth(1)
+                .and_then(|r| r.split('"').next())
+                .and_then(|v| v.parse::<f64>().ok()),
+            l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()),
+        ) else {
+            continue;
+        };
+        if p99.is_nan() && count > 0.0 && n >= 0.99 * count {
+            p99 = le * 1e3;
+        }
+    }
+    (
+        if count > 0.0 {
+            sum / count * 1e3
+        } else {
+            f64::NAN
+        },
+        p99,
+    )
+}
+
+/// 24 streams, one worker of three killed while they run; then the same requests again,
+/// uninterrupted, for the reference text.
+async fn streams_scenario(name: &str, flags: &[&str]) -> String {
+    const STREAMS: usize = 24;
+    let tokens: u32 = if quick() { 120 } else { 400 };
+    let c = http();
+    let EtcdFleet {
+        etcd: _e,
+        mut workers,
+        router: _router,
+        url,
+        cache: _cache,
+    } = EtcdFleet::start(&c, 3, &["--decode-base-us", "200000"], flags).await;
+    let started = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..STREAMS {
+        let (c, url, started) = (c.clone(), url.clone(), started.clone());
+        let (path, body) = stream_request(i, tokens);
+        tasks.push(tokio::spawn(async move {
+            read_stream(&c, &url, path, body, &started).await
+        }));
+    }
+    // Bounded: 1,500 polls of 20 ms.
+    for _ in 0..1500 {
+        if started.load(Ordering::SeqCst) == STREAMS {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = workers[0].0.0.kill();
+    let mut got = Vec::new();
+    for t in tasks {
+        got.push(t.await.unwrap());
+    }
+    let none = AtomicUsize::new(0);
+    let (mut failed, mut lost, mut duplicated) = (0, 0, 0);
+    for (i, g) in got.iter().enumerate() {
+        let (path, body) = stream_request(i, tokens);
+        let want = read_stream(&c, &url, path, body, &none).await;
+        let common = g
+            .words
+            .iter()
+            .zip(&want.words)
+            .take_while(|(a, b)| a == b)
+            .count();
+        lost += want.words.len() - common;
+        duplicated += g.words.len() - common;
+        if !g.complete {
+            failed += 1;
+        }
+    }
+    let page = get_text(&c, &format!("{url}/metrics")).await;
+    // `+ 0.0`: an empty sum is -0.
+    let migrations = sum(&page, "switchyard_migrations_total") + 0.0;
+    let (gap_mean, gap_p99) = gap_figures(&page);
+    let gap = if gap_mean.is_nan() {
+        "—".to_string()
+    } else {
+        format!("{gap_mean:.0} / ≤ {gap_p99:.0}")
+    };
+    let prefill = metric(&page, "switchyard_migration_prefill_tokens_total");
+    format!(
+        "| {name} | {STREAMS} × {tokens} tokens | {failed} | {lost} | {duplicated} | {migrations} | {gap} | {prefill} |"
+    )
+}
+
 fn main() {
     let runtime = common::runtime(2);
     runtime.block_on(async {
@@ -342,5 +539,12 @@ fn main() {
         for row in scenario("eject on any failure (baseline)", &["--outlier-detection", "false"], phase, freeze).await {
             println!("{row}");
         }
+        println!();
+        println!("Streams while a worker of three is killed (SIGKILL), a token every ~10 ms:");
+        println!();
+        println!("| router | streams | failed | tokens lost | tokens duplicated | migrations | gap mean / p99 (ms) | continuation prefill tokens |");
+        println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+        println!("{}", streams_scenario("migration (default)", &[]).await);
+        println!("{}", streams_scenario("--migration-limit 0", &["--migration-limit", "0"]).await);
     });
 }

@@ -69,6 +69,8 @@ pub struct Metrics {
         parking_lot::Mutex<std::collections::BTreeMap<(&'static str, &'static str), u64>>,
     /// Migrated streams that then ended complete.
     pub migrated_streams_completed: AtomicU64,
+    /// Prompt tokens prefilled again (not found cached) by continuations that completed.
+    pub migration_prefill_tokens: AtomicU64,
     /// Failed upstream attempts per instance.
     pub failures_by_instance:
         parking_lot::Mutex<std::collections::BTreeMap<switchyard_ids::InstanceId, u64>>,
@@ -161,13 +163,14 @@ impl Metrics {
             &self.prompt_tokens,
             &self.cached_tokens,
             &self.migrated_streams_completed,
+            &self.migration_prefill_tokens,
         ]
     }
 }
 
 /// The front door's unlabelled counters: name (without `switchyard_` and `_total`) and
 /// help, in [`Metrics::front_door`] order.
-pub(super) const FRONT_DOOR: [(&str, &str); 13] = [
+pub(super) const FRONT_DOOR: [(&str, &str); 14] = [
     ("retries", "Attempts on another worker after a failure"),
     (
         "upstream_failures",
@@ -207,5 +210,9 @@ pub(super) const FRONT_DOOR: [(&str, &str); 13] = [
     (
         "migrated_streams_completed",
         "Streams continued on another worker that then ended complete",
+    ),
+    (
+        "migration_prefill_tokens",
+        "Prompt tokens the continuations of completed migrated streams prefilled (not found cached)",
     ),
 ];

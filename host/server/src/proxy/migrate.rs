@@ -118,6 +118,11 @@ pub(super) struct Migration {
     buf: Vec<u8>,
     /// When the last event reached the client before a break (the gap's start).
     pub(super) cut_at: Option<Instant>,
+    /// Prompt tokens the continuations' workers prefilled (not found cached): what the
+    /// migrations cost.
+    pub(super) extra_prefill: u64,
+    /// The current continuation's share of it, as its worker last reported.
+    segment_prefill: u64,
 }
 
 impl Migration {
@@ -171,6 +176,8 @@ impl Migration {
             exclude: Vec::new(),
             buf: Vec::new(),
             cut_at: None,
+            extra_prefill: 0,
+            segment_prefill: 0,
         }))
     }
 
@@ -244,6 +251,16 @@ impl Migration {
         }
         if self.used == 0 {
             return Event::Pass;
+        }
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            let prompt = u.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(0);
+            let cached = u
+                .get("prompt_tokens_details")
+                .and_then(|d| d.get("cached_tokens"))
+                .and_then(Value::as_u64)
+                .unwrap_or(0);
+            // The last report wins (an engine may report usage on every chunk).
+            self.segment_prefill = prompt.saturating_sub(cached);
         }
         self.rewrite(&mut v);
         Event::Rewritten(Bytes::from(format!("data: {v}\n\n")))
@@ -330,6 +347,12 @@ impl Migration {
         }
     }
 
+    /// Prompt tokens the continuations' workers prefilled, once the stream has ended.
+    pub(super) fn prefill_spent(&mut self) -> u64 {
+        self.extra_prefill
+            .saturating_add(std::mem::take(&mut self.segment_prefill))
+    }
+
     /// Why this stream cannot be continued now, if it cannot (`None`: it can).
     pub(super) fn refusal(&self) -> Option<(&'static str, String)> {
         if let Some(why) = self.blocked {
@@ -357,6 +380,9 @@ impl Migration {
     pub(super) fn prepare(&mut self, worker: InstanceId) -> Result<Next, String> {
         self.exclude.push(worker);
         self.buf.clear();
+        self.extra_prefill = self
+            .extra_prefill
+            .saturating_add(std::mem::take(&mut self.segment_prefill));
         self.used += 1;
         self.base = self.sent;
         let left = self.max_tokens.saturating_sub(self.sent);

@@ -199,9 +199,13 @@ impl RelayBody {
                 r.client.record_failure(w, &why);
             }
             if m.used > 0 {
-                r.gw.metrics
+                let metrics = &r.gw.metrics;
+                metrics
                     .migrated_streams_completed
                     .fetch_add(1, Ordering::Relaxed);
+                metrics
+                    .migration_prefill_tokens
+                    .fetch_add(m.prefill_spent(), Ordering::Relaxed);
             }
         }
         if let Some((prompt, cached)) = openai::scan_usage(&self.tail) {
