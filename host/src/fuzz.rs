@@ -5,7 +5,7 @@
 //! property test driven by a small mutation engine: valid inputs the project generates
 //! itself (its own encoders: engines' msgpack batches in all three shapes, NDJSON event
 //! lines, OpenAI bodies, etcd gateway answers, engines' `/metrics` pages and `/v1/models`
-//! answers, ZMTP streams)
+//! answers, ZMTP streams, workers' SSE streams)
 //! are the seed corpus, and each case applies 1–8 mutations (bit flips, interesting
 //! integers, insertions, deletions, duplications, splices with another seed,
 //! truncation). A target fails on a panic or on a broken property (a bound exceeded, a
@@ -578,6 +578,46 @@ mod targets {
             let secs: f64 = text.trim().parse().expect("only numbers are read");
             assert!(secs.is_finite() && secs >= 0.0);
             assert!(d == std::time::Duration::MAX || d.as_secs_f64() <= secs * 1.000_001 + 1e-9);
+            true
+        });
+    }
+
+    /// A worker's event stream as a migratable relay reads it, cut into two chunks
+    /// anywhere: never a panic; before a migration exactly a prefix of what the worker
+    /// sent (whole events only); the answer kept within its bound.
+    #[test]
+    fn worker_streams() {
+        use crate::tokens::openai::Api;
+        let chat = |t: &str| {
+            format!(
+                r#"data: {{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{{"index":0,"delta":{{"content":"{t}"}},"finish_reason":null}}]}}"#
+            )
+        };
+        let seeds = texts(&[
+            &format!(
+                "{}\n\n{}\n\ndata: {{\"id\":\"c1\",\"choices\":[{{\"index\":0,\"delta\":{{}},\"finish_reason\":\"length\"}}],\"usage\":{{\"prompt_tokens\":3,\"completion_tokens\":2,\"total_tokens\":5}}}}\n\ndata: [DONE]\n\n",
+                chat("lorem "),
+                chat("ipsum ")
+            ),
+            "data: {\"id\":\"x\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\"amet \",\"finish_reason\":null}]}\r\n\r\n: comment\n\n",
+            "data: {\"error\":{\"message\":\"boom\",\"type\":\"InternalServerError\",\"code\":500}}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0}]}}]}\n\nevent: x\ndata: [DONE]\n\n",
+        ]);
+        fuzz("worker-stream", seeds, false, |input| {
+            let cut = input.len() / 3;
+            let chunks = [&input[..cut], &input[cut..]];
+            for api in [Api::Chat, Api::Completions] {
+                let (out, broke, kept, _) = crate::http::proxy::relay_events(api, false, &chunks);
+                if broke.is_none() {
+                    assert!(input.starts_with(&out), "only whole events, as sent");
+                }
+                assert!(kept <= crate::http::proxy::MAX_KEPT_TEXT);
+                let (out, _, _, _) = crate::http::proxy::relay_events(api, true, &chunks);
+                assert!(
+                    out.is_empty() || out.ends_with(b"\n\n") || out.ends_with(b"\n\r\n"),
+                    "whole events after a migration"
+                );
+            }
             true
         });
     }

@@ -30,7 +30,7 @@ use super::{Booking, Failure, Forwarded};
 
 /// The most answer text kept per stream to continue it (~250k tokens); a longer answer
 /// is relayed on, but not continued if it breaks.
-pub(super) const MAX_KEPT_TEXT: usize = 1 << 20;
+pub const MAX_KEPT_TEXT: usize = 1 << 20;
 
 /// The longest event kept whole while waiting for its end; a worker sending a longer one
 /// ends the stream (no engine sends a token's event that large).
@@ -151,19 +151,34 @@ impl Migration {
         {
             return None;
         }
-        Some(Box::new(Migration {
+        let mut m = Migration::fresh(api, body.clone(), parsed.prompt.clone(), limit);
+        m.path = path.to_string();
+        m.accept = accept.cloned();
+        m.auth = auth.cloned();
+        m.continue_final = parsed.continue_final_message;
+        m.max_tokens = parsed.max_tokens;
+        m.cache_salt = parsed.cache_salt.clone();
+        m.session_key = session_key;
+        m.prompt_tokens = prompt_tokens;
+        m.include_usage = parsed.include_usage;
+        Some(Box::new(m))
+    }
+
+    /// A request's state before anything was relayed.
+    fn fresh(api: Api, body: Bytes, prompt: Prompt, limit: u32) -> Migration {
+        Migration {
             api,
-            path: path.to_string(),
-            accept: accept.cloned(),
-            auth: auth.cloned(),
-            body: body.clone(),
-            prompt: parsed.prompt.clone(),
-            continue_final: parsed.continue_final_message,
-            max_tokens: parsed.max_tokens,
-            cache_salt: parsed.cache_salt.clone(),
-            session_key,
-            prompt_tokens,
-            include_usage: parsed.include_usage,
+            path: String::new(),
+            accept: None,
+            auth: None,
+            body,
+            prompt,
+            continue_final: false,
+            max_tokens: 16,
+            cache_salt: None,
+            session_key: None,
+            prompt_tokens: 0,
+            include_usage: false,
             limit,
             used: 0,
             text: String::new(),
@@ -178,7 +193,7 @@ impl Migration {
             cut_at: None,
             extra_prefill: 0,
             segment_prefill: 0,
-        }))
+        }
     }
 
     /// Takes a chunk of the worker's stream; returns the complete events to send to the
@@ -489,6 +504,29 @@ impl Migration {
         out.push_str("data: [DONE]\n\n");
         Bytes::from(out)
     }
+}
+
+/// What the relay makes of a worker's stream cut into `chunks`, for a request on `api`
+/// that has (`migrated`) or has not been continued yet: the bytes sent to the client,
+/// the break seen (if any), the answer text kept and the tokens counted. For the fuzzer
+/// (`switchyard`'s `fuzz.rs`) and tests.
+pub fn relay_events(
+    api: Api,
+    migrated: bool,
+    chunks: &[&[u8]],
+) -> (Vec<u8>, Option<String>, usize, u32) {
+    let body = Bytes::from_static(br#"{"model":"m","prompt":"p","max_tokens":100}"#);
+    let mut m = Migration::fresh(api, body, Prompt::Text("p".into()), 2);
+    m.used = u32::from(migrated);
+    let mut out = Vec::new();
+    for c in chunks {
+        let (o, broke) = m.take(c);
+        out.extend_from_slice(&o);
+        if broke.is_some() {
+            return (out, broke, m.text.len(), m.sent);
+        }
+    }
+    (out, None, m.text.len(), m.sent)
 }
 
 /// What a chunk's events became.
