@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 use common::etcd::Etcd;
 use common::http::{self, HttpClient};
 use common::procs::{Proc, mock_worker, serve};
-use common::router::{TOKEN, eventually, instances, metric};
+use common::router::{TOKEN, admin_get, eventually, instances, metric};
 
 /// One request of the test's traffic: chat or completions, streamed with usage.
 fn request(i: usize, max_tokens: u32) -> (&'static str, Value) {
@@ -204,6 +204,17 @@ async fn a_worker_killed_mid_stream_costs_no_stream_its_text() {
     assert_eq!(
         metric(&c, &url, "switchyard_migrated_streams_completed_total", "").await,
         migrated
+    );
+    // The endpoint's decisions say how many placed a continuation.
+    let quality = admin_get(
+        &c,
+        &format!("{url}/admin/endpoints/default/mock/generate/quality"),
+    )
+    .await;
+    assert_eq!(
+        quality["continuations"].as_f64(),
+        Some(migrated),
+        "{quality}"
     );
     // The same requests again, uninterrupted, on the two workers left.
     let want = uninterrupted(&c, &url, STREAMS, TOKENS).await;

@@ -40,6 +40,8 @@ pub struct DecisionQuality {
     pub predicted_cached_tokens: AtomicU64,
     /// ... and the tokens the worker reported cached.
     pub reported_cached_tokens: AtomicU64,
+    /// Of the routed requests, continuations of streams that broke on another worker.
+    pub continuations: AtomicU64,
     by_instance: Mutex<BTreeMap<InstanceId, u64>>,
     /// Decision times: bucket 0 under 1 µs, bucket `i` under 2^i µs, the last one the rest.
     latency: [AtomicU64; LATENCY_BUCKETS],

@@ -167,7 +167,7 @@ pub(super) async fn explain(
         _ => switchyard_tokens::openai::Api::Completions,
     };
     let parsed = switchyard_tokens::openai::parse(api, &body).map_err(ApiError::BadRequest)?;
-    let tokens = crate::proxy::tokenize(gw, &parsed.prompt).await?;
+    let tokens = crate::proxy::tokenize(gw, &parsed.prompt, parsed.continue_final_message).await?;
     let hashes = router
         .hasher()
         .salted_hashes(&tokens, parsed.cache_salt.as_deref());
@@ -203,6 +203,9 @@ pub(super) async fn explain(
             "model": parsed.model,
             "prompt_tokens": prompt_tokens,
             "prompt_blocks": hashes.len(),
+            // A continuation (of the client's own assistant message, or of a migrated
+            // stream: the router sends those in this form) is rendered open-ended.
+            "continuation": parsed.continue_final_message,
             "block_size": router.hasher().block_size(),
             "candidates": rows,
             "chosen": chosen,

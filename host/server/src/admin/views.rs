@@ -179,6 +179,7 @@ pub(super) fn quality_json(r: &KvRouter) -> Value {
         .collect();
     json!({
         "routed": q.routed.load(Relaxed),
+        "continuations": q.continuations.load(Relaxed),
         "chosen_overlap_blocks": q.chosen_overlap_blocks.load(Relaxed),
         "best_overlap_blocks": q.best_overlap_blocks.load(Relaxed),
         "overlap_ratio": q.overlap_ratio(),

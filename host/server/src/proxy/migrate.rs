@@ -22,6 +22,7 @@ use serde_json::{Map, Value, json};
 use crate::Gateway;
 use switchyard_ids::InstanceId;
 use switchyard_router::KvRouter;
+use switchyard_tokens::ChatMessage;
 use switchyard_tokens::openai::{Api, CompletionRequest, Prompt};
 
 use super::forward::forward;
@@ -625,21 +626,23 @@ pub(super) async fn continue_stream(
     router: Arc<KvRouter>,
     req: Box<ContinueRequest>,
 ) -> Result<Moved, String> {
-    // Routed on the prompt it will be: the original prompt and the answer so far.
-    let context = match &req.prompt {
-        Prompt::Chat(m) => {
-            let rendered = if req.continue_final {
-                gw.tokenizer.render_chat_continuation(m)
-            } else {
-                gw.tokenizer.render_chat(m)
+    // Routed on the prompt it will be: the original prompt and the answer so far,
+    // rendered as the engine will render it.
+    let (context, open) = match req.prompt {
+        Prompt::Chat(mut m) => {
+            match m.last_mut() {
+                Some(last) if req.continue_final => last.content.push_str(&req.text),
+                _ => m.push(ChatMessage {
+                    role: "assistant".into(),
+                    content: req.text,
+                }),
             }
-            .map_err(|e| format!("the chat cannot be rendered again: {e}"))?;
-            Prompt::Text(rendered + &req.text)
+            (Prompt::Chat(m), true)
         }
-        Prompt::Text(t) => Prompt::Text(format!("{t}{}", req.text)),
+        Prompt::Text(t) => (Prompt::Text(t + &req.text), false),
         Prompt::Tokens(_) => return Err("a token prompt is not continued".into()),
     };
-    let tokens = tokenize_prompt(&gw, &context)
+    let tokens = tokenize_prompt(&gw, &context, open)
         .await
         .map_err(|e| format!("the continuation cannot be tokenized: {e}"))?;
     let hashes = router
@@ -685,6 +688,10 @@ pub(super) async fn continue_stream(
         match sent {
             Ok(Forwarded::Ok(_, first, upstream)) => {
                 router.prefill_done(routed.request);
+                router
+                    .quality()
+                    .continuations
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 client.record_success(worker);
                 return Ok(Moved {
                     worker,

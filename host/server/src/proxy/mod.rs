@@ -157,7 +157,7 @@ pub(crate) async fn completion(
         }
     })?;
     let auth = auth.filter(|_| router.forwards_authorization());
-    let tokens = tokenize(gw, &parsed.prompt).await?;
+    let tokens = tokenize(gw, &parsed.prompt, parsed.continue_final_message).await?;
     // Refused before anything is booked or predicted: a prompt no worker can take must
     // not cost the router its locks or its prediction budget.
     let context = router

@@ -11,20 +11,28 @@ use switchyard_tokens::{PrefixTokenizer, TokenizerError};
 pub(super) const BLOCKING_TOKENIZE_BYTES: usize = 8 << 10;
 
 /// The prompt's token IDs (text reuses a conversation's earlier tokens, see
-/// [`PrefixTokenizer`](switchyard_tokens::PrefixTokenizer)); a prompt that cannot be
-/// tokenized is the client's error (400).
-pub(crate) async fn tokenize(gw: &Arc<Gateway>, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
-    tokenize_prompt(gw, prompt).await.map_err(|e| {
-        ApiError::BadRequest(openai::BadRequest {
-            message: e.to_string(),
-            param: Some("prompt".into()),
+/// [`PrefixTokenizer`](switchyard_tokens::PrefixTokenizer)); a chat whose last message is
+/// continued (`continue_final`) is rendered as the engine renders it, without a
+/// generation prompt; a prompt that cannot be tokenized is the client's error (400).
+pub(crate) async fn tokenize(
+    gw: &Arc<Gateway>,
+    prompt: &Prompt,
+    continue_final: bool,
+) -> Result<Vec<u32>, ApiError> {
+    tokenize_prompt(gw, prompt, continue_final)
+        .await
+        .map_err(|e| {
+            ApiError::BadRequest(openai::BadRequest {
+                message: e.to_string(),
+                param: Some("prompt".into()),
+            })
         })
-    })
 }
 
 pub(super) async fn tokenize_prompt(
     gw: &Arc<Gateway>,
     prompt: &Prompt,
+    continue_final: bool,
 ) -> Result<Vec<u32>, TokenizerError> {
     let size = match prompt {
         Prompt::Tokens(t) => return Ok(t.clone()),
@@ -36,11 +44,11 @@ pub(super) async fn tokenize_prompt(
         // Copied only to hand it to the blocking thread (a conversation is rendered
         // there too).
         let (tokenizer, prompt) = (gw.tokenizer.clone(), prompt.clone());
-        tokio::task::spawn_blocking(move || encode(&tokenizer, &prompt))
+        tokio::task::spawn_blocking(move || encode(&tokenizer, &prompt, continue_final))
             .await
             .unwrap_or_else(|e| Err(TokenizerError::from_panic(e)))
     } else {
-        encode(&gw.tokenizer, prompt)
+        encode(&gw.tokenizer, prompt, continue_final)
     };
     gw.metrics.timings.tokenize(started.elapsed());
     tokens
@@ -50,10 +58,14 @@ pub(super) async fn tokenize_prompt(
 pub(super) fn encode(
     tokenizer: &PrefixTokenizer,
     prompt: &Prompt,
+    continue_final: bool,
 ) -> Result<Vec<u32>, TokenizerError> {
     match prompt {
         Prompt::Tokens(t) => Ok(t.clone()),
         Prompt::Text(t) => tokenizer.encode(t),
+        Prompt::Chat(m) if continue_final => {
+            tokenizer.encode(&tokenizer.render_chat_continuation(m)?)
+        }
         Prompt::Chat(m) => tokenizer.encode(&tokenizer.render_chat(m)?),
     }
 }
