@@ -455,3 +455,26 @@ async fn a_draining_workers_streams_finish_elsewhere_after_the_drain_grace() {
         assert!(got.done);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_answer_whose_worker_dies_mid_generation_is_run_again_whole() {
+    let crash: &[&str] = &["--fault", "crash", "--fault-after-tokens", "5"];
+    let (_workers, _router, url) = fleet(&[crash, &[]], &["--policy", "round-robin"]).await;
+    let c = http::client();
+    let mut texts = Vec::new();
+    // Taking turns: one of the two lands on the worker that dies after five tokens.
+    for i in 0..2 {
+        let body = json!({"model": "mock", "prompt": format!("plain {i}"), "max_tokens": 30});
+        let (s, v, raw) = http::post_json(&c, &format!("{url}/v1/completions"), &body).await;
+        assert_eq!(s, 200, "{}", String::from_utf8_lossy(&raw));
+        assert_eq!(v["usage"]["completion_tokens"], 30);
+        texts.push(v["choices"][0]["text"].as_str().unwrap().to_string());
+    }
+    assert_eq!(metric(&c, &url, "switchyard_retries_total", "").await, 1.0);
+    // The same answers from the worker left.
+    for (i, text) in texts.iter().enumerate() {
+        let body = json!({"model": "mock", "prompt": format!("plain {i}"), "max_tokens": 30});
+        let (_, v, _) = http::post_json(&c, &format!("{url}/v1/completions"), &body).await;
+        assert_eq!(v["choices"][0]["text"].as_str(), Some(text.as_str()));
+    }
+}
