@@ -134,7 +134,10 @@ fn read(body: &str) -> Read {
 }
 
 /// Three workers at real speed (a token every ~10 ms), and a router over them.
-async fn fleet(worker_flags: &[&[&str]], router_flags: &[&str]) -> (Vec<Proc>, Proc, String) {
+async fn fleet(
+    worker_flags: &[&[&str]],
+    router_flags: &[&str],
+) -> (Vec<(Proc, String)>, Proc, String) {
     let mut procs = Vec::new();
     let mut args = vec![
         "--model",
@@ -147,7 +150,7 @@ async fn fleet(worker_flags: &[&[&str]], router_flags: &[&str]) -> (Vec<Proc>, P
     let mut urls = Vec::new();
     for flags in worker_flags {
         let (p, url) = mock_worker(flags).await;
-        procs.push(p);
+        procs.push((p, url.clone()));
         urls.push(url);
     }
     for u in &urls {
@@ -188,7 +191,7 @@ async fn a_worker_killed_mid_stream_costs_no_stream_its_text() {
     .await;
     let in_flight_on_the_victim = metric(&c, &url, "switchyard_instance_in_flight", "").await;
     assert!(in_flight_on_the_victim > 0.0);
-    workers[0].kill();
+    workers[0].0.kill();
     let mut got = Vec::new();
     for t in tasks {
         got.push(read(&t.await.unwrap()));
@@ -459,22 +462,77 @@ async fn a_draining_workers_streams_finish_elsewhere_after_the_drain_grace() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plain_answer_whose_worker_dies_mid_generation_is_run_again_whole() {
     let crash: &[&str] = &["--fault", "crash", "--fault-after-tokens", "5"];
-    let (_workers, _router, url) = fleet(&[crash, &[]], &["--policy", "round-robin"]).await;
+    let (mut workers, _router, url) = fleet(&[crash, &[]], &["--policy", "round-robin"]).await;
     let c = http::client();
-    let mut texts = Vec::new();
-    // Taking turns: one of the two lands on the worker that dies after five tokens.
-    for i in 0..2 {
+    // Until one lands on the worker that dies after five tokens (bounded).
+    let mut i = 0;
+    while workers[0].0.0.try_wait().unwrap().is_none() {
+        assert!(i < 8, "no request reached the crashing worker");
         let body = json!({"model": "mock", "prompt": format!("plain {i}"), "max_tokens": 30});
         let (s, v, raw) = http::post_json(&c, &format!("{url}/v1/completions"), &body).await;
         assert_eq!(s, 200, "{}", String::from_utf8_lossy(&raw));
         assert_eq!(v["usage"]["completion_tokens"], 30);
-        texts.push(v["choices"][0]["text"].as_str().unwrap().to_string());
+        // The same answer, straight from the worker left.
+        let (_, want, _) =
+            http::post_json(&c, &format!("{}/v1/completions", workers[1].1), &body).await;
+        assert_eq!(v["choices"][0]["text"], want["choices"][0]["text"]);
+        i += 1;
+        // The crash is seen once the process has exited.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
-    assert_eq!(metric(&c, &url, "switchyard_retries_total", "").await, 1.0);
-    // The same answers from the worker left.
-    for (i, text) in texts.iter().enumerate() {
-        let body = json!({"model": "mock", "prompt": format!("plain {i}"), "max_tokens": 30});
-        let (_, v, _) = http::post_json(&c, &format!("{url}/v1/completions"), &body).await;
-        assert_eq!(v["choices"][0]["text"].as_str(), Some(text.as_str()));
+    assert!(metric(&c, &url, "switchyard_upstream_failures_total", "").await >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_carries_token_ids_is_continued_exactly_at_the_token_level() {
+    let cut: &[&str] = &["--fault", "cut-stream", "--fault-after-tokens", "7"];
+    let (workers, _router, url) = fleet(&[cut, &[]], &["--policy", "round-robin"]).await;
+    let c = http::client();
+    // Chat and completions, twice each, taking turns over the two workers.
+    let ids = |body: &str| -> (Vec<u64>, usize) {
+        let mut ids = Vec::new();
+        let mut prompts = 0;
+        for e in http::sse_events(body.as_bytes()) {
+            let Ok(v) = serde_json::from_str::<Value>(&e) else {
+                continue;
+            };
+            prompts += usize::from(v.get("prompt_token_ids").is_some())
+                + usize::from(v.pointer("/choices/0/prompt_token_ids").is_some());
+            if let Some(t) = v.pointer("/choices/0/token_ids").and_then(Value::as_array) {
+                ids.extend(t.iter().map(|t| t.as_u64().unwrap()));
+            }
+        }
+        (ids, prompts)
+    };
+    let mut got = Vec::new();
+    for i in 0..4 {
+        let (path, mut body) = request(i / 2, 30);
+        body["return_token_ids"] = json!(true);
+        let raw = stream(&c, &url, path, &body, 0, Arc::default()).await;
+        got.push((path, body, read(&raw), ids(&raw)));
+    }
+    // Every continuation (one per request that landed on the cutting worker) was exact.
+    let token_level = metric(&c, &url, "switchyard_token_level_migrations_total", "").await;
+    assert!(token_level >= 1.0);
+    assert_eq!(
+        metric(
+            &c,
+            &url,
+            "switchyard_migrations_total",
+            "outcome=\"continued\""
+        )
+        .await,
+        token_level
+    );
+    for (path, body, read_got, (got_ids, prompts)) in got {
+        assert!(read_got.errors.is_empty(), "{:?}", read_got.errors);
+        assert!(read_got.done);
+        assert_eq!(prompts, 1, "the prompt's IDs once");
+        // The same request, uninterrupted, straight from the healthy worker.
+        let raw = stream(&c, &workers[1].1, path, &body, 0, Arc::default()).await;
+        let (want, (want_ids, _)) = (read(&raw), ids(&raw));
+        assert_eq!(read_got.text, want.text, "{path}");
+        assert_eq!(got_ids, want_ids, "{path}: the same token IDs");
+        assert_eq!(read_got.usage, want.usage, "{path}");
     }
 }

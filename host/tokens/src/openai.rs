@@ -47,6 +47,9 @@ pub struct CompletionRequest {
     pub logprobs: bool,
     /// Completions: the prompt is echoed before the answer.
     pub echo: bool,
+    /// vLLM's `return_token_ids`: the stream carries the prompt's and each chunk's token
+    /// IDs.
+    pub return_token_ids: bool,
 }
 
 /// Which endpoint a request came to.
@@ -244,7 +247,9 @@ pub fn parse(api: Api, body: &[u8]) -> Result<CompletionRequest, BadRequest> {
         Some(_) => true,
     } || obj.get("top_logprobs").is_some_and(|v| !v.is_null());
     let echo = flag("echo")?.unwrap_or(false);
+    let return_token_ids = flag("return_token_ids")?.unwrap_or(false);
     Ok(CompletionRequest {
+        return_token_ids,
         continue_final_message,
         n,
         logprobs,

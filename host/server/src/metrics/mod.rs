@@ -71,6 +71,8 @@ pub struct Metrics {
     pub migrated_streams_completed: AtomicU64,
     /// Prompt tokens prefilled again (not found cached) by continuations that completed.
     pub migration_prefill_tokens: AtomicU64,
+    /// Continuations sent as token IDs (exact), not as text.
+    pub token_level_migrations: AtomicU64,
     /// Failed upstream attempts per instance.
     pub failures_by_instance:
         parking_lot::Mutex<std::collections::BTreeMap<switchyard_ids::InstanceId, u64>>,
@@ -164,13 +166,14 @@ impl Metrics {
             &self.cached_tokens,
             &self.migrated_streams_completed,
             &self.migration_prefill_tokens,
+            &self.token_level_migrations,
         ]
     }
 }
 
 /// The front door's unlabelled counters: name (without `switchyard_` and `_total`) and
 /// help, in [`Metrics::front_door`] order.
-pub(super) const FRONT_DOOR: [(&str, &str); 14] = [
+pub(super) const FRONT_DOOR: [(&str, &str); 15] = [
     ("retries", "Attempts on another worker after a failure"),
     (
         "upstream_failures",
@@ -214,5 +217,9 @@ pub(super) const FRONT_DOOR: [(&str, &str); 14] = [
     (
         "migration_prefill_tokens",
         "Prompt tokens the continuations of completed migrated streams prefilled (not found cached)",
+    ),
+    (
+        "token_level_migrations",
+        "Continuations sent as token IDs (the stream carried them: vLLM's return_token_ids), exact",
     ),
 ];

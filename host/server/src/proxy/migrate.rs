@@ -124,6 +124,13 @@ pub(super) struct Migration {
     pub(super) extra_prefill: u64,
     /// The current continuation's share of it, as its worker last reported.
     segment_prefill: u64,
+    /// The prompt's token IDs, when the stream carries them (vLLM's `return_token_ids`).
+    prompt_ids: Option<Vec<u32>>,
+    /// The answer's token IDs, while every chunk with text carried its own.
+    ids: Option<Vec<u32>>,
+    /// The current worker continues at the token level (a completion of token IDs,
+    /// whose chunks a chat stream gets as chat chunks).
+    token_segment: bool,
 }
 
 impl Migration {
@@ -194,6 +201,9 @@ impl Migration {
             cut_at: None,
             extra_prefill: 0,
             segment_prefill: 0,
+            prompt_ids: None,
+            ids: Some(Vec::new()),
+            token_segment: false,
         }
     }
 
@@ -251,6 +261,19 @@ impl Migration {
             self.blocked = Some("the worker refused the request");
             return Event::Pass;
         }
+        if self.token_segment && self.api == Api::Chat {
+            completion_chunk_as_chat(&mut v);
+        }
+        if self.used == 0 && self.prompt_ids.is_none() && self.ids.is_some() {
+            let ids = v
+                .get("prompt_token_ids")
+                .or_else(|| v.pointer("/choices/0/prompt_token_ids"));
+            self.prompt_ids = ids.and_then(token_ids).filter(|p| p.len() <= MAX_KEPT_IDS);
+            if let Some(p) = &self.prompt_ids {
+                // The engine's own count.
+                self.prompt_tokens = u32::try_from(p.len()).unwrap_or(u32::MAX);
+            }
+        }
         if self.head.is_none() {
             self.head = Some(Head {
                 id: v.get("id").cloned().unwrap_or(Value::Null),
@@ -307,6 +330,14 @@ impl Migration {
             Api::Completions => choice.get("text").and_then(Value::as_str),
         };
         if let Some(p) = piece.filter(|p| !p.is_empty()) {
+            let chunk_ids = choice.get("token_ids").and_then(token_ids);
+            if let (Some(ids), Some(new)) = (&mut self.ids, chunk_ids)
+                && ids.len() + new.len() <= MAX_KEPT_IDS
+            {
+                ids.extend(new);
+            } else {
+                self.ids = None;
+            }
             self.sent = self.sent.saturating_add(1);
             if self.text.len() + p.len() > MAX_KEPT_TEXT {
                 self.blocked = Some("the answer is longer than the router keeps to continue it");
@@ -329,15 +360,20 @@ impl Migration {
             obj.insert("created".into(), h.created.clone());
             obj.insert("model".into(), h.model.clone());
         }
-        if let Some(delta) = obj
+        // The prompt's IDs came with the first stream's first chunk (a continuation's
+        // would be the prompt and the answer so far).
+        obj.remove("prompt_token_ids");
+        if let Some(choice) = obj
             .get_mut("choices")
             .and_then(Value::as_array_mut)
             .and_then(|c| c.first_mut())
-            .and_then(|c| c.get_mut("delta"))
             .and_then(Value::as_object_mut)
         {
-            // The role came with the first stream's first chunk.
-            delta.remove("role");
+            choice.remove("prompt_token_ids");
+            if let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) {
+                // The role came with the first stream's first chunk.
+                delta.remove("role");
+            }
         }
         if let Some(usage) = obj.get_mut("usage").and_then(Value::as_object_mut) {
             let completion = self.base.saturating_add(
@@ -406,9 +442,18 @@ impl Migration {
             // Everything asked for was sent; only the final chunk was lost.
             return Ok(Next::Finish(self.final_events()));
         }
-        let body = self.continuation_body(left)?;
+        let tokens = match (&self.prompt_ids, &self.ids) {
+            (Some(p), Some(ids)) => Some([p.as_slice(), ids].concat()),
+            _ => None,
+        };
+        self.token_segment = tokens.is_some();
+        let (path, body) = match &tokens {
+            Some(t) => ("/v1/completions".to_string(), self.token_body(t, left)?),
+            None => (self.path.clone(), self.continuation_body(left)?),
+        };
         Ok(Next::Continue(Box::new(ContinueRequest {
-            path: self.path.clone(),
+            tokens,
+            path,
             accept: self.accept.clone(),
             auth: self.auth.clone(),
             body,
@@ -419,6 +464,33 @@ impl Migration {
             session_key: self.session_key,
             exclude: self.exclude.clone(),
         })))
+    }
+
+    /// A completion of `tokens` (the prompt's IDs and the answer's) with the client's
+    /// sampling settings and `left` tokens to go: the exact continuation, for engines
+    /// that stream token IDs.
+    fn token_body(&self, tokens: &[u32], left: u32) -> Result<Bytes, String> {
+        let asked: Map<String, Value> = serde_json::from_slice(&self.body)
+            .map_err(|e| format!("the request cannot be read again: {e}"))?;
+        let mut v = Map::new();
+        for key in SAMPLING_FIELDS {
+            if let Some(x) = asked.get(*key) {
+                v.insert((*key).into(), x.clone());
+            }
+        }
+        v.insert("prompt".into(), json!(tokens));
+        v.insert("max_tokens".into(), left.into());
+        v.insert("stream".into(), true.into());
+        v.insert("return_token_ids".into(), true.into());
+        if let Some(min) = asked.get("min_tokens").and_then(Value::as_u64) {
+            v.insert(
+                "min_tokens".into(),
+                min.saturating_sub(u64::from(self.sent)).into(),
+            );
+        }
+        serde_json::to_vec(&v)
+            .map(Bytes::from)
+            .map_err(|e| e.to_string())
     }
 
     /// The client's request with the answer so far appended and `left` tokens to go.
@@ -530,6 +602,62 @@ pub fn relay_events(
     (out, None, m.text.len(), m.sent)
 }
 
+/// The most token IDs kept per stream to continue it at the token level (the prompt's,
+/// and the answer's).
+pub(super) const MAX_KEPT_IDS: usize = 1 << 20;
+
+/// The request fields a token-level continuation carries over: sampling and stopping,
+/// as vLLM's completions take them.
+const SAMPLING_FIELDS: &[&str] = &[
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "stream_options",
+    "cache_salt",
+    "user",
+];
+
+/// Token IDs from a JSON array (`None` if it holds anything else).
+fn token_ids(v: &Value) -> Option<Vec<u32>> {
+    v.as_array()?
+        .iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect()
+}
+
+/// A completion chunk reshaped as a chat chunk: its `text` becomes the delta's content.
+fn completion_chunk_as_chat(v: &mut Value) {
+    let Some(obj) = v.as_object_mut() else { return };
+    obj.insert("object".into(), "chat.completion.chunk".into());
+    if let Some(choice) = obj
+        .get_mut("choices")
+        .and_then(Value::as_array_mut)
+        .and_then(|c| c.first_mut())
+        .and_then(Value::as_object_mut)
+    {
+        let text = choice.remove("text");
+        choice.remove("logprobs");
+        choice.remove("prompt_token_ids");
+        let mut delta = Map::new();
+        if let Some(t) = text.filter(|t| t.as_str().is_some_and(|s| !s.is_empty())) {
+            delta.insert("content".into(), t);
+        }
+        choice.insert("delta".into(), Value::Object(delta));
+    }
+}
+
 /// What a chunk's events became.
 enum Event {
     /// Sent on as the worker wrote it.
@@ -597,6 +725,8 @@ fn server_error(e: &Value) -> bool {
 
 /// A continuation to send.
 pub(super) struct ContinueRequest {
+    /// The exact prompt, at the token level (`None`: the text level).
+    tokens: Option<Vec<u32>>,
     path: String,
     accept: Option<HeaderValue>,
     auth: Option<HeaderValue>,
@@ -607,6 +737,13 @@ pub(super) struct ContinueRequest {
     cache_salt: Option<String>,
     session_key: Option<u64>,
     exclude: Vec<InstanceId>,
+}
+
+impl ContinueRequest {
+    /// It is sent as token IDs (exact), not as text.
+    pub(super) fn token_level(&self) -> bool {
+        self.tokens.is_some()
+    }
 }
 
 /// A continuation that started on a worker.
@@ -628,19 +765,22 @@ pub(super) async fn continue_stream(
 ) -> Result<Moved, String> {
     // Routed on the prompt it will be: the original prompt and the answer so far,
     // rendered as the engine will render it.
-    let (context, open) = match req.prompt {
-        Prompt::Chat(mut m) => {
-            match m.last_mut() {
-                Some(last) if req.continue_final => last.content.push_str(&req.text),
-                _ => m.push(ChatMessage {
-                    role: "assistant".into(),
-                    content: req.text,
-                }),
+    let (context, open) = match (req.tokens, req.prompt) {
+        (Some(t), _) => (Prompt::Tokens(t), false),
+        (None, p) => match p {
+            Prompt::Chat(mut m) => {
+                match m.last_mut() {
+                    Some(last) if req.continue_final => last.content.push_str(&req.text),
+                    _ => m.push(ChatMessage {
+                        role: "assistant".into(),
+                        content: req.text,
+                    }),
+                }
+                (Prompt::Chat(m), true)
             }
-            (Prompt::Chat(m), true)
-        }
-        Prompt::Text(t) => (Prompt::Text(t + &req.text), false),
-        Prompt::Tokens(_) => return Err("a token prompt is not continued".into()),
+            Prompt::Text(t) => (Prompt::Text(t + &req.text), false),
+            Prompt::Tokens(_) => return Err("a token prompt is not continued".into()),
+        },
     };
     let tokens = tokenize_prompt(&gw, &context, open)
         .await

@@ -237,6 +237,11 @@ impl RelayBody {
             match next {
                 Ok(Next::Continue(req)) => {
                     metrics.migration(kind.label(), "continued");
+                    if req.token_level() {
+                        metrics
+                            .token_level_migrations
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
                     m.cut_at = Some(std::time::Instant::now());
                     self.break_reason = why;
                     tracing::info!(instance = %worker, migration = m.used, "continuing the stream on another worker");

@@ -35,6 +35,15 @@ pub(super) fn filler(first: u32, i: u32) -> &'static str {
     WORDS[(first as usize + i as usize) % WORDS.len()]
 }
 
+/// The token ID the mock reports for word `k` of [`WORDS`] (`return_token_ids`): eight
+/// IDs of its own at the top of the built-in vocabulary.
+const WORD_ID_BASE: u32 = switchyard_tokens::BUILTIN_VOCAB - WORDS.len() as u32;
+
+/// Generated token `i`'s ID when the first is word `first`.
+fn word_id(first: u32, i: u32) -> u32 {
+    WORD_ID_BASE + ((first as usize + i as usize) % WORDS.len()) as u32
+}
+
 /// The first word generated after `context` (the rendered prompt, or the token IDs of a
 /// token prompt): the word after the one the text ends with, else one chosen by a hash of
 /// the context. So the text generated is a function of the context alone, and a stream
@@ -49,6 +58,14 @@ pub(super) fn first_word(text: Option<&str>, tokens: &[u32]) -> u32 {
             xxhash_rust::xxh3::xxh3_64(t.as_bytes())
         }
         None => {
+            // A token prompt that ends with a generated word's ID goes on after it.
+            if let Some(k) = tokens
+                .last()
+                .and_then(|t| t.checked_sub(WORD_ID_BASE))
+                .filter(|k| (*k as usize) < WORDS.len())
+            {
+                return k + 1;
+            }
             let mut h = xxhash_rust::xxh3::Xxh3::new();
             for t in tokens {
                 h.update(&t.to_le_bytes());
@@ -168,6 +185,11 @@ pub(super) async fn completion(
         }
     };
     let prompt_tokens = tokens.len() as u32;
+    let prompt_ids = if parsed.return_token_ids {
+        tokens.clone()
+    } else {
+        Vec::new()
+    };
     let salt = parsed.cache_salt.as_deref();
     let blocks = shared.hasher.salted_hashes(&tokens, salt);
     // The ZMQ publisher sends stored blocks' tokens, as vLLM does.
@@ -261,6 +283,8 @@ pub(super) async fn completion(
     let model = shared.model.clone();
     let max_tokens = parsed.max_tokens;
     let include_usage = parsed.include_usage;
+    // vLLM's `return_token_ids`: the prompt's IDs in the first chunk, each token's in its.
+    let mut prompt_ids = parsed.return_token_ids.then_some(prompt_ids);
     let strike = faults.after_tokens;
     if fault == Fault::CutStream {
         cut_at = cut_at.or(Some(strike.unwrap_or(max_tokens / 2)));
@@ -295,16 +319,34 @@ pub(super) async fn completion(
                         return;
                     }
                     n += 1;
-                    match api {
-                        Api::Chat if i == 0 => chunk(
-                            json!({"index": 0, "delta": {"role": "assistant", "content": filler(first, i)}, "finish_reason": null}),
-                        ),
-                        Api::Chat => chunk(
-                            json!({"index": 0, "delta": {"content": filler(first, i)}, "finish_reason": null}),
-                        ),
-                        Api::Completions => chunk(
-                            json!({"index": 0, "text": filler(first, i), "logprobs": null, "finish_reason": null}),
-                        ),
+                    let mut choice = match api {
+                        Api::Chat if i == 0 => {
+                            json!({"index": 0, "delta": {"role": "assistant", "content": filler(first, i)}, "finish_reason": null})
+                        }
+                        Api::Chat => {
+                            json!({"index": 0, "delta": {"content": filler(first, i)}, "finish_reason": null})
+                        }
+                        Api::Completions => {
+                            json!({"index": 0, "text": filler(first, i), "logprobs": null, "finish_reason": null})
+                        }
+                    };
+                    match &mut prompt_ids {
+                        None => chunk(choice),
+                        Some(p) => {
+                            choice["token_ids"] = json!([word_id(first, i)]);
+                            let p = std::mem::take(p);
+                            let mut v = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
+                            if i == 0 {
+                                // Where vLLM puts them: the chat chunk, the completion choice.
+                                match api {
+                                    Api::Chat => v["prompt_token_ids"] = json!(p),
+                                    Api::Completions => {
+                                        v["choices"][0]["prompt_token_ids"] = json!(p)
+                                    }
+                                }
+                            }
+                            Bytes::from(format!("data: {v}\n\n"))
+                        }
                     }
                 }
                 Output::Done => {
