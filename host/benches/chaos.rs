@@ -12,7 +12,8 @@
 //! gauges once the load has stopped (every booking released).
 //!
 //! Then streams: 24 long generations (chat and completions, a token every ~10 ms) through
-//! a fresh fleet of three, one worker killed with SIGKILL while they run; once with
+//! a fresh fleet of three, one worker killed with SIGKILL (then, another time, frozen
+//! with SIGSTOP, its streams stalled until the 5 s idle timeout) while they run; once with
 //! migration (the product) and once with `--migration-limit 0` (a broken stream ends with
 //! an error event). Per router: streams failed, tokens lost and duplicated against the
 //! same requests' uninterrupted text, migrations, the gap the clients saw (the router's
@@ -452,9 +453,9 @@ fn gap_figures(page: &str) -> (f64, f64) {
     )
 }
 
-/// 24 streams, one worker of three killed while they run; then the same requests again,
-/// uninterrupted, for the reference text.
-async fn streams_scenario(name: &str, flags: &[&str]) -> String {
+/// 24 streams, one worker of three killed (or frozen: `freeze`) while they run; then the
+/// same requests again, uninterrupted, for the reference text.
+async fn streams_scenario(name: &str, flags: &[&str], freeze: bool) -> String {
     const STREAMS: usize = 24;
     let tokens: u32 = if quick() { 120 } else { 400 };
     let c = http();
@@ -481,10 +482,18 @@ async fn streams_scenario(name: &str, flags: &[&str]) -> String {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let _ = workers[0].0.0.kill();
+    let victim = workers[0].0.0.id();
+    if freeze {
+        signal(victim, "STOP");
+    } else {
+        let _ = workers[0].0.0.kill();
+    }
     let mut got = Vec::new();
     for t in tasks {
         got.push(t.await.unwrap());
+    }
+    if freeze {
+        signal(victim, "CONT");
     }
     let none = AtomicUsize::new(0);
     let (mut failed, mut lost, mut duplicated) = (0, 0, 0);
@@ -514,7 +523,12 @@ async fn streams_scenario(name: &str, flags: &[&str]) -> String {
     };
     let prefill = metric(&page, "switchyard_migration_prefill_tokens_total");
     format!(
-        "| {name} | {STREAMS} × {tokens} tokens | {failed} | {lost} | {duplicated} | {migrations} | {gap} | {prefill} |"
+        "| {name} | {} | {STREAMS} × {tokens} tokens | {failed} | {lost} | {duplicated} | {migrations} | {gap} | {prefill} |",
+        if freeze {
+            "frozen (SIGSTOP)"
+        } else {
+            "killed (SIGKILL)"
+        }
     )
 }
 
@@ -540,11 +554,17 @@ fn main() {
             println!("{row}");
         }
         println!();
-        println!("Streams while a worker of three is killed (SIGKILL), a token every ~10 ms:");
+        println!("Streams while a worker of three is killed or frozen, a token every ~10 ms (idle timeout 5 s):");
         println!();
-        println!("| router | streams | failed | tokens lost | tokens duplicated | migrations | gap mean / p99 (ms) | continuation prefill tokens |");
-        println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |");
-        println!("{}", streams_scenario("migration (default)", &[]).await);
-        println!("{}", streams_scenario("--migration-limit 0", &["--migration-limit", "0"]).await);
+        println!("| router | worker | streams | failed | tokens lost | tokens duplicated | migrations | gap mean / p99 (ms) | continuation prefill tokens |");
+        println!("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+        for freeze in [false, true] {
+            let idle = ["--stream-idle-timeout-secs", "5"];
+            println!("{}", streams_scenario("migration (default)", &idle, freeze).await);
+            println!(
+                "{}",
+                streams_scenario("--migration-limit 0", &[&idle[..], &["--migration-limit", "0"]].concat(), freeze).await
+            );
+        }
     });
 }

@@ -246,6 +246,8 @@ impl Migration {
             return Event::Pass;
         };
         if data.trim() == "[DONE]" {
+            // The end of an OpenAI stream, even one whose chunks gave no finish_reason.
+            self.finished = true;
             return Event::Pass;
         }
         let Ok(mut v) = serde_json::from_str::<Value>(&data) else {
@@ -792,7 +794,7 @@ pub(super) async fn continue_stream(
     let client = router.client().clone();
     let endpoint = router.endpoint().to_string();
     let mut exclude = req.exclude;
-    let mut last = String::from("no worker was tried");
+    let mut last: Option<String> = None;
     for _ in 0..gw.config.max_attempts.max(1) {
         let routed = router
             .route_blocks(
@@ -802,7 +804,10 @@ pub(super) async fn continue_stream(
                 &exclude,
                 Instant::now(),
             )
-            .map_err(|e| format!("{last}; and then no worker could take it: {e}"))?;
+            .map_err(|e| match &last {
+                None => format!("no worker could take it: {e}"),
+                Some(last) => format!("{last}; and then no worker could take it: {e}"),
+            })?;
         gw.metrics
             .timings
             .decision(&endpoint, routed.decision_time, routed.decision.call_time);
@@ -851,22 +856,23 @@ pub(super) async fn continue_stream(
                 ));
             }
             Err(f) => {
-                last = f.reason();
+                let reason = f.reason();
                 match &f {
                     Failure::Unreachable(_) | Failure::Closed(_) if gw.config.availability => {
-                        client.report_instance_down(worker, &last);
+                        client.report_instance_down(worker, &reason);
                     }
                     Failure::Busy(_, retry_after) => {
                         client.report_busy(worker, *retry_after);
                     }
                     _ => {}
                 }
-                tracing::warn!(%endpoint, instance = %worker, reason = %last, "continuation attempt failed");
+                tracing::warn!(%endpoint, instance = %worker, %reason, "continuation attempt failed");
                 exclude.push(worker);
+                last = Some(reason);
             }
         }
     }
-    Err(last)
+    Err(last.unwrap_or_else(|| "no worker was tried".into()))
 }
 
 #[cfg(test)]
@@ -886,6 +892,20 @@ mod tests {
             event_data(b"event: x\r\ndata: {\r\ndata: }").as_deref(),
             Some("{\n}")
         );
+    }
+
+    #[test]
+    fn a_server_error_event_breaks_the_stream_and_is_not_sent_on() {
+        let ok = b"data: {\"id\":\"a\",\"choices\":[{\"index\":0,\"text\":\"x \",\"finish_reason\":null}]}\n\n";
+        let err = b"data: {\"error\":{\"message\":\"engine died\",\"type\":\"InternalServerError\",\"code\":500}}\n\n";
+        let (out, broke, kept, sent) = relay_events(Api::Completions, false, &[ok, err]);
+        assert_eq!(out, ok, "the error event is not sent on");
+        assert!(broke.unwrap().contains("engine died"));
+        assert_eq!((kept, sent), (2, 1));
+        // A client's error is the request's: sent on, no break.
+        let bad = b"data: {\"error\":{\"message\":\"bad\",\"type\":\"BadRequestError\",\"code\":400}}\n\n";
+        let (out, broke, _, _) = relay_events(Api::Completions, false, &[bad]);
+        assert_eq!((out.as_slice(), broke), (&bad[..], None));
     }
 
     #[test]

@@ -242,7 +242,10 @@ impl RelayBody {
                             .token_level_migrations
                             .fetch_add(1, Ordering::Relaxed);
                     }
-                    m.cut_at = Some(std::time::Instant::now());
+                    // The client's pause began with the last chunk it got.
+                    let silent = self.last_data.elapsed();
+                    let now = std::time::Instant::now();
+                    m.cut_at = Some(now.checked_sub(silent).unwrap_or(now));
                     self.break_reason = why;
                     tracing::info!(instance = %worker, migration = m.used, "continuing the stream on another worker");
                     // The broken worker's booking goes now; the continuation books its own.
