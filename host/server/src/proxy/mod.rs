@@ -125,6 +125,9 @@ pub(super) struct Attempts {
     pub(super) last: Option<Failure>,
     /// Fresh-connection retries used (one per request).
     pub(super) reconnects: u32,
+    /// The worker to try again on a fresh connection, if the last attempt found its
+    /// connection closed.
+    pub(super) reconnect_to: Option<InstanceId>,
 }
 
 /// Routes and forwards a completion whose body has been read whole (`super::body`).
@@ -204,12 +207,32 @@ pub(crate) async fn completion(
     let mut a = Attempts::default();
     let mut attempt = 0;
     while attempt < gw.config.max_attempts.max(1) {
-        let routed = match router.route_blocks(
-            prompt_tokens,
-            &hashes,
-            session_key,
-            &a.exclude,
-            Instant::now(),
+        // A retry on a fresh connection goes to the same worker (where the prefix is):
+        // every other one is left out of that decision; if it cannot take it now, the
+        // request is routed as usual.
+        let same = a.reconnect_to.take().and_then(|w| {
+            let others: Vec<InstanceId> = client
+                .routable()
+                .iter()
+                .copied()
+                .filter(|id| *id != w)
+                .chain(a.exclude.iter().copied())
+                .collect();
+            router
+                .route_blocks(prompt_tokens, &hashes, session_key, &others, Instant::now())
+                .ok()
+        });
+        let routed = match same.map_or_else(
+            || {
+                router.route_blocks(
+                    prompt_tokens,
+                    &hashes,
+                    session_key,
+                    &a.exclude,
+                    Instant::now(),
+                )
+            },
+            Ok,
         ) {
             Ok(r) => {
                 gw.metrics
@@ -315,6 +338,7 @@ pub(crate) async fn completion(
             Failure::Closed(_) if a.reconnects == 0 => {
                 // Once, on a fresh connection, to the same worker, uncounted.
                 a.reconnects += 1;
+                a.reconnect_to = Some(worker);
                 attempt -= 1;
                 continue;
             }
