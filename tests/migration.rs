@@ -530,3 +530,50 @@ async fn a_stream_that_carries_token_ids_is_continued_exactly_at_the_token_level
         assert_eq!(read_got.usage, want.usage, "{path}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_continued_chat_is_routed_on_the_prompt_the_engine_renders() {
+    let (workers, _router, url) = fleet(&[&[]], &[]).await;
+    let c = http::client();
+    // The form a migrated chat's continuation takes.
+    let body = json!({"model": "mock", "max_tokens": 3, "continue_final_message": true,
+        "add_generation_prompt": false,
+        "messages": [{"role": "user", "content": "Tell a story"},
+                     {"role": "assistant", "content": "Once upon a time there "}]});
+    let (status, _, raw) = http::send(
+        &c,
+        hyper::Method::POST,
+        &format!("{url}/admin/endpoints/default/mock/generate/explain"),
+        &[("authorization", &common::router::auth())],
+        body.to_string(),
+        std::time::Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&raw));
+    let explained: Value = serde_json::from_slice(&raw).unwrap();
+    assert_eq!(explained["continuation"], true, "{explained}");
+    let (_, answer, _) =
+        http::post_json(&c, &format!("{}/v1/chat/completions", workers[0].1), &body).await;
+    assert_eq!(
+        explained["prompt_tokens"], answer["usage"]["prompt_tokens"],
+        "the router counts the tokens the engine renders"
+    );
+    // The same chat with a generation prompt after the answer is longer.
+    let mut closed = body.clone();
+    closed
+        .as_object_mut()
+        .unwrap()
+        .remove("continue_final_message");
+    closed
+        .as_object_mut()
+        .unwrap()
+        .remove("add_generation_prompt");
+    let (_, other, _) = http::post_json(
+        &c,
+        &format!("{}/v1/chat/completions", workers[0].1),
+        &closed,
+    )
+    .await;
+    assert!(other["usage"]["prompt_tokens"].as_u64() > answer["usage"]["prompt_tokens"].as_u64());
+}
