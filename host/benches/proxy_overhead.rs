@@ -1,6 +1,9 @@
 //! B3: what the router adds. The same load — fixed concurrency, small non-streaming
 //! requests — is sent to a zero-latency mock worker directly, then through `switchyard
-//! serve` (a separate process, so its CPU time is its own), in one run.
+//! serve` (a separate process, so its CPU time is its own), in one run. Then streams of
+//! 200 tokens through two routers, one that can migrate them (the default: it reads
+//! every event) and one with `--migration-limit 0` (it passes bytes through), in turns:
+//! the router CPU per stream is what watching a stream costs.
 //!
 //! Run: `cargo bench --bench proxy_overhead`
 
@@ -14,6 +17,7 @@ use common::*;
 use switchyard::worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, TimingModel};
 
 const BODY: &str = r#"{"model":"mock","prompt":"Hello there, a short prompt.","max_tokens":1}"#;
+const STREAM: &str = r#"{"model":"mock","prompt":"Hello there, a short prompt.","max_tokens":200,"stream":true,"stream_options":{"include_usage":true}}"#;
 
 fn main() {
     let runtime = common::runtime(1);
@@ -84,6 +88,40 @@ fn main() {
             ok(&routed)
         );
         drop(router);
+
+        // Streams: a router that can migrate them beside one that cannot, in turns.
+        let mut routers = Vec::new();
+        let worker_url = worker.url();
+        for extra in [&[][..], &["--migration-limit", "0"][..]] {
+            let listen = format!("127.0.0.1:{}", free_port());
+            let mut args = vec!["serve", "--listen", &listen, "--worker", &worker_url, "--model", "mock"];
+            args.extend_from_slice(extra);
+            let p = switchyard_with_cache(&args, cache.path());
+            let url = format!("http://{listen}/v1/completions");
+            wait_ok(&format!("http://{listen}/ready")).await;
+            load(&c, &url, STREAM, concurrency, 20, limit, never.clone()).await;
+            routers.push((p, url));
+        }
+        let streams = if quick { 10 } else { 1000 };
+        let mut cpu = [Duration::ZERO; 2];
+        let mut done = [0usize; 2];
+        for _round in 0..2 {
+            for (i, (p, url)) in routers.iter().enumerate() {
+                let before = cpu_time(p.0.id());
+                let s = load(&c, url, STREAM, concurrency, streams / 2, limit, never.clone()).await;
+                cpu[i] += cpu_time(p.0.id()) - before;
+                done[i] += ok(&s);
+            }
+        }
+        println!();
+        println!("{streams} streams of 200 tokens per router at concurrency {concurrency}, in two turns each:");
+        println!();
+        println!("| router | streams ok | router CPU per stream |");
+        println!("| --- | ---: | ---: |");
+        for (i, name) in ["migration on (default: every event read)", "`--migration-limit 0` (bytes passed through)"].iter().enumerate() {
+            println!("| {name} | {} | {:.0} µs |", done[i], cpu[i].as_secs_f64() * 1e6 / done[i].max(1) as f64);
+        }
+        drop(routers);
         worker.shutdown().await;
     });
 }
