@@ -144,20 +144,49 @@ async fn continued(c: &HttpClient, url: &str) -> f64 {
     .await
 }
 
+/// Starts `n` streams of `tokens` (requests `0..n`) through `url` and returns once each
+/// has received five events.
+async fn under_way(
+    c: &HttpClient,
+    url: &str,
+    n: usize,
+    tokens: u32,
+) -> Vec<tokio::task::JoinHandle<String>> {
+    let started = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let (c, url, started) = (c.clone(), url.to_string(), started.clone());
+        let (path, body) = request(i, tokens);
+        tasks.push(tokio::spawn(async move {
+            stream(&c, &url, path, &body, 5, started).await
+        }));
+    }
+    eventually("every stream under way", || async {
+        started.load(Ordering::SeqCst) == n
+    })
+    .await;
+    tasks
+}
+
+/// What each stream read, in order.
+async fn finished(tasks: Vec<tokio::task::JoinHandle<String>>) -> Vec<Read> {
+    let mut got = Vec::new();
+    for t in tasks {
+        got.push(read(&t.await.unwrap()));
+    }
+    got
+}
+
 /// Three workers at real speed (a token every ~10 ms), and a router over them.
 async fn fleet(
     worker_flags: &[&[&str]],
     router_flags: &[&str],
 ) -> (Vec<(Proc, String)>, Proc, String) {
     let mut procs = Vec::new();
-    let mut args = vec![
-        "--model",
-        "mock",
-        "--admin-token",
-        TOKEN,
-        "--health-check-interval-ms",
-        "0",
-    ];
+    let mut args = vec!["--model", "mock", "--admin-token", TOKEN];
+    if !router_flags.contains(&"--health-check-interval-ms") {
+        args.extend(["--health-check-interval-ms", "0"]);
+    }
     let mut urls = Vec::new();
     for flags in worker_flags {
         let (p, url) = mock_worker(flags).await;
@@ -187,26 +216,11 @@ async fn a_worker_killed_mid_stream_costs_no_stream_its_text() {
     let c = http::client();
     const STREAMS: usize = 30;
     const TOKENS: u32 = 150;
-    let started = Arc::new(AtomicUsize::new(0));
-    let mut tasks = Vec::new();
-    for i in 0..STREAMS {
-        let (c, url, started) = (c.clone(), url.clone(), started.clone());
-        let (path, body) = request(i, TOKENS);
-        tasks.push(tokio::spawn(async move {
-            stream(&c, &url, path, &body, 5, started).await
-        }));
-    }
-    eventually("every stream under way", || async {
-        started.load(Ordering::SeqCst) == STREAMS
-    })
-    .await;
+    let tasks = under_way(&c, &url, STREAMS, TOKENS).await;
     let in_flight_on_the_victim = metric(&c, &url, "switchyard_instance_in_flight", "").await;
     assert!(in_flight_on_the_victim > 0.0);
     workers[0].0.kill();
-    let mut got = Vec::new();
-    for t in tasks {
-        got.push(read(&t.await.unwrap()));
-    }
+    let got = finished(tasks).await;
     let migrated = metric(
         &c,
         &url,
@@ -424,24 +438,9 @@ async fn a_draining_workers_streams_finish_elsewhere_after_the_drain_grace() {
     })
     .await;
     const TOKENS: u32 = 400;
-    let started = Arc::new(AtomicUsize::new(0));
-    let mut tasks = Vec::new();
-    for i in 0..2 {
-        let (c, url, started) = (c.clone(), url.clone(), started.clone());
-        let (path, body) = request(i, TOKENS);
-        tasks.push(tokio::spawn(async move {
-            stream(&c, &url, path, &body, 5, started).await
-        }));
-    }
-    eventually("both streams under way", || async {
-        started.load(Ordering::SeqCst) == 2
-    })
-    .await;
+    let tasks = under_way(&c, &url, 2, TOKENS).await;
     draining.terminate();
-    let mut got = Vec::new();
-    for t in tasks {
-        got.push(read(&t.await.unwrap()));
-    }
+    let got = finished(tasks).await;
     assert_eq!(
         metric(
             &c,
@@ -576,4 +575,50 @@ async fn a_continued_chat_is_routed_on_the_prompt_the_engine_renders() {
     )
     .await;
     assert!(other["usage"]["prompt_tokens"].as_u64() > answer["usage"]["prompt_tokens"].as_u64());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_workers_streams_move_once_health_checks_eject_it() {
+    // The idle timeout is a minute; health checks every 200 ms eject the frozen worker
+    // (two failed 2 s probes), and its silent streams move then.
+    let (workers, _router, url) = fleet(
+        &[&[], &[]],
+        &[
+            "--policy",
+            "round-robin",
+            "--health-check-interval-ms",
+            "200",
+        ],
+    )
+    .await;
+    let c = http::client();
+    const TOKENS: u32 = 200;
+    let tasks = under_way(&c, &url, 2, TOKENS).await;
+    let pid = workers[0].0.0.id().to_string();
+    let signal = |sig: &str| {
+        std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+    };
+    assert!(signal("-STOP").success());
+    let got = finished(tasks).await;
+    assert!(signal("-CONT").success());
+    assert_eq!(
+        metric(
+            &c,
+            &url,
+            "switchyard_migrations_total",
+            "reason=\"ejected\",outcome=\"continued\""
+        )
+        .await,
+        1.0
+    );
+    for (i, got) in got.iter().enumerate() {
+        let (path, body) = request(i, TOKENS);
+        let want = read(&stream(&c, &workers[1].1, path, &body, 0, Arc::default()).await);
+        assert!(got.errors.is_empty(), "{:?}", got.errors);
+        assert_eq!(got.text, want.text);
+        assert!(got.done);
+    }
 }
