@@ -498,6 +498,24 @@ mod targets {
                 {
                     let _ = tokenizer.encode(&text);
                 }
+                // A migrated stream's continuation of it is a request the same parser
+                // takes, asking for what was left, ending with the answer so far.
+                let answer = "lorem ipsum ";
+                if let Some(Ok(next)) = crate::http::proxy::continuation_of(api, input, answer, 1) {
+                    let cont = crate::openai::parse(api, &next).expect("a continuation parses");
+                    assert_eq!(cont.max_tokens, req.max_tokens - 1);
+                    match (&cont.prompt, &req.prompt) {
+                        (crate::openai::Prompt::Chat(m), _) => {
+                            assert!(cont.continue_final_message);
+                            let last = m.last().expect("messages");
+                            assert!(last.role == "assistant" && last.content.ends_with(answer));
+                        }
+                        (crate::openai::Prompt::Text(t), crate::openai::Prompt::Text(was)) => {
+                            assert_eq!(*t, format!("{was}{answer}"));
+                        }
+                        (p, was) => panic!("{p:?} continued from {was:?}"),
+                    }
+                }
             }
             accepted
         });

@@ -660,6 +660,25 @@ fn completion_chunk_as_chat(v: &mut Value) {
     }
 }
 
+/// The text-level continuation the router would send for a client's `body` on `api`
+/// after `sent` tokens of `answer` (`None`: the request is not continued at all). For the
+/// fuzzer and tests.
+pub fn continuation_of(
+    api: Api,
+    body: &[u8],
+    answer: &str,
+    sent: u32,
+) -> Option<Result<Bytes, String>> {
+    let parsed = switchyard_tokens::openai::parse(api, body).ok()?;
+    let mut m = Migration::fresh(api, Bytes::copy_from_slice(body), parsed.prompt.clone(), 2);
+    m.continue_final = parsed.continue_final_message;
+    m.max_tokens = parsed.max_tokens;
+    m.text = answer.to_string();
+    m.sent = sent;
+    let left = m.max_tokens.checked_sub(sent).filter(|l| *l > 0)?;
+    Some(m.continuation_body(left))
+}
+
 /// What a chunk's events became.
 enum Event {
     /// Sent on as the worker wrote it.

@@ -35,7 +35,7 @@ mod relay;
 mod tokenize;
 
 pub use forward::parse_retry_after;
-pub use migrate::{MAX_KEPT_TEXT, relay_events};
+pub use migrate::{MAX_KEPT_TEXT, continuation_of, relay_events};
 pub(crate) use tokenize::tokenize;
 
 use std::sync::Arc;
