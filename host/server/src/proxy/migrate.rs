@@ -4,9 +4,11 @@
 //! While a continuable stream runs, [`Migration`] watches its events: the answer so far
 //! (bounded), the tokens sent, the first event's `id`, `created` and `model`, and
 //! whether the engine's final chunk came. When the stream breaks, the request is sent
-//! again to another worker with the answer so far appended (chat: as an open assistant
-//! message with `continue_final_message`; completions: after the prompt) and `max_tokens`
-//! reduced by what was sent; the continuation is routed by the endpoint's policy with its
+//! again to another worker with the answer so far appended — as token IDs when the
+//! stream carried them (vLLM's `return_token_ids`: a completion of the prompt's IDs and
+//! the answer's, exact), else as text (chat: an open assistant message with
+//! `continue_final_message`; completions: after the prompt) — and `max_tokens` reduced by
+//! what was sent; the continuation is routed by the endpoint's policy with its
 //! own KV overlap, never to a worker that broke it. Its events are rewritten to the first
 //! stream's identity and its final `usage` to the whole answer's (ARCHITECTURE.md,
 //! "Migration").
@@ -34,7 +36,8 @@ use super::{Booking, Failure, Forwarded};
 pub const MAX_KEPT_TEXT: usize = 1 << 20;
 
 /// The longest event kept whole while waiting for its end; a worker sending a longer one
-/// ends the stream (no engine sends a token's event that large).
+/// has broken the stream, which is continued elsewhere (no engine sends a token's event
+/// that large).
 pub(super) const MAX_EVENT_BYTES: usize = 1 << 20;
 
 /// Why a stream broke.
