@@ -109,10 +109,12 @@ impl Relay {
 /// and the load booking.
 pub(super) struct RelayBody {
     pub(super) relay: Relay,
+    /// A chunk the worker sent that is not yet read (its answer's first bytes).
     pub(super) first: Option<Bytes>,
     pub(super) upstream: Incoming,
     pub(super) idle: Duration,
-    /// Fires when the worker has been silent for `idle`; reset by each chunk.
+    /// Fires when the worker may have been silent for `idle` (a migratable stream's every
+    /// check period); it then looks at `last_data`, and is not moved per chunk.
     pub(super) timer: std::pin::Pin<Box<tokio::time::Sleep>>,
     /// When the worker last sent something.
     pub(super) last_data: tokio::time::Instant,
@@ -171,23 +173,17 @@ impl RelayBody {
         Frame::data(data)
     }
 
-    /// A chunk from the worker: passed on, or (a migratable stream) its complete events,
-    /// rewritten after a migration. `Err`: the worker sent a server error event.
-    fn chunk(&mut self, data: Bytes) -> Result<Option<Bytes>, String> {
+    /// A chunk from the worker, made ready for the client: passed on, or (a migratable
+    /// stream) its complete events, rewritten after a migration; a server error event
+    /// found in it is handled once the events before it are sent.
+    fn chunk(&mut self, data: Bytes) {
         let Some(m) = &mut self.relay.migration else {
-            return Ok(Some(data));
+            self.ready = Some(data);
+            return;
         };
         let (out, broke) = m.take(&data);
-        if let Some(why) = broke {
-            if !out.is_empty() {
-                // Sent before the break is handled, on the next poll.
-                self.ready = Some(out);
-                self.pending_break = Some(why);
-                return Ok(None);
-            }
-            return Err(why);
-        }
-        Ok((!out.is_empty()).then_some(out))
+        self.ready = (!out.is_empty()).then_some(out);
+        self.pending_break = broke;
     }
 
     /// The stream ended complete.
@@ -390,15 +386,7 @@ impl hyper::body::Body for RelayBody {
                 }
             }
             if let Some(first) = this.first.take() {
-                match this.chunk(first) {
-                    Ok(Some(out)) => return Poll::Ready(Some(Ok(this.data(out)))),
-                    Ok(None) => {}
-                    Err(why) => {
-                        if let Some(end) = this.broke(Break::ErrorEvent, why) {
-                            return Poll::Ready(Some(end));
-                        }
-                    }
-                }
+                this.chunk(first);
                 continue;
             }
             if this.ended_upstream {
@@ -409,15 +397,7 @@ impl hyper::body::Body for RelayBody {
             match std::pin::Pin::new(&mut this.upstream).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
                     if let Ok(data) = frame.into_data() {
-                        match this.chunk(data) {
-                            Ok(Some(out)) => return Poll::Ready(Some(Ok(this.data(out)))),
-                            Ok(None) => {}
-                            Err(why) => {
-                                if let Some(end) = this.broke(Break::ErrorEvent, why) {
-                                    return Poll::Ready(Some(end));
-                                }
-                            }
-                        }
+                        this.chunk(data);
                     }
                 }
                 Poll::Ready(None) => {
@@ -428,9 +408,7 @@ impl hyper::body::Body for RelayBody {
                         }
                         continue;
                     }
-                    this.done = true;
-                    this.finish();
-                    return Poll::Ready(None);
+                    this.ended_upstream = true;
                 }
                 Poll::Ready(Some(Err(e))) => {
                     if let Some(end) =
