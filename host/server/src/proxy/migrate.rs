@@ -82,19 +82,41 @@ struct Head {
     model: Value,
 }
 
-/// What it takes to continue one request, and how far its answer has come.
-pub(super) struct Migration {
-    api: Api,
+/// Where and how a request is sent again, and what its continuation is routed on.
+#[derive(Clone)]
+pub(super) struct Resend {
     path: String,
     accept: Option<HeaderValue>,
     auth: Option<HeaderValue>,
-    /// The client's request body, and the fields read from it.
-    body: Bytes,
     prompt: Prompt,
+    /// The client's chat already continued its last message.
     continue_final: bool,
-    max_tokens: u32,
     cache_salt: Option<String>,
     session_key: Option<u64>,
+}
+
+impl Resend {
+    /// `prompt` sent to no path with no headers (for the fuzzer and tests).
+    fn bare(prompt: Prompt) -> Resend {
+        Resend {
+            path: String::new(),
+            accept: None,
+            auth: None,
+            prompt,
+            continue_final: false,
+            cache_salt: None,
+            session_key: None,
+        }
+    }
+}
+
+/// What it takes to continue one request, and how far its answer has come.
+pub(super) struct Migration {
+    api: Api,
+    to: Resend,
+    /// The client's request body, and the fields read from it.
+    body: Bytes,
+    max_tokens: u32,
     /// The original prompt's tokens (the router's count, which is the engine's when they
     /// share a tokenizer, as KV routing needs).
     prompt_tokens: u32,
@@ -162,32 +184,29 @@ impl Migration {
         {
             return None;
         }
-        let mut m = Migration::fresh(api, body.clone(), parsed.prompt.clone(), limit);
-        m.path = path.to_string();
-        m.accept = accept.cloned();
-        m.auth = auth.cloned();
-        m.continue_final = parsed.continue_final_message;
+        let to = Resend {
+            path: path.to_string(),
+            accept: accept.cloned(),
+            auth: auth.cloned(),
+            prompt: parsed.prompt.clone(),
+            continue_final: parsed.continue_final_message,
+            cache_salt: parsed.cache_salt.clone(),
+            session_key,
+        };
+        let mut m = Migration::fresh(api, body.clone(), to, limit);
         m.max_tokens = parsed.max_tokens;
-        m.cache_salt = parsed.cache_salt.clone();
-        m.session_key = session_key;
         m.prompt_tokens = prompt_tokens;
         m.include_usage = parsed.include_usage;
         Some(Box::new(m))
     }
 
     /// A request's state before anything was relayed.
-    fn fresh(api: Api, body: Bytes, prompt: Prompt, limit: u32) -> Migration {
+    fn fresh(api: Api, body: Bytes, to: Resend, limit: u32) -> Migration {
         Migration {
             api,
-            path: String::new(),
-            accept: None,
-            auth: None,
+            to,
             body,
-            prompt,
-            continue_final: false,
             max_tokens: 16,
-            cache_salt: None,
-            session_key: None,
             prompt_tokens: 0,
             include_usage: false,
             limit,
@@ -452,21 +471,19 @@ impl Migration {
             _ => None,
         };
         self.token_segment = tokens.is_some();
-        let (path, body) = match &tokens {
-            Some(t) => ("/v1/completions".to_string(), self.token_body(t, left)?),
-            None => (self.path.clone(), self.continuation_body(left)?),
+        let mut to = self.to.clone();
+        let body = match &tokens {
+            Some(t) => {
+                to.path = "/v1/completions".into();
+                self.token_body(t, left)?
+            }
+            None => self.continuation_body(left)?,
         };
         Ok(Next::Continue(Box::new(ContinueRequest {
+            to,
             tokens,
-            path,
-            accept: self.accept.clone(),
-            auth: self.auth.clone(),
             body,
-            prompt: self.prompt.clone(),
-            continue_final: self.continue_final,
             text: self.text.clone(),
-            cache_salt: self.cache_salt.clone(),
-            session_key: self.session_key,
             exclude: self.exclude.clone(),
         })))
     }
@@ -508,9 +525,13 @@ impl Migration {
                     .get_mut("messages")
                     .and_then(Value::as_array_mut)
                     .ok_or("the request has no messages")?;
-                let open = self.continue_final.then(|| messages.last_mut()).flatten();
+                let open = self
+                    .to
+                    .continue_final
+                    .then(|| messages.last_mut())
+                    .flatten();
                 if let Some(last) = open {
-                    let before = match &self.prompt {
+                    let before = match &self.to.prompt {
                         Prompt::Chat(m) => m.last().map(|m| m.content.clone()),
                         _ => None,
                     }
@@ -594,7 +615,7 @@ pub fn relay_events(
     chunks: &[&[u8]],
 ) -> (Vec<u8>, Option<String>, usize, u32) {
     let body = Bytes::from_static(br#"{"model":"m","prompt":"p","max_tokens":100}"#);
-    let mut m = Migration::fresh(api, body, Prompt::Text("p".into()), 2);
+    let mut m = Migration::fresh(api, body, Resend::bare(Prompt::Text("p".into())), 2);
     m.used = u32::from(migrated);
     let mut out = Vec::new();
     for c in chunks {
@@ -673,8 +694,9 @@ pub fn continuation_of(
     sent: u32,
 ) -> Option<Result<Bytes, String>> {
     let parsed = switchyard_tokens::openai::parse(api, body).ok()?;
-    let mut m = Migration::fresh(api, Bytes::copy_from_slice(body), parsed.prompt.clone(), 2);
-    m.continue_final = parsed.continue_final_message;
+    let mut to = Resend::bare(parsed.prompt.clone());
+    to.continue_final = parsed.continue_final_message;
+    let mut m = Migration::fresh(api, Bytes::copy_from_slice(body), to, 2);
     m.max_tokens = parsed.max_tokens;
     m.text = answer.to_string();
     m.sent = sent;
@@ -749,17 +771,12 @@ fn server_error(e: &Value) -> bool {
 
 /// A continuation to send.
 pub(super) struct ContinueRequest {
+    /// Where, and what it is routed on (with `text` after the prompt).
+    to: Resend,
     /// The exact prompt, at the token level (`None`: the text level).
     tokens: Option<Vec<u32>>,
-    path: String,
-    accept: Option<HeaderValue>,
-    auth: Option<HeaderValue>,
     body: Bytes,
-    prompt: Prompt,
-    continue_final: bool,
     text: String,
-    cache_salt: Option<String>,
-    session_key: Option<u64>,
     exclude: Vec<InstanceId>,
 }
 
@@ -789,12 +806,13 @@ pub(super) async fn continue_stream(
 ) -> Result<Moved, String> {
     // Routed on the prompt it will be: the original prompt and the answer so far,
     // rendered as the engine will render it.
-    let (context, open) = match (req.tokens, req.prompt) {
+    let to = req.to;
+    let (context, open) = match (req.tokens, to.prompt) {
         (Some(t), _) => (Prompt::Tokens(t), false),
         (None, p) => match p {
             Prompt::Chat(mut m) => {
                 match m.last_mut() {
-                    Some(last) if req.continue_final => last.content.push_str(&req.text),
+                    Some(last) if to.continue_final => last.content.push_str(&req.text),
                     _ => m.push(ChatMessage {
                         role: "assistant".into(),
                         content: req.text,
@@ -811,7 +829,7 @@ pub(super) async fn continue_stream(
         .map_err(|e| format!("the continuation cannot be tokenized: {e}"))?;
     let hashes = router
         .hasher()
-        .salted_hashes(&tokens, req.cache_salt.as_deref());
+        .salted_hashes(&tokens, to.cache_salt.as_deref());
     let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
     let client = router.client().clone();
     let endpoint = router.endpoint().to_string();
@@ -822,7 +840,7 @@ pub(super) async fn continue_stream(
             .route_blocks(
                 prompt_tokens,
                 &hashes,
-                req.session_key,
+                to.session_key,
                 &exclude,
                 Instant::now(),
             )
@@ -845,9 +863,9 @@ pub(super) async fn continue_stream(
         let sent = forward(
             &gw,
             &instance.url,
-            &req.path,
-            req.accept.as_ref(),
-            req.auth.as_ref(),
+            &to.path,
+            to.accept.as_ref(),
+            to.auth.as_ref(),
             req.body.clone(),
             gw.config.first_byte_timeout,
         )
