@@ -9,9 +9,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::Request;
 use serde_json::{Value, json};
 
 use common::etcd::Etcd;
@@ -47,34 +44,21 @@ async fn stream(
     after: usize,
     started: Arc<AtomicUsize>,
 ) -> String {
-    let req = Request::post(format!("{url}{path}"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap();
-    let read = async {
-        let resp = c.request(req).await.expect("the router answers");
-        assert_eq!(resp.status(), 200);
-        let mut body = resp.into_body();
-        let mut got = Vec::new();
-        let mut counted = false;
-        while let Some(frame) = body.frame().await {
-            let frame = frame.expect("the client's stream does not break");
-            if let Ok(d) = frame.into_data() {
-                got.extend_from_slice(&d);
-            }
-            if !counted && got.windows(6).filter(|w| w == b"data: ").count() >= after {
-                counted = true;
-                started.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-        if !counted {
-            started.fetch_add(1, Ordering::SeqCst);
-        }
-        String::from_utf8(got).unwrap()
-    };
-    tokio::time::timeout(Duration::from_secs(60), read)
-        .await
-        .expect("the stream ends in time")
+    let (got, whole) = http::read_stream(
+        c,
+        &format!("{url}{path}"),
+        body.to_string(),
+        after,
+        &started,
+        Duration::from_secs(60),
+    )
+    .await;
+    assert!(
+        whole,
+        "the answer is 200 and its stream ends in time, unbroken: {}",
+        String::from_utf8_lossy(&got)
+    );
+    String::from_utf8(got).unwrap()
 }
 
 /// What a client reads from a stream.
@@ -201,6 +185,30 @@ async fn fleet(
     (procs, router, url)
 }
 
+/// Each stream read as one whole answer: no error, one identity, one final chunk,
+/// `[DONE]`, and the text and usage of the same request run uninterrupted (`want`).
+fn assert_reads_as(got: &[Read], want: &[Read]) {
+    assert_eq!(got.len(), want.len());
+    for (i, (got, want)) in got.iter().zip(want).enumerate() {
+        assert!(got.errors.is_empty(), "stream {i}: {:?}", got.errors);
+        assert_eq!(
+            got.ids.len(),
+            1,
+            "stream {i} has one identity: {:?}",
+            got.ids
+        );
+        assert_eq!(got.finish.as_deref(), Some("length"), "stream {i}");
+        assert!(got.done, "stream {i} ends with [DONE]");
+        assert_eq!(got.text, want.text, "stream {i}: no text lost or repeated");
+        assert_eq!(
+            got.usage, want.usage,
+            "stream {i}: usage of the whole answer"
+        );
+    }
+}
+
+/// The same requests as the streams (`0..n`), each run whole through `url` (a router
+/// or a worker).
 async fn uninterrupted(c: &HttpClient, url: &str, n: usize, max_tokens: u32) -> Vec<Read> {
     let mut out = Vec::new();
     for i in 0..n {
@@ -246,21 +254,8 @@ async fn a_worker_killed_mid_stream_costs_no_stream_its_text() {
     );
     // The same requests again, uninterrupted, on the two workers left.
     let want = uninterrupted(&c, &url, STREAMS, TOKENS).await;
-    for (i, (got, want)) in got.iter().zip(&want).enumerate() {
-        assert!(got.errors.is_empty(), "stream {i}: {:?}", got.errors);
-        assert_eq!(
-            got.ids.len(),
-            1,
-            "stream {i} has one identity: {:?}",
-            got.ids
-        );
-        assert_eq!(got.finish.as_deref(), Some("length"), "stream {i}");
-        assert!(got.done, "stream {i} ends with [DONE]");
-        assert_eq!(got.text, want.text, "stream {i}: no text lost or repeated");
-        assert_eq!(
-            got.usage, want.usage,
-            "stream {i}: usage of the whole answer"
-        );
+    assert_reads_as(&got, &want);
+    for got in &got {
         assert_eq!(got.usage.map(|u| u.1), Some(u64::from(TOKENS)));
     }
 }
@@ -300,12 +295,7 @@ async fn a_worker_that_stalls_mid_stream_is_left_after_the_idle_timeout() {
     // The stalling worker is out (stalls count against it at once); the healthy one
     // gives the reference.
     let want = uninterrupted(&c, &url, 2, 40).await;
-    for (got, want) in got.iter().zip(&want) {
-        assert!(got.errors.is_empty(), "{:?}", got.errors);
-        assert_eq!(got.text, want.text);
-        assert_eq!(got.usage, want.usage);
-        assert!(got.done);
-    }
+    assert_reads_as(&got, &want);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -452,12 +442,7 @@ async fn a_draining_workers_streams_finish_elsewhere_after_the_drain_grace() {
         1.0
     );
     let want = uninterrupted(&c, &url, 2, TOKENS).await;
-    for (got, want) in got.iter().zip(&want) {
-        assert!(got.errors.is_empty(), "{:?}", got.errors);
-        assert_eq!(got.text, want.text);
-        assert_eq!(got.usage, want.usage);
-        assert!(got.done);
-    }
+    assert_reads_as(&got, &want);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -614,11 +599,6 @@ async fn a_frozen_workers_streams_move_once_health_checks_eject_it() {
         .await,
         1.0
     );
-    for (i, got) in got.iter().enumerate() {
-        let (path, body) = request(i, TOKENS);
-        let want = read(&stream(&c, &workers[1].1, path, &body, 0, Arc::default()).await);
-        assert!(got.errors.is_empty(), "{:?}", got.errors);
-        assert_eq!(got.text, want.text);
-        assert!(got.done);
-    }
+    let want = uninterrupted(&c, &workers[1].1, 2, TOKENS).await;
+    assert_reads_as(&got, &want);
 }

@@ -365,31 +365,15 @@ async fn read_stream(
     body: String,
     started: &AtomicUsize,
 ) -> Streamed {
-    let req = hyper::Request::post(format!("{url}{path}"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .unwrap();
-    let mut got = Vec::new();
-    let mut counted = false;
-    let read = async {
-        let Ok(resp) = c.request(req).await else {
-            return;
-        };
-        let mut body = resp.into_body();
-        while let Some(Ok(frame)) = body.frame().await {
-            if let Ok(d) = frame.into_data() {
-                got.extend_from_slice(&d);
-            }
-            if !counted && got.windows(6).filter(|w| w == b"data: ").count() >= 5 {
-                counted = true;
-                started.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-    };
-    let _ = tokio::time::timeout(Duration::from_secs(120), read).await;
-    if !counted {
-        started.fetch_add(1, Ordering::SeqCst);
-    }
+    let (got, _) = common::http::read_stream(
+        c,
+        &format!("{url}{path}"),
+        body,
+        5,
+        started,
+        Duration::from_secs(120),
+    )
+    .await;
     let text = String::from_utf8_lossy(&got);
     let mut words = String::new();
     let mut complete = false;

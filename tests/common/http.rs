@@ -1,5 +1,6 @@
 //! A plain HTTP client for tests (hyper), returning status and body.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -47,6 +48,52 @@ pub async fn send(
     tokio::time::timeout(limit, fut)
         .await
         .map_err(|_| "timed out".to_string())?
+}
+
+/// Posts `body` (JSON) to `url` and reads the answer as a stream, within `limit`:
+/// `started` counts up once `after` events (`data: ` lines) have arrived, or at the end
+/// if fewer came. Returns what was read, and whether the answer was 200 and its body
+/// ended cleanly in time.
+pub async fn read_stream(
+    c: &HttpClient,
+    url: &str,
+    body: String,
+    after: usize,
+    started: &AtomicUsize,
+    limit: Duration,
+) -> (Vec<u8>, bool) {
+    let req = Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let mut got = Vec::new();
+    let mut events = 0;
+    let read = async {
+        let Ok(resp) = c.request(req).await else {
+            return false;
+        };
+        let status = resp.status();
+        let mut body = resp.into_body();
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else { return false };
+            if let Ok(d) = frame.into_data() {
+                // Counted once: only the windows that reach into the new bytes.
+                let from = got.len().saturating_sub(5);
+                got.extend_from_slice(&d);
+                let before = events;
+                events += got[from..].windows(6).filter(|w| w == b"data: ").count();
+                if before < after && events >= after {
+                    started.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }
+        status == StatusCode::OK
+    };
+    let ok = tokio::time::timeout(limit, read).await.unwrap_or(false);
+    if events < after || after == 0 {
+        started.fetch_add(1, Ordering::SeqCst);
+    }
+    (got, ok)
 }
 
 pub async fn post_json(
