@@ -155,10 +155,10 @@ pub(super) async fn completion(
         Prompt::Text(_) | Prompt::Tokens(_) => Ok(None),
     };
     let tokens = rendered.and_then(|rendered| {
-        let text = match (&parsed.prompt, rendered) {
+        let text: std::borrow::Cow<'_, str> = match (&parsed.prompt, rendered) {
             (Prompt::Tokens(t), _) => return Ok((t.clone(), first_word(None, t))),
-            (Prompt::Text(t), _) => t.clone(),
-            (Prompt::Chat(_), r) => r.unwrap_or_default(),
+            (Prompt::Text(t), _) => t.into(),
+            (Prompt::Chat(_), r) => r.unwrap_or_default().into(),
         };
         let first = first_word(Some(&text), &[]);
         shared.tokenizer.encode(&text).map(|t| (t, first))
@@ -185,11 +185,8 @@ pub(super) async fn completion(
         }
     };
     let prompt_tokens = tokens.len() as u32;
-    let prompt_ids = if parsed.return_token_ids {
-        tokens.clone()
-    } else {
-        Vec::new()
-    };
+    // vLLM's `return_token_ids`: the prompt's IDs in the first chunk, each token's in its.
+    let mut prompt_ids = parsed.return_token_ids.then(|| tokens.clone());
     let salt = parsed.cache_salt.as_deref();
     let blocks = shared.hasher.salted_hashes(&tokens, salt);
     // The ZMQ publisher sends stored blocks' tokens, as vLLM does.
@@ -283,8 +280,6 @@ pub(super) async fn completion(
     let model = shared.model.clone();
     let max_tokens = parsed.max_tokens;
     let include_usage = parsed.include_usage;
-    // vLLM's `return_token_ids`: the prompt's IDs in the first chunk, each token's in its.
-    let mut prompt_ids = parsed.return_token_ids.then_some(prompt_ids);
     let strike = faults.after_tokens;
     if fault == Fault::CutStream {
         cut_at = cut_at.or(Some(strike.unwrap_or(max_tokens / 2)));
