@@ -125,9 +125,6 @@ pub(super) struct Attempts {
     pub(super) last: Option<Failure>,
     /// Fresh-connection retries used (one per request).
     pub(super) reconnects: u32,
-    /// The worker to try again on a fresh connection, if the last attempt found its
-    /// connection closed.
-    pub(super) reconnect_to: Option<InstanceId>,
 }
 
 /// Routes and forwards a completion whose body has been read whole (`super::body`).
@@ -207,32 +204,12 @@ pub(crate) async fn completion(
     let mut a = Attempts::default();
     let mut attempt = 0;
     while attempt < gw.config.max_attempts.max(1) {
-        // A retry on a fresh connection goes to the same worker (where the prefix is):
-        // every other one is left out of that decision; if it cannot take it now, the
-        // request is routed as usual.
-        let same = a.reconnect_to.take().and_then(|w| {
-            let others: Vec<InstanceId> = client
-                .routable()
-                .iter()
-                .copied()
-                .filter(|id| *id != w)
-                .chain(a.exclude.iter().copied())
-                .collect();
-            router
-                .route_blocks(prompt_tokens, &hashes, session_key, &others, Instant::now())
-                .ok()
-        });
-        let routed = match same.map_or_else(
-            || {
-                router.route_blocks(
-                    prompt_tokens,
-                    &hashes,
-                    session_key,
-                    &a.exclude,
-                    Instant::now(),
-                )
-            },
-            Ok,
+        let routed = match router.route_blocks(
+            prompt_tokens,
+            &hashes,
+            session_key,
+            &a.exclude,
+            Instant::now(),
         ) {
             Ok(r) => {
                 gw.metrics
@@ -256,16 +233,28 @@ pub(crate) async fn completion(
             a.exclude.push(worker);
             continue;
         };
-        let sent = forward(
-            gw,
-            &instance.url,
-            &path,
-            accept.as_ref(),
-            auth.as_ref(),
-            body.clone(),
-            limit,
-        )
-        .await;
+        let send = || {
+            forward(
+                gw,
+                &instance.url,
+                &path,
+                accept.as_ref(),
+                auth.as_ref(),
+                body.clone(),
+                limit,
+            )
+        };
+        let mut sent = send().await;
+        if gw.config.outlier_detection
+            && a.reconnects == 0
+            && let Err(closed @ Failure::Closed(_)) = &sent
+        {
+            // Once, on a fresh connection, to the same worker with the same booking
+            // (its prefix is there), not counted against it.
+            a.reconnects += 1;
+            count_failed_attempt(gw, &router, worker, &instance.url, closed, attempt);
+            sent = send().await;
+        }
         let failure = match sent {
             Ok(Forwarded::Ok(parts, first, rest)) => {
                 gw.metrics
@@ -310,15 +299,7 @@ pub(crate) async fn completion(
         };
         drop(booking);
         let reason = failure.reason();
-        tracing::warn!(endpoint = %router.endpoint(), instance = %worker, url = %instance.url, reason, attempt, "upstream attempt failed");
-        if !matches!(failure, Failure::Busy(..) | Failure::Local(_)) {
-            gw.metrics.upstream_failures.fetch_add(1, Ordering::Relaxed);
-            *gw.metrics
-                .failures_by_instance
-                .lock()
-                .entry(worker)
-                .or_insert(0) += 1;
-        }
+        count_failed_attempt(gw, &router, worker, &instance.url, &failure, attempt);
         if !gw.config.outlier_detection {
             // The baseline: every failure ejects at once, and the request moves on.
             if gw.config.availability {
@@ -334,13 +315,6 @@ pub(crate) async fn completion(
                 return Err(ApiError::Overloaded(format!(
                     "the router cannot open a connection to a worker: {e}"
                 )));
-            }
-            Failure::Closed(_) if a.reconnects == 0 => {
-                // Once, on a fresh connection, to the same worker, uncounted.
-                a.reconnects += 1;
-                a.reconnect_to = Some(worker);
-                attempt -= 1;
-                continue;
             }
             Failure::Closed(_) | Failure::Unreachable(_) => {
                 if gw.config.availability {
@@ -381,6 +355,28 @@ pub(crate) async fn completion(
         }
     }
     give_up(&client, a, None)
+}
+
+/// A failed attempt in the log and the front door's counters (busy answers and the
+/// router's own exhaustion are not upstream failures).
+fn count_failed_attempt(
+    gw: &Gateway,
+    router: &KvRouter,
+    worker: InstanceId,
+    url: &str,
+    failure: &Failure,
+    attempt: usize,
+) {
+    let reason = failure.reason();
+    tracing::warn!(endpoint = %router.endpoint(), instance = %worker, url, reason, attempt, "upstream attempt failed");
+    if !matches!(failure, Failure::Busy(..) | Failure::Local(_)) {
+        gw.metrics.upstream_failures.fetch_add(1, Ordering::Relaxed);
+        *gw.metrics
+            .failures_by_instance
+            .lock()
+            .entry(worker)
+            .or_insert(0) += 1;
+    }
 }
 
 /// The answer when no attempt succeeded: the worker's own answer if there is one (a
