@@ -34,6 +34,7 @@ fn main() {
                 zmq_events: None, tls: None,
             chat: None,
             api_key: None,
+            pd: Default::default(),
             },
             "127.0.0.1:0".parse().unwrap(),
         )

@@ -55,5 +55,6 @@ pub fn mock_worker_config(kv_blocks: usize) -> MockWorkerConfig {
         tls: None,
         chat: None,
         api_key: None,
+        pd: Default::default(),
     }
 }

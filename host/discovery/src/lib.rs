@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 
 pub use key::{EndpointPath, InstanceKey, KeyError};
 use switchyard_ids::InstanceId;
+pub use switchyard_ids::Role;
 
 /// What discovery knows about one worker instance.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,6 +46,11 @@ pub struct InstanceInfo {
     /// Identifies one registration (etcd: the lease); a different value for the same ID
     /// means the instance registered again.
     pub registration: u64,
+    /// What it does in a fleet that splits prefill from decode.
+    pub role: Role,
+    /// A prefill worker's bootstrap port (SGLang's disaggregation rendezvous); set, it
+    /// makes the handoff SGLang's, unset vLLM's.
+    pub bootstrap_port: Option<u16>,
 }
 
 impl InstanceInfo {
@@ -68,6 +74,8 @@ impl InstanceInfo {
             engine_events: None,
             health_path: "/health".into(),
             registration: 1,
+            role: Role::Both,
+            bootstrap_port: None,
         }
     }
 }
@@ -184,6 +192,12 @@ pub struct InstanceRecord {
     /// routers tell it from a lease that expired.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub draining: bool,
+    /// `prefill`, `decode` or `both` (absent: `both`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// A prefill worker's bootstrap port (SGLang's disaggregation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
 }
 
 fn default_health_path() -> String {
@@ -202,6 +216,8 @@ impl InstanceRecord {
             kv_events: info.engine_events.as_deref().cloned(),
             health_path: info.health_path.clone(),
             draining: false,
+            role: (info.role != Role::Both).then(|| info.role.to_string()),
+            bootstrap_port: info.bootstrap_port,
         }
     }
 
@@ -231,6 +247,13 @@ impl InstanceRecord {
         if let Some(src) = &self.kv_events {
             src.validate().map_err(bad)?;
         }
+        let role = match &self.role {
+            None => Role::Both,
+            Some(r) => r.parse().map_err(bad)?,
+        };
+        if self.bootstrap_port == Some(0) {
+            return Err(bad("bootstrap_port is 0".into()));
+        }
         Ok(InstanceInfo {
             id,
             endpoint: key.endpoint.clone(),
@@ -241,6 +264,8 @@ impl InstanceRecord {
             engine_events: self.kv_events.map(std::sync::Arc::new),
             health_path: self.health_path,
             registration,
+            role,
+            bootstrap_port: self.bootstrap_port,
         })
     }
 }

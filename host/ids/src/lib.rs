@@ -24,6 +24,49 @@ impl FromStr for InstanceId {
     }
 }
 
+/// What a worker does in a fleet that splits prefill from decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum Role {
+    /// Prefill and decode, the whole request (an aggregated worker; the default).
+    #[default]
+    Both,
+    /// Computes prompts' KV and hands it to a decode worker.
+    Prefill,
+    /// Decodes from KV a prefill worker computed.
+    Decode,
+}
+
+impl Role {
+    /// Every role, in order.
+    pub const ALL: [Role; 3] = [Role::Both, Role::Prefill, Role::Decode];
+
+    /// The role's name: `both`, `prefill` or `decode`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Role {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Role::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| format!("role `{s}` is not one of both, prefill, decode"))
+    }
+}
+
 /// The chained hash of one full KV block: equal hashes mean equal token prefixes up to
 /// and including that block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]

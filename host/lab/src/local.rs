@@ -145,6 +145,7 @@ impl LocalFleet {
                 tls: None,
                 chat: None,
                 api_key: None,
+                pd: Default::default(),
             };
             workers.push(
                 MockWorker::bind(worker_config, "127.0.0.1:0".parse().expect("valid")).await?,

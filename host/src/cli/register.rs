@@ -48,6 +48,14 @@ pub struct RegisterArgs {
     /// Path of the server's health endpoint.
     #[arg(long, default_value = "/health")]
     pub health_path: String,
+    /// What the server does in a fleet that splits prefill from decode: `prefill`,
+    /// `decode` or `both`.
+    #[arg(long, default_value_t = switchyard::discovery::Role::Both)]
+    pub role: switchyard::discovery::Role,
+    /// A prefill server's bootstrap port (SGLang's `--disaggregation-bootstrap-port`);
+    /// given, the router hands requests over SGLang's way, otherwise vLLM's.
+    #[arg(long)]
+    pub bootstrap_port: Option<u16>,
     /// Instance ID in hex (default: random).
     #[arg(long)]
     pub instance_id: Option<InstanceId>,
@@ -80,10 +88,17 @@ pub async fn register(args: RegisterArgs) -> anyhow::Result<()> {
             .map(std::sync::Arc::new),
         health_path: args.health_path,
         registration: 0,
+        role: args.role,
+        bootstrap_port: args.bootstrap_port,
     };
     if let Some(src) = &info.engine_events {
         src.validate().map_err(anyhow::Error::msg)?;
     }
+    anyhow::ensure!(
+        info.bootstrap_port.is_none() || info.role == switchyard::discovery::Role::Prefill,
+        "--bootstrap-port is a prefill server's: give --role prefill too"
+    );
+    anyhow::ensure!(info.bootstrap_port != Some(0), "--bootstrap-port 0 is not a port");
     anyhow::ensure!(
         info.url.starts_with("http://") || info.url.starts_with("https://"),
         "--url must be an http(s) URL, got {}",

@@ -4,11 +4,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use switchyard::discovery::EndpointPath;
+use switchyard::discovery::{EndpointPath, Role};
 use switchyard::discovery::etcd::EtcdConfig;
 use switchyard::discovery::etcd_register::Registration;
 use switchyard::worker::{
-    EngineConfig, Fault, FaultConfig, MockWorker, MockWorkerConfig, TimingModel,
+    EngineConfig, Fault, FaultConfig, MockWorker, MockWorkerConfig, PdConfig, PdProtocol,
+    TimingModel,
 };
 
 use super::shutdown_signal;
@@ -123,6 +124,22 @@ pub struct MockWorkerArgs {
     /// Completions need `Authorization: Bearer KEY` (vLLM's `--api-key`).
     #[arg(long, env = "SWITCHYARD_MOCK_API_KEY")]
     pub api_key: Option<String>,
+    /// Its part in a fleet that splits prefill from decode: `prefill`, `decode` or `both`
+    /// (an aggregated worker).
+    #[arg(long, default_value_t = Role::Both)]
+    pub role: Role,
+    /// How a disaggregated worker hands KV over: vLLM's KV connector
+    /// (`kv_transfer_params`) or SGLang's bootstrap rooms.
+    #[arg(long, value_enum, default_value = "vllm")]
+    pub pd_protocol: PdProtocol,
+    /// An SGLang-style prefill worker's bootstrap server port (worker `i` of `--count`
+    /// on `PORT + i`), registered with it.
+    #[arg(long)]
+    pub bootstrap_port: Option<u16>,
+    /// Simulated wire time per KV block moved from a prefill worker to a decode worker,
+    /// microseconds (divided by `--speedup`).
+    #[arg(long, default_value_t = PdConfig::default().transfer_us_per_block)]
+    pub kv_transfer_us_per_block: f64,
 }
 
 pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
@@ -132,6 +149,19 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
         args.block_size >= 1 && args.kv_blocks >= 1 && args.max_batch >= 1,
         "sizes must be at least 1"
     );
+    anyhow::ensure!(
+        args.kv_transfer_us_per_block.is_finite() && args.kv_transfer_us_per_block >= 0.0,
+        "--kv-transfer-us-per-block must be a finite number >= 0"
+    );
+    match (args.role, args.pd_protocol, args.bootstrap_port) {
+        (Role::Prefill, PdProtocol::Sglang, None) => {
+            anyhow::bail!("an SGLang-style prefill worker needs --bootstrap-port")
+        }
+        (Role::Prefill, PdProtocol::Sglang, Some(_)) | (_, _, None) => {}
+        (_, _, Some(_)) => anyhow::bail!(
+            "--bootstrap-port is an SGLang-style prefill worker's (--role prefill --pd-protocol sglang)"
+        ),
+    }
     let tokenizer = switchyard::tokens::Tokenizer::from_file_if_any(args.tokenizer.as_deref())?;
     let config = MockWorkerConfig {
         model: args.model.clone(),
@@ -168,6 +198,12 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
         )),
         zmq_events: None,
         api_key: args.api_key.clone(),
+        pd: PdConfig {
+            role: args.role,
+            protocol: args.pd_protocol,
+            bootstrap_port: args.bootstrap_port,
+            transfer_us_per_block: args.kv_transfer_us_per_block,
+        },
         tls: match (&args.tls_cert, &args.tls_key) {
             (Some(cert), Some(key)) => Some(
                 switchyard::worker::server::server_tls(cert, key).map_err(anyhow::Error::msg)?,
@@ -191,6 +227,12 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
         };
         let addr = std::net::SocketAddr::new(args.listen.ip(), port);
         let mut config = config.clone();
+        if let Some(base) = args.bootstrap_port {
+            config.pd.bootstrap_port = Some(
+                base.checked_add(i)
+                    .ok_or_else(|| anyhow::anyhow!("--bootstrap-port overflow"))?,
+            );
+        }
         if let Some(base) = args.zmq_events {
             // Port 0: any free ports (the registration says which).
             let port = |k: u16| {
@@ -232,7 +274,11 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
                 " kv_events={} kv_replay={}",
                 e.endpoint,
                 e.replay.unwrap_or_default()
-            ))
+            )) + &match (args.role, worker.bootstrap_port()) {
+                (Role::Both, _) => String::new(),
+                (role, None) => format!(" role={role}"),
+                (role, Some(p)) => format!(" role={role} bootstrap_port={p}"),
+            }
         );
         workers.push(worker);
     }
@@ -262,3 +308,4 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
     println!("stopped");
     Ok(())
 }
+

@@ -251,6 +251,32 @@ impl Engine {
         }
     }
 
+    /// Pins `blocks` (storing those not cached, with their `tokens`), as KV held for a
+    /// handoff or just received from one; `None` when the cache cannot hold them.
+    pub fn pin(
+        &self,
+        blocks: &[BlockHash],
+        tokens: &[u32],
+        salt: Option<&Arc<str>>,
+    ) -> Option<Lease> {
+        let mut s = self.state.lock();
+        let lease = s.cache.admit_salted(blocks, tokens, salt, 0).ok();
+        self.publish(&mut s);
+        lease
+    }
+
+    /// Releases blocks [`Engine::pin`] pinned: they stay cached, free to evict.
+    pub fn unpin(&self, lease: &Lease) {
+        let mut s = self.state.lock();
+        s.cache.release(lease);
+        self.publish(&mut s);
+    }
+
+    /// Leading blocks of `blocks` this engine's cache holds.
+    pub fn cached_prefix(&self, blocks: &[BlockHash]) -> usize {
+        self.state.lock().cache.cached_prefix(blocks)
+    }
+
     /// Drops every cached block not in use.
     pub fn clear_cache(&self) {
         let mut s = self.state.lock();

@@ -14,4 +14,4 @@ pub mod server;
 pub mod zmq;
 
 pub use engine::{EngineConfig, EngineStats, TimingModel};
-pub use server::{Fault, FaultConfig, MockWorker, MockWorkerConfig};
+pub use server::{Fault, FaultConfig, MockWorker, MockWorkerConfig, PdConfig, PdProtocol};

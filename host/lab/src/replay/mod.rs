@@ -316,6 +316,7 @@ async fn replay_external(
                 tls: None,
                 chat: None,
                 api_key: None,
+                pd: Default::default(),
             },
             "127.0.0.1:0".parse().expect("valid"),
         )

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use serde::Deserialize;
 
 use super::ConfigError;
-use switchyard_discovery::EngineEventSource;
+use switchyard_discovery::{EngineEventSource, Role};
 
 /// The TOML file. Same keys as the flags (snake_case), plus per-endpoint policies.
 #[derive(Debug, Default, Deserialize)]
@@ -118,6 +118,9 @@ pub(crate) struct WorkerTable {
     #[serde(default)]
     pub(crate) topic: String,
     pub(crate) data_parallel_size: Option<u32>,
+    #[serde(default)]
+    pub(crate) role: Option<String>,
+    pub(crate) bootstrap_port: Option<u16>,
 }
 
 /// A static worker.
@@ -127,10 +130,14 @@ pub struct StaticWorker {
     pub url: String,
     /// Its engine's ZMQ KV event publisher, if any.
     pub engine_events: Option<EngineEventSource>,
+    /// What it does in a fleet that splits prefill from decode.
+    pub role: Role,
+    /// A prefill worker's bootstrap port (SGLang's disaggregation).
+    pub bootstrap_port: Option<u16>,
 }
 
 impl StaticWorker {
-    /// Parses `URL` or `URL#kv_events=…&kv_replay=…&topic=…&dp=N`.
+    /// Parses `URL` or `URL#kv_events=…&kv_replay=…&topic=…&dp=N&role=…&bootstrap_port=P`.
     pub fn parse(s: &str) -> Result<StaticWorker, ConfigError> {
         let (url, options) = s.split_once('#').unwrap_or((s, ""));
         let mut table = WorkerTable {
@@ -139,6 +146,8 @@ impl StaticWorker {
             kv_replay: None,
             topic: String::new(),
             data_parallel_size: None,
+            role: None,
+            bootstrap_port: None,
         };
         for kv in options.split('&').filter(|kv| !kv.is_empty()) {
             let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
@@ -146,6 +155,12 @@ impl StaticWorker {
                 "kv_events" => table.kv_events = Some(v.to_string()),
                 "kv_replay" => table.kv_replay = Some(v.to_string()),
                 "topic" => table.topic = v.to_string(),
+                "role" => table.role = Some(v.to_string()),
+                "bootstrap_port" => {
+                    table.bootstrap_port = Some(v.parse().map_err(|_| {
+                        ConfigError(format!("worker `{s}`: bootstrap_port=`{v}` is not a port"))
+                    })?)
+                }
                 "dp" | "data_parallel_size" => {
                     table.data_parallel_size = Some(v.parse().map_err(|_| {
                         ConfigError(format!("worker `{s}`: dp=`{v}` is not a number"))
@@ -153,7 +168,7 @@ impl StaticWorker {
                 }
                 _ => {
                     return Err(ConfigError(format!(
-                        "worker `{s}`: unknown option `{k}` (known: kv_events, kv_replay, topic, dp)"
+                        "worker `{s}`: unknown option `{k}` (known: kv_events, kv_replay, topic, dp, role, bootstrap_port)"
                     )));
                 }
             }
@@ -185,6 +200,27 @@ impl StaticWorker {
                 Some(src)
             }
         };
-        Ok(StaticWorker { url, engine_events })
+        let role = match t.role.as_deref() {
+            None => Role::Both,
+            Some(r) => r
+                .parse()
+                .map_err(|e| ConfigError(format!("worker `{url}`: {e}")))?,
+        };
+        if let Some(port) = t.bootstrap_port {
+            if role != Role::Prefill {
+                return Err(ConfigError(format!(
+                    "worker `{url}`: bootstrap_port is a prefill worker's (role=prefill)"
+                )));
+            }
+            if port == 0 {
+                return Err(ConfigError(format!("worker `{url}`: bootstrap_port is 0")));
+            }
+        }
+        Ok(StaticWorker {
+            url,
+            engine_events,
+            role,
+            bootstrap_port: t.bootstrap_port,
+        })
     }
 }

@@ -81,7 +81,9 @@ fn flags_beat_the_file_and_the_file_beats_defaults() {
                 workers,
                 vec![StaticWorker {
                     url: "http://127.0.0.1:8001".into(),
-                    engine_events: None
+                    engine_events: None,
+                    role: switchyard_discovery::Role::Both,
+                    bootstrap_port: None,
                 }]
             );
             assert_eq!(model, "mock-model");
@@ -275,4 +277,38 @@ fn workers_name_their_engines_kv_event_sockets_on_the_command_line_or_in_the_fil
         Some(EngineEventSource::new("tcp://a:5557"))
     );
     assert_eq!(workers[1].engine_events, None);
+}
+
+#[test]
+fn a_worker_says_its_role_and_bootstrap_port_in_the_url_or_the_table() {
+    use switchyard_discovery::Role;
+    let w = StaticWorker::parse("http://p:1#role=prefill&bootstrap_port=8998").unwrap();
+    assert_eq!((w.role, w.bootstrap_port), (Role::Prefill, Some(8998)));
+    let w = StaticWorker::parse("http://d:1#role=decode").unwrap();
+    assert_eq!((w.role, w.bootstrap_port), (Role::Decode, None));
+    assert_eq!(StaticWorker::parse("http://b:1").unwrap().role, Role::Both);
+    let e = StaticWorker::parse("http://x:1#role=verifier").unwrap_err();
+    assert!(e.to_string().contains("not one of both, prefill, decode"), "{e}");
+    let e = StaticWorker::parse("http://x:1#role=decode&bootstrap_port=8998").unwrap_err();
+    assert!(e.to_string().contains("prefill worker's"), "{e}");
+    let e = StaticWorker::parse("http://x:1#role=prefill&bootstrap_port=99999").unwrap_err();
+    assert!(e.to_string().contains("not a port"), "{e}");
+    let f = file(
+        "model = \"m\"\n[[workers]]\nurl = \"http://p:1\"\nrole = \"prefill\"\nbootstrap_port = 8998\n",
+    );
+    let c = ServeArgs {
+        config: Some(f.path().into()),
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap();
+    match c.discovery {
+        DiscoveryConfig::Static { workers, .. } => {
+            assert_eq!(
+                (workers[0].role, workers[0].bootstrap_port),
+                (Role::Prefill, Some(8998))
+            )
+        }
+        other => panic!("{other:?}"),
+    }
 }

@@ -106,6 +106,8 @@ pub fn static_instances(
             engine_events: w.engine_events.clone().map(std::sync::Arc::new),
             health_path: health_path.to_string(),
             registration: 1,
+            role: w.role,
+            bootstrap_port: w.bootstrap_port,
         })
         .collect()
 }

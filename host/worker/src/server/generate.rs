@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 use crate::engine::Output;
 use switchyard_tokens::openai::{self, Api, Prompt};
 
+use super::pd::{self, Leg};
 use super::reply::{error, json_response, read_body};
 use super::{Body, Fault, Shared};
 
@@ -109,6 +110,16 @@ pub(super) async fn completion(
             Some("model_not_found"),
         );
     }
+    let leg = match pd::leg(&shared.pd, &body, || {
+        format!(
+            "{}-{:x}",
+            shared.addr.port(),
+            shared.served.load(Ordering::Relaxed) ^ pd::process_nonce()
+        )
+    }) {
+        Ok(l) => l,
+        Err(m) => return error(StatusCode::BAD_REQUEST, &m, "invalid_request_error", None, None),
+    };
     let (fault, faults) = shared.fault_for_request();
     shared.update_refuse();
     let marked = faults
@@ -197,14 +208,67 @@ pub(super) async fn completion(
     } else {
         Vec::new()
     };
+    let salt: Option<Arc<str>> = salt.map(Arc::from);
+    // A decode leg first receives the prompt's KV; a prefill leg keeps it for one.
+    let mut received = None;
+    let mut keep = None;
+    let mut max_tokens = parsed.max_tokens;
+    match &leg {
+        Leg::Whole => {}
+        Leg::Decode {
+            host,
+            port,
+            key,
+            vllm,
+        } => {
+            let have = shared.engine.cached_prefix(&blocks);
+            match pd::fetch(host, *port, key, have).await {
+                Ok(n) => {
+                    let n = n.min(blocks.len());
+                    let bs = shared.hasher.block_size() as usize;
+                    let toks = block_tokens.get(..n * bs).unwrap_or(&[]);
+                    received = shared.engine.pin(&blocks[..n], toks, salt.as_ref());
+                }
+                Err(why) if *vllm => {
+                    tracing::warn!(key, why, "KV transfer failed; recomputing the prompt here");
+                }
+                Err(why) => {
+                    return error(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        &format!("KV transfer failed: {why}"),
+                        "server_error",
+                        None,
+                        Some("kv_transfer_failed"),
+                    );
+                }
+            }
+        }
+        Leg::Prefill { key, vllm } => {
+            if !*vllm {
+                // SGLang's prefill server computes the prompt and its first token only.
+                max_tokens = 1;
+            }
+            keep = Some(pd::Keep {
+                guard: shared.handoffs.begin(&shared.engine, key),
+                blocks: blocks.clone(),
+                tokens: block_tokens.clone(),
+                salt: salt.clone(),
+            });
+        }
+    }
     let mut out = shared.engine.submit(
         blocks,
         block_tokens,
-        salt.map(Arc::from),
+        salt,
         prompt_tokens,
-        parsed.max_tokens,
+        max_tokens,
     );
-    let cached_tokens = match out.recv().await {
+    let first_out = out.recv().await;
+    if let Some(lease) = received.take() {
+        // Admitted (or refused): the received blocks are the request's own now.
+        shared.engine.unpin(&lease);
+    }
+    let cached_tokens = match first_out {
         Some(Output::Admitted { cached_tokens }) => cached_tokens,
         Some(Output::TooLarge { needed }) => {
             return error(
@@ -258,6 +322,19 @@ pub(super) async fn completion(
                 _ => {}
             }
         }
+        let transfer = keep.map(|k| {
+            let blocks = k.ready(&shared.engine);
+            pd::vllm_params(
+                match &leg {
+                    Leg::Prefill { key, .. } => key,
+                    _ => "",
+                },
+                blocks,
+                &shared.addr.ip().to_string(),
+                shared.addr.port(),
+                &shared.model,
+            )
+        });
         let choice = match api {
             Api::Chat => {
                 json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
@@ -271,14 +348,15 @@ pub(super) async fn completion(
         } else {
             "text_completion"
         };
-        return json_response(
-            StatusCode::OK,
-            json!({"id": id, "object": object, "created": created, "model": shared.model, "choices": [choice], "usage": usage(n)}),
-        );
+        let mut answer = json!({"id": id, "object": object, "created": created, "model": shared.model, "choices": [choice], "usage": usage(n)});
+        if let (Some(params), Leg::Prefill { vllm: true, .. }) = (transfer, &leg) {
+            answer["kv_transfer_params"] = params;
+        }
+        return json_response(StatusCode::OK, answer);
     }
     let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(16);
     let model = shared.model.clone();
-    let max_tokens = parsed.max_tokens;
+    let engine = shared.engine.clone();
     let include_usage = parsed.include_usage;
     let strike = faults.after_tokens;
     if fault == Fault::CutStream {
@@ -345,6 +423,9 @@ pub(super) async fn completion(
                     }
                 }
                 Output::Done => {
+                    if let Some(k) = keep.take() {
+                        k.ready(&engine);
+                    }
                     let last = match api {
                         Api::Chat => {
                             chunk(json!({"index": 0, "delta": {}, "finish_reason": "length"}))

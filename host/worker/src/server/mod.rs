@@ -17,14 +17,17 @@
 //! | `GET /get_model_info`, `/model_info`, `/version` | what routers probe at start |
 //! | `GET /v1/loads`, `/get_load` | running and waiting requests, KV usage |
 //! | `POST /tokenize`, `POST /v1/chat/completions/render` | vLLM's: the worker's own token IDs for a prompt or chat |
+//! | `GET /handoff/{key}?have=N` | a disaggregated prefill worker hands a prompt's KV to a decode worker (`pd`); also on its bootstrap port |
 //! | `POST /admin/fault` | a [`FaultConfig`] as JSON: `{"fault": "crash" \| "hang" \| "refuse" \| "error" \| "status" \| "stall" \| "cut_stream" \| "none", "after": N, "after_tokens": 20, "status": 503, "retry_after_secs": 2, "marker": "POISON", "marker_after_tokens": 5, "health_lies": true, "first_token_delay_ms": 500, "idle_close_ms": 1000}` (all but `fault` optional) |
 
 mod fault;
 mod generate;
+mod pd;
 mod reply;
 mod routes;
 
 pub use fault::{Fault, FaultConfig};
+pub use pd::{HANDOFF_TTL, MAX_HANDOFFS, PdConfig, PdProtocol};
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -74,6 +77,8 @@ pub struct MockWorkerConfig {
     pub chat: Option<Arc<switchyard_tokens::ChatFormat>>,
     /// Completions need `Authorization: Bearer <key>`, as with vLLM's `--api-key`.
     pub api_key: Option<String>,
+    /// Its part in a fleet that splits prefill from decode.
+    pub pd: PdConfig,
 }
 
 /// A server TLS configuration from PEM files: the certificate chain and its private key
@@ -127,6 +132,12 @@ pub(crate) struct Shared {
     tls: Option<tokio_rustls::TlsAcceptor>,
     /// The key completions need, if any.
     api_key: Option<String>,
+    /// Its part in a disaggregated fleet.
+    pd: PdConfig,
+    /// KV kept for decode workers.
+    handoffs: Arc<pd::Handoffs>,
+    /// The address decode workers reach it at.
+    addr: SocketAddr,
 }
 
 impl Shared {
@@ -201,9 +212,25 @@ impl MockWorker {
             refuse,
             tls: config.tls.map(tokio_rustls::TlsAcceptor::from),
             api_key: config.api_key,
+            pd: config.pd,
+            handoffs: Arc::new(pd::Handoffs::new()),
+            addr,
         });
         shared.update_refuse();
         let (shutdown, shutdown_rx) = watch::channel(false);
+        if let Some(port) = config.pd.bootstrap_port {
+            // SGLang's bootstrap server: decode workers ask it for their rooms.
+            let bootstrap = SocketAddr::new(addr.ip(), port);
+            let std_listener = std::net::TcpListener::bind(bootstrap)?;
+            std_listener.set_nonblocking(true)?;
+            tokio::spawn(accept_loop(
+                TcpListener::from_std(std_listener)?,
+                bootstrap,
+                shared.clone(),
+                refuse_rx.clone(),
+                shutdown_rx.clone(),
+            ));
+        }
         let task = tokio::spawn(accept_loop(
             listener,
             addr,
@@ -222,6 +249,11 @@ impl MockWorker {
     /// Binds `addr` and starts.
     pub async fn bind(config: MockWorkerConfig, addr: SocketAddr) -> std::io::Result<MockWorker> {
         MockWorker::start(config, TcpListener::bind(addr).await?)
+    }
+
+    /// The port of its bootstrap server (an SGLang-style prefill worker), if any.
+    pub fn bootstrap_port(&self) -> Option<u16> {
+        self.shared.pd.bootstrap_port
     }
 
     /// The listening address.
@@ -257,6 +289,8 @@ impl MockWorker {
             engine_events: self.engine_events().map(Arc::new),
             health_path: "/health".into(),
             registration: 0,
+            role: self.shared.pd.role,
+            bootstrap_port: self.shared.pd.bootstrap_port,
         }
     }
 

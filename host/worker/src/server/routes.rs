@@ -56,6 +56,7 @@ pub(super) async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
             ),
         },
         (&Method::GET, "/v1/kv_events") => kv_events(&shared),
+        (&Method::GET, path) if path.starts_with("/handoff/") => handoff(&shared, &req).await,
         (&Method::GET, "/metrics") => engine_metrics(&shared),
         (&Method::GET, "/get_server_info" | "/server_info") => {
             json_response(StatusCode::OK, server_info(&shared))
@@ -128,6 +129,40 @@ pub(super) async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
     }
 }
 
+/// `GET /handoff/{key}?have=N`: a decode worker takes the KV of prefill `key`.
+async fn handoff(shared: &Shared, req: &Request<Incoming>) -> Response<Body> {
+    let key = req.uri().path().trim_start_matches("/handoff/");
+    let have = req
+        .uri()
+        .query()
+        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("have=")))
+        .and_then(|n| n.parse::<usize>().ok())
+        .unwrap_or(0);
+    if key.is_empty() || key.len() > 128 {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "a handoff key is 1 to 128 characters",
+            "invalid_request_error",
+            None,
+            None,
+        );
+    }
+    match shared
+        .handoffs
+        .hand_over(
+            &shared.engine,
+            key,
+            have,
+            shared.pd.transfer_us_per_block,
+            super::pd::HANDOFF_WAIT,
+        )
+        .await
+    {
+        Ok(blocks) => json_response(StatusCode::OK, json!({ "blocks": blocks })),
+        Err((status, why)) => error(status, &why, "invalid_request_error", None, None),
+    }
+}
+
 /// What SGLang's `/get_server_info` and vLLM-style routers read: the model, the KV block
 /// size under the names each uses, the cache size and the batch limit.
 pub(super) fn server_info(shared: &Shared) -> serde_json::Value {
@@ -143,6 +178,12 @@ pub(super) fn server_info(shared: &Shared) -> serde_json::Value {
         "tp_size": 1,
         "dp_size": 1,
         "version": env!("CARGO_PKG_VERSION"),
+        // SGLang's names: `null` mode for an aggregated worker.
+        "disaggregation_mode": match shared.pd.role {
+            switchyard_ids::Role::Both => "null",
+            r => r.as_str(),
+        },
+        "disaggregation_bootstrap_port": shared.pd.bootstrap_port,
     })
 }
 
