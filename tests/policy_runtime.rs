@@ -242,6 +242,7 @@ fn wasm_and_native_kv_cost_agree_on_random_candidate_sets() {
                     in_flight: rng.below(5) as u32,
                     kv_usage: (rng.below(3) > 0).then(|| rng.below(5) as f32 / 4.0),
                     cache_fullness: (rng.below(3) > 0).then(|| rng.below(5) as f32 / 4.0),
+                    role: switchyard::ids::Role::Both,
                 })
                 .collect();
             let req = Request {

@@ -25,6 +25,7 @@ fn candidates(n: u64) -> Candidates {
             in_flight: (i % 9) as u32,
             kv_usage: Some(0.4),
             cache_fullness: Some(0.9),
+            role: switchyard::ids::Role::Both,
         })
         .collect()
 }
@@ -38,6 +39,7 @@ fn request() -> Request {
         session_key: None,
         seed: 1,
         sequence: 0,
+        decode_alone: false,
     }
 }
 

@@ -23,6 +23,7 @@ pub fn row(id: u64, overlap: u32, active: u32, in_flight: u32) -> CandidateRow {
         in_flight,
         kv_usage: None,
         cache_fullness: None,
+        role: switchyard::ids::Role::Both,
     }
 }
 

@@ -51,7 +51,10 @@ macro_rules! hostile_choose {
             }
 
             $(#[$doc])*
-            fn choose($req: Request, $candidates: Candidates) -> Result<u64, Rejection> $body
+            fn choose($req: Request, $candidates: Candidates) -> Result<Placement, Rejection> {
+                let worker = move || -> Result<u64, Rejection> { $body };
+                worker().map(Placement::Worker)
+            }
         }
     };
 }

@@ -14,7 +14,7 @@
 
 use serde::Deserialize;
 use std::cell::Cell;
-use switchyard::policy::types::RejectionKind;
+use switchyard::policy::types::{Pair, RejectionKind, Role};
 
 wit_bindgen::generate!({ path: "../../wit", world: "policy" });
 
@@ -55,28 +55,46 @@ impl Guest for SessionAffinity {
         Info { name: "session-affinity".into(), version: env!("CARGO_PKG_VERSION").into() }
     }
 
-    fn choose(req: Request, c: Candidates) -> Result<u64, Rejection> {
-        let config = CONFIG.get();
-        let n = c.worker_ids.len();
-        if n == 0 {
-            return Err(Rejection { kind: RejectionKind::NoFit, reason: "no candidates".into() });
+    fn choose(req: Request, c: Candidates) -> Result<Placement, Rejection> {
+        let of = |role: Role| -> Vec<usize> { (0..c.worker_ids.len()).filter(|&i| c.roles[i] == role).collect() };
+        let id = |i: usize| c.worker_ids[i];
+        let both = of(Role::Both);
+        if !both.is_empty() {
+            return pick(&req, &c, &both).map(|i| Placement::Worker(id(i)));
         }
-        if let Some(key) = req.session_key {
-            let home = (0..n).max_by_key(|&i| mix(key ^ mix(c.worker_ids[i]))).unwrap();
-            if c.in_flight[home] < config.max_in_flight {
-                return Ok(c.worker_ids[home]);
-            }
+        // Prefill and decode on separate workers: the session keeps its prefill worker
+        // (where its prefix is) and its decode worker alike.
+        let (prefill, decode) = (of(Role::Prefill), of(Role::Decode));
+        if prefill.is_empty() && req.decode_alone && !decode.is_empty() {
+            return pick(&req, &c, &decode).map(|i| Placement::Worker(id(i)));
         }
-        let least = (0..n).map(|i| c.in_flight[i]).min().unwrap();
-        if least >= config.max_in_flight && config.reject_when_full {
-            return Err(Rejection {
-                kind: RejectionKind::AllBusy,
-                reason: format!("every worker has {} or more requests in flight", config.max_in_flight),
-            });
+        if prefill.is_empty() || decode.is_empty() {
+            return Err(Rejection { kind: RejectionKind::NoFit, reason: "no worker, nor prefill and decode pair".into() });
         }
-        let tied: Vec<usize> = (0..n).filter(|&i| c.in_flight[i] == least).collect();
-        Ok(c.worker_ids[tied[(mix(req.seed) % tied.len() as u64) as usize]])
+        let p = pick(&req, &c, &prefill)?;
+        let d = pick(&req, &c, &decode)?;
+        Ok(Placement::Pair(Pair { prefill: id(p), decode: id(d) }))
     }
+}
+
+/// The session's worker among the candidates at `rows`, or the least loaded of them.
+fn pick(req: &Request, c: &Candidates, rows: &[usize]) -> Result<usize, Rejection> {
+    let config = CONFIG.get();
+    if let Some(key) = req.session_key {
+        let home = *rows.iter().max_by_key(|&&i| mix(key ^ mix(c.worker_ids[i]))).unwrap();
+        if c.in_flight[home] < config.max_in_flight {
+            return Ok(home);
+        }
+    }
+    let least = rows.iter().map(|&i| c.in_flight[i]).min().unwrap();
+    if least >= config.max_in_flight && config.reject_when_full {
+        return Err(Rejection {
+            kind: RejectionKind::AllBusy,
+            reason: format!("every worker has {} or more requests in flight", config.max_in_flight),
+        });
+    }
+    let tied: Vec<usize> = rows.iter().copied().filter(|&i| c.in_flight[i] == least).collect();
+    Ok(tied[(mix(req.seed) % tied.len() as u64) as usize])
 }
 
 /// SplitMix64's finaliser: a cheap, well-spread 64-bit hash.

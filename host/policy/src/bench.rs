@@ -43,6 +43,7 @@ pub fn call_cost(policy: &LoadedPolicy, candidates: usize, calls: usize) -> Call
                 session_key: Some(next()),
                 seed: next() | 1,
                 sequence: 1,
+                decode_alone: false,
             };
             let mut rows: Vec<CandidateRow> = (0..candidates)
                 .map(|_| CandidateRow {
@@ -53,6 +54,7 @@ pub fn call_cost(policy: &LoadedPolicy, candidates: usize, calls: usize) -> Call
                     in_flight: (next() % 16) as u32,
                     kv_usage: Some((next() % 1000) as f32 / 1000.0),
                     cache_fullness: Some((next() % 1000) as f32 / 1000.0),
+                    role: switchyard_ids::Role::Both,
                 })
                 .collect();
             rows.sort_by_key(|r| r.id);

@@ -1,8 +1,10 @@
 //! Bindings generated from the WIT, kept private to the policy module: the current world
-//! (`wit/policy.wit`, `switchyard:policy@0.2.0`) and the one before it
-//! (`wit/v0.1.0/policy.wit`), so that components built against either load. The rest of
-//! the crate sees one [`PolicyPre`] and one [`Policy`] and speaks the current types; a
-//! 0.1.0 component is handed the same candidates without the columns it does not know.
+//! (`wit/policy.wit`, `switchyard:policy@0.3.0`) and the two before it
+//! (`wit/v0.2.0/policy.wit`, `wit/v0.1.0/policy.wit`), so that components built against
+//! any of them load. The rest of the crate sees one [`PolicyPre`] and one [`Policy`] and
+//! speaks the current types; an older component is handed the same candidates without
+//! the columns it does not know, and on a fleet that splits prefill from decode it is
+//! asked twice: once among the prefill workers, once among the decode workers.
 
 use wasmtime::Store;
 use wasmtime::component::InstancePre;
@@ -12,6 +14,13 @@ use super::sandbox::HostState;
 mod current {
     wasmtime::component::bindgen!({
         path: "../../wit",
+        world: "policy",
+    });
+}
+
+mod v0_2 {
+    wasmtime::component::bindgen!({
+        path: "../../wit/v0.2.0",
         world: "policy",
     });
 }
@@ -26,40 +35,49 @@ mod v0_1 {
 /// The current WIT types under short names.
 pub(crate) mod wit {
     pub(crate) use super::current::switchyard::policy::types::{
-        Candidates, Info, Rejection, RejectionKind, Request,
+        Candidates, Info, Pair, Placement, Rejection, RejectionKind, Request, Role,
     };
 }
 
-use v0_1::switchyard::policy::types as old;
+use v0_1::switchyard::policy::types as old1;
+use v0_2::switchyard::policy::types as old2;
 
 /// The world version a component implements.
-pub(crate) const CURRENT_WORLD: &str = "switchyard:policy@0.2.0";
-/// The previous version, still loaded.
-pub(crate) const OLD_WORLD: &str = "switchyard:policy@0.1.0";
+pub(crate) const CURRENT_WORLD: &str = "switchyard:policy@0.3.0";
+/// The versions before it, still loaded.
+pub(crate) const WORLD_0_2: &str = "switchyard:policy@0.2.0";
+pub(crate) const WORLD_0_1: &str = "switchyard:policy@0.1.0";
 
-/// A linked component, ready to instantiate, of either world version.
+/// A linked component, ready to instantiate, of any world version.
 #[derive(Clone)]
 pub(crate) enum PolicyPre {
     Current(current::PolicyPre<HostState>),
+    V0_2(v0_2::PolicyPre<HostState>),
     V0_1(v0_1::PolicyPre<HostState>),
 }
 
 /// One instance of a policy component.
 pub(crate) enum Policy {
     Current(current::Policy),
+    V0_2(v0_2::Policy),
     V0_1(v0_1::Policy),
 }
 
 impl PolicyPre {
-    /// The component's world: the current version if it exports it, else 0.1.0; the
-    /// current version's complaint if neither.
+    /// The component's world: the newest version it exports; the current version's
+    /// complaint if none.
     pub(crate) fn new(pre: InstancePre<HostState>) -> wasmtime::Result<PolicyPre> {
         match current::PolicyPre::new(pre.clone()) {
             Ok(p) => Ok(PolicyPre::Current(p)),
-            Err(e) => match v0_1::PolicyPre::new(pre) {
-                Ok(p) => Ok(PolicyPre::V0_1(p)),
-                Err(_) => Err(e),
-            },
+            Err(e) => {
+                if let Ok(p) = v0_2::PolicyPre::new(pre.clone()) {
+                    return Ok(PolicyPre::V0_2(p));
+                }
+                match v0_1::PolicyPre::new(pre) {
+                    Ok(p) => Ok(PolicyPre::V0_1(p)),
+                    Err(_) => Err(e),
+                }
+            }
         }
     }
 
@@ -67,13 +85,15 @@ impl PolicyPre {
     pub(crate) fn world(&self) -> &'static str {
         match self {
             PolicyPre::Current(_) => CURRENT_WORLD,
-            PolicyPre::V0_1(_) => OLD_WORLD,
+            PolicyPre::V0_2(_) => WORLD_0_2,
+            PolicyPre::V0_1(_) => WORLD_0_1,
         }
     }
 
     pub(crate) fn instantiate(&self, store: &mut Store<HostState>) -> wasmtime::Result<Policy> {
         Ok(match self {
             PolicyPre::Current(p) => Policy::Current(p.instantiate(store)?),
+            PolicyPre::V0_2(p) => Policy::V0_2(p.instantiate(store)?),
             PolicyPre::V0_1(p) => Policy::V0_1(p.instantiate(store)?),
         })
     }
@@ -87,6 +107,7 @@ impl Policy {
     ) -> wasmtime::Result<Result<(), String>> {
         match self {
             Policy::Current(p) => p.call_configure(store, config),
+            Policy::V0_2(p) => p.call_configure(store, config),
             Policy::V0_1(p) => p.call_configure(store, config),
         }
     }
@@ -95,27 +116,92 @@ impl Policy {
         &self,
         store: &mut Store<HostState>,
     ) -> wasmtime::Result<wit::Info> {
-        match self {
-            Policy::Current(p) => p.call_describe(store),
-            Policy::V0_1(p) => p.call_describe(store).map(|i| wit::Info {
-                name: i.name,
-                version: i.version,
-            }),
-        }
+        let (name, version) = match self {
+            Policy::Current(p) => return p.call_describe(store),
+            Policy::V0_2(p) => {
+                let i = p.call_describe(store)?;
+                (i.name, i.version)
+            }
+            Policy::V0_1(p) => {
+                let i = p.call_describe(store)?;
+                (i.name, i.version)
+            }
+        };
+        Ok(wit::Info { name, version })
     }
 
     /// `choose`, with the candidates lowered straight from `candidates` for a current
-    /// component, and from a copy without `cache-fullness` for a 0.1.0 one.
+    /// component. An older one is asked among the workers of one role at a time: the
+    /// `both` workers if there are any, else the prefill workers and then the decode
+    /// workers (the pair), or the decode workers alone when they may serve alone and
+    /// there is no prefill worker.
     pub(crate) fn call_choose(
         &self,
         store: &mut Store<HostState>,
         req: wit::Request,
         candidates: &wit::Candidates,
+    ) -> wasmtime::Result<Result<wit::Placement, wit::Rejection>> {
+        if let Policy::Current(p) = self {
+            return p.call_choose(store, req, candidates);
+        }
+        let roles = &candidates.roles;
+        let has = |r: wit::Role| roles.iter().any(|x| *x == r);
+        if !has(wit::Role::Prefill) && !has(wit::Role::Decode) {
+            return Ok(self
+                .old_choose(store, req, candidates, |_| true)?
+                .map(wit::Placement::Worker));
+        }
+        if has(wit::Role::Both) {
+            return Ok(self
+                .old_choose(store, req, candidates, |r| r == wit::Role::Both)?
+                .map(wit::Placement::Worker));
+        }
+        if !has(wit::Role::Decode) {
+            return Ok(Err(wit::Rejection {
+                kind: wit::RejectionKind::NoFit,
+                reason: "no decode worker is available".into(),
+            }));
+        }
+        if !has(wit::Role::Prefill) {
+            if !req.decode_alone {
+                return Ok(Err(wit::Rejection {
+                    kind: wit::RejectionKind::NoFit,
+                    reason: "no prefill worker is available".into(),
+                }));
+            }
+            return Ok(self
+                .old_choose(store, req, candidates, |r| r == wit::Role::Decode)?
+                .map(wit::Placement::Worker));
+        }
+        let prefill = match self.old_choose(store, req, candidates, |r| r == wit::Role::Prefill)? {
+            Ok(id) => id,
+            Err(r) => return Ok(Err(r)),
+        };
+        Ok(self
+            .old_choose(store, req, candidates, |r| r == wit::Role::Decode)?
+            .map(|decode| wit::Placement::Pair(wit::Pair { prefill, decode })))
+    }
+
+    /// One call of an older component's `choose` among the candidates whose role
+    /// `keep` accepts.
+    fn old_choose(
+        &self,
+        store: &mut Store<HostState>,
+        req: wit::Request,
+        c: &wit::Candidates,
+        keep: impl Fn(wit::Role) -> bool,
     ) -> wasmtime::Result<Result<u64, wit::Rejection>> {
+        let rows: Vec<usize> = (0..c.worker_ids.len())
+            .filter(|&i| c.roles.get(i).is_none_or(|r| keep(*r)))
+            .collect();
+        fn pick<T: Copy>(col: &[T], rows: &[usize]) -> Vec<T> {
+            rows.iter().filter_map(|&i| col.get(i).copied()).collect()
+        }
+        let rejection = |kind, reason| wit::Rejection { kind, reason };
         match self {
-            Policy::Current(p) => p.call_choose(store, req, candidates),
-            Policy::V0_1(p) => {
-                let req = old::Request {
+            Policy::Current(_) => unreachable!("a current component is called directly"),
+            Policy::V0_2(p) => {
+                let req = old2::Request {
                     prompt_tokens: req.prompt_tokens,
                     prompt_blocks: req.prompt_blocks,
                     block_size: req.block_size,
@@ -123,24 +209,53 @@ impl Policy {
                     seed: req.seed,
                     sequence: req.sequence,
                 };
-                let c = candidates;
-                let old_candidates = old::Candidates {
-                    worker_ids: c.worker_ids.clone(),
-                    overlap_blocks: c.overlap_blocks.clone(),
-                    active_blocks: c.active_blocks.clone(),
-                    pending_prefill_tokens: c.pending_prefill_tokens.clone(),
-                    in_flight: c.in_flight.clone(),
-                    kv_usage: c.kv_usage.clone(),
+                let cols = old2::Candidates {
+                    worker_ids: pick(&c.worker_ids, &rows),
+                    overlap_blocks: pick(&c.overlap_blocks, &rows),
+                    active_blocks: pick(&c.active_blocks, &rows),
+                    pending_prefill_tokens: pick(&c.pending_prefill_tokens, &rows),
+                    in_flight: pick(&c.in_flight, &rows),
+                    kv_usage: pick(&c.kv_usage, &rows),
+                    cache_fullness: pick(&c.cache_fullness, &rows),
                 };
-                Ok(p.call_choose(store, req, &old_candidates)?
-                    .map_err(|r| wit::Rejection {
-                        kind: match r.kind {
-                            old::RejectionKind::AllBusy => wit::RejectionKind::AllBusy,
-                            old::RejectionKind::NoFit => wit::RejectionKind::NoFit,
-                            old::RejectionKind::Refused => wit::RejectionKind::Refused,
+                Ok(p.call_choose(store, req, &cols)?.map_err(|r| {
+                    rejection(
+                        match r.kind {
+                            old2::RejectionKind::AllBusy => wit::RejectionKind::AllBusy,
+                            old2::RejectionKind::NoFit => wit::RejectionKind::NoFit,
+                            old2::RejectionKind::Refused => wit::RejectionKind::Refused,
                         },
-                        reason: r.reason,
-                    }))
+                        r.reason,
+                    )
+                }))
+            }
+            Policy::V0_1(p) => {
+                let req = old1::Request {
+                    prompt_tokens: req.prompt_tokens,
+                    prompt_blocks: req.prompt_blocks,
+                    block_size: req.block_size,
+                    session_key: req.session_key,
+                    seed: req.seed,
+                    sequence: req.sequence,
+                };
+                let cols = old1::Candidates {
+                    worker_ids: pick(&c.worker_ids, &rows),
+                    overlap_blocks: pick(&c.overlap_blocks, &rows),
+                    active_blocks: pick(&c.active_blocks, &rows),
+                    pending_prefill_tokens: pick(&c.pending_prefill_tokens, &rows),
+                    in_flight: pick(&c.in_flight, &rows),
+                    kv_usage: pick(&c.kv_usage, &rows),
+                };
+                Ok(p.call_choose(store, req, &cols)?.map_err(|r| {
+                    rejection(
+                        match r.kind {
+                            old1::RejectionKind::AllBusy => wit::RejectionKind::AllBusy,
+                            old1::RejectionKind::NoFit => wit::RejectionKind::NoFit,
+                            old1::RejectionKind::Refused => wit::RejectionKind::Refused,
+                        },
+                        r.reason,
+                    )
+                }))
             }
         }
     }

@@ -50,6 +50,7 @@ pub(super) fn random_canary(rng: &mut CanaryRng, size: usize) -> (Request, Candi
         session_key: (rng.below(2) == 0).then(|| rng.next()),
         seed: rng.next() | 1,
         sequence: 0,
+        decode_alone: false,
     };
     let idle = rng.below(size as u64) as usize;
     let candidates = (0..size)
@@ -63,6 +64,7 @@ pub(super) fn random_canary(rng: &mut CanaryRng, size: usize) -> (Request, Candi
                 in_flight: if busy { rng.below(16) as u32 } else { 0 },
                 kv_usage: (rng.below(4) != 0).then(|| rng.below(1001) as f32 / 1000.0),
                 cache_fullness: (rng.below(4) != 0).then(|| rng.below(1001) as f32 / 1000.0),
+                role: switchyard_ids::Role::Both,
             }
         })
         .collect();
@@ -77,6 +79,7 @@ pub(super) fn canary_request() -> Request {
         session_key: Some(0x5eed),
         seed: 0x00c0_ffee,
         sequence: 0,
+        decode_alone: false,
     }
 }
 
@@ -99,6 +102,7 @@ pub(crate) fn canary_candidates() -> Candidates {
         in_flight,
         kv_usage: Some(0.5),
         cache_fullness: Some(0.9),
+        role: switchyard_ids::Role::Both,
     })
     .collect()
 }

@@ -20,17 +20,19 @@
 //!
 //! Request fields (all optional): `prompt_tokens` (default `prompt_blocks × block_size`),
 //! `prompt_blocks`, `block_size` (16), `session_key`, `seed` (1), `sequence` (the case's
-//! number, from 1: 0 is the canary's). Candidate fields: `id` (required), `overlap_blocks`,
-//! `active_blocks`, `pending_prefill_tokens`, `in_flight`, `kv_usage` and `cache_fullness`
-//! (omitted: unknown).
-//! `expect`: `{"worker": ID}`, `{"worker_in": [IDs]}`, `{"reject": KIND}` (`all-busy`,
-//! `no-fit`, `refused`, or `any`), or `{"answer": true}` (any valid answer).
+//! number, from 1: 0 is the canary's), `decode_alone` (true). Candidate fields: `id`
+//! (required), `overlap_blocks`, `active_blocks`, `pending_prefill_tokens`, `in_flight`,
+//! `kv_usage` and `cache_fullness` (omitted: unknown), `role` (`both`, `prefill` or
+//! `decode`; default `both`).
+//! `expect`: `{"worker": ID}`, `{"worker_in": [IDs]}`, `{"pair": [PREFILL, DECODE]}` (a
+//! split request), `{"reject": KIND}` (`all-busy`, `no-fit`, `refused`, or `any`), or
+//! `{"answer": true}` (any valid answer).
 
 use serde::Deserialize;
 
 use super::loaded::{CallOutcome, LoadedPolicy};
 use super::types::{CandidateRow, Candidates, RejectionKind, Request};
-use switchyard_ids::InstanceId;
+use switchyard_ids::{InstanceId, Role};
 
 /// One scripted decision.
 #[derive(Debug, Clone, Deserialize)]
@@ -59,6 +61,7 @@ pub struct CaseRequest {
     session_key: Option<u64>,
     seed: Option<u64>,
     sequence: Option<u64>,
+    decode_alone: Option<bool>,
 }
 
 /// A case's candidate worker.
@@ -76,6 +79,18 @@ pub struct CaseCandidate {
     in_flight: u32,
     kv_usage: Option<f32>,
     cache_fullness: Option<f32>,
+    #[serde(default)]
+    role: CaseRole,
+}
+
+/// A case candidate's role.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum CaseRole {
+    #[default]
+    Both,
+    Prefill,
+    Decode,
 }
 
 /// What a case expects.
@@ -86,6 +101,8 @@ pub enum Expect {
     Worker(u64),
     /// One of these workers.
     WorkerIn(Vec<u64>),
+    /// This prefill worker and this decode worker.
+    Pair([u64; 2]),
     /// A rejection of this kind (`all-busy`, `no-fit`, `refused`) or `any`.
     Reject(String),
     /// Any valid answer (a candidate or a rejection).
@@ -133,6 +150,7 @@ impl Case {
             session_key: r.session_key,
             seed: r.seed.unwrap_or(1),
             sequence: r.sequence.unwrap_or(index as u64 + 1),
+            decode_alone: r.decode_alone.unwrap_or(true),
         };
         let mut rows: Vec<CandidateRow> = self
             .candidates
@@ -145,6 +163,11 @@ impl Case {
                 in_flight: c.in_flight,
                 kv_usage: c.kv_usage,
                 cache_fullness: c.cache_fullness,
+                role: match c.role {
+                    CaseRole::Both => Role::Both,
+                    CaseRole::Prefill => Role::Prefill,
+                    CaseRole::Decode => Role::Decode,
+                },
             })
             .collect();
         // The router hands candidates sorted by ID.
@@ -161,6 +184,12 @@ impl Case {
             .map_err(|failure| format!("the call failed: {failure}"))?;
         let did = match &outcome {
             CallOutcome::Chosen(id) => format!("chose worker {}", id.0),
+            CallOutcome::Pair { prefill, decode } => {
+                format!(
+                    "split: prefill on worker {}, decode on worker {}",
+                    prefill.0, decode.0
+                )
+            }
             CallOutcome::Rejected(r) => {
                 format!("rejected ({}): {}", kind_name(r.kind), r.reason)
             }
@@ -169,6 +198,9 @@ impl Case {
             (Expect::Answer(_), _) => true,
             (Expect::Worker(w), CallOutcome::Chosen(id)) => id.0 == *w,
             (Expect::WorkerIn(ws), CallOutcome::Chosen(id)) => ws.contains(&id.0),
+            (Expect::Pair([p, d]), CallOutcome::Pair { prefill, decode }) => {
+                (prefill.0, decode.0) == (*p, *d)
+            }
             (Expect::Reject(kind), CallOutcome::Rejected(r)) => {
                 kind == "any" || kind == kind_name(r.kind)
             }
@@ -182,6 +214,7 @@ impl Case {
         match &self.expect {
             Expect::Worker(w) => format!("worker {w}"),
             Expect::WorkerIn(ws) => format!("one of workers {ws:?}"),
+            Expect::Pair([p, d]) => format!("prefill on worker {p}, decode on worker {d}"),
             Expect::Reject(k) => format!("a rejection ({k})"),
             Expect::Answer(_) => "any answer".into(),
         }

@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 
 use super::loaded::{CallFailure, CallOutcome, LoadedPolicy, PolicyInfo};
 use super::native;
-use super::types::{Candidates, Rejection, Request};
+use super::types::{Candidates, Rejection, RejectionKind, Request};
 use super::{PolicyEngine, PolicyError};
 use switchyard_ids::InstanceId;
 
@@ -53,6 +53,8 @@ pub struct Decision {
     pub failure: Option<CallFailure>,
     /// How long the policy's own call took (zero when there were no candidates).
     pub call_time: std::time::Duration,
+    /// A split request's prefill worker (`outcome` names its decode worker).
+    pub prefill: Option<InstanceId>,
 }
 
 /// Counters and identity of the current policy, for the admin API and metrics.
@@ -269,6 +271,7 @@ impl PolicyHandle {
             seed: req.seed,
             failure: None,
             call_time: std::time::Duration::ZERO,
+            prefill: None,
         };
         if candidates.is_empty() {
             return decision;
@@ -281,6 +284,10 @@ impl PolicyHandle {
                 self.consecutive_failures.store(0, Ordering::Relaxed);
                 decision.outcome = match outcome {
                     CallOutcome::Chosen(id) => DecisionOutcome::Chosen(id),
+                    CallOutcome::Pair { prefill, decode } => {
+                        decision.prefill = Some(prefill);
+                        DecisionOutcome::Chosen(decode)
+                    }
                     CallOutcome::Rejected(r) => {
                         active.rejections.fetch_add(1, Ordering::Relaxed);
                         self.totals.rejections.fetch_add(1, Ordering::Relaxed);
@@ -291,9 +298,20 @@ impl PolicyHandle {
             Err(failure) => {
                 active.fallbacks.fetch_add(1, Ordering::Relaxed);
                 self.totals.fallbacks[failure.reason_index()].fetch_add(1, Ordering::Relaxed);
-                let id = native::choose(&active.fallback, &req, candidates)
-                    .expect("candidates are not empty");
-                decision.outcome = DecisionOutcome::Chosen(id);
+                decision.outcome = match native::place(&active.fallback, &req, candidates) {
+                    Some(CallOutcome::Pair { prefill, decode }) => {
+                        decision.prefill = Some(prefill);
+                        DecisionOutcome::Chosen(decode)
+                    }
+                    Some(CallOutcome::Chosen(id)) => DecisionOutcome::Chosen(id),
+                    // No placement the fleet allows (a prefill worker but no decode one).
+                    Some(CallOutcome::Rejected(r)) => DecisionOutcome::Rejected(r),
+                    None => DecisionOutcome::Rejected(Rejection {
+                        kind: RejectionKind::NoFit,
+                        reason: "no worker, nor prefill and decode pair, can serve this request"
+                            .into(),
+                    }),
+                };
                 decision.decider = Decider::Fallback;
                 let policys = failure.is_policys();
                 decision.failure = Some(failure);

@@ -11,7 +11,7 @@ use crossbeam_queue::ArrayQueue;
 use parking_lot::Mutex;
 use wasmtime::Store;
 
-use super::bindings::{Policy, PolicyPre};
+use super::bindings::{Policy, PolicyPre, wit};
 use super::cache::CacheOutcome;
 use super::canary::{RANDOM_CANARIES, canary_candidates, canary_request, random_canaries};
 use super::engine::PolicyEngine;
@@ -61,8 +61,8 @@ pub struct PolicyInfo {
     pub load_time: Duration,
     /// Whether the compiled code came from a cache.
     pub cache: CacheOutcome,
-    /// The world version it implements (`switchyard:policy@0.2.0`, or `@0.1.0` for a
-    /// component built against the previous WIT).
+    /// The world version it implements (`switchyard:policy@0.3.0`, or `@0.2.0` or
+    /// `@0.1.0` for a component built against an earlier WIT).
     pub world: &'static str,
 }
 
@@ -96,11 +96,16 @@ pub enum CallFailure {
     /// towards a rollback.
     #[error("no warm policy instance was idle")]
     NoWarmInstance,
+    /// The guest answered with a placement the candidates do not allow (a pair whose
+    /// prefill worker is not a `prefill` candidate, a lone `decode` worker where the
+    /// protocol needs both, ...).
+    #[error("policy placed the request where it cannot go: {0}")]
+    BadPlacement(String),
 }
 
 impl CallFailure {
     /// Every [`CallFailure::reason`], in a fixed order.
-    pub const REASONS: [&'static str; 7] = [
+    pub const REASONS: [&'static str; 8] = [
         "timeout",
         "out_of_memory",
         "trap",
@@ -108,6 +113,7 @@ impl CallFailure {
         "total_memory",
         "instantiate",
         "no_warm_instance",
+        "bad_placement",
     ];
 
     /// A short label naming the kind of failure (for metrics).
@@ -125,6 +131,7 @@ impl CallFailure {
             CallFailure::TotalMemory(_) => 4,
             CallFailure::Instantiate(_) => 5,
             CallFailure::NoWarmInstance => 6,
+            CallFailure::BadPlacement(_) => 7,
         }
     }
 
@@ -137,10 +144,54 @@ impl CallFailure {
 /// The answer of one successful call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CallOutcome {
-    /// The policy chose this worker (a candidate).
+    /// The policy chose this worker (a candidate) for the whole request.
     Chosen(InstanceId),
+    /// The policy split the request: prefill on one candidate, decode on another.
+    Pair {
+        /// A `prefill` candidate.
+        prefill: InstanceId,
+        /// A `decode` candidate.
+        decode: InstanceId,
+    },
     /// The policy refused on purpose.
     Rejected(Rejection),
+}
+
+/// A policy's placement, checked against the candidates: every worker named is one, a
+/// lone worker is a `both` worker (or any, when `decode_alone`), a pair is a `prefill`
+/// and a `decode` worker.
+fn check_placement(
+    req: &Request,
+    candidates: &Candidates,
+    placement: wit::Placement,
+) -> Result<CallOutcome, CallFailure> {
+    use switchyard_ids::Role;
+    let role = |id: u64| {
+        candidates
+            .role_of(InstanceId(id))
+            .ok_or(CallFailure::NotACandidate(InstanceId(id)))
+    };
+    match placement {
+        wit::Placement::Worker(id) => match role(id)? {
+            Role::Both => Ok(CallOutcome::Chosen(InstanceId(id))),
+            _ if req.decode_alone => Ok(CallOutcome::Chosen(InstanceId(id))),
+            r => Err(CallFailure::BadPlacement(format!(
+                "worker {} is a {r} worker, and this fleet's handoff needs both a prefill and a decode worker",
+                InstanceId(id)
+            ))),
+        },
+        wit::Placement::Pair(p) => match (role(p.prefill)?, role(p.decode)?) {
+            (Role::Prefill, Role::Decode) => Ok(CallOutcome::Pair {
+                prefill: InstanceId(p.prefill),
+                decode: InstanceId(p.decode),
+            }),
+            (a, b) => Err(CallFailure::BadPlacement(format!(
+                "a pair needs a prefill and a decode worker, got {} ({a}) and {} ({b})",
+                InstanceId(p.prefill),
+                InstanceId(p.decode)
+            ))),
+        },
+    }
 }
 
 /// A compiled, configured policy. Cheap to clone; clones share the instance pool.
@@ -403,10 +454,7 @@ impl LoadedPolicy {
             self.refill_soon();
         }
         match answer {
-            Ok(id) if candidates.contains(InstanceId(id)) => {
-                Ok(CallOutcome::Chosen(InstanceId(id)))
-            }
-            Ok(id) => Err(CallFailure::NotACandidate(InstanceId(id))),
+            Ok(placement) => check_placement(req, candidates, placement),
             Err(rejection) => Ok(CallOutcome::Rejected(rejection.into())),
         }
     }

@@ -2,7 +2,7 @@
 //! the generated struct-of-arrays record itself, so a call lowers it without copying.
 
 use super::bindings::wit;
-use switchyard_ids::InstanceId;
+use switchyard_ids::{InstanceId, Role};
 
 /// What the host knows about the request being routed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -19,6 +19,8 @@ pub struct Request {
     pub seed: u64,
     /// Per-endpoint decision counter; filled in by [`super::PolicyHandle::decide`].
     pub sequence: u64,
+    /// A `decode` worker may serve the request alone (vLLM's handoff; not SGLang's).
+    pub decode_alone: bool,
 }
 
 impl Request {
@@ -30,7 +32,24 @@ impl Request {
             session_key: self.session_key,
             seed: self.seed,
             sequence: self.sequence,
+            decode_alone: self.decode_alone,
         }
+    }
+}
+
+fn role_to_wit(r: Role) -> wit::Role {
+    match r {
+        Role::Both => wit::Role::Both,
+        Role::Prefill => wit::Role::Prefill,
+        Role::Decode => wit::Role::Decode,
+    }
+}
+
+fn role_from_wit(r: wit::Role) -> Role {
+    match r {
+        wit::Role::Both => Role::Both,
+        wit::Role::Prefill => Role::Prefill,
+        wit::Role::Decode => Role::Decode,
     }
 }
 
@@ -53,6 +72,8 @@ pub struct CandidateRow {
     /// How full its prefix cache is (the router's index over its cache size), in
     /// [0, 1], if its cache size is known.
     pub cache_fullness: Option<f32>,
+    /// What it does in a fleet that splits prefill from decode.
+    pub role: Role,
 }
 
 /// The candidate workers of one decision, as parallel columns (struct of arrays).
@@ -84,6 +105,7 @@ impl Candidates {
                 in_flight: Vec::with_capacity(n),
                 kv_usage: Vec::with_capacity(n),
                 cache_fullness: Vec::with_capacity(n),
+                roles: Vec::with_capacity(n),
             },
             ascending: true,
         }
@@ -100,6 +122,7 @@ impl Candidates {
         c.in_flight.push(row.in_flight);
         c.kv_usage.push(row.kv_usage.unwrap_or(-1.0));
         c.cache_fullness.push(row.cache_fullness.unwrap_or(-1.0));
+        c.roles.push(role_to_wit(row.role));
     }
 
     /// Removes every candidate, keeping the allocations.
@@ -112,6 +135,7 @@ impl Candidates {
         c.in_flight.clear();
         c.kv_usage.clear();
         c.cache_fullness.clear();
+        c.roles.clear();
         self.ascending = true;
     }
 
@@ -126,6 +150,7 @@ impl Candidates {
         c.in_flight.clone_from(&o.in_flight);
         c.kv_usage.clone_from(&o.kv_usage);
         c.cache_fullness.clone_from(&o.cache_fullness);
+        c.roles.clone_from(&o.roles);
         self.ascending = other.ascending;
     }
 
@@ -150,7 +175,24 @@ impl Candidates {
             in_flight: c.in_flight[i],
             kv_usage: (c.kv_usage[i] >= 0.0).then_some(c.kv_usage[i]),
             cache_fullness: (c.cache_fullness[i] >= 0.0).then_some(c.cache_fullness[i]),
+            role: role_from_wit(c.roles[i]),
         }
+    }
+
+    /// Candidate `i`'s role.
+    pub fn role(&self, i: usize) -> Role {
+        role_from_wit(self.cols.roles[i])
+    }
+
+    /// The role of candidate `id`.
+    pub fn role_of(&self, id: InstanceId) -> Option<Role> {
+        self.position(id).map(|i| self.role(i))
+    }
+
+    /// True when some candidate is not a `both` worker (the fleet splits prefill from
+    /// decode).
+    pub fn disaggregated(&self) -> bool {
+        self.cols.roles.iter().any(|r| *r != wit::Role::Both)
     }
 
     /// The index of candidate `id`.

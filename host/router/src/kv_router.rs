@@ -12,7 +12,7 @@ use crate::client::Client;
 use quality::DecisionQuality;
 use shadow::{Shadow, ShadowSeries, ShadowStatus};
 use switchyard_discovery::EndpointPath;
-use switchyard_ids::{BlockHash, InstanceId, RequestId};
+use switchyard_ids::{BlockHash, InstanceId, RequestId, Role};
 use switchyard_kv::approx::ApproxIndex;
 use switchyard_kv::events::KvEvent;
 use switchyard_kv::hash::BlockHasher;
@@ -25,8 +25,8 @@ use switchyard_policy::{
 
 use crate::feeds::CacheReports;
 use crate::{
-    CacheView, Index, KvRouterConfig, RouteError, Routed, ViewStatus, central_events,
-    metrics_scraper, quality, shadow, subscriber,
+    CacheView, Index, KvRouterConfig, Placing, PrefillLeg, RouteError, Routed, ViewStatus,
+    central_events, metrics_scraper, quality, shadow, subscriber,
 };
 
 /// The KV-aware router of one endpoint.
@@ -234,15 +234,53 @@ impl KvRouter {
         exclude: &[InstanceId],
         now: Instant,
     ) -> Result<Routed, RouteError> {
+        self.place(
+            prompt_tokens,
+            hashes,
+            session_key,
+            exclude,
+            now,
+            Placing::Any,
+        )
+    }
+
+    /// [`KvRouter::route_blocks`] on the workers `placing` allows.
+    pub fn place(
+        &self,
+        prompt_tokens: u32,
+        hashes: &[BlockHash],
+        session_key: Option<u64>,
+        exclude: &[InstanceId],
+        now: Instant,
+        placing: Placing,
+    ) -> Result<Routed, RouteError> {
         let started = Instant::now();
         let busy = self.client.busy(now);
-        let (candidates, _) = if busy.is_empty() {
+        let (mut candidates, _) = if busy.is_empty() {
             self.candidates(hashes, exclude)
         } else {
             let mut skip = exclude.to_vec();
             skip.extend(busy.iter().map(|(id, _)| *id));
             self.candidates(hashes, &skip)
         };
+        let mut decode_alone = true;
+        if candidates.disaggregated() {
+            decode_alone = self.decode_alone();
+            let keep = |role: Role| match placing {
+                Placing::Any => true,
+                Placing::Alone => role == Role::Both || (decode_alone && role == Role::Decode),
+                Placing::Decode => role == Role::Decode,
+            };
+            if placing != Placing::Any {
+                candidates = (0..candidates.len())
+                    .map(|i| candidates.row(i))
+                    .filter(|r| keep(r.role))
+                    .collect();
+            }
+            if placing == Placing::Decode {
+                decode_alone = true;
+            }
+        }
         if candidates.is_empty() {
             let routable = self.client.routable();
             if let Some(retry_after) = busy
@@ -264,7 +302,10 @@ impl KvRouter {
             });
         }
         let prompt_blocks = hashes.len() as u32;
-        let request = self.request(prompt_tokens, hashes, session_key);
+        let request = Request {
+            decode_alone,
+            ..self.request(prompt_tokens, hashes, session_key)
+        };
         let decision = self.policy.decide(request, &candidates);
         if let Some(shadow) = &*self.shadow.load() {
             let live = match &decision.outcome {
@@ -294,15 +335,31 @@ impl KvRouter {
         };
         debug_assert!(decision.decider == Decider::Fallback || candidates.contains(worker));
         let overlap_blocks = candidates.overlap_of(worker).unwrap_or(0);
+        let block_size = u64::from(self.config.block_size);
+        let prefill = decision.prefill.map(|p| PrefillLeg {
+            worker: p,
+            request: RequestId(self.next_request.fetch_add(1, Ordering::Relaxed)),
+            overlap_blocks: candidates.overlap_of(p).unwrap_or(0),
+        });
+        // The prompt's blocks are computed where its prefill runs.
+        let (computes, computed_overlap) =
+            prefill.map_or((worker, overlap_blocks), |p| (p.worker, p.overlap_blocks));
         self.quality
-            .routed(worker, overlap_blocks, candidates.best_overlap());
+            .routed(computes, computed_overlap, candidates.best_overlap());
         let request = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
-        let uncached = u64::from(prompt_tokens)
-            .saturating_sub(u64::from(overlap_blocks) * u64::from(self.config.block_size));
+        let uncached =
+            |overlap: u32| u64::from(prompt_tokens).saturating_sub(u64::from(overlap) * block_size);
         let expired = {
             let mut load = self.load.lock();
             let expired = load.maybe_expire(now, self.config.load_expiry);
-            load.book(request, worker, hashes, uncached, now);
+            match prefill {
+                None => load.book(request, worker, hashes, uncached(overlap_blocks), now),
+                Some(p) => {
+                    load.book(p.request, p.worker, hashes, uncached(p.overlap_blocks), now);
+                    // The decode worker receives the full blocks: it computes the rest.
+                    load.book(request, worker, hashes, uncached(prompt_blocks), now);
+                }
+            }
             expired
         };
         if expired > 0 {
@@ -310,8 +367,11 @@ impl KvRouter {
                 .fetch_add(expired as u64, Ordering::Relaxed);
             tracing::warn!(endpoint = %self.endpoint, expired, "load bookings leaked and were released by the hard expiry");
         }
-        if !self.is_exact(worker) {
-            self.index.write().predicted.record(worker, hashes, now);
+        // Both workers of a split hold the prompt's blocks after it.
+        for w in std::iter::once(worker).chain(prefill.map(|p| p.worker)) {
+            if !self.is_exact(w) {
+                self.index.write().predicted.record(w, hashes, now);
+            }
         }
         let decision_time = started.elapsed();
         self.quality.record_latency(decision_time);
@@ -322,7 +382,20 @@ impl KvRouter {
             prompt_blocks,
             decision,
             decision_time,
+            prefill,
         })
+    }
+
+    /// Whether this endpoint's `decode` workers may serve a request alone: true unless
+    /// a prefill worker hands over SGLang's way (a bootstrap port), whose decode
+    /// workers always need one.
+    pub fn decode_alone(&self) -> bool {
+        !self
+            .client
+            .snapshot()
+            .instances
+            .values()
+            .any(|s| s.info.role == Role::Prefill && s.info.bootstrap_port.is_some())
     }
 
     /// The candidates for a request with these block hashes: every routable instance
@@ -334,7 +407,8 @@ impl KvRouter {
         hashes: &[BlockHash],
         exclude: &[InstanceId],
     ) -> (Candidates, Vec<(InstanceId, u32)>) {
-        let available = self.client.routable();
+        let snapshot = self.client.snapshot();
+        let available = snapshot.routable.clone();
         let mut overlaps = Vec::new();
         // Each candidate's cache fullness: the blocks the index holds for it over its
         // cache size, where its reports gave one.
@@ -380,6 +454,10 @@ impl KvRouter {
                 in_flight: l.in_flight,
                 kv_usage: l.reported.and_then(|r| r.kv_usage()),
                 cache_fullness,
+                role: snapshot
+                    .instances
+                    .get(&id)
+                    .map_or(Role::Both, |s| s.info.role),
             });
         }
         (candidates, overlaps)
@@ -390,9 +468,11 @@ impl KvRouter {
     /// predicted; the policy's decision counters do count it).
     pub fn explain(&self, prompt_tokens: u32, hashes: &[BlockHash]) -> (Candidates, Decision) {
         let (candidates, _) = self.candidates(hashes, &[]);
-        let decision = self
-            .policy
-            .decide(self.request(prompt_tokens, hashes, None), &candidates);
+        let request = Request {
+            decode_alone: !candidates.disaggregated() || self.decode_alone(),
+            ..self.request(prompt_tokens, hashes, None)
+        };
+        let decision = self.policy.decide(request, &candidates);
         (candidates, decision)
     }
 
@@ -410,6 +490,7 @@ impl KvRouter {
             session_key,
             seed: 0,
             sequence: 0,
+            decode_alone: true,
         }
     }
 

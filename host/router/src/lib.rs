@@ -136,6 +136,33 @@ pub struct Routed {
     /// How long the whole decision took (candidates, overlaps, policy, booking); the
     /// policy's own call is `decision.call_time`.
     pub decision_time: Duration,
+    /// A split request's prefill leg (`worker` then decodes it).
+    pub prefill: Option<PrefillLeg>,
+}
+
+/// The prefill worker of a split request, booked for the prompt's prefill. Call
+/// [`KvRouter::finish`] with its `request` when the handoff is done or failed.
+#[derive(Debug, Clone, Copy)]
+pub struct PrefillLeg {
+    /// The prefill worker.
+    pub worker: InstanceId,
+    /// Its load booking.
+    pub request: RequestId,
+    /// Leading prompt blocks it already holds.
+    pub overlap_blocks: u32,
+}
+
+/// Which workers a decision may place a request on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placing {
+    /// Any placement the fleet allows: one worker, or a prefill and decode pair.
+    #[default]
+    Any,
+    /// One worker serving the whole request: a `both` worker, or a `decode` worker
+    /// where the fleet's handoff lets it serve alone (a stream's continuation).
+    Alone,
+    /// A `decode` worker for a prefill already done (vLLM's handoff, retried).
+    Decode,
 }
 
 /// Exact caches of the workers with event streams, predicted caches of the others. A

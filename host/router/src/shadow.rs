@@ -461,7 +461,8 @@ fn decide(policy: &LoadedPolicy, counters: &ShadowCounters, job: Job) -> Candida
         Ordering::Relaxed,
     );
     let shadow = match result {
-        Ok(CallOutcome::Chosen(id)) => id,
+        // A split is compared by the worker that answers (its decode worker).
+        Ok(CallOutcome::Chosen(id) | CallOutcome::Pair { decode: id, .. }) => id,
         Ok(CallOutcome::Rejected(_)) => {
             counters.rejected.fetch_add(1, Ordering::Relaxed);
             return job.candidates;

@@ -347,6 +347,10 @@ pub fn policy_check(spec: &str, config: &str, runtime: RuntimeConfig) -> anyhow:
         CallOutcome::Chosen(id) => {
             println!("canary:   chose worker {id} of four synthetic workers")
         }
+        // The canary's workers are all `both`: a split answer is a placement it cannot take.
+        CallOutcome::Pair { prefill, decode } => {
+            println!("canary:   split the request (prefill {prefill}, decode {decode})")
+        }
         CallOutcome::Rejected(r) => println!("canary:   rejected ({:?}): {}", r.kind, r.reason),
     }
     // The canary ran within the generous load budget; a serving router allows a call

@@ -98,7 +98,10 @@ pub async fn register(args: RegisterArgs) -> anyhow::Result<()> {
         info.bootstrap_port.is_none() || info.role == switchyard::discovery::Role::Prefill,
         "--bootstrap-port is a prefill server's: give --role prefill too"
     );
-    anyhow::ensure!(info.bootstrap_port != Some(0), "--bootstrap-port 0 is not a port");
+    anyhow::ensure!(
+        info.bootstrap_port != Some(0),
+        "--bootstrap-port 0 is not a port"
+    );
     anyhow::ensure!(
         info.url.starts_with("http://") || info.url.starts_with("https://"),
         "--url must be an http(s) URL, got {}",

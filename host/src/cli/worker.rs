@@ -4,9 +4,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use switchyard::discovery::{EndpointPath, Role};
 use switchyard::discovery::etcd::EtcdConfig;
 use switchyard::discovery::etcd_register::Registration;
+use switchyard::discovery::{EndpointPath, Role};
 use switchyard::worker::{
     EngineConfig, Fault, FaultConfig, MockWorker, MockWorkerConfig, PdConfig, PdProtocol,
     TimingModel,
@@ -308,4 +308,3 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
     println!("stopped");
     Ok(())
 }
-

@@ -92,6 +92,15 @@ pub struct KvCostConfig {
     /// worker has prefill waiting, moving a request away from its cache buys little wait
     /// and adds prefill work to a saturated fleet; while any worker has none, the term is 0.
     pub overload_weight: f64,
+    /// Disaggregated fleets: a prompt whose uncached part on the best worker that may
+    /// serve it alone is at most this many tokens runs there, prefill and all, instead
+    /// of being split (conditional disaggregation; Dynamo's `max_local_prefill_length`
+    /// default). `0` splits every prompt that can be split.
+    pub max_local_prefill_tokens: f64,
+    /// Disaggregated fleets: what a block moved to a decode worker costs, relative to
+    /// one computed (it is copied, not computed: ~1/20 with a fast interconnect). Prices
+    /// the decode worker's overlap when choosing it.
+    pub transfer_weight: f64,
 }
 
 impl Default for KvCostConfig {
@@ -106,6 +115,8 @@ impl Default for KvCostConfig {
             eviction_weight: 10.0,
             pressure_weight: 0.0,
             overload_weight: 4.0,
+            max_local_prefill_tokens: 1000.0,
+            transfer_weight: 0.05,
         }
     }
 }
@@ -129,6 +140,8 @@ impl KvCostConfig {
             ("eviction_weight", config.eviction_weight),
             ("pressure_weight", config.pressure_weight),
             ("overload_weight", config.overload_weight),
+            ("max_local_prefill_tokens", config.max_local_prefill_tokens),
+            ("transfer_weight", config.transfer_weight),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(format!(
@@ -351,6 +364,120 @@ fn softmax_sample(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'
     n - 1
 }
 
+/// What a candidate does in a fleet that splits prefill from decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The whole request.
+    Both,
+    /// Prefill only, handing the KV over.
+    Prefill,
+    /// Decode from KV handed over (or the whole request, where the protocol allows).
+    Decode,
+}
+
+/// Where a request goes, by candidate index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// One worker serves the whole request.
+    Worker(usize),
+    /// Prefill on one, decode on the other.
+    Pair {
+        /// The prefill worker's index.
+        prefill: usize,
+        /// The decode worker's index.
+        decode: usize,
+    },
+}
+
+/// Places a request on a fleet whose candidate `i` does `role(i)`; `decode_alone`:
+/// a decode worker may serve a request alone. `None` when no placement is possible.
+///
+/// An aggregated fleet (every role `Both`) is [`choose`]. Otherwise, with a prefill and
+/// a decode worker available, the request is split: the prefill worker by the cost
+/// above among the prefill workers (its prefix cache and prefill queue), the decode
+/// worker by the same cost among the decode workers with a moved block priced at
+/// `transfer_weight` of a computed one (its load decides; its overlap saves moving).
+/// But when the best worker that may serve alone (`Both`, or `Decode` with
+/// `decode_alone`) would compute at most `max_local_prefill_tokens` uncached tokens,
+/// it serves the request alone: a short or mostly cached prompt is not worth a
+/// handoff (conditional disaggregation). With no pair possible, the best worker that
+/// may serve alone does.
+pub fn place(
+    config: &KvCostConfig,
+    req: &RequestShape,
+    c: &CandidateView<'_>,
+    role: impl Fn(usize) -> Role,
+    decode_alone: bool,
+) -> Option<Placement> {
+    let n = c.len();
+    let (mut both, mut prefill, mut decode) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..n {
+        match role(i) {
+            Role::Both => both.push(i),
+            Role::Prefill => prefill.push(i),
+            Role::Decode => decode.push(i),
+        }
+    }
+    if prefill.is_empty() && decode.is_empty() {
+        return choose(config, req, c).map(Placement::Worker);
+    }
+    let mut alone = both;
+    if decode_alone {
+        alone.extend_from_slice(&decode);
+        alone.sort_unstable();
+    }
+    let local = choose_among(config, req, c, &alone);
+    if prefill.is_empty() || decode.is_empty() {
+        return local.map(Placement::Worker);
+    }
+    if let Some(l) = local {
+        let cached = c.overlap_blocks[l].min(req.prompt_blocks);
+        let uncached = f64::from(req.prompt_blocks - cached) * f64::from(req.block_size.max(1));
+        if uncached <= config.max_local_prefill_tokens {
+            return Some(Placement::Worker(l));
+        }
+    }
+    let p = choose_among(config, req, c, &prefill)?;
+    let moving = KvCostConfig {
+        overlap_weight: config.overlap_weight * config.transfer_weight,
+        ..*config
+    };
+    let d = choose_among(&moving, req, c, &decode)?;
+    Some(Placement::Pair {
+        prefill: p,
+        decode: d,
+    })
+}
+
+/// [`choose`] among the candidates at `rows`; the index in the whole list.
+fn choose_among(
+    config: &KvCostConfig,
+    req: &RequestShape,
+    c: &CandidateView<'_>,
+    rows: &[usize],
+) -> Option<usize> {
+    fn pick<T: Copy>(col: &[T], rows: &[usize]) -> Vec<T> {
+        rows.iter().map(|&i| col[i]).collect()
+    }
+    let (o, a, p, f, u, k) = (
+        pick(c.overlap_blocks, rows),
+        pick(c.active_blocks, rows),
+        pick(c.pending_prefill_tokens, rows),
+        pick(c.in_flight, rows),
+        pick(c.kv_usage, rows),
+        pick(c.cache_fullness, rows),
+    );
+    let sub = CandidateView {
+        overlap_blocks: &o,
+        active_blocks: &a,
+        pending_prefill_tokens: &p,
+        in_flight: &f,
+        kv_usage: &u,
+        cache_fullness: &k,
+    };
+    choose(config, req, &sub).map(|j| rows[j])
+}
+
 /// SplitMix64's finaliser: spreads any seed (even a counter) over all 64 bits.
 pub fn mix(seed: u64) -> u64 {
     let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -384,6 +511,90 @@ mod tests {
             kv_usage: &UNKNOWN[..o.len()],
             cache_fullness: &UNKNOWN[..o.len()],
         }
+    }
+
+    fn roles(r: &'static [Role]) -> impl Fn(usize) -> Role {
+        move |i| r[i]
+    }
+
+    #[test]
+    fn an_aggregated_fleet_is_placed_as_chosen() {
+        let req = RequestShape {
+            prompt_blocks: 10,
+            block_size: 16,
+            seed: 7,
+        };
+        let c = view(&[0, 8, 2], &[5, 5, 5], &[0, 0, 0]);
+        let k = KvCostConfig::default();
+        assert_eq!(
+            place(&k, &req, &c, |_| Role::Both, true),
+            Some(Placement::Worker(1))
+        );
+    }
+
+    #[test]
+    fn a_long_uncached_prompt_is_split_and_a_short_one_stays_on_the_decode_worker() {
+        let k = KvCostConfig::default();
+        // Candidates: 0, 1 prefill (1 holds the prefix), 2, 3 decode (3 less loaded).
+        const R: &[Role] = &[Role::Prefill, Role::Prefill, Role::Decode, Role::Decode];
+        let long = RequestShape {
+            prompt_blocks: 200,
+            block_size: 16,
+            seed: 1,
+        };
+        let mut c = view(&[0, 150, 0, 0], &[0; 4], &[0; 4]);
+        c.in_flight = &[0, 0, 6, 1];
+        assert_eq!(
+            place(&k, &long, &c, roles(R), true),
+            Some(Placement::Pair {
+                prefill: 1,
+                decode: 3
+            })
+        );
+        // 40 uncached tokens: not worth a handoff, when the protocol allows it.
+        let short = RequestShape {
+            prompt_blocks: 200,
+            block_size: 16,
+            seed: 1,
+        };
+        let c = view(&[0, 0, 0, 198], &[0; 4], &[0; 4]);
+        assert_eq!(
+            place(&k, &short, &c, roles(R), true),
+            Some(Placement::Worker(3))
+        );
+        // SGLang's protocol: every request needs both workers.
+        assert!(matches!(
+            place(&k, &short, &c, roles(R), false),
+            Some(Placement::Pair { decode: 3, .. })
+        ));
+        // 0 disables the local path.
+        let always = KvCostConfig {
+            max_local_prefill_tokens: 0.0,
+            ..k
+        };
+        assert!(matches!(
+            place(&always, &short, &c, roles(R), true),
+            Some(Placement::Pair { .. })
+        ));
+    }
+
+    #[test]
+    fn without_a_pair_a_worker_that_may_serve_alone_does() {
+        let k = KvCostConfig::default();
+        let req = RequestShape {
+            prompt_blocks: 100,
+            block_size: 16,
+            seed: 3,
+        };
+        let c = view(&[0, 0], &[0; 2], &[0; 2]);
+        const ONLY_DECODE: &[Role] = &[Role::Decode, Role::Decode];
+        assert!(matches!(
+            place(&k, &req, &c, roles(ONLY_DECODE), true),
+            Some(Placement::Worker(_))
+        ));
+        assert_eq!(place(&k, &req, &c, roles(ONLY_DECODE), false), None);
+        const ONLY_PREFILL: &[Role] = &[Role::Prefill, Role::Prefill];
+        assert_eq!(place(&k, &req, &c, roles(ONLY_PREFILL), true), None);
     }
 
     #[test]

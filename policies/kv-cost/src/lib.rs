@@ -1,10 +1,13 @@
 //! `kv-cost`: Switchyard's default policy. Sends each request where its prefill plus
 //! decode cost is lowest, so requests go to the worker that already caches their prefix
-//! unless that worker is much busier. The decision itself lives in
-//! `switchyard-cost-model`, shared with the host's native fallback.
+//! unless that worker is much busier; on a fleet that splits prefill from decode, to the
+//! prefill and decode pair that does so (or one worker, for a prompt whose uncached
+//! part is short). The decision itself lives in `switchyard-cost-model`, shared with
+//! the host's native fallback.
 
 use std::cell::Cell;
-use switchyard::policy::types::RejectionKind;
+use switchyard::policy::types::{Pair, RejectionKind, Role};
+use switchyard_cost_model as cost;
 use switchyard_cost_model::{CandidateView, KvCostConfig, RequestShape};
 
 wit_bindgen::generate!({ path: "../../wit", world: "policy" });
@@ -29,7 +32,7 @@ impl Guest for KvCost {
         }
     }
 
-    fn choose(req: Request, candidates: Candidates) -> Result<u64, Rejection> {
+    fn choose(req: Request, candidates: Candidates) -> Result<Placement, Rejection> {
         let shape = RequestShape {
             prompt_blocks: req.prompt_blocks,
             block_size: req.block_size,
@@ -43,11 +46,21 @@ impl Guest for KvCost {
             kv_usage: &candidates.kv_usage,
             cache_fullness: &candidates.cache_fullness,
         };
-        match switchyard_cost_model::choose(&CONFIG.get(), &shape, &view) {
-            Some(i) => Ok(candidates.worker_ids[i]),
+        let role = |i: usize| match candidates.roles.get(i) {
+            Some(Role::Prefill) => cost::Role::Prefill,
+            Some(Role::Decode) => cost::Role::Decode,
+            _ => cost::Role::Both,
+        };
+        let id = |i: usize| candidates.worker_ids[i];
+        match switchyard_cost_model::place(&CONFIG.get(), &shape, &view, role, req.decode_alone) {
+            Some(cost::Placement::Worker(i)) => Ok(Placement::Worker(id(i))),
+            Some(cost::Placement::Pair { prefill, decode }) => Ok(Placement::Pair(Pair {
+                prefill: id(prefill),
+                decode: id(decode),
+            })),
             None => Err(Rejection {
                 kind: RejectionKind::NoFit,
-                reason: "no candidates".to_string(),
+                reason: "no worker, nor prefill and decode pair, is available".to_string(),
             }),
         }
     }

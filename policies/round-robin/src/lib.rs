@@ -1,9 +1,11 @@
 //! `round-robin`: spreads requests evenly over the available workers, ignoring the KV
 //! cache. It indexes the candidate list with the host's per-endpoint decision sequence
 //! number, not a counter of its own, so the spread stays even when many warm instances
-//! decide in parallel.
+//! decide in parallel. On a fleet that splits prefill from decode it spreads the pairs
+//! the same way: the prefill worker over the prefill workers, the decode worker over
+//! the decode workers.
 
-use switchyard::policy::types::RejectionKind;
+use switchyard::policy::types::{Pair, RejectionKind, Role};
 
 wit_bindgen::generate!({ path: "../../wit", world: "policy" });
 
@@ -24,15 +26,42 @@ impl Guest for RoundRobin {
         }
     }
 
-    fn choose(req: Request, candidates: Candidates) -> Result<u64, Rejection> {
-        let n = candidates.worker_ids.len() as u64;
-        if n == 0 {
-            return Err(Rejection {
-                kind: RejectionKind::NoFit,
-                reason: "no candidates".to_string(),
-            });
-        }
-        Ok(candidates.worker_ids[(req.sequence % n) as usize])
+    fn choose(req: Request, candidates: Candidates) -> Result<Placement, Rejection> {
+        let spread = |ids: &[u64]| ids[(req.sequence % ids.len() as u64) as usize];
+        place(&candidates, req.decode_alone, spread)
+    }
+}
+
+/// The workers of `role`.
+fn of(c: &Candidates, role: Role) -> Vec<u64> {
+    (0..c.worker_ids.len())
+        .filter(|&i| c.roles[i] == role)
+        .map(|i| c.worker_ids[i])
+        .collect()
+}
+
+/// A `both` worker if there is one; else a prefill and decode pair; else a decode worker
+/// alone where the protocol allows it. `pick(ids)` picks one of `ids`.
+fn place(
+    c: &Candidates,
+    decode_alone: bool,
+    pick: impl Fn(&[u64]) -> u64,
+) -> Result<Placement, Rejection> {
+    let both = of(c, Role::Both);
+    if !both.is_empty() {
+        return Ok(Placement::Worker(pick(&both)));
+    }
+    let (prefill, decode) = (of(c, Role::Prefill), of(c, Role::Decode));
+    match (prefill.is_empty(), decode.is_empty()) {
+        (false, false) => Ok(Placement::Pair(Pair {
+            prefill: pick(&prefill),
+            decode: pick(&decode),
+        })),
+        (true, false) if decode_alone => Ok(Placement::Worker(pick(&decode))),
+        _ => Err(Rejection {
+            kind: RejectionKind::NoFit,
+            reason: "no worker, nor prefill and decode pair, is available".to_string(),
+        }),
     }
 }
 

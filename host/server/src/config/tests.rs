@@ -288,7 +288,10 @@ fn a_worker_says_its_role_and_bootstrap_port_in_the_url_or_the_table() {
     assert_eq!((w.role, w.bootstrap_port), (Role::Decode, None));
     assert_eq!(StaticWorker::parse("http://b:1").unwrap().role, Role::Both);
     let e = StaticWorker::parse("http://x:1#role=verifier").unwrap_err();
-    assert!(e.to_string().contains("not one of both, prefill, decode"), "{e}");
+    assert!(
+        e.to_string().contains("not one of both, prefill, decode"),
+        "{e}"
+    );
     let e = StaticWorker::parse("http://x:1#role=decode&bootstrap_port=8998").unwrap_err();
     assert!(e.to_string().contains("prefill worker's"), "{e}");
     let e = StaticWorker::parse("http://x:1#role=prefill&bootstrap_port=99999").unwrap_err();

@@ -118,7 +118,15 @@ pub(super) async fn completion(
         )
     }) {
         Ok(l) => l,
-        Err(m) => return error(StatusCode::BAD_REQUEST, &m, "invalid_request_error", None, None),
+        Err(m) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &m,
+                "invalid_request_error",
+                None,
+                None,
+            );
+        }
     };
     let (fault, faults) = shared.fault_for_request();
     shared.update_refuse();
@@ -256,13 +264,9 @@ pub(super) async fn completion(
             });
         }
     }
-    let mut out = shared.engine.submit(
-        blocks,
-        block_tokens,
-        salt,
-        prompt_tokens,
-        max_tokens,
-    );
+    let mut out = shared
+        .engine
+        .submit(blocks, block_tokens, salt, prompt_tokens, max_tokens);
     let first_out = out.recv().await;
     if let Some(lease) = received.take() {
         // Admitted (or refused): the received blocks are the request's own now.

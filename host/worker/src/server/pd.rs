@@ -145,7 +145,11 @@ pub(super) enum Leg {
 }
 
 /// The leg `body` asks for on a worker with `pd`, or the 400 message.
-pub(super) fn leg(pd: &PdConfig, body: &[u8], fresh_key: impl FnOnce() -> String) -> Result<Leg, String> {
+pub(super) fn leg(
+    pd: &PdConfig,
+    body: &[u8],
+    fresh_key: impl FnOnce() -> String,
+) -> Result<Leg, String> {
     let mentions = |needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
     let fields: Fields = if mentions(b"kv_transfer_params") || mentions(b"bootstrap_room") {
         serde_json::from_slice(body).map_err(|e| format!("bad handoff fields: {e}"))?
@@ -170,11 +174,18 @@ pub(super) fn leg(pd: &PdConfig, body: &[u8], fresh_key: impl FnOnce() -> String
                 if pd.role == Role::Prefill {
                     return Err("this worker is a prefill worker (kv_producer): it does not decode from others".into());
                 }
-                let (Some(host), Some(port), Some(key)) = (p.remote_host, p.remote_port, p.remote_request_id) else {
+                let (Some(host), Some(port), Some(key)) =
+                    (p.remote_host, p.remote_port, p.remote_request_id)
+                else {
                     return Err("kv_transfer_params with do_remote_prefill need remote_host, remote_port and remote_request_id".into());
                 };
                 let _ = p.remote_block_ids;
-                return Ok(Leg::Decode { host, port, key, vllm: true });
+                return Ok(Leg::Decode {
+                    host,
+                    port,
+                    key,
+                    vllm: true,
+                });
             }
             Ok(Leg::Whole)
         }
@@ -192,7 +203,8 @@ pub(super) fn leg(pd: &PdConfig, body: &[u8], fresh_key: impl FnOnce() -> String
                         vllm: false,
                     });
                 }
-                let (Some(host), Some(port)) = (fields.bootstrap_host, fields.bootstrap_port) else {
+                let (Some(host), Some(port)) = (fields.bootstrap_host, fields.bootstrap_port)
+                else {
                     return Err("a decode request needs bootstrap_host and bootstrap_port".into());
                 };
                 Ok(Leg::Decode {
@@ -264,13 +276,7 @@ impl Handoffs {
             {
                 stale.extend(entries.remove(&oldest).map(|e| e.state));
             }
-            if let Some(old) = entries.insert(
-                key.to_string(),
-                Entry {
-                    state,
-                    since: now,
-                },
-            ) {
+            if let Some(old) = entries.insert(key.to_string(), Entry { state, since: now }) {
                 stale.push(old.state);
             }
         }
@@ -400,7 +406,13 @@ pub(super) fn process_nonce() -> u64 {
 }
 
 /// vLLM's answer parameters for a prefill kept under `key` with `blocks` blocks.
-pub(super) fn vllm_params(key: &str, blocks: usize, host: &str, port: u16, engine_id: &str) -> serde_json::Value {
+pub(super) fn vllm_params(
+    key: &str,
+    blocks: usize,
+    host: &str,
+    port: u16,
+    engine_id: &str,
+) -> serde_json::Value {
     json!({
         "do_remote_prefill": true,
         "do_remote_decode": false,
@@ -477,17 +489,36 @@ mod tests {
         let key = || "k1".to_string();
         assert_eq!(leg(&p, br#"{"prompt":"x"}"#, key), Ok(Leg::Whole));
         assert_eq!(
-            leg(&p, br#"{"kv_transfer_params":{"do_remote_decode":true,"remote_host":null}}"#, key),
-            Ok(Leg::Prefill { key: "k1".into(), vllm: true })
+            leg(
+                &p,
+                br#"{"kv_transfer_params":{"do_remote_decode":true,"remote_host":null}}"#,
+                key
+            ),
+            Ok(Leg::Prefill {
+                key: "k1".into(),
+                vllm: true
+            })
         );
         let d = pd(Role::Decode, PdProtocol::Vllm);
         let body = br#"{"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"h","remote_port":7,"remote_request_id":"r","remote_block_ids":[0,1]}}"#;
         assert_eq!(
             leg(&d, body, key),
-            Ok(Leg::Decode { host: "h".into(), port: 7, key: "r".into(), vllm: true })
+            Ok(Leg::Decode {
+                host: "h".into(),
+                port: 7,
+                key: "r".into(),
+                vllm: true
+            })
         );
         assert!(leg(&p, body, key).unwrap_err().contains("prefill worker"));
-        assert!(leg(&d, br#"{"kv_transfer_params":{"do_remote_prefill":true}}"#, key).is_err());
+        assert!(
+            leg(
+                &d,
+                br#"{"kv_transfer_params":{"do_remote_prefill":true}}"#,
+                key
+            )
+            .is_err()
+        );
         assert!(leg(&d, br#"{"kv_transfer_params": 5}"#, key).is_err());
     }
 
@@ -495,16 +526,39 @@ mod tests {
     fn sglang_workers_need_a_room() {
         let key = || unreachable!();
         let p = pd(Role::Prefill, PdProtocol::Sglang);
-        assert!(leg(&p, br#"{"prompt":"x"}"#, key).unwrap_err().contains("bootstrap_room"));
+        assert!(
+            leg(&p, br#"{"prompt":"x"}"#, key)
+                .unwrap_err()
+                .contains("bootstrap_room")
+        );
         assert_eq!(
-            leg(&p, br#"{"bootstrap_host":"h","bootstrap_port":8998,"bootstrap_room":42}"#, key),
-            Ok(Leg::Prefill { key: "42".into(), vllm: false })
+            leg(
+                &p,
+                br#"{"bootstrap_host":"h","bootstrap_port":8998,"bootstrap_room":42}"#,
+                key
+            ),
+            Ok(Leg::Prefill {
+                key: "42".into(),
+                vllm: false
+            })
         );
         let d = pd(Role::Decode, PdProtocol::Sglang);
         assert_eq!(
-            leg(&d, br#"{"bootstrap_host":"h","bootstrap_port":8998,"bootstrap_room":42}"#, key),
-            Ok(Leg::Decode { host: "h".into(), port: 8998, key: "42".into(), vllm: false })
+            leg(
+                &d,
+                br#"{"bootstrap_host":"h","bootstrap_port":8998,"bootstrap_room":42}"#,
+                key
+            ),
+            Ok(Leg::Decode {
+                host: "h".into(),
+                port: 8998,
+                key: "42".into(),
+                vllm: false
+            })
         );
-        assert_eq!(leg(&pd(Role::Both, PdProtocol::Sglang), b"{}", key), Ok(Leg::Whole));
+        assert_eq!(
+            leg(&pd(Role::Both, PdProtocol::Sglang), b"{}", key),
+            Ok(Leg::Whole)
+        );
     }
 }

@@ -13,7 +13,7 @@ impl Guest for Hostile {
         describe_self()
     }
 
-    fn choose(req: Request, candidates: Candidates) -> Result<u64, Rejection> {
-        Ok(candidates.worker_ids[0])
+    fn choose(req: Request, candidates: Candidates) -> Result<Placement, Rejection> {
+        Ok(Placement::Worker(candidates.worker_ids[0]))
     }
 }

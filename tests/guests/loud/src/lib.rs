@@ -17,10 +17,10 @@ impl Guest for Hostile {
     }
 
     /// After `after` decisions, refuses every request with a 4 MB reason full of newlines.
-    fn choose(req: Request, candidates: Candidates) -> Result<u64, Rejection> {
+    fn choose(req: Request, candidates: Candidates) -> Result<Placement, Rejection> {
         if misbehave(&req) {
             return Err(reject(&"too loud\n".repeat(450_000)));
         }
-        Ok(candidates.worker_ids[0])
+        Ok(Placement::Worker(candidates.worker_ids[0]))
     }
 }
