@@ -73,6 +73,10 @@ pub struct Metrics {
     pub migration_prefill_tokens: AtomicU64,
     /// Continuations sent as token IDs (exact), not as text.
     pub token_level_migrations: AtomicU64,
+    /// Requests split between a prefill worker and a decode worker (per attempt).
+    pub splits: AtomicU64,
+    /// Prefill legs of split requests that failed.
+    pub prefill_failures: AtomicU64,
     /// Failed upstream attempts per instance.
     pub failures_by_instance:
         parking_lot::Mutex<std::collections::BTreeMap<switchyard_ids::InstanceId, u64>>,
@@ -167,13 +171,15 @@ impl Metrics {
             &self.migrated_streams_completed,
             &self.migration_prefill_tokens,
             &self.token_level_migrations,
+            &self.splits,
+            &self.prefill_failures,
         ]
     }
 }
 
 /// The front door's unlabelled counters: name (without `switchyard_` and `_total`) and
 /// help, in [`Metrics::front_door`] order.
-pub(super) const FRONT_DOOR: [(&str, &str); 15] = [
+pub(super) const FRONT_DOOR: [(&str, &str); 17] = [
     ("retries", "Attempts on another worker after a failure"),
     (
         "upstream_failures",
@@ -221,5 +227,13 @@ pub(super) const FRONT_DOOR: [(&str, &str); 15] = [
     (
         "token_level_migrations",
         "Continuations sent as token IDs (the stream carried them: vLLM's return_token_ids), exact",
+    ),
+    (
+        "split_requests",
+        "Attempts split between a prefill worker and a decode worker (disaggregated fleets)",
+    ),
+    (
+        "prefill_leg_failures",
+        "Prefill legs of split attempts that failed (the request was placed again)",
     ),
 ];

@@ -23,7 +23,7 @@ use serde_json::{Map, Value, json};
 
 use crate::Gateway;
 use switchyard_ids::InstanceId;
-use switchyard_router::KvRouter;
+use switchyard_router::{KvRouter, Placing};
 use switchyard_tokens::ChatMessage;
 use switchyard_tokens::openai::{Api, CompletionRequest, Prompt};
 
@@ -836,13 +836,16 @@ pub(super) async fn continue_stream(
     let mut exclude = req.exclude;
     let mut last: Option<String> = None;
     for _ in 0..gw.config.max_attempts.max(1) {
+        // A continuation runs on one worker: on a fleet that splits prefill from
+        // decode, a decode worker computes its prompt itself (where the handoff allows).
         let routed = router
-            .route_blocks(
+            .place(
                 prompt_tokens,
                 &hashes,
                 to.session_key,
                 &exclude,
                 Instant::now(),
+                Placing::Alone,
             )
             .map_err(|e| match &last {
                 None => format!("no worker could take it: {e}"),

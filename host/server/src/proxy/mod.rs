@@ -30,8 +30,10 @@
 //! - `migrate`: a broken stream continued on another worker.
 
 mod forward;
+mod handoff;
 mod migrate;
 mod relay;
+mod split;
 mod tokenize;
 
 pub use forward::parse_retry_after;
@@ -51,7 +53,7 @@ use hyper::header::{ACCEPT, AUTHORIZATION};
 use crate::{ApiError, Body, Gateway};
 use switchyard_ids::{InstanceId, RequestId};
 use switchyard_router::client::Client;
-use switchyard_router::{KvRouter, RouteError};
+use switchyard_router::{KvRouter, Placing, RouteError};
 use switchyard_tokens::openai::{self, Api};
 
 use forward::{forward, set_retry_after};
@@ -203,19 +205,33 @@ pub(crate) async fn completion(
 
     let mut a = Attempts::default();
     let mut attempt = 0;
+    // vLLM's handoff: a prefill done, and the decode request carrying it, kept for the
+    // next decode worker when one fails before its first byte.
+    let mut kept: Option<Bytes> = None;
     while attempt < gw.config.max_attempts.max(1) {
-        let routed = match router.route_blocks(
+        let placing = if kept.is_some() {
+            Placing::Decode
+        } else {
+            Placing::Any
+        };
+        let routed = match router.place(
             prompt_tokens,
             &hashes,
             session_key,
             &a.exclude,
             Instant::now(),
+            placing,
         ) {
             Ok(r) => {
                 gw.metrics
                     .timings
                     .decision(&endpoint, r.decision_time, r.decision.call_time);
                 r
+            }
+            Err(_) if kept.is_some() => {
+                // No decode worker is left for the prefill kept: place it anew.
+                kept = None;
+                continue;
             }
             Err(e @ RouteError::Rejected(_)) => return Err(e.into()),
             Err(e) => return give_up(&client, a, Some(e)),
@@ -233,6 +249,71 @@ pub(crate) async fn completion(
             a.exclude.push(worker);
             continue;
         };
+        // A split request's prefill leg: done first (vLLM), or running beside the
+        // decode leg (SGLang).
+        let mut beside = None;
+        let send_body = match routed.prefill {
+            None => kept.clone().unwrap_or_else(|| body.clone()),
+            Some(leg) => {
+                let prefill_booking = Booking {
+                    router: router.clone(),
+                    request: leg.request,
+                };
+                let Some(p) = client.instance(leg.worker) else {
+                    a.exclude.push(leg.worker);
+                    continue;
+                };
+                gw.metrics.splits.fetch_add(1, Ordering::Relaxed);
+                match handoff::Protocol::of(&p) {
+                    handoff::Protocol::Vllm => {
+                        match split::vllm_prefill(gw, &p.url, &path, auth.as_ref(), &body).await {
+                            Ok(decode_body) => {
+                                client.record_success(leg.worker);
+                                kept = Some(decode_body.clone());
+                                decode_body
+                            }
+                            Err(split::LegEnd::Refused(ans)) => return Ok(answer(ans)),
+                            Err(split::LegEnd::Failed(f)) => {
+                                drop(booking);
+                                drop(prefill_booking);
+                                gw.metrics.prefill_failures.fetch_add(1, Ordering::Relaxed);
+                                let failed = Failed {
+                                    worker: leg.worker,
+                                    url: &p.url,
+                                    stream: parsed.stream,
+                                    limit,
+                                    attempt,
+                                };
+                                match settle(gw, &router, &mut a, failed, f) {
+                                    Some(done) => return done,
+                                    None => continue,
+                                }
+                            }
+                        }
+                    }
+                    handoff::Protocol::Sglang { host, port } => {
+                        let both = handoff::sglang_body(&body, &host, port, handoff::fresh_room())
+                            .map_err(|m| {
+                                ApiError::BadRequest(openai::BadRequest {
+                                    message: m,
+                                    param: None,
+                                })
+                            })?;
+                        let task = tokio::spawn(split::prefill_beside(
+                            gw.clone(),
+                            p.url.clone(),
+                            path.clone(),
+                            auth.clone(),
+                            both.clone(),
+                            gw.config.request_timeout,
+                            prefill_booking,
+                        ));
+                        beside = Some((leg.worker, p.url.clone(), task));
+                        both
+                    }
+                }
+            }
+        };
         let send = || {
             forward(
                 gw,
@@ -240,11 +321,42 @@ pub(crate) async fn completion(
                 &path,
                 accept.as_ref(),
                 auth.as_ref(),
-                body.clone(),
+                send_body.clone(),
                 limit,
             )
         };
-        let mut sent = send().await;
+        let mut sent = match &mut beside {
+            None => send().await,
+            Some((pw, purl, task)) => {
+                // The decode worker waits for its prefill: a prefill leg that fails
+                // first ends the wait, and both legs are placed again.
+                let decode = send();
+                tokio::pin!(decode);
+                tokio::select! {
+                    s = &mut decode => s,
+                    r = &mut *task => match r {
+                        Ok(Ok(())) => decode.await,
+                        Ok(Err(split::LegEnd::Refused(ans))) => return Ok(answer(ans)),
+                        Ok(Err(split::LegEnd::Failed(f))) => {
+                            drop(booking);
+                            gw.metrics.prefill_failures.fetch_add(1, Ordering::Relaxed);
+                            let failed = Failed {
+                                worker: *pw,
+                                url: purl,
+                                stream: parsed.stream,
+                                limit,
+                                attempt,
+                            };
+                            match settle(gw, &router, &mut a, failed, f) {
+                                Some(done) => return done,
+                                None => continue,
+                            }
+                        }
+                        Err(e) => Err(Failure::Local(format!("the prefill leg ended: {e}"))),
+                    },
+                }
+            }
+        };
         if gw.config.outlier_detection
             && a.reconnects == 0
             && let Err(closed @ Failure::Closed(_)) = &sent
@@ -298,63 +410,113 @@ pub(crate) async fn completion(
             Err(f) => f,
         };
         drop(booking);
-        let reason = failure.reason();
-        count_failed_attempt(gw, &router, worker, &instance.url, &failure, attempt);
-        if !gw.config.outlier_detection {
-            // The baseline: every failure ejects at once, and the request moves on.
-            if gw.config.availability {
-                client.report_instance_down(worker, &reason);
-            }
-            a.exclude.push(worker);
-            a.last = Some(failure);
-            continue;
+        if let Some((_, _, task)) = beside {
+            // A room serves one handoff: the next attempt runs both legs again.
+            task.abort();
         }
-        match &failure {
-            Failure::Local(e) => {
-                gw.metrics.local_failures.fetch_add(1, Ordering::Relaxed);
-                return Err(ApiError::Overloaded(format!(
-                    "the router cannot open a connection to a worker: {e}"
-                )));
-            }
-            Failure::Closed(_) | Failure::Unreachable(_) => {
-                if gw.config.availability {
-                    client.report_instance_down(worker, &reason);
-                }
-            }
-            Failure::Busy(ans, retry_after) => {
-                let skip = client.report_busy(worker, *retry_after);
-                gw.metrics.busy.fetch_add(1, Ordering::Relaxed);
-                let mut ans = (ans.0.clone(), ans.1.clone());
-                set_retry_after(&mut ans.0.headers, skip);
-                a.answer = Some(ans);
-            }
-            Failure::Status(ans) => {
-                a.answer = Some((ans.0.clone(), ans.1.clone()));
-                a.pending.push((worker, reason.clone()));
-            }
-            Failure::Timeout(_) if !parsed.stream => {
-                // Not retried: it would take as long elsewhere. Counted against the
-                // worker only if it is silent.
-                let c = client.clone();
-                tokio::spawn(async move { c.check_now(worker, &reason).await });
-                return Err(ApiError::UpstreamTimeout(format!(
-                    "no answer within the request timeout of {limit:?}"
-                )));
-            }
-            Failure::Timeout(_) => a.pending.push((worker, reason.clone())),
-        }
-        a.exclude.push(worker);
-        a.last = Some(failure);
-        let failed_workers = a.pending.len();
-        if failed_workers >= 2 {
-            // Failed on two workers: the request's fault. Eject no one, stop here.
-            gw.metrics.poison.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(endpoint = %router.endpoint(), workers = failed_workers, "request failed on several workers; treated as its own fault (poison), not retried");
-            a.pending.clear();
-            return give_up(&client, a, None);
+        let failed = Failed {
+            worker,
+            url: &instance.url,
+            stream: parsed.stream,
+            limit,
+            attempt,
+        };
+        if let Some(done) = settle(gw, &router, &mut a, failed, failure) {
+            return done;
         }
     }
     give_up(&client, a, None)
+}
+
+/// The worker of a failed attempt.
+struct Failed<'a> {
+    worker: InstanceId,
+    url: &'a str,
+    /// The client's request streams.
+    stream: bool,
+    /// Its first-byte or request timeout.
+    limit: Duration,
+    attempt: usize,
+}
+
+/// Records a failed attempt (either leg of a split one too) and decides what follows:
+/// `None` to try again elsewhere, or the client's answer. Busy workers are skipped,
+/// unreachable ones ejected, 5xx answers and stalls counted against their workers only
+/// once another worker serves the request, and a request that failed on two workers of
+/// the same role is the request's fault (poison).
+fn settle(
+    gw: &Arc<Gateway>,
+    router: &Arc<KvRouter>,
+    a: &mut Attempts,
+    at: Failed<'_>,
+    failure: Failure,
+) -> Option<Result<Response<Body>, ApiError>> {
+    let client = router.client();
+    let worker = at.worker;
+    let reason = failure.reason();
+    count_failed_attempt(gw, router, worker, at.url, &failure, at.attempt);
+    if !gw.config.outlier_detection {
+        // The baseline: every failure ejects at once, and the request moves on.
+        if gw.config.availability {
+            client.report_instance_down(worker, &reason);
+        }
+        a.exclude.push(worker);
+        a.last = Some(failure);
+        return None;
+    }
+    match &failure {
+        Failure::Local(e) => {
+            gw.metrics.local_failures.fetch_add(1, Ordering::Relaxed);
+            return Some(Err(ApiError::Overloaded(format!(
+                "the router cannot open a connection to a worker: {e}"
+            ))));
+        }
+        Failure::Closed(_) | Failure::Unreachable(_) => {
+            if gw.config.availability {
+                client.report_instance_down(worker, &reason);
+            }
+        }
+        Failure::Busy(ans, retry_after) => {
+            let skip = client.report_busy(worker, *retry_after);
+            gw.metrics.busy.fetch_add(1, Ordering::Relaxed);
+            let mut ans = (ans.0.clone(), ans.1.clone());
+            set_retry_after(&mut ans.0.headers, skip);
+            a.answer = Some(ans);
+        }
+        Failure::Status(ans) => {
+            a.answer = Some((ans.0.clone(), ans.1.clone()));
+            a.pending.push((worker, reason.clone()));
+        }
+        Failure::Timeout(_) if !at.stream => {
+            // Not retried: it would take as long elsewhere. Counted against the
+            // worker only if it is silent.
+            let c = client.clone();
+            tokio::spawn(async move { c.check_now(worker, &reason).await });
+            return Some(Err(ApiError::UpstreamTimeout(format!(
+                "no answer within the request timeout of {:?}",
+                at.limit
+            ))));
+        }
+        Failure::Timeout(_) => a.pending.push((worker, reason.clone())),
+    }
+    a.exclude.push(worker);
+    a.last = Some(failure);
+    // Poison is judged per leg: two prefill workers, or two workers that decode.
+    let role_of = |w: InstanceId| client.instance(w).map(|i| i.role);
+    let role = role_of(worker);
+    let failed_workers = a
+        .pending
+        .iter()
+        .filter(|(w, _)| role_of(*w) == role)
+        .count();
+    if failed_workers >= 2 {
+        // Failed on two workers: the request's fault. Eject no one, stop here.
+        gw.metrics.poison.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(endpoint = %router.endpoint(), workers = failed_workers, "request failed on several workers; treated as its own fault (poison), not retried");
+        a.pending.clear();
+        return Some(give_up(client, std::mem::take(a), None));
+    }
+    None
 }
 
 /// A failed attempt in the log and the front door's counters (busy answers and the

@@ -230,7 +230,7 @@ pub(super) async fn completion(
             vllm,
         } => {
             let have = shared.engine.cached_prefix(&blocks);
-            match pd::fetch(host, *port, key, have).await {
+            match pd::fetch(host, *port, key, have, !*vllm).await {
                 Ok(n) => {
                     let n = n.min(blocks.len());
                     let bs = shared.hasher.block_size() as usize;

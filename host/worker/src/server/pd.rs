@@ -25,8 +25,9 @@
 //!   (500). Either worker refuses a request without a room (SGLang's disaggregation mode
 //!   has no aggregated path).
 //!
-//! The mock's transfer: `GET /handoff/{key}?have=N` on the prefill worker (its HTTP port
-//! for vLLM, its bootstrap port for SGLang) waits for the prefill, holds the blocks for
+//! The mock's transfer: `GET /handoff/{key}?have=N[&wait=1]` on the prefill worker (its
+//! HTTP port for vLLM, its bootstrap port for SGLang; SGLang's decode worker waits for a
+//! prefill running beside it, vLLM's finds it done or not at all), holds the blocks for
 //! the simulated wire time of the blocks the decode worker lacks
 //! (`transfer_us_per_block` each, divided by the speed-up), releases them and answers
 //! `{"blocks": N}`. Blocks kept for a decode worker that never comes are released after
@@ -321,6 +322,9 @@ impl Handoffs {
                         entries.remove(key);
                         return Err((StatusCode::GONE, format!("the prefill of `{key}` failed")));
                     }
+                    None if wait.is_zero() => {
+                        return Err((StatusCode::NOT_FOUND, format!("no prefill kept as `{key}`")));
+                    }
                     Some(State::Computing) | None => {}
                 }
             }
@@ -336,7 +340,7 @@ impl Handoffs {
         if let Ok(d) = Duration::try_from_secs_f64(us / 1e6)
             && !d.is_zero()
         {
-            tokio::time::sleep(d.min(wait)).await;
+            tokio::time::sleep(d.min(HANDOFF_WAIT)).await;
         }
         if let Some(l) = lease {
             engine.unpin(&l);
@@ -427,7 +431,13 @@ pub(super) fn vllm_params(
 
 /// Asks the prefill worker at `host:port` for handoff `key`, holding the first `have`
 /// blocks already: the blocks it computed, or why not.
-pub(super) async fn fetch(host: &str, port: u16, key: &str, have: usize) -> Result<usize, String> {
+pub(super) async fn fetch(
+    host: &str,
+    port: u16,
+    key: &str,
+    have: usize,
+    wait: bool,
+) -> Result<usize, String> {
     let work = async {
         let stream = tokio::net::TcpStream::connect((host, port))
             .await
@@ -437,7 +447,7 @@ pub(super) async fn fetch(host: &str, port: u16, key: &str, have: usize) -> Resu
                 .await
                 .map_err(|e| format!("handshake with {host}:{port}: {e}"))?;
         tokio::spawn(conn);
-        let uri = format!("/handoff/{key}?have={have}");
+        let uri = format!("/handoff/{key}?have={have}&wait={}", u8::from(wait));
         let req = hyper::Request::get(uri)
             .header(hyper::header::HOST, format!("{host}:{port}"))
             .body(Empty::<Bytes>::new())

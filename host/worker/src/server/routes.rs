@@ -132,12 +132,19 @@ pub(super) async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
 /// `GET /handoff/{key}?have=N`: a decode worker takes the KV of prefill `key`.
 async fn handoff(shared: &Shared, req: &Request<Incoming>) -> Response<Body> {
     let key = req.uri().path().trim_start_matches("/handoff/");
-    let have = req
-        .uri()
-        .query()
-        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("have=")))
-        .and_then(|n| n.parse::<usize>().ok())
-        .unwrap_or(0);
+    let param = |name: &str| {
+        req.uri()
+            .query()?
+            .split('&')
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+            .and_then(|n| n.parse::<usize>().ok())
+    };
+    let have = param("have").unwrap_or(0);
+    let wait = if param("wait") == Some(1) {
+        super::pd::HANDOFF_WAIT
+    } else {
+        Duration::ZERO
+    };
     if key.is_empty() || key.len() > 128 {
         return error(
             StatusCode::BAD_REQUEST,
@@ -154,7 +161,7 @@ async fn handoff(shared: &Shared, req: &Request<Incoming>) -> Response<Body> {
             key,
             have,
             shared.pd.transfer_us_per_block,
-            super::pd::HANDOFF_WAIT,
+            wait,
         )
         .await
     {
