@@ -33,6 +33,7 @@ fn main() {
             "picks_last",
             "picks_first",
             "built_for_0_1",
+            "built_for_0_2",
         ],
     );
 }

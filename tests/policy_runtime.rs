@@ -188,7 +188,7 @@ fn a_policy_built_against_the_previous_contract_still_loads_and_decides() {
     assert_eq!(old.info().world, "switchyard:policy@0.1.0");
     assert_eq!(
         handle(&engine, "kv-cost", "{}").current().info().world,
-        "switchyard:policy@0.2.0"
+        "switchyard:policy@0.3.0"
     );
     let h = PolicyHandle::new(engine.clone(), old).unwrap();
     // It reads the fields 0.1.0 has: the lowest reported usage wins.
@@ -213,6 +213,90 @@ fn a_policy_built_against_the_previous_contract_still_loads_and_decides() {
         DecisionOutcome::Rejected(r) => assert!(r.reason.contains("16-block prompt"), "{r:?}"),
         other => panic!("expected a rejection, got {other:?}"),
     }
+}
+
+/// A 0.2.0 component knows no roles: on an aggregated fleet it decides as before; on a
+/// split fleet the host asks it among the prefill workers, then among the decode workers,
+/// and the pair is the decision; a lone prefill worker is no placement at all.
+#[test]
+fn a_policy_built_before_disaggregation_is_asked_once_per_role() {
+    use switchyard::ids::Role;
+    let engine = engine();
+    let old = engine.load_file(&guest("built_for_0_2"), "{}").unwrap();
+    assert_eq!(old.info().world, "switchyard:policy@0.2.0");
+    let h = PolicyHandle::new(engine.clone(), old).unwrap();
+    let with = |id, fullness, role| CandidateRow {
+        cache_fullness: Some(fullness),
+        role,
+        ..row(id, 0, 0, 0)
+    };
+    let both: Candidates = [with(1, 0.9, Role::Both), with(2, 0.3, Role::Both)]
+        .into_iter()
+        .collect();
+    let d = h.decide(request(16, 1), &both);
+    assert_eq!((chosen(&d.outcome), d.prefill), (InstanceId(2), None));
+    let split: Candidates = [
+        with(1, 0.9, Role::Prefill),
+        with(2, 0.3, Role::Decode),
+        with(3, 0.1, Role::Prefill),
+        with(4, 0.8, Role::Decode),
+    ]
+    .into_iter()
+    .collect();
+    let d = h.decide(request(16, 1), &split);
+    assert_eq!(d.decider, Decider::Policy);
+    assert_eq!(
+        (d.prefill, chosen(&d.outcome)),
+        (Some(InstanceId(3)), InstanceId(2)),
+        "the least full prefill worker, then the least full decode worker"
+    );
+    let lone: Candidates = [with(1, 0.5, Role::Prefill)].into_iter().collect();
+    match h.decide(request(16, 1), &lone).outcome {
+        DecisionOutcome::Rejected(r) => assert!(r.reason.contains("no decode worker"), "{r:?}"),
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+/// A current policy whose placement the fleet cannot take (a pair of two decode workers,
+/// a lone prefill worker under SGLang's handoff) is decided for by the fallback.
+#[test]
+fn a_placement_the_fleet_cannot_take_is_a_policy_failure() {
+    use switchyard::ids::Role;
+    let engine = engine();
+    // picks-first answers the first candidate: a prefill worker.
+    let h = PolicyHandle::new(
+        engine.clone(),
+        engine.load_file(&guest("picks_first"), "{}").unwrap(),
+    )
+    .unwrap();
+    let split: Candidates = [
+        CandidateRow {
+            role: Role::Prefill,
+            ..row(1, 0, 0, 0)
+        },
+        CandidateRow {
+            role: Role::Decode,
+            ..row(2, 0, 0, 0)
+        },
+    ]
+    .into_iter()
+    .collect();
+    let sglang = Request {
+        decode_alone: false,
+        ..request(16, 1)
+    };
+    let d = h.decide(sglang, &split);
+    assert_eq!(d.decider, Decider::Fallback);
+    assert!(
+        matches!(&d.failure, Some(CallFailure::BadPlacement(why)) if why.contains("prefill worker")),
+        "{:?}",
+        d.failure
+    );
+    assert_eq!(
+        (d.prefill, chosen(&d.outcome)),
+        (Some(InstanceId(1)), InstanceId(2)),
+        "the fallback splits it"
+    );
 }
 
 #[test]

@@ -38,6 +38,7 @@ pub fn guest(name: &str) -> PathBuf {
         "sleeps" => env!("SWITCHYARD_SLEEPS_WASM"),
         "flaky" => env!("SWITCHYARD_FLAKY_WASM"),
         "built_for_0_1" => env!("SWITCHYARD_BUILT_FOR_0_1_WASM"),
+        "built_for_0_2" => env!("SWITCHYARD_BUILT_FOR_0_2_WASM"),
         other => panic!("no test guest named {other}"),
     };
     PathBuf::from(path)
