@@ -220,6 +220,14 @@ async fn split_requests_read_as_whole_ones(protocol: &str) {
         metric(&c, &url, "switchyard_split_requests_total", "").await,
         4.0
     );
+    for (role, n) in [("prefill", 2.0), ("decode", 2.0), ("both", 0.0)] {
+        let label = format!("role=\"{role}\"");
+        assert_eq!(
+            metric(&c, &url, "switchyard_instance_role", &label).await,
+            n,
+            "/metrics shows each worker's role"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -325,7 +333,7 @@ async fn a_failing_decode_worker_is_replaced_and_vllm_keeps_the_prefill() {
     }
 }
 
-/// A policy built against switchyard:policy@0.1.0 knows nothing of roles: the router asks
+/// A policy built against switchyard:policy@0.2.0 knows nothing of roles: the router asks
 /// it once among the prefill workers and once among the decode workers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_policy_built_for_an_older_contract_places_split_requests() {
@@ -333,7 +341,7 @@ async fn a_policy_built_for_an_older_contract_places_split_requests() {
     let prefill = workers(1, "prefill", "vllm", &[]).await;
     let decode = workers(1, "decode", "vllm", &[]).await;
     let fleet: Vec<_> = prefill.iter().chain(&decode).collect();
-    let old = common::guest("built_for_0_1");
+    let old = common::guest("built_for_0_2");
     let (_router, url) = router(&fleet, &["--policy", old.to_str().unwrap()]).await;
     for i in 0..2 {
         let b = body("/v1/chat/completions", &long_text(i), false);

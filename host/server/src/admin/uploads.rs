@@ -180,6 +180,7 @@ pub(super) async fn explain(
             json!({
                 "id": c.id.to_string(),
                 "url": snap.instances.get(&c.id).map(|s| s.info.url.clone()),
+                "role": c.role.as_str(),
                 "overlap_blocks": c.overlap_blocks,
                 "active_blocks": c.active_blocks,
                 "pending_prefill_tokens": c.pending_prefill_tokens,
@@ -209,6 +210,8 @@ pub(super) async fn explain(
             "block_size": router.hasher().block_size(),
             "candidates": rows,
             "chosen": chosen,
+            // A split request: `chosen` decodes, this worker prefills.
+            "prefill": decision.prefill.map(|id| id.to_string()),
             "rejected": rejected,
             "decided_by": match decision.decider {
                 switchyard_policy::Decider::Policy => "policy",

@@ -71,6 +71,8 @@ pub(super) fn instances_json(r: &KvRouter) -> Value {
                 "id": id.to_string(),
                 "url": st.info.url,
                 "model": st.info.model,
+                "role": st.info.role.as_str(),
+                "bootstrap_port": st.info.bootstrap_port,
                 "events": st.info.events_url.is_some() || st.info.engine_events.is_some(),
                 "kv_events": st.info.engine_events.as_ref().map(|e| &e.endpoint),
                 "cache_view": r.cache_view(*id),

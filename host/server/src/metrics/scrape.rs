@@ -303,6 +303,25 @@ impl Collector for Scrape {
         )?;
         gauges(
             e,
+            "instance_role",
+            "1 for the instance's role in a fleet that splits prefill from decode (both, prefill, decode)",
+            per_router(rs, |r| {
+                r.client()
+                    .snapshot()
+                    .instances
+                    .iter()
+                    .map(|(id, st)| {
+                        let labels = vec![
+                            ("instance", id.to_string()),
+                            ("role", st.info.role.to_string()),
+                        ];
+                        (labels, 1i64)
+                    })
+                    .collect()
+            }),
+        )?;
+        gauges(
+            e,
             "instance_in_flight",
             "Requests this router has in flight on the instance (the policy sees the worker's own report plus these)",
             instances(|r, id, _| i64::from(r.load_of(id).booked)),
