@@ -5,7 +5,8 @@
 //! property test driven by a small mutation engine: valid inputs the project generates
 //! itself (its own encoders: engines' msgpack batches in all three shapes, NDJSON event
 //! lines, OpenAI bodies, etcd gateway answers, engines' `/metrics` pages and `/v1/models`
-//! answers, ZMTP streams, workers' SSE streams)
+//! answers, ZMTP streams, workers' SSE streams, prefill workers' handoff answers and the
+//! handoff fields of requests)
 //! are the seed corpus, and each case applies 1–8 mutations (bit flips, interesting
 //! integers, insertions, deletions, duplications, splices with another seed,
 //! truncation). A target fails on a panic or on a broken property (a bound exceeded, a
@@ -637,6 +638,71 @@ mod targets {
                 );
             }
             true
+        });
+    }
+
+    /// A vLLM prefill worker's answer, read for its `kv_transfer_params`: never a panic;
+    /// read, they reach the decode worker's request unchanged and the client's fields stay.
+    #[test]
+    fn prefill_answers() {
+        let seeds = texts(&[
+            r#"{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"lorem ","finish_reason":"length"}],"usage":{"prompt_tokens":40,"completion_tokens":1},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[0,1,2],"remote_engine_id":"e","remote_request_id":"r-1","remote_host":"10.0.0.7","remote_port":8000,"tp_size":1}}"#,
+            r#"{"choices":[],"kv_transfer_params":null}"#,
+            r#"{"kv_transfer_params":{"remote_block_ids":[18446744073709551615]}}"#,
+        ]);
+        let body = br#"{"model":"m","prompt":"hello","max_tokens":7,"stream":true}"#;
+        fuzz("prefill-answer", seeds, true, |input| {
+            let Ok(decode) = crate::http::proxy::vllm_handoff(body, input) else {
+                return false;
+            };
+            let v: serde_json::Value = serde_json::from_slice(&decode).expect("JSON out");
+            let answer: serde_json::Value = serde_json::from_slice(input).expect("read as JSON");
+            assert_eq!(v["kv_transfer_params"], answer["kv_transfer_params"]);
+            assert_eq!(
+                (&v["max_tokens"], &v["stream"]),
+                (&serde_json::json!(7), &serde_json::json!(true))
+            );
+            true
+        });
+    }
+
+    /// A request's handoff fields as a mock worker reads them, in every role and protocol:
+    /// never a panic; a handoff only where the role takes part in one.
+    #[test]
+    fn handoff_fields() {
+        use crate::ids::Role;
+        use crate::worker::server::pd::{Leg, leg};
+        use crate::worker::{PdConfig, PdProtocol};
+        let seeds = texts(&[
+            r#"{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}}"#,
+            r#"{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"127.0.0.1","remote_port":8001,"remote_request_id":"8001-ab","remote_block_ids":[0,1]}}"#,
+            r#"{"model":"m","messages":[],"bootstrap_host":"10.0.0.7","bootstrap_port":8998,"bootstrap_room":9223372036854775807}"#,
+        ]);
+        fuzz("handoff-fields", seeds, true, |input| {
+            let mut any = false;
+            for role in Role::ALL {
+                for protocol in [PdProtocol::Vllm, PdProtocol::Sglang] {
+                    let pd = PdConfig {
+                        role,
+                        protocol,
+                        ..PdConfig::default()
+                    };
+                    match leg(&pd, input, || "k".into()) {
+                        Ok(Leg::Whole) | Err(_) => {}
+                        Ok(Leg::Prefill { .. }) => {
+                            assert!(role != Role::Decode);
+                            assert!(protocol == PdProtocol::Vllm || role == Role::Prefill);
+                            any = true;
+                        }
+                        Ok(Leg::Decode { .. }) => {
+                            assert!(role != Role::Prefill);
+                            assert!(protocol == PdProtocol::Vllm || role == Role::Decode);
+                            any = true;
+                        }
+                    }
+                }
+            }
+            any
         });
     }
 

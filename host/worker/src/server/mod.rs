@@ -22,7 +22,7 @@
 
 mod fault;
 mod generate;
-mod pd;
+pub mod pd;
 mod reply;
 mod routes;
 

@@ -125,7 +125,7 @@ struct KvTransferParams {
 
 /// What a request asks of this worker's part in a handoff.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Leg {
+pub enum Leg {
     /// No handoff: the whole request here.
     Whole,
     /// Compute the prompt and keep its KV under `key` for a decode worker.
@@ -137,8 +137,11 @@ pub(super) enum Leg {
     },
     /// Receive the prompt's KV from `host:port`'s handoff `key`, then decode.
     Decode {
+        /// The prefill worker's host.
         host: String,
+        /// Its handoff port.
         port: u16,
+        /// The handoff's name.
         key: String,
         /// vLLM recomputes on a failed pull; SGLang aborts.
         vllm: bool,
@@ -146,11 +149,7 @@ pub(super) enum Leg {
 }
 
 /// The leg `body` asks for on a worker with `pd`, or the 400 message.
-pub(super) fn leg(
-    pd: &PdConfig,
-    body: &[u8],
-    fresh_key: impl FnOnce() -> String,
-) -> Result<Leg, String> {
+pub fn leg(pd: &PdConfig, body: &[u8], fresh_key: impl FnOnce() -> String) -> Result<Leg, String> {
     let mentions = |needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
     let fields: Fields = if mentions(b"kv_transfer_params") || mentions(b"bootstrap_room") {
         serde_json::from_slice(body).map_err(|e| format!("bad handoff fields: {e}"))?
