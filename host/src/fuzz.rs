@@ -695,14 +695,14 @@ mod targets {
                     };
                     match leg(&pd, input, || "k".into()) {
                         Ok(Leg::Whole) | Err(_) => {}
-                        Ok(Leg::Prefill { .. }) => {
+                        Ok(Leg::Prefill { vllm, .. }) => {
                             assert!(role != Role::Decode);
-                            assert!(protocol == PdProtocol::Vllm || role == Role::Prefill);
+                            assert!(vllm || role == Role::Prefill);
                             any = true;
                         }
-                        Ok(Leg::Decode { .. }) => {
+                        Ok(Leg::Decode { vllm, .. }) => {
                             assert!(role != Role::Prefill);
-                            assert!(protocol == PdProtocol::Vllm || role == Role::Decode);
+                            assert!(vllm || role == Role::Decode);
                             any = true;
                         }
                     }

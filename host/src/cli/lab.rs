@@ -152,8 +152,19 @@ pub struct ReplayArgs {
     /// port it must listen on at 127.0.0.1, `{workers}` the workers' URLs separated by
     /// spaces, `{workers_comma}` by commas, `{worker_args}` `--worker URL` per worker.
     /// Its CPU time and peak memory are reported; every run then sends text prompts.
+    /// With `--prefill-workers` and `--decode-workers`, a command using the placeholders
+    /// of a disaggregated fleet (`{prefill_workers}`, `{prefill_workers_bootstrap}`,
+    /// `{decode_workers}` for Switchyard; `{prefill_urls}`, `{decode_urls}` for the peers'
+    /// `--prefill URL PORT` and `--decode URL`) runs on one.
     #[arg(long = "router")]
     pub routers: Vec<String>,
+    /// Prefill workers of the disaggregated fleet (each with a bootstrap port, so that
+    /// either handoff works) for the `--router`s that ask for one.
+    #[arg(long, default_value_t = 0, requires = "decode_workers")]
+    pub prefill_workers: usize,
+    /// Decode workers of the disaggregated fleet.
+    #[arg(long, default_value_t = 0, requires = "prefill_workers")]
+    pub decode_workers: usize,
     /// Router replicas: with N above 1, every policy also runs through N in-process
     /// routers sharing the workers (each with its own state, as N `serve` processes),
     /// the requests sent to them in turn, beside its run through one.
@@ -204,6 +215,13 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         config.logs = args.router_logs.clone();
     }
     config.workers = args.workers.max(1);
+    if args.prefill_workers > 0 || args.decode_workers > 0 {
+        anyhow::ensure!(
+            args.prefill_workers > 0 && args.decode_workers > 0,
+            "a disaggregated fleet needs --prefill-workers and --decode-workers, both at least 1"
+        );
+        config.disaggregated = Some((args.prefill_workers, args.decode_workers));
+    }
     config.kv_events = args.kv_events.clone();
     config.tokenizer = args.tokenizer.clone();
     config.engine.kv_blocks = args.kv_blocks;

@@ -128,18 +128,20 @@ pub struct MockWorkerArgs {
     /// (an aggregated worker).
     #[arg(long, default_value_t = Role::Both)]
     pub role: Role,
-    /// How a disaggregated worker hands KV over: vLLM's KV connector
-    /// (`kv_transfer_params`) or SGLang's bootstrap rooms.
+    /// The engine a disaggregated worker plays: `vllm` serves a request without handoff
+    /// fields whole, `sglang` refuses it. Either way it takes part in both handoffs, vLLM's
+    /// `kv_transfer_params` and SGLang's bootstrap rooms (with `--bootstrap-port`).
     #[arg(long, value_enum, default_value = "vllm")]
     pub pd_protocol: PdProtocol,
-    /// An SGLang-style prefill worker's bootstrap server port (worker `i` of `--count`
-    /// on `PORT + i`), registered with it.
+    /// A prefill worker's bootstrap server port for SGLang's handoff (worker `i` of
+    /// `--count` on `PORT + i`), registered with it (the router then hands over SGLang's
+    /// way).
     #[arg(long)]
     pub bootstrap_port: Option<u16>,
-    /// Simulated wire time per KV block moved from a prefill worker to a decode worker,
-    /// microseconds (divided by `--speedup`).
-    #[arg(long, default_value_t = PdConfig::default().transfer_us_per_block)]
-    pub kv_transfer_us_per_block: f64,
+    /// Simulated wire time per token of the KV blocks a decode worker receives from a
+    /// prefill worker, microseconds (divided by `--speedup`).
+    #[arg(long, default_value_t = PdConfig::default().transfer_us_per_token)]
+    pub kv_transfer_us_per_token: f64,
 }
 
 pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
@@ -150,17 +152,17 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
         "sizes must be at least 1"
     );
     anyhow::ensure!(
-        args.kv_transfer_us_per_block.is_finite() && args.kv_transfer_us_per_block >= 0.0,
-        "--kv-transfer-us-per-block must be a finite number >= 0"
+        args.kv_transfer_us_per_token.is_finite() && args.kv_transfer_us_per_token >= 0.0,
+        "--kv-transfer-us-per-token must be a finite number >= 0"
     );
     match (args.role, args.pd_protocol, args.bootstrap_port) {
         (Role::Prefill, PdProtocol::Sglang, None) => {
             anyhow::bail!("an SGLang-style prefill worker needs --bootstrap-port")
         }
-        (Role::Prefill, PdProtocol::Sglang, Some(_)) | (_, _, None) => {}
-        (_, _, Some(_)) => anyhow::bail!(
-            "--bootstrap-port is an SGLang-style prefill worker's (--role prefill --pd-protocol sglang)"
-        ),
+        (Role::Prefill, _, _) | (_, _, None) => {}
+        (_, _, Some(_)) => {
+            anyhow::bail!("--bootstrap-port is a prefill worker's (--role prefill)")
+        }
     }
     let tokenizer = switchyard::tokens::Tokenizer::from_file_if_any(args.tokenizer.as_deref())?;
     let config = MockWorkerConfig {
@@ -202,7 +204,7 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
             role: args.role,
             protocol: args.pd_protocol,
             bootstrap_port: args.bootstrap_port,
-            transfer_us_per_block: args.kv_transfer_us_per_block,
+            transfer_us_per_token: args.kv_transfer_us_per_token,
         },
         tls: match (&args.tls_cert, &args.tls_key) {
             (Some(cert), Some(key)) => Some(

@@ -85,6 +85,10 @@ pub fn read_records(text: &str, speedup: f64) -> Result<(Vec<Outcome>, f64), Str
                     e2e: e2e / 1e3 * speedup,
                     prompt_tokens: metric("usage_prompt_tokens").unwrap_or(0.0) as u64,
                     cached_tokens: metric("usage_prompt_cache_read_tokens").unwrap_or(0.0) as u64,
+                    // aiperf records each request's mean inter-token latency, not its gaps.
+                    itl: metric("inter_token_latency")
+                        .map(|ms| vec![(ms / 1e3 * speedup) as f32])
+                        .unwrap_or_default(),
                     error: None,
                 },
                 (_, _, error) => Outcome {
@@ -93,6 +97,7 @@ pub fn read_records(text: &str, speedup: f64) -> Result<(Vec<Outcome>, f64), Str
                     e2e: 0.0,
                     prompt_tokens: 0,
                     cached_tokens: 0,
+                    itl: Vec::new(),
                     error: Some(error.unwrap_or_else(|| "no time to first token".into())),
                 },
             },
@@ -173,6 +178,7 @@ pub async fn run(
         router: None,
         live: None,
         worker_requests: Vec::new(),
+        fleet_hit_rate: None,
         telemetry: None,
     })
 }

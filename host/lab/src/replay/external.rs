@@ -14,8 +14,33 @@ pub struct ExternalRouter {
     /// A shell command. `{port}` is replaced by the port it must listen on (127.0.0.1),
     /// `{workers}` by the mock workers' URLs separated by spaces, `{workers_comma}` by the
     /// same separated by commas, and `{worker_args}` by `--worker URL` once per worker.
+    /// A command with any of the placeholders of a disaggregated fleet runs on one:
+    /// `{prefill_workers}` (`--worker 'URL#role=prefill'` per prefill worker: Switchyard
+    /// with vLLM's handoff), `{prefill_workers_bootstrap}` (the same with
+    /// `&bootstrap_port=P`: SGLang's handoff), `{decode_workers}` (`--worker
+    /// 'URL#role=decode'`), `{prefill_urls}` (`--prefill URL P` per prefill worker, as the
+    /// peers take them) and `{decode_urls}` (`--decode URL`).
     pub command: String,
 }
+
+/// The workers of a disaggregated fleet: prefill workers with their bootstrap ports, and
+/// decode workers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PdFleet {
+    /// Prefill workers' URLs and bootstrap ports.
+    pub prefill: Vec<(String, u16)>,
+    /// Decode workers' URLs.
+    pub decode: Vec<String>,
+}
+
+/// The placeholders that ask for a disaggregated fleet.
+const PD_PLACEHOLDERS: [&str; 5] = [
+    "{prefill_workers}",
+    "{prefill_workers_bootstrap}",
+    "{decode_workers}",
+    "{prefill_urls}",
+    "{decode_urls}",
+];
 
 impl ExternalRouter {
     /// Parses `NAME=COMMAND`.
@@ -31,14 +56,46 @@ impl ExternalRouter {
         }
     }
 
-    /// The command with its placeholders filled in.
-    pub fn expand(&self, port: u16, workers: &[String]) -> String {
+    /// Whether the command runs on a disaggregated fleet.
+    pub fn wants_pd(&self) -> bool {
+        PD_PLACEHOLDERS.iter().any(|p| self.command.contains(p))
+    }
+
+    /// The command with its placeholders filled in (`workers`: every worker).
+    pub fn expand(&self, port: u16, workers: &[String], pd: &PdFleet) -> String {
         let args: Vec<String> = workers.iter().map(|w| format!("--worker {w}")).collect();
+        let each = |f: &dyn Fn(&str, u16) -> String| -> String {
+            pd.prefill
+                .iter()
+                .map(|(u, p)| f(u, *p))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let decode = |f: &dyn Fn(&str) -> String| -> String {
+            pd.decode.iter().map(|u| f(u)).collect::<Vec<_>>().join(" ")
+        };
         self.command
             .replace("{port}", &port.to_string())
             .replace("{workers_comma}", &workers.join(","))
             .replace("{workers}", &workers.join(" "))
             .replace("{worker_args}", &args.join(" "))
+            .replace(
+                "{prefill_workers_bootstrap}",
+                &each(&|u, p| format!("--worker '{u}#role=prefill&bootstrap_port={p}'")),
+            )
+            .replace(
+                "{prefill_workers}",
+                &each(&|u, _| format!("--worker '{u}#role=prefill'")),
+            )
+            .replace(
+                "{decode_workers}",
+                &decode(&|u| format!("--worker '{u}#role=decode'")),
+            )
+            .replace(
+                "{prefill_urls}",
+                &each(&|u, p| format!("--prefill {u} {p}")),
+            )
+            .replace("{decode_urls}", &decode(&|u| format!("--decode {u}")))
     }
 }
 
@@ -347,8 +404,27 @@ switchyard_policy_call_seconds_bucket{le=\"+Inf\",endpoint=\"a\"} 100
         assert_eq!(r.name, "peer");
         let workers = ["http://a".to_string(), "http://b".to_string()];
         assert_eq!(
-            r.expand(9, &workers),
+            r.expand(9, &workers, &PdFleet::default()),
             "run --port 9 --urls http://a http://b --worker http://a --worker http://b http://a,http://b"
+        );
+        assert!(!r.wants_pd());
+        let pd = PdFleet {
+            prefill: vec![("http://p".into(), 8998)],
+            decode: vec!["http://d".into(), "http://e".into()],
+        };
+        let sy =
+            ExternalRouter::parse("sy=serve {prefill_workers_bootstrap} {decode_workers}").unwrap();
+        assert!(sy.wants_pd());
+        assert_eq!(
+            sy.expand(9, &workers, &pd),
+            "serve --worker 'http://p#role=prefill&bootstrap_port=8998' --worker 'http://d#role=decode' --worker 'http://e#role=decode'"
+        );
+        let peer =
+            ExternalRouter::parse("peer=r --pd {prefill_urls} {decode_urls} {prefill_workers}")
+                .unwrap();
+        assert_eq!(
+            peer.expand(9, &workers, &pd),
+            "r --pd --prefill http://p 8998 --decode http://d --decode http://e --worker 'http://p#role=prefill'"
         );
         assert!(ExternalRouter::parse("no-command").is_err());
         assert!(ExternalRouter::parse("=cmd").is_err());

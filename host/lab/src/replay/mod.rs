@@ -24,7 +24,10 @@ use serde::Serialize;
 
 use crate::local::{LocalFleet, LocalFleetConfig};
 use external::{ExternalRouter, LiveTimings, ProcessCost, RouterProcess};
-use switchyard_worker::{EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, TimingModel};
+use switchyard_ids::Role;
+use switchyard_worker::{
+    EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, PdConfig, TimingModel,
+};
 use trace::TraceRequest;
 
 /// What to replay, against what.
@@ -66,6 +69,9 @@ pub struct ReplayConfig {
     /// A policy (built-in name or `.wasm` path, `=CONFIG` optionally) attached as the
     /// shadow beside every policy run, so that one run compares them on the same decisions.
     pub shadow: Option<String>,
+    /// Prefill and decode workers of the disaggregated fleet the external routers with
+    /// P/D placeholders run on (the others keep `workers` aggregated ones).
+    pub disaggregated: Option<(usize, usize)>,
 }
 
 impl ReplayConfig {
@@ -94,6 +100,7 @@ impl ReplayConfig {
             client: None,
             replicas: 1,
             shadow: None,
+            disaggregated: None,
         }
     }
 }
@@ -144,6 +151,10 @@ pub struct Outcome {
     pub prompt_tokens: u64,
     /// Cached prompt tokens (from the worker's usage).
     pub cached_tokens: u64,
+    /// The gaps between the stream's chunks after the first, seconds (simulated): the
+    /// inter-token latency as the client sees it.
+    #[serde(skip)]
+    pub itl: Vec<f32>,
     /// Why it failed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -166,6 +177,10 @@ pub struct PolicyRun {
     pub live: Option<LiveTimings>,
     /// Requests each mock worker finished.
     pub worker_requests: Vec<u64>,
+    /// On a disaggregated fleet: the share of the prompt tokens no worker computed (the
+    /// decode workers report received blocks as cached, so their usage does not say).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fleet_hit_rate: Option<f64>,
     /// What Switchyard's routers said about their decisions (in-process runs).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub telemetry: Option<telemetry::Telemetry>,
@@ -303,9 +318,8 @@ async fn replay_external(
     engine.speedup = config.speedup;
     let tokenizer = switchyard_tokens::Tokenizer::from_file_if_any(config.tokenizer.as_deref())
         .map_err(|e| e.to_string())?;
-    let mut workers = Vec::new();
-    for _ in 0..config.workers.max(1) {
-        let worker = MockWorker::bind(
+    let start = |pd: PdConfig| {
+        MockWorker::bind(
             MockWorkerConfig {
                 model: "replay".into(),
                 engine: engine.clone(),
@@ -316,17 +330,49 @@ async fn replay_external(
                 tls: None,
                 chat: None,
                 api_key: None,
-                pd: Default::default(),
+                pd,
             },
             "127.0.0.1:0".parse().expect("valid"),
         )
-        .await
-        .map_err(|e| format!("cannot start a mock worker: {e}"))?;
+    };
+    let mut workers = Vec::new();
+    let mut fleet = external::PdFleet::default();
+    let disaggregated = config.disaggregated.filter(|_| router.wants_pd());
+    let roles = match disaggregated {
+        None => vec![PdConfig::default(); config.workers.max(1)],
+        Some((prefill, decode)) => {
+            let mut roles = Vec::new();
+            for _ in 0..prefill.max(1) {
+                roles.push(PdConfig {
+                    role: Role::Prefill,
+                    bootstrap_port: Some(external::free_port()?),
+                    ..PdConfig::default()
+                });
+            }
+            roles.extend(std::iter::repeat_n(
+                PdConfig {
+                    role: Role::Decode,
+                    ..PdConfig::default()
+                },
+                decode.max(1),
+            ));
+            roles
+        }
+    };
+    for pd in roles {
+        let worker = start(pd)
+            .await
+            .map_err(|e| format!("cannot start a mock worker: {e}"))?;
+        match (pd.role, pd.bootstrap_port) {
+            (Role::Prefill, Some(port)) => fleet.prefill.push((worker.url(), port)),
+            (Role::Decode, _) => fleet.decode.push(worker.url()),
+            _ => {}
+        }
         workers.push(worker);
     }
     let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
     let port = external::free_port()?;
-    let command = router.expand(port, &urls);
+    let command = router.expand(port, &urls, &fleet);
     let log = config
         .logs
         .join(format!("{}.log", router.name.replace('/', "_")));
@@ -351,6 +397,17 @@ async fn replay_external(
             Ok(mut run) => {
                 run.router = Some(process.cost());
                 run.worker_requests = workers.iter().map(|w| w.stats().finished).collect();
+                if disaggregated.is_some() {
+                    let computed: u64 = workers.iter().map(|w| w.stats().prefill_tokens).sum();
+                    let prompt: u64 = run
+                        .outcomes
+                        .iter()
+                        .filter(|o| o.ok)
+                        .map(|o| o.prompt_tokens)
+                        .sum();
+                    run.fleet_hit_rate =
+                        (prompt > 0).then(|| 1.0 - (computed as f64 / prompt as f64).min(1.0));
+                }
                 if let Some(text) = scrape(&format!("{url}/metrics")).await {
                     let _ = std::fs::write(
                         config
@@ -511,6 +568,7 @@ async fn replay_once(
                     e2e: 0.0,
                     prompt_tokens: 0,
                     cached_tokens: 0,
+                    itl: Vec::new(),
                     error: Some(e.to_string()),
                 },
             )
@@ -526,6 +584,7 @@ async fn replay_once(
         router: None,
         live: None,
         worker_requests: Vec::new(),
+        fleet_hit_rate: None,
         telemetry: None,
     }
 }
@@ -542,6 +601,7 @@ async fn one(
         e2e: 0.0,
         prompt_tokens: 0,
         cached_tokens: 0,
+        itl: Vec::new(),
         error: Some(e),
     };
     let started = Instant::now();
@@ -557,13 +617,22 @@ async fn one(
     let mut body = resp.into_body();
     let mut ttft = None;
     let mut tail: Vec<u8> = Vec::new();
+    let mut itl = Vec::new();
+    let mut last = None;
     loop {
         match body.frame().await {
             None => break,
             Some(Err(e)) => return failed(e.to_string()),
             Some(Ok(f)) => {
                 let Ok(data) = f.into_data() else { continue };
-                ttft.get_or_insert_with(|| started.elapsed());
+                let now = Instant::now();
+                ttft.get_or_insert_with(|| now - started);
+                if let Some(before) = last.replace(now) {
+                    // Bounded: one gap per chunk, and a stream has max_tokens chunks.
+                    if itl.len() < 1 << 16 {
+                        itl.push(((now - before).as_secs_f64() * speedup) as f32);
+                    }
+                }
                 tail.extend_from_slice(&data);
                 if tail.len() > 8192 {
                     tail.drain(..tail.len() - 8192);
@@ -585,6 +654,7 @@ async fn one(
         e2e: started.elapsed().as_secs_f64() * speedup,
         prompt_tokens,
         cached_tokens,
+        itl,
         error: None,
     }
 }

@@ -24,6 +24,8 @@ pub struct Summary {
     pub ttft: [f64; 4],
     /// End-to-end mean and p90 (seconds).
     pub e2e: [f64; 2],
+    /// Inter-token latency (the gaps between a stream's chunks) mean and p99 (seconds).
+    pub itl: [f64; 2],
     /// Completed requests per simulated second.
     pub throughput: f64,
     /// Cached prompt tokens / prompt tokens.
@@ -55,6 +57,11 @@ pub fn summarise(run: &PolicyRun) -> Summary {
             v.iter().sum::<f64>() / v.len() as f64
         }
     };
+    let mut itl: Vec<f64> = ok
+        .iter()
+        .flat_map(|o| o.itl.iter().map(|&g| f64::from(g)))
+        .collect();
+    itl.sort_by(f64::total_cmp);
     let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
     let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
     Summary {
@@ -67,15 +74,16 @@ pub fn summarise(run: &PolicyRun) -> Summary {
             percentile(&ttft, 0.99),
         ],
         e2e: [mean(&e2e), percentile(&e2e, 0.9)],
+        itl: [mean(&itl), percentile(&itl, 0.99)],
         throughput: if run.span > 0.0 {
             ok.len() as f64 / run.span
         } else {
             0.0
         },
-        hit_rate: if prompt == 0 {
-            0.0
-        } else {
-            cached as f64 / prompt as f64
+        hit_rate: match run.fleet_hit_rate {
+            Some(h) => h,
+            None if prompt == 0 => 0.0,
+            None => cached as f64 / prompt as f64,
         },
         skew: skew(&run.worker_requests),
     }
@@ -86,17 +94,17 @@ pub fn table(runs: &[PolicyRun], bound: Bounds) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| policy | requests | failed | TTFT mean | p50 | p90 | p99 | E2E mean | p90 | throughput | hit rate | bound: fleet capacity | bound: infinite | load skew | router CPU | router peak RSS |"
+        "| policy | requests | failed | TTFT mean | p50 | p90 | p99 | ITL mean | ITL p99 | E2E mean | p90 | throughput | hit rate | bound: fleet capacity | bound: infinite | load skew | router CPU | router peak RSS |"
     );
     let _ = writeln!(
         s,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     for r in runs {
         let m = summarise(r);
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {:.3} s | {:.3} s | {:.3} s | {:.3} s | {:.2} s | {:.2} s | {:.2} req/s | {:.1} % | {:.1} % | {:.1} % | {:.2} | {} | {} |",
+            "| {} | {} | {} | {:.3} s | {:.3} s | {:.3} s | {:.3} s | {:.1} ms | {:.1} ms | {:.2} s | {:.2} s | {:.2} req/s | {:.1} % | {:.1} % | {:.1} % | {:.2} | {} | {} |",
             r.policy,
             m.requests,
             m.failed,
@@ -104,6 +112,8 @@ pub fn table(runs: &[PolicyRun], bound: Bounds) -> String {
             m.ttft[1],
             m.ttft[2],
             m.ttft[3],
+            m.itl[0] * 1e3,
+            m.itl[1] * 1e3,
             m.e2e[0],
             m.e2e[1],
             m.throughput,
@@ -233,7 +243,7 @@ pub fn json(runs: &[PolicyRun], bound: Bounds) -> serde_json::Value {
             let m = summarise(r);
             json!({
                 "policy": r.policy, "requests": m.requests, "failed": m.failed,
-                "ttft_mean_s": m.ttft[0], "ttft_p50_s": m.ttft[1], "ttft_p90_s": m.ttft[2], "ttft_p99_s": m.ttft[3],
+                "ttft_mean_s": m.ttft[0], "ttft_p50_s": m.ttft[1], "ttft_p90_s": m.ttft[2], "ttft_p99_s": m.ttft[3], "itl_mean_s": m.itl[0], "itl_p99_s": m.itl[1],
                 "e2e_mean_s": m.e2e[0], "e2e_p90_s": m.e2e[1], "throughput_rps": m.throughput, "hit_rate": m.hit_rate,
                 "load_skew": (!m.skew.is_nan()).then_some(m.skew),
                 "router_cpu_s": r.router.map(|c| c.cpu_secs), "router_peak_rss_mib": r.router.map(|c| c.peak_rss_mib),

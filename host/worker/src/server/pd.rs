@@ -29,7 +29,7 @@
 //! HTTP port for vLLM, its bootstrap port for SGLang; SGLang's decode worker waits for a
 //! prefill running beside it, vLLM's finds it done or not at all), holds the blocks for
 //! the simulated wire time of the blocks the decode worker lacks
-//! (`transfer_us_per_block` each, divided by the speed-up), releases them and answers
+//! (`transfer_us_per_token` per token of them, divided by the speed-up), releases them and answers
 //! `{"blocks": N}`. Blocks kept for a decode worker that never comes are released after
 //! [`HANDOFF_TTL`] (vLLM's abort timeout plays that part), and at most [`MAX_HANDOFFS`]
 //! are kept (the oldest goes first).
@@ -50,13 +50,16 @@ use crate::cache::Lease;
 use crate::engine::Engine;
 use switchyard_ids::Role;
 
-/// How a disaggregated worker hands KV over.
+/// Which engine a disaggregated worker plays. A mock worker takes part in either handoff
+/// (the request's fields say which), so that one fleet serves every router's P/D mode;
+/// the engine decides what a request without handoff fields gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum PdProtocol {
-    /// vLLM's KV connector: prefill first, then decode with the parameters it returned.
+    /// vLLM's: a request without `kv_transfer_params` is served whole.
     #[default]
     Vllm,
-    /// SGLang's bootstrap rendezvous: both workers at once, meeting in a room.
+    /// SGLang's: a request without a bootstrap room is refused (its disaggregated
+    /// workers have no aggregated path).
     Sglang,
 }
 
@@ -67,10 +70,11 @@ pub struct PdConfig {
     pub role: Role,
     /// The handoff protocol.
     pub protocol: PdProtocol,
-    /// SGLang: the port of the prefill worker's bootstrap server.
+    /// The port of a prefill worker's bootstrap server (SGLang's handoff).
     pub bootstrap_port: Option<u16>,
-    /// Simulated wire time per KV block moved, microseconds (divided by the speed-up).
-    pub transfer_us_per_block: f64,
+    /// Simulated wire time per token of the KV blocks moved, microseconds (divided by
+    /// the speed-up).
+    pub transfer_us_per_token: f64,
 }
 
 impl Default for PdConfig {
@@ -79,8 +83,9 @@ impl Default for PdConfig {
             role: Role::Both,
             protocol: PdProtocol::Vllm,
             bootstrap_port: None,
-            // A 16-token block of an 8B model's KV is ~2 MiB: ~40 us at 50 GB/s.
-            transfer_us_per_block: 40.0,
+            // A token of an 8B model's KV is ~128 KiB: ~2.5 us at 50 GB/s, a sixteenth
+            // of its prefill under the default timing model.
+            transfer_us_per_token: 2.5,
         }
     }
 }
@@ -156,66 +161,72 @@ pub fn leg(pd: &PdConfig, body: &[u8], fresh_key: impl FnOnce() -> String) -> Re
     } else {
         Fields::default()
     };
-    match pd.protocol {
-        PdProtocol::Vllm => {
-            let Some(p) = fields.kv_transfer_params else {
-                return Ok(Leg::Whole);
-            };
-            if p.do_remote_decode {
-                if pd.role == Role::Decode {
-                    return Err("this worker is a decode worker (kv_consumer): it does not prefill for others".into());
-                }
-                return Ok(Leg::Prefill {
-                    key: fresh_key(),
-                    vllm: true,
-                });
-            }
-            if p.do_remote_prefill {
-                if pd.role == Role::Prefill {
-                    return Err("this worker is a prefill worker (kv_producer): it does not decode from others".into());
-                }
-                let (Some(host), Some(port), Some(key)) =
-                    (p.remote_host, p.remote_port, p.remote_request_id)
-                else {
-                    return Err("kv_transfer_params with do_remote_prefill need remote_host, remote_port and remote_request_id".into());
-                };
-                let _ = p.remote_block_ids;
-                return Ok(Leg::Decode {
-                    host,
-                    port,
-                    key,
-                    vllm: true,
-                });
-            }
-            Ok(Leg::Whole)
-        }
-        PdProtocol::Sglang => match pd.role {
-            Role::Both => Ok(Leg::Whole),
-            role => {
-                let Some(room) = fields.bootstrap_room else {
-                    return Err(format!(
-                        "this is a {role} worker in disaggregation mode: the request needs bootstrap_host, bootstrap_port and bootstrap_room"
-                    ));
-                };
-                if role == Role::Prefill {
-                    return Ok(Leg::Prefill {
-                        key: room.to_string(),
-                        vllm: false,
-                    });
-                }
-                let (Some(host), Some(port)) = (fields.bootstrap_host, fields.bootstrap_port)
-                else {
-                    return Err("a decode request needs bootstrap_host and bootstrap_port".into());
-                };
-                Ok(Leg::Decode {
-                    host,
-                    port,
-                    key: room.to_string(),
-                    vllm: false,
-                })
-            }
-        },
+    if let Some(p) = fields.kv_transfer_params {
+        return vllm_leg(pd, p, fresh_key);
     }
+    match (pd.role, fields.bootstrap_room) {
+        (Role::Both, _) => Ok(Leg::Whole),
+        (Role::Prefill, Some(room)) => Ok(Leg::Prefill {
+            key: room.to_string(),
+            vllm: false,
+        }),
+        (Role::Decode, Some(room)) => {
+            let (Some(host), Some(port)) = (fields.bootstrap_host, fields.bootstrap_port) else {
+                return Err("a decode request needs bootstrap_host and bootstrap_port".into());
+            };
+            Ok(Leg::Decode {
+                host,
+                port,
+                key: room.to_string(),
+                vllm: false,
+            })
+        }
+        (role, None) if pd.protocol == PdProtocol::Sglang => Err(format!(
+            "this is a {role} worker in disaggregation mode: the request needs bootstrap_host, bootstrap_port and bootstrap_room"
+        )),
+        (_, None) => Ok(Leg::Whole),
+    }
+}
+
+/// The leg of a request with vLLM's `kv_transfer_params`.
+fn vllm_leg(
+    pd: &PdConfig,
+    p: KvTransferParams,
+    fresh_key: impl FnOnce() -> String,
+) -> Result<Leg, String> {
+    if p.do_remote_decode {
+        if pd.role == Role::Decode {
+            return Err(
+                "this worker is a decode worker (kv_consumer): it does not prefill for others"
+                    .into(),
+            );
+        }
+        return Ok(Leg::Prefill {
+            key: fresh_key(),
+            vllm: true,
+        });
+    }
+    if p.do_remote_prefill {
+        if pd.role == Role::Prefill {
+            return Err(
+                "this worker is a prefill worker (kv_producer): it does not decode from others"
+                    .into(),
+            );
+        }
+        let (Some(host), Some(port), Some(key)) =
+            (p.remote_host, p.remote_port, p.remote_request_id)
+        else {
+            return Err("kv_transfer_params with do_remote_prefill need remote_host, remote_port and remote_request_id".into());
+        };
+        let _ = p.remote_block_ids;
+        return Ok(Leg::Decode {
+            host,
+            port,
+            key,
+            vllm: true,
+        });
+    }
+    Ok(Leg::Whole)
 }
 
 enum State {
@@ -296,7 +307,7 @@ impl Handoffs {
         engine: &Engine,
         key: &str,
         have: usize,
-        transfer_us_per_block: f64,
+        transfer_us_per_token: f64,
         wait: Duration,
     ) -> Result<usize, (StatusCode, String)> {
         let deadline = tokio::time::Instant::now() + wait;
@@ -335,7 +346,8 @@ impl Handoffs {
             }
         };
         let moved = blocks.saturating_sub(have);
-        let us = transfer_us_per_block * moved as f64 / engine.config().speedup.max(1e-9);
+        let tokens = moved as f64 * f64::from(engine.config().block_size);
+        let us = transfer_us_per_token * tokens / engine.config().speedup.max(1e-9);
         if let Ok(d) = Duration::try_from_secs_f64(us / 1e6)
             && !d.is_zero()
         {

@@ -160,7 +160,7 @@ async fn handoff(shared: &Shared, req: &Request<Incoming>) -> Response<Body> {
             &shared.engine,
             key,
             have,
-            shared.pd.transfer_us_per_block,
+            shared.pd.transfer_us_per_token,
             wait,
         )
         .await
