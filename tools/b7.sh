@@ -85,15 +85,37 @@ mkdir -p "$logs"
 scraper=$!
 trap 'kill $scraper 2>/dev/null' EXIT
 
-"$sy" replay "$trace" \
-    --max-requests "${B7_REQUESTS:-1500}" --workers "${B7_WORKERS:-4}" \
-    --kv-blocks "${B7_KV_BLOCKS:-16384}" --block-size 64 \
-    --prefill-us-per-token 60 --speedup "${B7_SPEEDUP:-20}" \
-    --policy none \
+# The replay's fleet and client, the same for both comparisons.
+common=(--max-requests "${B7_REQUESTS:-1500}"
+    --kv-blocks "${B7_KV_BLOCKS:-16384}" --block-size 64
+    --prefill-us-per-token 60 --speedup "${B7_SPEEDUP:-20}"
+    --policy none --router-logs "$logs")
+
+# B7_PD=P:D: the disaggregated comparison instead. P prefill and D decode workers, beside
+# P+D aggregated ones, on one trace: Switchyard aggregated, Switchyard split with vLLM's
+# handoff and with SGLang's, vllm-router's --vllm-pd-disaggregation, SMG's and
+# sglang-router's --pd-disaggregation (each peer with cache_aware on both pools).
+if [ -n "${B7_PD:-}" ]; then
+    prefill=${B7_PD%%:*}
+    decode=${B7_PD##*:}
+    serve_pd="$sy serve --listen 127.0.0.1:{port} --model replay --block-size 64 --kv-events true $serve_tokenizer"
+    exec "$sy" replay "$trace" "${common[@]}" --workers $((prefill + decode)) \
+        --prefill-workers "$prefill" --decode-workers "$decode" \
+        --router "switchyard kv-cost aggregated=$serve --policy kv-cost" \
+        --router "switchyard kv-cost P/D vllm=$serve_pd {prefill_workers} {decode_workers} --policy kv-cost" \
+        --router "switchyard kv-cost P/D sglang=$serve_pd {prefill_workers_bootstrap} {decode_workers} --policy kv-cost" \
+        --router "vllm-router P/D vllm=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --vllm-pd-disaggregation {prefill_urls} {decode_urls} --policy cache_aware --prometheus-port 29003" \
+        --router "smg P/D sglang=$venv/bin/smg launch --host 127.0.0.1 --port {port} --pd-disaggregation {prefill_urls} {decode_urls} --policy cache_aware --prometheus-port 29002" \
+        --router "sglang-router P/D sglang=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --pd-disaggregation {prefill_urls} {decode_urls} --policy cache_aware --prometheus-port 29001" \
+        --json "${B7_JSON:-b7-pd-results.json}" --chart "${B7_CHART:-b7-pd-ttft.svg}" \
+        "${client[@]}" "${tokenizer[@]}" "$@"
+fi
+
+"$sy" replay "$trace" "${common[@]}" --workers "${B7_WORKERS:-4}" \
     --router "switchyard kv-cost=$serve --policy kv-cost" \
     --router "switchyard round-robin=$serve --policy round-robin" \
     --router "sglang-router cache_aware=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29001" \
     --router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29002" \
     --router "vllm-router cache_aware=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29003" \
-    --router-logs "$logs" --json "${B7_JSON:-b7-results.json}" --chart "${B7_CHART:-b7-ttft.svg}" \
+    --json "${B7_JSON:-b7-results.json}" --chart "${B7_CHART:-b7-ttft.svg}" \
     "${client[@]}" "${tokenizer[@]}" "$@"
