@@ -95,7 +95,9 @@ pub struct KvCostConfig {
     /// Disaggregated fleets: a prompt whose uncached part on the best worker that may
     /// serve it alone is at most this many tokens runs there, prefill and all, instead
     /// of being split (conditional disaggregation; Dynamo's `max_local_prefill_length`
-    /// default). `0` splits every prompt that can be split.
+    /// default). Past it a prompt still runs alone when the prefill pool's queue would
+    /// hold it longer than its prefill stalls the lone worker's decoding requests, all
+    /// together, as Dynamo bounds its prefill queue. `0` leaves only that rule.
     pub max_local_prefill_tokens: f64,
     /// Disaggregated fleets: what a block moved to a decode worker costs, relative to
     /// one computed (it is copied, not computed: ~1/20 with a fast interconnect). Prices
@@ -397,11 +399,15 @@ pub enum Placement {
 /// above among the prefill workers (its prefix cache and prefill queue), the decode
 /// worker by the same cost among the decode workers with a moved block priced at
 /// `transfer_weight` of a computed one (its load decides; its overlap saves moving).
-/// But when the best worker that may serve alone (`Both`, or `Decode` with
-/// `decode_alone`) would compute at most `max_local_prefill_tokens` uncached tokens,
-/// it serves the request alone: a short or mostly cached prompt is not worth a
-/// handoff (conditional disaggregation). With no pair possible, the best worker that
-/// may serve alone does.
+/// But the best worker that may serve alone (`Both`, or `Decode` with `decode_alone`)
+/// serves the request itself when it would compute at most `max_local_prefill_tokens`
+/// uncached tokens (a short or mostly cached prompt is not worth a handoff), or when
+/// the prefill worker's wait (its queued prefill tokens and the request's uncached
+/// ones) exceeds its own by more than the stall its prefill causes (its requests in
+/// flight × its uncached tokens: the sum of the delays it adds): a queued prefill pool
+/// does not hold a request an idle decode worker can start (conditional
+/// disaggregation, as Dynamo's with its prefill queue bound). With no pair possible, the best worker that may
+/// serve alone does.
 pub fn place(
     config: &KvCostConfig,
     req: &RequestShape,
@@ -430,14 +436,25 @@ pub fn place(
     if prefill.is_empty() || decode.is_empty() {
         return local.map(Placement::Worker);
     }
+    // Tokens a worker computes before this request's first token: its queued prefill,
+    // then the request's uncached part.
+    let block = f64::from(req.block_size.max(1));
+    let uncached = |i: usize| {
+        f64::from(req.prompt_blocks - c.overlap_blocks[i].min(req.prompt_blocks)) * block
+    };
+    let wait = |i: usize| f64::from(c.pending_prefill_tokens[i]) + uncached(i);
+    let p = choose_among(config, req, c, &prefill)?;
     if let Some(l) = local {
-        let cached = c.overlap_blocks[l].min(req.prompt_blocks);
-        let uncached = f64::from(req.prompt_blocks - cached) * f64::from(req.block_size.max(1));
-        if uncached <= config.max_local_prefill_tokens {
+        if uncached(l) <= config.max_local_prefill_tokens {
+            return Some(Placement::Worker(l));
+        }
+        // The time the request would save against the time it costs the others: its
+        // prefill on the lone worker stalls each request decoding there for as long.
+        let stall = f64::from(c.in_flight[l]) * uncached(l);
+        if wait(p) - wait(l) > stall {
             return Some(Placement::Worker(l));
         }
     }
-    let p = choose_among(config, req, c, &prefill)?;
     let moving = KvCostConfig {
         overlap_weight: config.overlap_weight * config.transfer_weight,
         ..*config
@@ -567,13 +584,44 @@ mod tests {
             place(&k, &short, &c, roles(R), false),
             Some(Placement::Pair { decode: 3, .. })
         ));
-        // 0 disables the local path.
+        // 0 leaves only the queue rule: a decode worker busy enough splits even this.
         let always = KvCostConfig {
             max_local_prefill_tokens: 0.0,
             ..k
         };
+        let mut busy = c;
+        busy.in_flight = &[0, 0, 900, 900];
         assert!(matches!(
-            place(&always, &short, &c, roles(R), true),
+            place(&always, &short, &busy, roles(R), true),
+            Some(Placement::Pair { .. })
+        ));
+    }
+
+    #[test]
+    fn a_queued_prefill_pool_does_not_hold_what_an_idle_decode_worker_can_start() {
+        let k = KvCostConfig::default();
+        const R: &[Role] = &[Role::Prefill, Role::Decode];
+        let req = RequestShape {
+            prompt_blocks: 100,
+            block_size: 16,
+            seed: 1,
+        };
+        // The prefill worker has 20k tokens queued; the decode worker runs 4 requests:
+        // its 1,600-token prefill stalls them for less (6,400) than the queue would wait.
+        let queued = [20_000, 0];
+        let mut c = view(&[0, 0], &[0; 2], &queued);
+        c.in_flight = &[0, 4];
+        assert_eq!(place(&k, &req, &c, roles(R), true), Some(Placement::Worker(1)));
+        // With 16 decoding there, the stall outweighs the queue: split.
+        c.in_flight = &[0, 16];
+        assert!(matches!(
+            place(&k, &req, &c, roles(R), true),
+            Some(Placement::Pair { .. })
+        ));
+        // An idle prefill pool: split.
+        let c = view(&[0, 0], &[0; 2], &[0, 0]);
+        assert!(matches!(
+            place(&k, &req, &c, roles(R), true),
             Some(Placement::Pair { .. })
         ));
     }
