@@ -439,3 +439,46 @@ async fn a_watch_from_a_compacted_revision_ends_saying_so_and_discovery_relists(
     let all: Vec<u64> = (100..110).collect();
     wait_available(&mut rx, &all, "the instances after the compaction").await;
 }
+
+/// A worker's role and bootstrap port travel through etcd as it registered them; a record
+/// naming a role that does not exist is skipped like any malformed one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_role_travels_through_etcd() {
+    use switchyard::discovery::Role;
+    let etcd = Etcd::start();
+    let prefill = InstanceInfo {
+        role: Role::Prefill,
+        bootstrap_port: Some(8998),
+        ..info(1, "http://127.0.0.1:9")
+    };
+    let decode = InstanceInfo {
+        role: Role::Decode,
+        ..info(2, "http://127.0.0.1:10")
+    };
+    let mut reg = Registration::start(config(&etcd), &prefill, Duration::from_secs(60));
+    bounded("the registration", reg.wait_registered(PATIENCE))
+        .await
+        .unwrap();
+    put_record(&etcd, &decode).await;
+    let mut bad = InstanceRecord::from_info(&info(3, "http://127.0.0.1:11"));
+    bad.role = Some("verifier".into());
+    api(&etcd)
+        .put(
+            &format!("{}3", endpoint().etcd_prefix("switchyard")),
+            serde_json::to_string(&bad).unwrap().as_bytes(),
+            None,
+        )
+        .await
+        .unwrap();
+
+    let registry = registry(&etcd);
+    let client = registry.client(&endpoint());
+    let mut rx = client.subscribe();
+    wait_available(&mut rx, &[1, 2], "the two valid workers").await;
+    let p = client.instance(InstanceId(1)).unwrap();
+    assert_eq!((p.role, p.bootstrap_port), (Role::Prefill, Some(8998)));
+    let d = client.instance(InstanceId(2)).unwrap();
+    assert_eq!((d.role, d.bootstrap_port), (Role::Decode, None));
+    assert!(client.instance(InstanceId(3)).is_none(), "an unknown role is refused");
+    reg.stop().await;
+}

@@ -397,8 +397,9 @@ pub enum Placement {
 /// An aggregated fleet (every role `Both`) is [`choose`]. Otherwise, with a prefill and
 /// a decode worker available, the request is split: the prefill worker by the cost
 /// above among the prefill workers (its prefix cache and prefill queue), the decode
-/// worker by the same cost among the decode workers with a moved block priced at
-/// `transfer_weight` of a computed one (its load decides; its overlap saves moving).
+/// worker by its load, a block moved to it priced at `transfer_weight` of a computed
+/// one (its overlap saves moving) and no stall, eviction or overload term (a block
+/// copied stalls no one and queues behind no prefill).
 /// But the best worker that may serve alone (`Both`, or `Decode` with `decode_alone`)
 /// serves the request itself when it would compute at most `max_local_prefill_tokens`
 /// uncached tokens (a short or mostly cached prompt is not worth a handoff), or when
@@ -455,8 +456,15 @@ pub fn place(
             return Some(Placement::Worker(l));
         }
     }
+    // The decode worker: its load decides. The blocks moved to it are copied, not
+    // computed: they stall no one and queue behind no prefill, so only their wire time
+    // counts, at `transfer_weight` of a computed block's.
     let moving = KvCostConfig {
         overlap_weight: config.overlap_weight * config.transfer_weight,
+        stall_weight: 0.0,
+        stall_local: 0.0,
+        eviction_weight: 0.0,
+        overload_weight: 0.0,
         ..*config
     };
     let d = choose_among(&moving, req, c, &decode)?;
