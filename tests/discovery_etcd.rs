@@ -479,6 +479,9 @@ async fn a_workers_role_travels_through_etcd() {
     assert_eq!((p.role, p.bootstrap_port), (Role::Prefill, Some(8998)));
     let d = client.instance(InstanceId(2)).unwrap();
     assert_eq!((d.role, d.bootstrap_port), (Role::Decode, None));
-    assert!(client.instance(InstanceId(3)).is_none(), "an unknown role is refused");
+    assert!(
+        client.instance(InstanceId(3)).is_none(),
+        "an unknown role is refused"
+    );
     reg.stop().await;
 }

@@ -145,7 +145,7 @@ impl Policy {
             return p.call_choose(store, req, candidates);
         }
         let roles = &candidates.roles;
-        let has = |r: wit::Role| roles.iter().any(|x| *x == r);
+        let has = |r: wit::Role| roles.contains(&r);
         if !has(wit::Role::Prefill) && !has(wit::Role::Decode) {
             return Ok(self
                 .old_choose(store, req, candidates, |_| true)?

@@ -619,7 +619,10 @@ mod tests {
         let queued = [20_000, 0];
         let mut c = view(&[0, 0], &[0; 2], &queued);
         c.in_flight = &[0, 4];
-        assert_eq!(place(&k, &req, &c, roles(R), true), Some(Placement::Worker(1)));
+        assert_eq!(
+            place(&k, &req, &c, roles(R), true),
+            Some(Placement::Worker(1))
+        );
         // With 16 decoding there, the stall outweighs the queue: split.
         c.in_flight = &[0, 16];
         assert!(matches!(
