@@ -550,6 +550,7 @@ fn an_automatic_rollback_returns_to_the_last_policy_that_served_a_clean_window()
 fn the_policy_history_keeps_the_latest_changes_only() {
     let engine = engine();
     let h = handle(&engine, "kv-cost", "{}");
+    let first = format!("kv-cost@{}", h.current().info().version);
     assert_eq!(h.changes()[0].kind, "loaded");
     for _ in 0..3 * switchyard::policy::CHANGES {
         let _ = h.swap_spec("no-such-builtin", "{}");
@@ -567,5 +568,5 @@ fn the_policy_history_keeps_the_latest_changes_only() {
         (last.kind, last.policy.as_str()),
         ("swap", "round-robin@0.1.0")
     );
-    assert!(last.detail.contains("kv-cost@0.3.0"), "{}", last.detail);
+    assert!(last.detail.contains(&first), "{}", last.detail);
 }

@@ -239,13 +239,20 @@ pub(crate) async fn completion(
                 kept = None;
                 continue;
             }
-            Err(e @ RouteError::Rejected(_)) => return Err(e.into()),
+            // A retry the policy refuses is refused for the workers it left out (a split
+            // fleet with its only decode worker excluded): the client hears what failed.
+            Err(e @ RouteError::Rejected(_)) if attempt == 0 => return Err(e.into()),
             Err(e) => return give_up(&client, a, Some(e)),
         };
         if attempt > 0 {
             gw.metrics.retries.fetch_add(1, Ordering::Relaxed);
         }
         attempt += 1;
+        let this = Attempt {
+            stream: parsed.stream,
+            limit,
+            number: attempt,
+        };
         let booking = Booking {
             router: router.clone(),
             request: routed.request,
@@ -282,15 +289,12 @@ pub(crate) async fn completion(
                             Err(split::LegEnd::Failed(f)) => {
                                 drop(booking);
                                 drop(prefill_booking);
-                                gw.metrics.prefill_failures.fetch_add(1, Ordering::Relaxed);
                                 let failed = Failed {
                                     worker: leg.worker,
                                     url: &p.url,
-                                    stream: parsed.stream,
-                                    limit,
-                                    attempt,
+                                    attempt: this,
                                 };
-                                match settle(gw, &router, &mut a, failed, f) {
+                                match settle_prefill(gw, &router, &mut a, failed, f) {
                                     Some(done) => return done,
                                     None => continue,
                                 }
@@ -345,15 +349,12 @@ pub(crate) async fn completion(
                         Ok(Err(split::LegEnd::Refused(ans))) => return Ok(answer(ans)),
                         Ok(Err(split::LegEnd::Failed(f))) => {
                             drop(booking);
-                            gw.metrics.prefill_failures.fetch_add(1, Ordering::Relaxed);
                             let failed = Failed {
                                 worker: *pw,
                                 url: purl,
-                                stream: parsed.stream,
-                                limit,
-                                attempt,
+                                attempt: this,
                             };
-                            match settle(gw, &router, &mut a, failed, f) {
+                            match settle_prefill(gw, &router, &mut a, failed, f) {
                                 Some(done) => return done,
                                 None => continue,
                             }
@@ -416,16 +417,28 @@ pub(crate) async fn completion(
             Err(f) => f,
         };
         drop(booking);
-        if let Some((_, _, task)) = beside {
+        if let Some((pw, purl, mut task)) = beside {
+            // A decode worker fails when its prefill worker does (the KV never comes):
+            // a prefill leg that failed too, or fails within a moment, is the cause.
+            let prefill = tokio::time::timeout(PREFILL_VERDICT, &mut task).await;
             // A room serves one handoff: the next attempt runs both legs again.
             task.abort();
+            if let Ok(Ok(Err(split::LegEnd::Failed(f)))) = prefill {
+                let failed = Failed {
+                    worker: pw,
+                    url: &purl,
+                    attempt: this,
+                };
+                match settle_prefill(gw, &router, &mut a, failed, f) {
+                    Some(done) => return done,
+                    None => continue,
+                }
+            }
         }
         let failed = Failed {
             worker,
             url: &instance.url,
-            stream: parsed.stream,
-            limit,
-            attempt,
+            attempt: this,
         };
         if let Some(done) = settle(gw, &router, &mut a, failed, failure) {
             return done;
@@ -434,15 +447,38 @@ pub(crate) async fn completion(
     give_up(&client, a, None)
 }
 
-/// The worker of a failed attempt.
-struct Failed<'a> {
-    worker: InstanceId,
-    url: &'a str,
+/// How long a failed decode leg waits to hear whether its prefill leg failed first
+/// (SGLang's handoff, both legs at once).
+const PREFILL_VERDICT: Duration = Duration::from_secs(2);
+
+/// One attempt of a request.
+#[derive(Clone, Copy)]
+struct Attempt {
     /// The client's request streams.
     stream: bool,
     /// Its first-byte or request timeout.
     limit: Duration,
-    attempt: usize,
+    /// Its number, from 1.
+    number: usize,
+}
+
+/// The worker of a failed attempt.
+struct Failed<'a> {
+    worker: InstanceId,
+    url: &'a str,
+    attempt: Attempt,
+}
+
+/// [`settle`] for a split's failed prefill leg, counted as one.
+fn settle_prefill(
+    gw: &Arc<Gateway>,
+    router: &Arc<KvRouter>,
+    a: &mut Attempts,
+    at: Failed<'_>,
+    failure: Failure,
+) -> Option<Result<Response<Body>, ApiError>> {
+    gw.metrics.prefill_failures.fetch_add(1, Ordering::Relaxed);
+    settle(gw, router, a, at, failure)
 }
 
 /// Records a failed attempt (either leg of a split one too) and decides what follows:
@@ -460,7 +496,7 @@ fn settle(
     let client = router.client();
     let worker = at.worker;
     let reason = failure.reason();
-    count_failed_attempt(gw, router, worker, at.url, &failure, at.attempt);
+    count_failed_attempt(gw, router, worker, at.url, &failure, at.attempt.number);
     if !gw.config.outlier_detection {
         // The baseline: every failure ejects at once, and the request moves on.
         if gw.config.availability {
@@ -493,14 +529,14 @@ fn settle(
             a.answer = Some((ans.0.clone(), ans.1.clone()));
             a.pending.push((worker, reason.clone()));
         }
-        Failure::Timeout(_) if !at.stream => {
+        Failure::Timeout(_) if !at.attempt.stream => {
             // Not retried: it would take as long elsewhere. Counted against the
             // worker only if it is silent.
             let c = client.clone();
             tokio::spawn(async move { c.check_now(worker, &reason).await });
             return Some(Err(ApiError::UpstreamTimeout(format!(
                 "no answer within the request timeout of {:?}",
-                at.limit
+                at.attempt.limit
             ))));
         }
         Failure::Timeout(_) => a.pending.push((worker, reason.clone())),
