@@ -293,8 +293,9 @@ pub(crate) async fn completion(
                                     worker: leg.worker,
                                     url: &p.url,
                                     attempt: this,
+                                    prefill: true,
                                 };
-                                match settle_prefill(gw, &router, &mut a, failed, f) {
+                                match settle(gw, &router, &mut a, failed, f) {
                                     Some(done) => return done,
                                     None => continue,
                                 }
@@ -353,8 +354,9 @@ pub(crate) async fn completion(
                                 worker: *pw,
                                 url: purl,
                                 attempt: this,
+                                prefill: true,
                             };
-                            match settle_prefill(gw, &router, &mut a, failed, f) {
+                            match settle(gw, &router, &mut a, failed, f) {
                                 Some(done) => return done,
                                 None => continue,
                             }
@@ -428,8 +430,9 @@ pub(crate) async fn completion(
                     worker: pw,
                     url: &purl,
                     attempt: this,
+                    prefill: true,
                 };
-                match settle_prefill(gw, &router, &mut a, failed, f) {
+                match settle(gw, &router, &mut a, failed, f) {
                     Some(done) => return done,
                     None => continue,
                 }
@@ -439,6 +442,7 @@ pub(crate) async fn completion(
             worker,
             url: &instance.url,
             attempt: this,
+            prefill: false,
         };
         if let Some(done) = settle(gw, &router, &mut a, failed, failure) {
             return done;
@@ -467,18 +471,8 @@ struct Failed<'a> {
     worker: InstanceId,
     url: &'a str,
     attempt: Attempt,
-}
-
-/// [`settle`] for a split's failed prefill leg, counted as one.
-fn settle_prefill(
-    gw: &Arc<Gateway>,
-    router: &Arc<KvRouter>,
-    a: &mut Attempts,
-    at: Failed<'_>,
-    failure: Failure,
-) -> Option<Result<Response<Body>, ApiError>> {
-    gw.metrics.prefill_failures.fetch_add(1, Ordering::Relaxed);
-    settle(gw, router, a, at, failure)
+    /// It ran a split request's prefill leg.
+    prefill: bool,
 }
 
 /// Records a failed attempt (either leg of a split one too) and decides what follows:
@@ -495,6 +489,9 @@ fn settle(
 ) -> Option<Result<Response<Body>, ApiError>> {
     let client = router.client();
     let worker = at.worker;
+    if at.prefill {
+        gw.metrics.prefill_failures.fetch_add(1, Ordering::Relaxed);
+    }
     let reason = failure.reason();
     count_failed_attempt(gw, router, worker, at.url, &failure, at.attempt.number);
     if !gw.config.outlier_detection {
