@@ -382,3 +382,73 @@ async fn a_decode_worker_without_its_prefill_recomputes_or_refuses() {
     );
     assert_eq!(got.1["usage"]["completion_tokens"], 3);
 }
+
+/// The router's KV view of a split: the prefill worker's events and the decode worker's
+/// (it stores the blocks it receives) both show the prompt, so the conversation's next
+/// turn finds its prefix on either; `explain` shows the roles and the split.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_workers_of_a_split_hold_the_prompt_in_the_routers_view() {
+    use common::router::{TOKEN, eventually};
+    let c = http::client();
+    let prefill = workers(1, "prefill", "vllm", &[]).await;
+    let decode = workers(1, "decode", "vllm", &[]).await;
+    let fleet: Vec<_> = prefill.iter().chain(&decode).collect();
+    let (_router, url) = router(
+        &fleet,
+        &[
+            "--kv-events",
+            "true",
+            "--admin-token",
+            TOKEN,
+            "--policy-config",
+            r#"{"max_local_prefill_tokens": 0}"#,
+        ],
+    )
+    .await;
+    let b = body("/v1/completions", &long_text(7), false);
+    ask(&c, &url, "/v1/completions", &b).await;
+    let explain = format!("{url}/admin/endpoints/default/mock/generate/explain");
+    let view = || async {
+        let (status, _, bytes) = http::send(
+            &c,
+            hyper::Method::POST,
+            &explain,
+            &[
+                ("authorization", &format!("Bearer {TOKEN}")),
+                ("content-type", "application/json"),
+            ],
+            b.to_string(),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+        assert!(status.is_success(), "{}", String::from_utf8_lossy(&bytes));
+        serde_json::from_slice::<Value>(&bytes).unwrap()
+    };
+    eventually("both workers' events to show the prompt", || async {
+        let v = view().await;
+        let blocks = v["prompt_blocks"].as_u64().unwrap();
+        let rows = v["candidates"].as_array().unwrap().clone();
+        rows.len() == 2
+            && rows
+                .iter()
+                .all(|r| r["overlap_blocks"].as_u64() == Some(blocks))
+    })
+    .await;
+    let v = view().await;
+    let mut roles: Vec<&str> = v["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["role"].as_str().unwrap())
+        .collect();
+    roles.sort();
+    assert_eq!(roles, ["decode", "prefill"]);
+    // Both hold the whole prompt: kv-cost runs it on the decode worker alone.
+    assert!(v["prefill"].is_null(), "{v}");
+    assert_eq!(
+        v["chosen"].as_str().map(|id| id.is_empty()),
+        Some(false),
+        "{v}"
+    );
+}
