@@ -56,45 +56,47 @@ impl Guest for SessionAffinity {
     }
 
     fn choose(req: Request, c: Candidates) -> Result<Placement, Rejection> {
-        let of = |role: Role| -> Vec<usize> { (0..c.worker_ids.len()).filter(|&i| c.roles[i] == role).collect() };
+        let has = |role: Role| c.roles.contains(&role);
         let id = |i: usize| c.worker_ids[i];
-        let both = of(Role::Both);
-        if !both.is_empty() {
-            return pick(&req, &c, &both).map(|i| Placement::Worker(id(i)));
+        if has(Role::Both) {
+            return pick(&req, &c, Role::Both).map(|i| Placement::Worker(id(i)));
         }
         // Prefill and decode on separate workers: the session keeps its prefill worker
         // (where its prefix is) and its decode worker alike.
-        let (prefill, decode) = (of(Role::Prefill), of(Role::Decode));
-        if prefill.is_empty() && req.decode_alone && !decode.is_empty() {
-            return pick(&req, &c, &decode).map(|i| Placement::Worker(id(i)));
+        let (prefill, decode) = (has(Role::Prefill), has(Role::Decode));
+        if !prefill && req.decode_alone && decode {
+            return pick(&req, &c, Role::Decode).map(|i| Placement::Worker(id(i)));
         }
-        if prefill.is_empty() || decode.is_empty() {
+        if !prefill || !decode {
             return Err(Rejection { kind: RejectionKind::NoFit, reason: "no worker, nor prefill and decode pair".into() });
         }
-        let p = pick(&req, &c, &prefill)?;
-        let d = pick(&req, &c, &decode)?;
+        let p = pick(&req, &c, Role::Prefill)?;
+        let d = pick(&req, &c, Role::Decode)?;
         Ok(Placement::Pair(Pair { prefill: id(p), decode: id(d) }))
     }
 }
 
-/// The session's worker among the candidates at `rows`, or the least loaded of them.
-fn pick(req: &Request, c: &Candidates, rows: &[usize]) -> Result<usize, Rejection> {
+/// The session's worker among the candidates of `role` (there is one), or the least
+/// loaded of them. No allocation: a decision over a thousand workers stays a few passes.
+fn pick(req: &Request, c: &Candidates, role: Role) -> Result<usize, Rejection> {
     let config = CONFIG.get();
+    let rows = || (0..c.worker_ids.len()).filter(move |&i| c.roles[i] == role);
     if let Some(key) = req.session_key {
-        let home = *rows.iter().max_by_key(|&&i| mix(key ^ mix(c.worker_ids[i]))).unwrap();
+        let home = rows().max_by_key(|&i| mix(key ^ mix(c.worker_ids[i]))).unwrap();
         if c.in_flight[home] < config.max_in_flight {
             return Ok(home);
         }
     }
-    let least = rows.iter().map(|&i| c.in_flight[i]).min().unwrap();
+    let least = rows().map(|i| c.in_flight[i]).min().unwrap();
     if least >= config.max_in_flight && config.reject_when_full {
         return Err(Rejection {
             kind: RejectionKind::AllBusy,
             reason: format!("every worker has {} or more requests in flight", config.max_in_flight),
         });
     }
-    let tied: Vec<usize> = rows.iter().copied().filter(|&i| c.in_flight[i] == least).collect();
-    Ok(tied[(mix(req.seed) % tied.len() as u64) as usize])
+    let tied = || rows().filter(|&i| c.in_flight[i] == least);
+    let k = (mix(req.seed) % tied().count() as u64) as usize;
+    Ok(tied().nth(k).unwrap())
 }
 
 /// SplitMix64's finaliser: a cheap, well-spread 64-bit hash.

@@ -29,6 +29,10 @@ impl Guest for Random {
             let bits = req.seed.rotate_left(salt);
             ids[((u128::from(bits) * ids.len() as u128) >> 64) as usize]
         };
+        if !candidates.worker_ids.is_empty() && candidates.roles.iter().all(|r| *r == Role::Both) {
+            // An aggregated fleet: no copy of the list.
+            return Ok(Placement::Worker(pick(&candidates.worker_ids, 0)));
+        }
         let of = |role: Role| -> Vec<u64> {
             (0..candidates.worker_ids.len())
                 .filter(|&i| candidates.roles[i] == role)

@@ -28,6 +28,10 @@ impl Guest for RoundRobin {
 
     fn choose(req: Request, candidates: Candidates) -> Result<Placement, Rejection> {
         let spread = |ids: &[u64]| ids[(req.sequence % ids.len() as u64) as usize];
+        if !candidates.worker_ids.is_empty() && candidates.roles.iter().all(|r| *r == Role::Both) {
+            // An aggregated fleet: no copy of the list.
+            return Ok(Placement::Worker(spread(&candidates.worker_ids)));
+        }
         place(&candidates, req.decode_alone, spread)
     }
 }
