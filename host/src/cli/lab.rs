@@ -165,6 +165,13 @@ pub struct ReplayArgs {
     /// Decode workers of the disaggregated fleet.
     #[arg(long, default_value_t = 0, requires = "prefill_workers")]
     pub decode_workers: usize,
+    /// Goodput counts the requests whose time to first token is at most this (simulated
+    /// seconds).
+    #[arg(long, default_value_t = switchyard::replay::Slo::default().ttft)]
+    pub slo_ttft_secs: f64,
+    /// ... and whose answer ends within this (simulated seconds).
+    #[arg(long, default_value_t = switchyard::replay::Slo::default().e2e)]
+    pub slo_e2e_secs: f64,
     /// Router replicas: with N above 1, every policy also runs through N in-process
     /// routers sharing the workers (each with its own state, as N `serve` processes),
     /// the requests sent to them in turn, beside its run through one.
@@ -215,6 +222,14 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         config.logs = args.router_logs.clone();
     }
     config.workers = args.workers.max(1);
+    anyhow::ensure!(
+        args.slo_ttft_secs > 0.0 && args.slo_e2e_secs > 0.0,
+        "--slo-ttft-secs and --slo-e2e-secs must be positive"
+    );
+    config.slo = switchyard::replay::Slo {
+        ttft: args.slo_ttft_secs,
+        e2e: args.slo_e2e_secs,
+    };
     if args.prefill_workers > 0 || args.decode_workers > 0 {
         anyhow::ensure!(
             args.prefill_workers > 0 && args.decode_workers > 0,
@@ -251,7 +266,10 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         config.speedup
     );
     println!();
-    print!("{}", switchyard::replay::report::table(&runs, bound));
+    print!(
+        "{}",
+        switchyard::replay::report::table(&runs, bound, config.slo)
+    );
     if let Some(t) = switchyard::replay::report::telemetry_table(&runs) {
         println!("\n{t}");
     }
@@ -260,7 +278,7 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     }
     std::fs::write(
         &args.json,
-        serde_json::to_vec_pretty(&switchyard::replay::report::json(&runs, bound))?,
+        serde_json::to_vec_pretty(&switchyard::replay::report::json(&runs, bound, config.slo))?,
     )?;
     std::fs::write(&args.chart, switchyard::replay::report::svg(&runs))?;
     println!();

@@ -89,6 +89,7 @@ pub fn read_records(text: &str, speedup: f64) -> Result<(Vec<Outcome>, f64), Str
                     itl: metric("inter_token_latency")
                         .map(|ms| vec![(ms / 1e3 * speedup) as f32])
                         .unwrap_or_default(),
+                    status: None,
                     error: None,
                 },
                 (_, _, error) => Outcome {
@@ -98,6 +99,8 @@ pub fn read_records(text: &str, speedup: f64) -> Result<(Vec<Outcome>, f64), Str
                     prompt_tokens: 0,
                     cached_tokens: 0,
                     itl: Vec::new(),
+                    // aiperf records the HTTP status of an error it received.
+                    status: error.as_deref().and_then(http_status),
                     error: Some(error.unwrap_or_else(|| "no time to first token".into())),
                 },
             },
@@ -181,6 +184,12 @@ pub async fn run(
         fleet_hit_rate: None,
         telemetry: None,
     })
+}
+
+/// The HTTP status in an aiperf error record (`{"code": 503, ...}`), if any.
+fn http_status(error: &str) -> Option<u16> {
+    let v: serde_json::Value = serde_json::from_str(error).ok()?;
+    v["code"].as_u64().and_then(|c| u16::try_from(c).ok())
 }
 
 #[cfg(test)]

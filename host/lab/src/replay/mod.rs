@@ -72,6 +72,28 @@ pub struct ReplayConfig {
     /// Prefill and decode workers of the disaggregated fleet the external routers with
     /// P/D placeholders run on (the others keep `workers` aggregated ones).
     pub disaggregated: Option<(usize, usize)>,
+    /// The service level a request must meet to count as goodput: TTFT and E2E at most
+    /// these (simulated seconds).
+    pub slo: Slo,
+}
+
+/// A request's service level objective, in simulated seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Slo {
+    /// Longest time to first token.
+    pub ttft: f64,
+    /// Longest time to the end of the answer.
+    pub e2e: f64,
+}
+
+impl Default for Slo {
+    /// TTFT 2 s (an interactive user's patience for the first word), E2E 30 s.
+    fn default() -> Self {
+        Slo {
+            ttft: 2.0,
+            e2e: 30.0,
+        }
+    }
 }
 
 impl ReplayConfig {
@@ -101,6 +123,7 @@ impl ReplayConfig {
             replicas: 1,
             shadow: None,
             disaggregated: None,
+            slo: Slo::default(),
         }
     }
 }
@@ -155,6 +178,9 @@ pub struct Outcome {
     /// inter-token latency as the client sees it.
     #[serde(skip)]
     pub itl: Vec<f32>,
+    /// The router's status when it answered other than 2xx (429 and 503: refused).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
     /// Why it failed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -569,6 +595,7 @@ async fn replay_once(
                     prompt_tokens: 0,
                     cached_tokens: 0,
                     itl: Vec::new(),
+                    status: None,
                     error: Some(e.to_string()),
                 },
             )
@@ -602,6 +629,7 @@ async fn one(
         prompt_tokens: 0,
         cached_tokens: 0,
         itl: Vec::new(),
+        status: None,
         error: Some(e),
     };
     let started = Instant::now();
@@ -641,7 +669,10 @@ async fn one(
         }
     }
     if !status.is_success() {
-        return failed(format!("{status}: {}", String::from_utf8_lossy(&tail)));
+        return Outcome {
+            status: Some(status.as_u16()),
+            ..failed(format!("{status}: {}", String::from_utf8_lossy(&tail)))
+        };
     }
     if !tail.ends_with(b"data: [DONE]\n\n") {
         return failed("the stream ended without [DONE]".into());
@@ -655,6 +686,7 @@ async fn one(
         prompt_tokens,
         cached_tokens,
         itl,
+        status: None,
         error: None,
     }
 }

@@ -4,7 +4,7 @@ use std::fmt::Write;
 
 use serde_json::json;
 
-use super::{Bounds, PolicyRun};
+use super::{Bounds, PolicyRun, Slo};
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -30,6 +30,10 @@ pub struct Summary {
     pub throughput: f64,
     /// Cached prompt tokens / prompt tokens.
     pub hit_rate: f64,
+    /// Requests that met the SLO (TTFT and E2E), over those sent.
+    pub goodput: f64,
+    /// Requests the router refused (429 or 503).
+    pub refused: usize,
     /// The busiest worker's requests over the mean worker's (1: even; NaN: unknown).
     pub skew: f64,
 }
@@ -43,8 +47,8 @@ pub fn skew(per_worker: &[u64]) -> f64 {
     }
 }
 
-/// Summarises a run.
-pub fn summarise(run: &PolicyRun) -> Summary {
+/// Summarises a run against `slo`.
+pub fn summarise(run: &PolicyRun, slo: Slo) -> Summary {
     let ok: Vec<_> = run.outcomes.iter().filter(|o| o.ok).collect();
     let mut ttft: Vec<f64> = ok.iter().map(|o| o.ttft).collect();
     let mut e2e: Vec<f64> = ok.iter().map(|o| o.e2e).collect();
@@ -62,6 +66,15 @@ pub fn summarise(run: &PolicyRun) -> Summary {
         .flat_map(|o| o.itl.iter().map(|&g| f64::from(g)))
         .collect();
     itl.sort_by(f64::total_cmp);
+    let good = ok
+        .iter()
+        .filter(|o| o.ttft <= slo.ttft && o.e2e <= slo.e2e)
+        .count();
+    let refused = run
+        .outcomes
+        .iter()
+        .filter(|o| matches!(o.status, Some(429 | 503)))
+        .count();
     let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
     let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
     Summary {
@@ -86,28 +99,33 @@ pub fn summarise(run: &PolicyRun) -> Summary {
             None => cached as f64 / prompt as f64,
         },
         skew: skew(&run.worker_requests),
+        goodput: good as f64 / run.outcomes.len().max(1) as f64,
+        refused,
     }
 }
 
-/// The Markdown table.
-pub fn table(runs: &[PolicyRun], bound: Bounds) -> String {
+/// The Markdown table; goodput against `slo`.
+pub fn table(runs: &[PolicyRun], bound: Bounds, slo: Slo) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| policy | requests | failed | TTFT mean | p50 | p90 | p99 | ITL mean | ITL p99 | E2E mean | p90 | throughput | hit rate | bound: fleet capacity | bound: infinite | load skew | router CPU | router peak RSS |"
+        "| policy | requests | failed | refused | goodput (TTFT ≤ {} s, E2E ≤ {} s) | TTFT mean | p50 | p90 | p99 | ITL mean | ITL p99 | E2E mean | p90 | throughput | hit rate | bound: fleet capacity | bound: infinite | load skew | router CPU | router peak RSS |",
+        slo.ttft, slo.e2e
     );
     let _ = writeln!(
         s,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     for r in runs {
-        let m = summarise(r);
+        let m = summarise(r, slo);
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {:.3} s | {:.3} s | {:.3} s | {:.3} s | {:.1} ms | {:.1} ms | {:.2} s | {:.2} s | {:.2} req/s | {:.1} % | {:.1} % | {:.1} % | {:.2} | {} | {} |",
+            "| {} | {} | {} | {} | {:.1} % | {:.3} s | {:.3} s | {:.3} s | {:.3} s | {:.1} ms | {:.1} ms | {:.2} s | {:.2} s | {:.2} req/s | {:.1} % | {:.1} % | {:.1} % | {:.2} | {} | {} |",
             r.policy,
             m.requests,
             m.failed,
+            m.refused,
+            m.goodput * 100.0,
             m.ttft[0],
             m.ttft[1],
             m.ttft[2],
@@ -236,15 +254,16 @@ pub fn telemetry_table(runs: &[PolicyRun]) -> Option<String> {
 }
 
 /// Everything, as JSON.
-pub fn json(runs: &[PolicyRun], bound: Bounds) -> serde_json::Value {
+pub fn json(runs: &[PolicyRun], bound: Bounds, slo: Slo) -> serde_json::Value {
     let summaries: Vec<_> = runs
         .iter()
         .map(|r| {
-            let m = summarise(r);
+            let m = summarise(r, slo);
             json!({
                 "policy": r.policy, "requests": m.requests, "failed": m.failed,
                 "ttft_mean_s": m.ttft[0], "ttft_p50_s": m.ttft[1], "ttft_p90_s": m.ttft[2], "ttft_p99_s": m.ttft[3], "itl_mean_s": m.itl[0], "itl_p99_s": m.itl[1],
                 "e2e_mean_s": m.e2e[0], "e2e_p90_s": m.e2e[1], "throughput_rps": m.throughput, "hit_rate": m.hit_rate,
+                "goodput": m.goodput, "refused": m.refused,
                 "load_skew": (!m.skew.is_nan()).then_some(m.skew),
                 "router_cpu_s": r.router.map(|c| c.cpu_secs), "router_peak_rss_mib": r.router.map(|c| c.peak_rss_mib),
                 "overlap_ratio": r.telemetry.as_ref().and_then(super::telemetry::Telemetry::overlap_ratio),
@@ -253,7 +272,7 @@ pub fn json(runs: &[PolicyRun], bound: Bounds) -> serde_json::Value {
             })
         })
         .collect();
-    json!({"infinite_cache_bound": bound.infinite, "capacity_bound": bound.capacity, "summary": summaries, "runs": runs})
+    json!({"infinite_cache_bound": bound.infinite, "capacity_bound": bound.capacity, "slo": {"ttft_s": slo.ttft, "e2e_s": slo.e2e}, "summary": summaries, "runs": runs})
 }
 
 /// The TTFT distribution of each policy as cumulative curves (log-scaled time axis).
@@ -360,5 +379,53 @@ fn format_seconds(t: f64) -> String {
         format!("{} ms", (t * 1000.0).round())
     } else {
         format!("{t} s")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::Outcome;
+
+    fn outcome(ttft: f64, e2e: f64, status: Option<u16>) -> Outcome {
+        Outcome {
+            ok: status.is_none(),
+            ttft,
+            e2e,
+            prompt_tokens: 100,
+            cached_tokens: 50,
+            itl: vec![0.02, 0.04],
+            status,
+            error: status.map(|s| format!("{s}")),
+        }
+    }
+
+    #[test]
+    fn goodput_counts_the_answers_within_both_objectives_and_refusals_are_counted_apart() {
+        let run = PolicyRun {
+            policy: "p".into(),
+            outcomes: vec![
+                outcome(1.0, 10.0, None),
+                outcome(3.0, 10.0, None),
+                outcome(1.0, 40.0, None),
+                outcome(0.0, 0.0, Some(503)),
+                outcome(0.0, 0.0, Some(500)),
+            ],
+            span: 10.0,
+            router: None,
+            live: None,
+            worker_requests: vec![1, 2],
+            fleet_hit_rate: None,
+            telemetry: None,
+        };
+        let m = summarise(&run, Slo::default());
+        assert_eq!((m.requests, m.failed, m.refused), (5, 2, 1));
+        assert!((m.goodput - 0.2).abs() < 1e-9, "{}", m.goodput);
+        let loose = Slo {
+            ttft: 5.0,
+            e2e: 60.0,
+        };
+        assert!((summarise(&run, loose).goodput - 0.6).abs() < 1e-9);
+        assert!((m.itl[0] - 0.03).abs() < 1e-6 && (m.itl[1] - 0.04).abs() < 1e-6);
     }
 }
