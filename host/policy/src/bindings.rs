@@ -197,11 +197,11 @@ impl Policy {
         fn pick<T: Copy>(col: &[T], rows: &[usize]) -> Vec<T> {
             rows.iter().filter_map(|&i| col.get(i).copied()).collect()
         }
-        let rejection = |kind, reason| wit::Rejection { kind, reason };
-        match self {
-            Policy::Current(_) => unreachable!("a current component is called directly"),
-            Policy::V0_2(p) => {
-                let req = old2::Request {
+        // The request and a rejection are the same records in every version: one
+        // conversion, written once for each version's generated types.
+        macro_rules! call {
+            ($p:expr, $m:ident, $cols:expr) => {{
+                let req = $m::Request {
                     prompt_tokens: req.prompt_tokens,
                     prompt_blocks: req.prompt_blocks,
                     block_size: req.block_size,
@@ -209,7 +209,24 @@ impl Policy {
                     seed: req.seed,
                     sequence: req.sequence,
                 };
-                let cols = old2::Candidates {
+                Ok($p
+                    .call_choose(store, req, &$cols)?
+                    .map_err(|r| wit::Rejection {
+                        kind: match r.kind {
+                            $m::RejectionKind::AllBusy => wit::RejectionKind::AllBusy,
+                            $m::RejectionKind::NoFit => wit::RejectionKind::NoFit,
+                            $m::RejectionKind::Refused => wit::RejectionKind::Refused,
+                        },
+                        reason: r.reason,
+                    }))
+            }};
+        }
+        match self {
+            Policy::Current(_) => unreachable!("a current component is called directly"),
+            Policy::V0_2(p) => call!(
+                p,
+                old2,
+                old2::Candidates {
                     worker_ids: pick(&c.worker_ids, &rows),
                     overlap_blocks: pick(&c.overlap_blocks, &rows),
                     active_blocks: pick(&c.active_blocks, &rows),
@@ -217,46 +234,20 @@ impl Policy {
                     in_flight: pick(&c.in_flight, &rows),
                     kv_usage: pick(&c.kv_usage, &rows),
                     cache_fullness: pick(&c.cache_fullness, &rows),
-                };
-                Ok(p.call_choose(store, req, &cols)?.map_err(|r| {
-                    rejection(
-                        match r.kind {
-                            old2::RejectionKind::AllBusy => wit::RejectionKind::AllBusy,
-                            old2::RejectionKind::NoFit => wit::RejectionKind::NoFit,
-                            old2::RejectionKind::Refused => wit::RejectionKind::Refused,
-                        },
-                        r.reason,
-                    )
-                }))
-            }
-            Policy::V0_1(p) => {
-                let req = old1::Request {
-                    prompt_tokens: req.prompt_tokens,
-                    prompt_blocks: req.prompt_blocks,
-                    block_size: req.block_size,
-                    session_key: req.session_key,
-                    seed: req.seed,
-                    sequence: req.sequence,
-                };
-                let cols = old1::Candidates {
+                }
+            ),
+            Policy::V0_1(p) => call!(
+                p,
+                old1,
+                old1::Candidates {
                     worker_ids: pick(&c.worker_ids, &rows),
                     overlap_blocks: pick(&c.overlap_blocks, &rows),
                     active_blocks: pick(&c.active_blocks, &rows),
                     pending_prefill_tokens: pick(&c.pending_prefill_tokens, &rows),
                     in_flight: pick(&c.in_flight, &rows),
                     kv_usage: pick(&c.kv_usage, &rows),
-                };
-                Ok(p.call_choose(store, req, &cols)?.map_err(|r| {
-                    rejection(
-                        match r.kind {
-                            old1::RejectionKind::AllBusy => wit::RejectionKind::AllBusy,
-                            old1::RejectionKind::NoFit => wit::RejectionKind::NoFit,
-                            old1::RejectionKind::Refused => wit::RejectionKind::Refused,
-                        },
-                        r.reason,
-                    )
-                }))
-            }
+                }
+            ),
         }
     }
 }

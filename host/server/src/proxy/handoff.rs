@@ -61,8 +61,9 @@ fn host_of(url: &str) -> String {
         .to_string()
 }
 
-/// The client's body as a JSON object (the front door parsed it already: an object).
-fn object(body: &[u8]) -> Result<Map<String, Value>, String> {
+/// The client's body as a JSON object (the front door parsed it already: an object),
+/// read once per split and shared by both legs' requests.
+pub(super) fn object(body: &[u8]) -> Result<Map<String, Value>, String> {
     match serde_json::from_slice(body) {
         Ok(Value::Object(m)) => Ok(m),
         Ok(_) => Err("the request body is not a JSON object".into()),
@@ -76,8 +77,8 @@ fn bytes(m: Map<String, Value>) -> Bytes {
 
 /// vLLM: the prefill worker's request — the client's, computing the prompt and one
 /// token, not streamed, asking to keep the KV for a remote decode.
-pub(super) fn vllm_prefill_body(body: &[u8]) -> Result<Bytes, String> {
-    let mut m = object(body)?;
+pub(super) fn vllm_prefill_body(body: &Map<String, Value>) -> Bytes {
+    let mut m = body.clone();
     m.insert("max_tokens".into(), json!(1));
     if m.contains_key("max_completion_tokens") {
         m.insert("max_completion_tokens".into(), json!(1));
@@ -95,7 +96,7 @@ pub(super) fn vllm_prefill_body(body: &[u8]) -> Result<Bytes, String> {
             "remote_port": null,
         }),
     );
-    Ok(bytes(m))
+    bytes(m)
 }
 
 /// vLLM: the `kv_transfer_params` of a prefill worker's answer.
@@ -110,10 +111,9 @@ pub(super) fn vllm_transfer_params(answer: &[u8]) -> Result<Value, String> {
 }
 
 /// vLLM: the decode worker's request — the client's, with the prefill's parameters.
-pub(super) fn vllm_decode_body(body: &[u8], params: Value) -> Result<Bytes, String> {
-    let mut m = object(body)?;
-    m.insert("kv_transfer_params".into(), params);
-    Ok(bytes(m))
+pub(super) fn vllm_decode_body(mut body: Map<String, Value>, params: Value) -> Bytes {
+    body.insert("kv_transfer_params".into(), params);
+    bytes(body)
 }
 
 /// SGLang: the request both workers get — the client's, naming the rendezvous.
@@ -142,9 +142,9 @@ mod tests {
     #[test]
     fn the_vllm_prefill_computes_one_token_and_keeps_the_kv() {
         let b = vllm_prefill_body(
-            br#"{"model":"m","prompt":"hi","max_tokens":50,"stream":true,"stream_options":{"include_usage":true}}"#,
-        )
-        .unwrap();
+            &object(br#"{"model":"m","prompt":"hi","max_tokens":50,"stream":true,"stream_options":{"include_usage":true}}"#)
+                .unwrap(),
+        );
         let v: Value = serde_json::from_slice(&b).unwrap();
         assert_eq!(v["max_tokens"], 1);
         assert_eq!(v["stream"], false);
@@ -152,7 +152,8 @@ mod tests {
         assert!(v.get("max_completion_tokens").is_none());
         assert_eq!(v["kv_transfer_params"]["do_remote_decode"], true);
         assert_eq!(v["prompt"], "hi");
-        let b = vllm_prefill_body(br#"{"messages":[],"max_completion_tokens":9}"#).unwrap();
+        let b =
+            vllm_prefill_body(&object(br#"{"messages":[],"max_completion_tokens":9}"#).unwrap());
         let v: Value = serde_json::from_slice(&b).unwrap();
         assert_eq!(v["max_completion_tokens"], 1);
     }
@@ -163,7 +164,7 @@ mod tests {
             br#"{"choices":[],"kv_transfer_params":{"do_remote_prefill":true,"remote_port":7}}"#,
         )
         .unwrap();
-        let b = vllm_decode_body(br#"{"prompt":"hi","stream":true}"#, params).unwrap();
+        let b = vllm_decode_body(object(br#"{"prompt":"hi","stream":true}"#).unwrap(), params);
         let v: Value = serde_json::from_slice(&b).unwrap();
         assert_eq!(v["kv_transfer_params"]["remote_port"], 7);
         assert_eq!(v["stream"], true);

@@ -42,7 +42,8 @@ pub use migrate::{MAX_KEPT_TEXT, continuation_of, relay_events};
 /// vLLM's handoff as the router reads it: the decode worker's request, from the client's
 /// `body` and the prefill worker's `answer` (exported for the fuzz targets).
 pub fn vllm_handoff(body: &[u8], answer: &[u8]) -> Result<Bytes, String> {
-    handoff::vllm_decode_body(body, handoff::vllm_transfer_params(answer)?)
+    let params = handoff::vllm_transfer_params(answer)?;
+    Ok(handoff::vllm_decode_body(handoff::object(body)?, params))
 }
 pub(crate) use tokenize::tokenize;
 

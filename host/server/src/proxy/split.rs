@@ -46,7 +46,8 @@ pub(super) async fn vllm_prefill(
     auth: Option<&HeaderValue>,
     body: &[u8],
 ) -> Result<Bytes, LegEnd> {
-    let request = handoff::vllm_prefill_body(body).map_err(|e| LegEnd::Failed(bad_answer(e)))?;
+    let body = handoff::object(body).map_err(|e| LegEnd::Failed(bad_answer(e)))?;
+    let request = handoff::vllm_prefill_body(&body);
     let limit = gw.config.request_timeout;
     let started = Instant::now();
     let (first, rest) = match forward(gw, base, path, None, auth, request, limit).await {
@@ -73,7 +74,7 @@ pub(super) async fn vllm_prefill(
     answer.extend_from_slice(&tail);
     let params = handoff::vllm_transfer_params(&answer)
         .map_err(|e| LegEnd::Failed(bad_answer(format!("prefill worker: {e}"))))?;
-    handoff::vllm_decode_body(body, params).map_err(|e| LegEnd::Failed(bad_answer(e)))
+    Ok(handoff::vllm_decode_body(body, params))
 }
 
 /// SGLang's prefill leg, beside the decode leg: `Ok` once the prefill worker answers (it
