@@ -279,7 +279,9 @@ impl Handoffs {
                 }
                 keep
             });
+            // A key already kept (a prefill becoming ready) takes no new room.
             if entries.len() >= MAX_HANDOFFS
+                && !entries.contains_key(key)
                 && let Some(oldest) = entries
                     .iter()
                     .min_by_key(|(_, e)| e.since)
@@ -581,5 +583,47 @@ mod tests {
             leg(&pd(Role::Both, PdProtocol::Sglang), b"{}", key),
             Ok(Leg::Whole)
         );
+    }
+
+    fn engine() -> Arc<Engine> {
+        Engine::start(crate::engine::EngineConfig {
+            block_size: 16,
+            kv_blocks: 64,
+            max_batch: 4,
+            speedup: 1000.0,
+            timing: crate::engine::TimingModel::default(),
+        })
+    }
+
+    /// Worst case: decode workers that never come. At most MAX_HANDOFFS are kept; the
+    /// oldest goes first and its blocks are released, so KV held for nobody cannot pile up.
+    #[tokio::test]
+    async fn handoffs_nobody_takes_are_bounded_and_release_their_blocks() {
+        let e = engine();
+        let h = Arc::new(Handoffs::new());
+        let blocks = [switchyard_ids::BlockHash(1), switchyard_ids::BlockHash(2)];
+        let lease = e.pin(&blocks, &[], None);
+        assert!(lease.is_some());
+        h.begin(&e, "first").ready(&e, lease, 2);
+        assert_eq!(e.stats().kv_used_blocks, 2, "held for its decode worker");
+        for i in 0..MAX_HANDOFFS {
+            h.begin(&e, &format!("k{i}")).ready(&e, None, 0);
+        }
+        assert_eq!(h.entries.lock().len(), MAX_HANDOFFS);
+        assert_eq!(
+            e.stats().kv_used_blocks,
+            0,
+            "the oldest handoff's blocks were released"
+        );
+        let gone = h.hand_over(&e, "first", 0, 0.0, Duration::ZERO).await;
+        assert_eq!(gone.unwrap_err().0, StatusCode::NOT_FOUND);
+        // A prefill that fails (its guard dropped unready) tells a waiting decode at once.
+        drop(h.begin(&e, "failed"));
+        let failed = h.hand_over(&e, "failed", 0, 0.0, HANDOFF_WAIT).await;
+        assert_eq!(failed.unwrap_err().0, StatusCode::GONE);
+        // One that is ready is handed over once.
+        h.begin(&e, "ok").ready(&e, None, 3);
+        assert_eq!(h.hand_over(&e, "ok", 1, 0.0, Duration::ZERO).await, Ok(3));
+        assert!(h.hand_over(&e, "ok", 0, 0.0, Duration::ZERO).await.is_err());
     }
 }
