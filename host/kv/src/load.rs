@@ -56,6 +56,12 @@ pub struct WorkerLoad {
     pub booked: u32,
     /// The worker's own report, if any (fresh or not).
     pub reported: Option<ReportedLoad>,
+    /// Requests waiting in the worker's engine queue, estimated: with a fresh report,
+    /// those in flight beyond the most the engine has been seen running while it had a
+    /// queue (its batch limit, `max_num_seqs` or its KV cache), at least the reported
+    /// queue plus this router's bookings since it when the queue was not empty; 0 while
+    /// the engine has never been seen queueing; without a fresh report, 0.
+    pub queued: u32,
 }
 
 #[derive(Debug, Default)]
@@ -68,6 +74,9 @@ struct Worker {
     reported: Option<(ReportedLoad, Instant)>,
     /// Bookings made minus bookings released since `reported` arrived.
     since_report: i64,
+    /// The most requests the engine was seen running while others waited: its batch
+    /// limit as it shows (see [`WorkerLoad::queued`]).
+    batch: Option<u32>,
 }
 
 impl Worker {
@@ -80,6 +89,25 @@ impl Worker {
             }
             _ => self.in_flight,
         }
+    }
+
+    /// The engine's queue, estimated (see [`WorkerLoad::queued`]).
+    fn queued(&self, now: Instant, report_ttl: Duration) -> u32 {
+        let Some((r, at)) = self.reported else {
+            return 0;
+        };
+        if now.saturating_duration_since(at) > report_ttl {
+            return 0;
+        }
+        let beyond = self
+            .batch
+            .map_or(0, |b| self.in_flight(now, report_ttl).saturating_sub(b));
+        let since = if r.waiting > 0 {
+            (i64::from(r.waiting) + self.since_report).clamp(0, i64::from(u32::MAX)) as u32
+        } else {
+            0
+        };
+        beyond.max(since)
     }
 }
 
@@ -224,6 +252,15 @@ impl LoadTracker {
         let w = self.workers.entry(worker).or_default();
         w.reported = Some((load, now));
         w.since_report = 0;
+        // A queue beside a running batch shows the batch's limit; a larger batch later
+        // (more memory free, shorter requests) raises it.
+        if load.running > 0 && (load.waiting > 0 || w.batch.is_some_and(|b| load.running > b)) {
+            w.batch = Some(if load.waiting > 0 {
+                load.running
+            } else {
+                load.running.max(w.batch.unwrap_or(0))
+            });
+        }
     }
 
     /// Forgets `worker`'s report (its bookings stay until their requests end).
@@ -243,6 +280,7 @@ impl LoadTracker {
                 in_flight: w.in_flight(now, self.report_ttl),
                 booked: w.in_flight,
                 reported: w.reported.map(|(r, _)| r),
+                queued: w.queued(now, self.report_ttl),
             })
     }
 
@@ -298,6 +336,49 @@ mod tests {
             (3, 16, 1)
         );
         assert!(!t.finish(RequestId(1)), "double release is a no-op");
+    }
+
+    #[test]
+    fn the_engine_queue_is_estimated_from_the_batch_it_was_seen_running() {
+        let now = Instant::now();
+        let w = InstanceId(7);
+        let mut t = LoadTracker::default();
+        let report = |running, waiting| ReportedLoad {
+            kv_used_blocks: 10,
+            kv_total_blocks: 100,
+            running,
+            waiting,
+        };
+        // Never seen queueing: nothing is estimated to wait, however many are booked.
+        t.report(w, report(3, 0), now);
+        for i in 0..10 {
+            t.book(RequestId(i), w, &[], 0, now);
+        }
+        assert_eq!(t.load(w, now).queued, 0);
+        // A queue beside 8 running: 8 is the batch; 8 + 2 + 10 booked since = 12 wait.
+        t.report(w, report(8, 2), now);
+        assert_eq!(t.load(w, now).queued, 2);
+        t.book(RequestId(10), w, &[], 0, now);
+        assert_eq!(t.load(w, now).queued, 3, "a booking since the report waits");
+        for i in 0..5 {
+            t.finish(RequestId(i));
+        }
+        assert_eq!(t.load(w, now).queued, 0, "requests ending free the queue");
+        // The batch is kept while the queue empties, and raised by a larger one.
+        t.report(w, report(6, 0), now);
+        assert_eq!(t.load(w, now).queued, 0);
+        t.report(w, report(12, 0), now);
+        for i in 20..30 {
+            t.book(RequestId(i), w, &[], 0, now);
+        }
+        assert_eq!(
+            t.load(w, now).queued,
+            10,
+            "12 + 10 in flight over a batch of 12"
+        );
+        // A stale report estimates nothing (the router's bookings alone say no queue).
+        let later = now + REPORT_TTL + Duration::from_secs(1);
+        assert_eq!(t.load(w, later).queued, 0);
     }
 
     #[test]

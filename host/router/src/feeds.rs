@@ -164,6 +164,7 @@ impl KvRouter {
     pub(crate) fn report_load(&self, worker: InstanceId, load: ReportedLoad) {
         self.capacities.lock().insert(worker, load.kv_total_blocks);
         self.load.lock().report(worker, load, Instant::now());
+        self.load_changed.notify_one();
         self.fence(worker);
     }
 
@@ -179,6 +180,7 @@ impl KvRouter {
             self.capacities.lock().insert(worker, load.kv_total_blocks);
         }
         self.load.lock().report(worker, load, Instant::now());
+        self.load_changed.notify_one();
         self.fence(worker);
     }
 

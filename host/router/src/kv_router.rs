@@ -62,6 +62,8 @@ pub struct KvRouter {
     /// Serialises attaching, removing and promoting shadows.
     pub(crate) shadow_lock: Mutex<()>,
     pub(crate) shadow_series: ShadowSeries,
+    /// See [`KvRouter::load_changed`].
+    pub(crate) load_changed: tokio::sync::Notify,
 }
 
 impl KvRouter {
@@ -93,6 +95,7 @@ impl KvRouter {
             shadow: ArcSwapOption::empty(),
             shadow_lock: Mutex::new(()),
             shadow_series: ShadowSeries::default(),
+            load_changed: tokio::sync::Notify::new(),
         }
     }
 
@@ -244,7 +247,9 @@ impl KvRouter {
         )
     }
 
-    /// [`KvRouter::route_blocks`] on the workers `placing` allows.
+    /// [`KvRouter::route_blocks`] on the workers `placing` allows. Saturated workers are
+    /// left out while a worker of their role is not; when every one is, the request is
+    /// placed among them all.
     pub fn place(
         &self,
         prompt_tokens: u32,
@@ -254,15 +259,67 @@ impl KvRouter {
         now: Instant,
         placing: Placing,
     ) -> Result<Routed, RouteError> {
+        self.place_as(
+            prompt_tokens,
+            hashes,
+            session_key,
+            exclude,
+            now,
+            placing,
+            false,
+        )
+    }
+
+    /// [`KvRouter::place`], but [`RouteError::Saturated`] when every candidate is
+    /// saturated: the caller queues the request and tries again when
+    /// [`KvRouter::load_changed`] says so.
+    pub fn try_place(
+        &self,
+        prompt_tokens: u32,
+        hashes: &[BlockHash],
+        session_key: Option<u64>,
+        now: Instant,
+    ) -> Result<Routed, RouteError> {
+        self.place_as(
+            prompt_tokens,
+            hashes,
+            session_key,
+            &[],
+            now,
+            Placing::Any,
+            true,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn place_as(
+        &self,
+        prompt_tokens: u32,
+        hashes: &[BlockHash],
+        session_key: Option<u64>,
+        exclude: &[InstanceId],
+        now: Instant,
+        placing: Placing,
+        may_wait: bool,
+    ) -> Result<Routed, RouteError> {
         let started = Instant::now();
         let busy = self.client.busy(now);
-        let (mut candidates, _) = if busy.is_empty() {
-            self.candidates(hashes, exclude)
+        let (mut candidates, _, saturated) = if busy.is_empty() {
+            self.gather(hashes, exclude)
         } else {
             let mut skip = exclude.to_vec();
             skip.extend(busy.iter().map(|(id, _)| *id));
-            self.candidates(hashes, &skip)
+            self.gather(hashes, &skip)
         };
+        if saturated.iter().any(|s| *s) {
+            if may_wait && saturated.iter().all(|s| *s) {
+                return Err(RouteError::Saturated {
+                    endpoint: self.endpoint.to_string(),
+                    workers: saturated.len(),
+                });
+            }
+            candidates = unsaturated(candidates, &saturated);
+        }
         let mut decode_alone = true;
         if candidates.disaggregated() {
             decode_alone = self.decode_alone();
@@ -407,6 +464,43 @@ impl KvRouter {
         hashes: &[BlockHash],
         exclude: &[InstanceId],
     ) -> (Candidates, Vec<(InstanceId, u32)>) {
+        let (candidates, overlaps, _) = self.gather(hashes, exclude);
+        (candidates, overlaps)
+    }
+
+    /// The routable workers now saturated, and why (see [`crate::Saturation`]).
+    pub fn saturated(&self) -> Vec<(InstanceId, &'static str)> {
+        let routable = self.client.routable();
+        let now = Instant::now();
+        let load = self.load.lock();
+        routable
+            .iter()
+            .filter_map(|id| {
+                let why = self.config.saturation.reason(&load.load(*id, now))?;
+                Some((*id, why))
+            })
+            .collect()
+    }
+
+    /// Why `worker` is saturated, if it is.
+    pub fn saturation_of(&self, worker: InstanceId) -> Option<&'static str> {
+        let l = self.load.lock().load(worker, Instant::now());
+        self.config.saturation.reason(&l)
+    }
+
+    /// Woken (one waiter, or the next to wait) whenever a worker's load may have
+    /// dropped: a request ended, or a worker reported its load.
+    pub fn load_changed(&self) -> &tokio::sync::Notify {
+        &self.load_changed
+    }
+
+    /// [`KvRouter::candidates`], and whether each candidate is saturated.
+    #[allow(clippy::type_complexity)]
+    fn gather(
+        &self,
+        hashes: &[BlockHash],
+        exclude: &[InstanceId],
+    ) -> (Candidates, Vec<(InstanceId, u32)>, Vec<bool>) {
         let snapshot = self.client.snapshot();
         let available = snapshot.routable.clone();
         let mut overlaps = Vec::new();
@@ -435,6 +529,7 @@ impl KvRouter {
             }
         });
         let mut candidates = Candidates::with_capacity(available.len());
+        let mut saturated = Vec::with_capacity(available.len());
         let now = Instant::now();
         let load = self.load.lock();
         for (&id, &cache_fullness) in available.iter().zip(&fullness) {
@@ -446,6 +541,7 @@ impl KvRouter {
                 .binary_search_by_key(&id, |(w, _)| *w)
                 .map_or(0, |i| overlaps[i].1);
             let overlap = load.extend_overlap(id, hashes, cached);
+            saturated.push(self.config.saturation.reason(&l).is_some());
             candidates.push(CandidateRow {
                 id,
                 overlap_blocks: overlap,
@@ -460,19 +556,26 @@ impl KvRouter {
                     .map_or(Role::Both, |s| s.info.role),
             });
         }
-        (candidates, overlaps)
+        (candidates, overlaps, saturated)
     }
 
     /// What the router would do with a request, without routing it: the candidates as
     /// the policy would see them and the policy's decision (nothing is booked or
     /// predicted; the policy's decision counters do count it).
+    /// Saturated workers are shown but, as in [`KvRouter::place`], not offered to the
+    /// policy while a worker of their role has room.
     pub fn explain(&self, prompt_tokens: u32, hashes: &[BlockHash]) -> (Candidates, Decision) {
-        let (candidates, _) = self.candidates(hashes, &[]);
+        let (candidates, _, saturated) = self.gather(hashes, &[]);
         let request = Request {
             decode_alone: !candidates.disaggregated() || self.decode_alone(),
             ..self.request(prompt_tokens, hashes, None)
         };
-        let decision = self.policy.decide(request, &candidates);
+        let decision = if saturated.iter().any(|s| *s) {
+            self.policy
+                .decide(request, &unsaturated(candidates.clone(), &saturated))
+        } else {
+            self.policy.decide(request, &candidates)
+        };
         (candidates, decision)
     }
 
@@ -513,7 +616,9 @@ impl KvRouter {
 
     /// The request ended, failed or was cancelled.
     pub fn finish(&self, request: RequestId) {
-        self.load.lock().finish(request);
+        if self.load.lock().finish(request) {
+            self.load_changed.notify_one();
+        }
     }
 
     /// Current load of `worker`.
@@ -569,4 +674,24 @@ impl KvRouter {
     pub fn scrape_stats(&self) -> &metrics_scraper::ScrapeStats {
         &self.scrape_stats
     }
+}
+
+/// `candidates` without the saturated ones, role by role: a role whose every worker is
+/// saturated keeps them all (the request still needs one of them).
+fn unsaturated(candidates: Candidates, saturated: &[bool]) -> Candidates {
+    let rows: Vec<CandidateRow> = (0..candidates.len()).map(|i| candidates.row(i)).collect();
+    let open = |role: Role| {
+        rows.iter()
+            .zip(saturated)
+            .any(|(r, s)| r.role == role && !*s)
+    };
+    let open_roles: Vec<Role> = [Role::Both, Role::Prefill, Role::Decode]
+        .into_iter()
+        .filter(|r| open(*r))
+        .collect();
+    rows.into_iter()
+        .zip(saturated)
+        .filter(|(r, s)| !**s || !open_roles.contains(&r.role))
+        .map(|(r, _)| r)
+        .collect()
 }

@@ -56,6 +56,60 @@ impl Default for Approximate {
     }
 }
 
+/// When a worker is *saturated*: it gets no new request while a candidate of its role
+/// that is not saturated exists, and when every candidate is, requests wait in the
+/// router's queue (the front door's) instead of an engine's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Saturation {
+    /// An estimated engine queue ([`switchyard_kv::load::WorkerLoad::queued`]) of this
+    /// many requests saturates a worker; 0: never by its queue.
+    pub queued: u32,
+    /// A reported KV usage at or above this share saturates a worker; above 1: never.
+    pub kv_usage: f32,
+    /// Requests in flight (the worker's report and this router's bookings) at which a
+    /// worker is saturated, for workers that report nothing; 0: no such limit.
+    pub max_in_flight: u32,
+}
+
+impl Default for Saturation {
+    /// An engine queue of 4 (a worker with room has none: engines queue only when their
+    /// batch or KV cache is full, so this changes nothing until then, and 4 keep its
+    /// batch refilled while the router reacts to completions), or a full KV cache.
+    fn default() -> Self {
+        Saturation {
+            queued: 4,
+            kv_usage: 1.0,
+            max_in_flight: 0,
+        }
+    }
+}
+
+impl Saturation {
+    /// Never saturated (the behaviour before saturation existed).
+    pub const OFF: Saturation = Saturation {
+        queued: 0,
+        kv_usage: f32::INFINITY,
+        max_in_flight: 0,
+    };
+
+    /// Whether a worker with load `l` is saturated, and by what.
+    pub fn reason(&self, l: &switchyard_kv::load::WorkerLoad) -> Option<&'static str> {
+        if self.queued > 0 && l.queued >= self.queued {
+            Some("engine queue")
+        } else if l
+            .reported
+            .and_then(|r| r.kv_usage())
+            .is_some_and(|u| u >= self.kv_usage)
+        {
+            Some("KV cache full")
+        } else if self.max_in_flight > 0 && l.in_flight >= self.max_in_flight {
+            Some("requests in flight")
+        } else {
+            None
+        }
+    }
+}
+
 /// One endpoint's routing configuration.
 #[derive(Debug, Clone)]
 pub struct KvRouterConfig {
@@ -76,6 +130,8 @@ pub struct KvRouterConfig {
     pub forward_authorization: bool,
     /// How long a worker's load report counts towards its requests in flight.
     pub report_ttl: Duration,
+    /// When a worker is saturated.
+    pub saturation: Saturation,
 }
 
 impl KvRouterConfig {
@@ -91,6 +147,7 @@ impl KvRouterConfig {
             central_events: None,
             forward_authorization: false,
             report_ttl: switchyard_kv::load::REPORT_TTL,
+            saturation: Saturation::default(),
         }
     }
 }
@@ -117,6 +174,15 @@ pub enum RouteError {
     /// The policy refused the request.
     #[error("the routing policy rejected the request: {}", .0.reason)]
     Rejected(Rejection),
+    /// Every candidate is saturated ([`KvRouter::try_place`] only): the request should
+    /// wait.
+    #[error("every worker of endpoint {endpoint} is saturated ({workers} workers)")]
+    Saturated {
+        /// The endpoint.
+        endpoint: String,
+        /// Saturated candidates.
+        workers: usize,
+    },
 }
 
 /// A routed request. Call [`KvRouter::prefill_done`] at its first token and

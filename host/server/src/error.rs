@@ -52,6 +52,10 @@ pub enum ApiError {
     /// The router is shutting down.
     #[error("the router is shutting down")]
     ShuttingDown,
+    /// Refused by the overload queue (a tenant over its share, a full fleet, a
+    /// deadline).
+    #[error("{}", .0.message)]
+    Shed(crate::queue::Shed),
 }
 
 impl ApiError {
@@ -69,21 +73,26 @@ impl ApiError {
             ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ApiError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Shed(s) if s.reason == crate::queue::ShedReason::TenantShare => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            ApiError::Shed(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
     /// When a client should try again, for the answers that mean "not now".
     pub fn retry_after(&self) -> Option<std::time::Duration> {
         use std::time::Duration;
+        // Whole seconds, rounded up; saturating.
+        let up = |d: &Duration| {
+            Duration::from_secs(d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0)))
+        };
         match self {
-            ApiError::Route(RouteError::Busy { retry_after, .. }) => {
-                // Whole seconds, rounded up; saturating (the wait is capped upstream).
-                let secs = retry_after
-                    .as_secs()
-                    .saturating_add(u64::from(retry_after.subsec_nanos() > 0));
-                Some(Duration::from_secs(secs))
-            }
+            ApiError::Route(RouteError::Busy { retry_after, .. }) => Some(up(retry_after)),
+            // At most a minute: an estimate from the recent dispatch rate.
+            ApiError::Shed(s) => Some(up(&s.retry_after).min(Duration::from_secs(60))),
             ApiError::Route(RouteError::NoInstances { .. })
+            | ApiError::Route(RouteError::Saturated { .. })
             | ApiError::ModelUnavailable(_)
             | ApiError::Overloaded(_)
             | ApiError::ShuttingDown => Some(Duration::from_secs(1)),
@@ -118,6 +127,10 @@ impl ApiError {
             ApiError::NotFound(_) => ("invalid_request_error", None, Some("not_found")),
             ApiError::Refused(_) => ("invalid_request_error", None, Some("refused")),
             ApiError::ShuttingDown => ("server_error", None, Some("shutting_down")),
+            ApiError::Route(RouteError::Saturated { .. }) => {
+                ("server_error", None, Some("fleet_full"))
+            }
+            ApiError::Shed(s) => ("server_error", None, Some(s.reason.code())),
         };
         let mut builder = Response::builder()
             .status(self.status())

@@ -19,6 +19,7 @@ pub mod config;
 pub mod error;
 pub mod metrics;
 pub mod proxy;
+pub mod queue;
 pub mod serve;
 pub mod write_deadline;
 
@@ -127,6 +128,8 @@ pub struct GatewayConfig {
     pub outlier_detection: bool,
     /// The trust put in `https://` workers' certificates.
     pub tls: switchyard_net::upstream::Tls,
+    /// The queue, classes and tenants past the fleet's capacity.
+    pub overload: Arc<queue::classes::OverloadConfig>,
 }
 
 impl Default for GatewayConfig {
@@ -151,6 +154,7 @@ impl Default for GatewayConfig {
             availability: true,
             outlier_detection: true,
             tls: switchyard_net::upstream::Tls::default(),
+            overload: Arc::default(),
         }
     }
 }
@@ -167,6 +171,8 @@ pub struct Gateway {
     in_flight: Arc<AtomicUsize>,
     /// Request bodies held (bounded by `max_body_bytes_total`).
     bodies: body::BodyBudget,
+    /// Each endpoint's queue, made at its first saturated request.
+    queues: parking_lot::Mutex<std::collections::HashMap<EndpointPath, Arc<queue::Queue>>>,
 }
 
 impl Gateway {
@@ -194,6 +200,7 @@ impl Gateway {
             draining: AtomicBool::new(false),
             in_flight: Arc::new(AtomicUsize::new(0)),
             bodies: body::BodyBudget::default(),
+            queues: parking_lot::Mutex::default(),
         });
         // The admin page's trends: one point a second for as long as the gateway lives
         // (the task holds it weakly).
@@ -215,6 +222,45 @@ impl Gateway {
     /// The front door's counters.
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
+    }
+
+    /// `router`'s queue (made on first use), or `None` when queueing is off.
+    pub(crate) fn queue_for(&self, router: &Arc<KvRouter>) -> Option<Arc<queue::Queue>> {
+        let overload = &self.config.overload;
+        if overload.queue_max == 0 {
+            return None;
+        }
+        let mut queues = self.queues.lock();
+        let q = queues.entry(router.endpoint().clone()).or_insert_with(|| {
+            queue::Queue::start(router.clone(), overload.clone(), self.queue_waits(router))
+        });
+        if !Arc::ptr_eq(q.router(), router) {
+            // The endpoint's router was made anew (its workers left and came back).
+            *q = queue::Queue::start(router.clone(), overload.clone(), self.queue_waits(router));
+        }
+        Some(q.clone())
+    }
+
+    /// Every endpoint's queue.
+    pub fn queues(&self) -> Vec<(EndpointPath, Arc<queue::Queue>)> {
+        self.queues
+            .lock()
+            .iter()
+            .map(|(e, q)| (e.clone(), q.clone()))
+            .collect()
+    }
+
+    fn queue_waits(
+        &self,
+        router: &KvRouter,
+    ) -> Vec<prometheus_client::metrics::histogram::Histogram> {
+        let endpoint = router.endpoint().to_string();
+        self.config
+            .overload
+            .classes
+            .iter()
+            .map(|c| self.metrics.timings.queue_wait(&endpoint, &c.name))
+            .collect()
     }
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>, role: Listener) -> Response<Body> {
@@ -256,6 +302,7 @@ impl Gateway {
                     &self.fleet.routers(),
                     self.tokenizer.stats(),
                     self.fleet.counters(),
+                    self.queues(),
                 ),
             )),
             (_, p) if p.starts_with("/admin/") => admin::handle(&self, req).await,
@@ -350,6 +397,14 @@ impl Gateway {
             return json_response(
                 StatusCode::SERVICE_UNAVAILABLE,
                 &json!({"ready": false, "why": "no available worker"}),
+            );
+        }
+        // A replica whose queue is full refuses what it is sent: let the balancer in
+        // front send elsewhere.
+        if let Some((endpoint, _)) = self.queues().into_iter().find(|(_, q)| q.is_full()) {
+            return json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &json!({"ready": false, "why": format!("the queue of {endpoint} is full: every worker is saturated")}),
             );
         }
         json_response(

@@ -114,8 +114,9 @@ pub struct ReplayArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 64)]
     pub block_size: u32,
-    /// Most requests running at once per worker.
-    #[arg(long, default_value_t = 32)]
+    /// Most requests running at once per worker (vLLM's `--max-num-seqs`, SGLang's
+    /// `--max-running-requests`); more wait in its queue.
+    #[arg(long, alias = "max-num-seqs", default_value_t = 32)]
     pub max_batch: usize,
     /// Replay this many times faster than the trace (the workers' time runs as fast).
     #[arg(long, default_value_t = 20.0)]

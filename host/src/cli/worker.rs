@@ -42,8 +42,9 @@ pub struct MockWorkerArgs {
     /// KV cache size, in blocks, per worker.
     #[arg(long, default_value_t = 8192)]
     pub kv_blocks: usize,
-    /// Most requests running at once per worker.
-    #[arg(long, default_value_t = 64)]
+    /// Most requests running at once per worker (vLLM's `--max-num-seqs`, SGLang's
+    /// `--max-running-requests`); more wait in its queue.
+    #[arg(long, alias = "max-num-seqs", default_value_t = 64)]
     pub max_batch: usize,
     /// Run simulated time this many times faster.
     #[arg(long, default_value_t = 1.0)]

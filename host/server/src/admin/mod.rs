@@ -66,11 +66,15 @@ pub(crate) async fn handle(
         return Ok(json_response(StatusCode::OK, &Value::Object(all)));
     }
     if path == "/admin/endpoints" && method == Method::GET {
+        let queues = gw.queues();
         let all: Vec<Value> = gw
             .fleet
             .routers()
             .iter()
-            .map(|r| endpoint_json(r))
+            .map(|r| {
+                let queue = queues.iter().find(|(e, _)| e == r.endpoint());
+                endpoint_json(r, queue.map(|(_, q)| &**q))
+            })
             .collect();
         return Ok(json_response(StatusCode::OK, &json!({"endpoints": all})));
     }

@@ -188,6 +188,7 @@ pub(super) async fn explain(
                 "kv_usage": c.kv_usage,
                 "cache_fullness": c.cache_fullness,
                 "cache_view": router.cache_view(c.id),
+                "saturated": router.saturation_of(c.id),
             })
         })
         .collect();
@@ -197,6 +198,26 @@ pub(super) async fn explain(
         switchyard_policy::DecisionOutcome::NoCandidates => (None, None),
     };
     let status = router.policy().status();
+    // Whether the request would wait in the router's queue, and why.
+    let saturated = router.saturated();
+    let waiting = gw
+        .queues()
+        .into_iter()
+        .find(|(e, _)| e == router.endpoint())
+        .map_or(0, |(_, q)| q.depth().0.iter().sum::<usize>());
+    let would_wait = gw.config.overload.queue_max > 0
+        && (waiting > 0 || (!saturated.is_empty() && saturated.len() == candidates.len()));
+    let wait_why = if !would_wait {
+        Value::Null
+    } else if waiting > 0 {
+        json!(format!(
+            "{waiting} requests are waiting in the router's queue; this one would wait behind those of its class and more urgent ones"
+        ))
+    } else {
+        json!(
+            "every worker is saturated (see each candidate's `saturated`): it would wait in the router's queue until one has room"
+        )
+    };
     Ok(json_response(
         StatusCode::OK,
         &json!({
@@ -219,6 +240,8 @@ pub(super) async fn explain(
             },
             "policy": {"name": status.info.name, "version": status.info.version, "generation": decision.generation},
             "failure": decision.failure.map(|f| f.to_string()),
+            "would_wait": would_wait,
+            "wait_reason": wait_why,
         }),
     ))
 }

@@ -97,6 +97,8 @@ pub(super) fn instances_json(r: &KvRouter) -> Value {
                 "held_until": st.held_until.map(secs),
                 "in_flight": load.in_flight,
                 "booked": load.booked,
+                "engine_queue_estimate": load.queued,
+                "saturated": r.saturation_of(*id),
                 "reported_running": load.reported.map(|l| l.running),
                 "reported_waiting": load.reported.map(|l| l.waiting),
                 "active_blocks": load.active_blocks,
@@ -110,9 +112,10 @@ pub(super) fn instances_json(r: &KvRouter) -> Value {
     json!({"endpoint": r.endpoint().to_string(), "panic": snap.panic, "instances": list})
 }
 
-pub(super) fn endpoint_json(r: &KvRouter) -> Value {
+pub(super) fn endpoint_json(r: &KvRouter, queue: Option<&crate::queue::Queue>) -> Value {
     json!({
         "endpoint": r.endpoint().to_string(),
+        "queue": queue.map_or(Value::Null, queue_json),
         "policy": status_json(&r.policy().status()),
         "history": history_json(r),
         "shadow": r.shadow_status().map_or(Value::Null, |s| shadow_json(&s)),
@@ -191,5 +194,38 @@ pub(super) fn quality_json(r: &KvRouter) -> Value {
         "unrouted": unrouted,
         "decisions_by_instance": by_instance,
         "decisions": r.policy().totals().decisions,
+    })
+}
+
+/// The endpoint's overload queue: what waits per class and tenant, what was refused.
+pub(super) fn queue_json(q: &crate::queue::Queue) -> Value {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (depth, bytes) = q.depth();
+    let stats = q.stats();
+    let classes: Vec<Value> = q
+        .classes()
+        .iter()
+        .zip(depth)
+        .map(|(c, n)| json!({"class": c.name, "rank": c.rank, "deadline_secs": c.deadline.as_secs_f64(), "waiting": n}))
+        .collect();
+    let tenants: Vec<Value> = q
+        .tenants(20)
+        .into_iter()
+        .map(|(t, n)| json!({"tenant": &*t, "waiting": n}))
+        .collect();
+    let shed: serde_json::Map<String, Value> = crate::queue::ShedReason::ALL
+        .iter()
+        .zip(&stats.shed)
+        .map(|(r, n)| (r.code().to_string(), json!(n.load(Relaxed))))
+        .collect();
+    json!({
+        "classes": classes,
+        "bytes": bytes,
+        "full": q.is_full(),
+        "tenants": tenants,
+        "queued_total": stats.queued.load(Relaxed),
+        "dispatched_total": stats.dispatched.load(Relaxed),
+        "left_total": stats.left.load(Relaxed),
+        "shed_total": shed,
     })
 }

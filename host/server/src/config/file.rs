@@ -78,6 +78,18 @@ pub struct FileConfig {
     pub(crate) ca_files: Vec<PathBuf>,
     #[serde(default)]
     pub(crate) kv_events_bind: Vec<String>,
+    pub(crate) queue_max: Option<usize>,
+    pub(crate) queue_max_bytes: Option<usize>,
+    pub(crate) saturation_queued: Option<u32>,
+    pub(crate) saturation_kv_usage: Option<f32>,
+    pub(crate) saturation_max_in_flight: Option<u32>,
+    pub(crate) tenant_header: Option<String>,
+    /// `[[classes]]` tables: priority classes besides (or replacing) the built-ins.
+    #[serde(default)]
+    pub(crate) classes: Vec<super::overload::ClassTable>,
+    /// `[[tenants]]` tables: tenants' weights, API keys and classes.
+    #[serde(default)]
+    pub(crate) tenants: Vec<super::overload::TenantTable>,
     /// `[endpoints."namespace/component/endpoint"]` tables.
     #[serde(default)]
     pub(crate) endpoints: BTreeMap<String, EndpointFile>,

@@ -238,4 +238,27 @@ pub struct ServeArgs {
         value_delimiter = ','
     )]
     pub kv_events_bind: Vec<String>,
+    /// Most requests waiting in the router's queue per endpoint when every worker is
+    /// saturated; 0 turns the queue off [default: 1024].
+    #[arg(long, env = "SWITCHYARD_QUEUE_MAX")]
+    pub queue_max: Option<usize>,
+    /// Most bytes of request bodies waiting per endpoint [default: 268435456].
+    #[arg(long, env = "SWITCHYARD_QUEUE_MAX_BYTES")]
+    pub queue_max_bytes: Option<usize>,
+    /// A worker whose engine queue (its reported waiting requests, and those routed
+    /// beyond the batch it was seen running) reaches this is saturated; 0: never
+    /// [default: 4].
+    #[arg(long, env = "SWITCHYARD_SATURATION_QUEUED")]
+    pub saturation_queued: Option<u32>,
+    /// A worker whose reported KV usage reaches this share is saturated; above 1: never
+    /// [default: 1.0].
+    #[arg(long, env = "SWITCHYARD_SATURATION_KV_USAGE")]
+    pub saturation_kv_usage: Option<f32>,
+    /// A worker with this many requests in flight is saturated, for workers that report
+    /// no load; 0: no limit [default: 0].
+    #[arg(long, env = "SWITCHYARD_SATURATION_MAX_IN_FLIGHT")]
+    pub saturation_max_in_flight: Option<u32>,
+    /// The header naming a request's tenant [default: x-switchyard-tenant].
+    #[arg(long, env = "SWITCHYARD_TENANT_HEADER")]
+    pub tenant_header: Option<String>,
 }

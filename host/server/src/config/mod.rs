@@ -10,6 +10,7 @@
 
 mod file;
 mod flags;
+mod overload;
 mod resolve;
 mod secrets;
 #[cfg(test)]
@@ -95,6 +96,8 @@ pub struct ServeConfig {
     pub admin_listen: Option<SocketAddr>,
     /// Keys whose signed etcd pushes are applied (none: every push is).
     pub policy_trusted_keys: Vec<switchyard_discovery::signing::PublicKey>,
+    /// When a worker is saturated.
+    pub saturation: switchyard_router::Saturation,
 }
 
 pub(super) fn flag_or_file<T>(flag: Vec<T>, file: Vec<T>) -> Vec<T> {

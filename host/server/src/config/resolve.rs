@@ -129,6 +129,18 @@ impl ServeArgs {
         }
         /// Each migration prefills the prompt and the answer so far again.
         const MAX_MIGRATION_LIMIT: u32 = 16;
+        let (overload, saturation) = super::overload::resolve(super::overload::Raw {
+            queue_max: self.queue_max.or(file.queue_max),
+            queue_max_bytes: self.queue_max_bytes.or(file.queue_max_bytes),
+            saturation_queued: self.saturation_queued.or(file.saturation_queued),
+            saturation_kv_usage: self.saturation_kv_usage.or(file.saturation_kv_usage),
+            saturation_max_in_flight: self
+                .saturation_max_in_flight
+                .or(file.saturation_max_in_flight),
+            tenant_header: self.tenant_header.or(file.tenant_header),
+            classes: file.classes,
+            tenants: file.tenants,
+        })?;
         let defaults = GatewayConfig::default();
         let ca_files = flag_or_file(self.ca_files, file.ca_files);
         let tls = switchyard_net::upstream::Tls::with_ca_files(&ca_files)
@@ -226,6 +238,7 @@ impl ServeArgs {
                 .outlier_detection
                 .or(file.outlier_detection)
                 .unwrap_or(true),
+            overload: std::sync::Arc::new(overload),
             ..defaults
         };
         let od = OutlierConfig::default();
@@ -421,6 +434,7 @@ impl ServeArgs {
                 .unwrap_or(matches!(discovery, DiscoveryConfig::Static { .. })),
             endpoint_forward_authorization,
             policy_trusted_keys,
+            saturation,
             admin_listen: self.admin_listen.or(file.admin_listen),
             endpoint_grace: bounded(
                 "endpoint_grace_secs",

@@ -106,6 +106,10 @@ impl Metrics {
         routers: &[std::sync::Arc<KvRouter>],
         prefix: switchyard_tokens::prefix::PrefixStats,
         fleet: Vec<(&'static str, &'static str, u64)>,
+        queues: Vec<(
+            switchyard_discovery::EndpointPath,
+            std::sync::Arc<crate::queue::Queue>,
+        )>,
     ) -> String {
         // Endpoints released since the last scrape leave no series behind.
         let live: std::collections::HashSet<String> =
@@ -145,6 +149,7 @@ impl Metrics {
                 .collect(),
             routers: routers.to_vec(),
             prefix,
+            queues,
         };
         let mut registry = Registry::with_prefix("switchyard");
         registry.register_collector(Box::new(scrape));

@@ -26,6 +26,10 @@ pub(super) struct Scrape {
     pub(super) migrations: Vec<((&'static str, &'static str), u64)>,
     pub(super) routers: Vec<std::sync::Arc<KvRouter>>,
     pub(super) prefix: switchyard_tokens::prefix::PrefixStats,
+    pub(super) queues: Vec<(
+        switchyard_discovery::EndpointPath,
+        std::sync::Arc<crate::queue::Queue>,
+    )>,
 }
 
 impl std::fmt::Debug for Scrape {
@@ -110,6 +114,78 @@ pub(super) fn per_router<V>(
     out
 }
 
+impl Scrape {
+    /// The overload queues' families.
+    fn encode_queues(&self, e: &mut DescriptorEncoder) -> std::fmt::Result {
+        use crate::queue::ShedReason;
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let each = |f: &dyn Fn(&crate::queue::Queue) -> Vec<(Labels, u64)>| {
+            let mut out = Vec::new();
+            for (ep, q) in &self.queues {
+                for (labels, v) in f(q) {
+                    let mut all = vec![("endpoint", ep.to_string())];
+                    all.extend(labels);
+                    out.push((all, v));
+                }
+            }
+            out
+        };
+        let depth = each(&|q| {
+            let (classes, _) = q.depth();
+            q.classes()
+                .iter()
+                .zip(classes)
+                .map(|(c, n)| (vec![("class", c.name.clone())], n as u64))
+                .collect()
+        });
+        gauges(
+            e,
+            "queue_depth",
+            "Requests waiting in the router's queue (every worker saturated), per priority class",
+            depth.into_iter().map(|(l, v)| (l, v as i64)).collect(),
+        )?;
+        gauges(
+            e,
+            "queue_bytes",
+            "Bytes of request bodies waiting in the router's queue",
+            each(&|q| vec![(vec![], q.depth().1 as u64)])
+                .into_iter()
+                .map(|(l, v)| (l, v as i64))
+                .collect(),
+        )?;
+        counters(
+            e,
+            "queued_requests",
+            "Requests that waited in the router's queue",
+            each(&|q| vec![(vec![], load(&q.stats().queued))]),
+        )?;
+        counters(
+            e,
+            "queue_dispatched",
+            "Requests placed from the router's queue when a worker had room",
+            each(&|q| vec![(vec![], load(&q.stats().dispatched))]),
+        )?;
+        counters(
+            e,
+            "queue_shed",
+            "Requests refused by the queue, by reason: tenant_over_share (429), fleet_full (503: queue full, displaced by a more urgent class, or a wait ahead longer than the deadline), queue_deadline (503: waited its deadline)",
+            each(&|q| {
+                ShedReason::ALL
+                    .iter()
+                    .zip(&q.stats().shed)
+                    .map(|(r, n)| (vec![("reason", r.code().to_string())], load(n)))
+                    .collect()
+            }),
+        )?;
+        counters(
+            e,
+            "queue_left",
+            "Queued requests whose client left before a worker had room",
+            each(&|q| vec![(vec![], load(&q.stats().left))]),
+        )
+    }
+}
+
 impl Collector for Scrape {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
         let e = &mut enc;
@@ -146,6 +222,13 @@ impl Collector for Scrape {
                     )
                 })
                 .collect(),
+        )?;
+        self.encode_queues(e)?;
+        gauges(
+            e,
+            "saturated_instances",
+            "Routable workers now saturated (their engine queue, KV cache or requests in flight at the threshold): they get no new request while another worker has room",
+            per_router(rs, |r| vec![(vec![], r.saturated().len() as i64)]),
         )?;
         // Totals over every policy the endpoint has had: counters never go down.
         counters(

@@ -14,6 +14,12 @@ pub(super) struct EndpointLabel {
 
 pub(super) type ByEndpoint = Family<EndpointLabel, Histogram, fn() -> Histogram>;
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct ClassLabel {
+    endpoint: String,
+    class: String,
+}
+
 /// Latency histograms (prometheus-client), so that a live median and tail are visible,
 /// not only a mean.
 pub struct Timings {
@@ -24,6 +30,7 @@ pub struct Timings {
     pub(super) first_byte: ByEndpoint,
     pub(super) duration: ByEndpoint,
     pub(super) migration_gap: Histogram,
+    pub(super) queue_wait: Family<ClassLabel, Histogram, fn() -> Histogram>,
 }
 
 /// 1 µs to ~0.5 s, doubling.
@@ -45,6 +52,14 @@ impl Default for Timings {
         let first_byte = ByEndpoint::new_with_constructor(request_buckets as fn() -> Histogram);
         let duration = ByEndpoint::new_with_constructor(request_buckets as fn() -> Histogram);
         let migration_gap = request_buckets();
+        let queue_wait = Family::<ClassLabel, Histogram, fn() -> Histogram>::new_with_constructor(
+            request_buckets as fn() -> Histogram,
+        );
+        registry.register(
+            "queue_wait_seconds",
+            "Time requests waited in the router's queue before a worker had room, per priority class (placed requests only)",
+            queue_wait.clone(),
+        );
         registry.register(
             "decision_seconds",
             "Routing decisions: candidates, overlaps, the policy call and the booking",
@@ -77,6 +92,7 @@ impl Default for Timings {
         );
         Timings {
             migration_gap,
+            queue_wait,
             registry,
             decision,
             policy_call,
@@ -133,6 +149,16 @@ impl Timings {
     /// A migrated stream's gap.
     pub fn migration_gap(&self, gap: Duration) {
         self.migration_gap.observe(gap.as_secs_f64());
+    }
+
+    /// The queue-wait histogram of `endpoint`'s `class` (shared with the queue).
+    pub fn queue_wait(&self, endpoint: &str, class: &str) -> Histogram {
+        self.queue_wait
+            .get_or_create(&ClassLabel {
+                endpoint: endpoint.to_string(),
+                class: class.to_string(),
+            })
+            .clone()
     }
 
     /// Drops the series of an endpoint the router let go of.

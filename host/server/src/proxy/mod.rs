@@ -210,6 +210,39 @@ pub(crate) async fn completion(
     let client = router.client().clone();
     let endpoint = router.endpoint().to_string();
 
+    // Past the fleet's capacity the request waits in the router's queue, and is placed
+    // when a worker has room (`crate::queue`).
+    let mut queued: Option<switchyard_router::Routed> = None;
+    if let Some(queue) = gw.queue_for(&router) {
+        let who = gw
+            .config
+            .overload
+            .identify(&req.headers, gw.config.request_timeout)
+            .map_err(|message| {
+                ApiError::BadRequest(openai::BadRequest {
+                    message,
+                    param: None,
+                })
+            })?;
+        let job = crate::queue::Job {
+            prompt_tokens,
+            hashes: hashes.clone(),
+            session_key,
+        };
+        use crate::queue::{Admission, Outcome};
+        let outcome = match queue.admit(&who, job, body.len()) {
+            Admission::Placed(p) => Outcome::Placed(p),
+            Admission::Route => Outcome::Route,
+            Admission::Shed(s) => Outcome::Shed(s),
+            Admission::Queued(ticket) => ticket.wait().await,
+        };
+        match outcome {
+            Outcome::Placed(p) => queued = Some(p.take()),
+            Outcome::Route => {}
+            Outcome::Shed(s) => return Err(ApiError::Shed(s)),
+        }
+    }
+
     let mut a = Attempts::default();
     let mut attempt = 0;
     // vLLM's handoff: a prefill done, and the decode request carrying it, kept for the
@@ -221,14 +254,18 @@ pub(crate) async fn completion(
         } else {
             Placing::Any
         };
-        let routed = match router.place(
-            prompt_tokens,
-            &hashes,
-            session_key,
-            &a.exclude,
-            Instant::now(),
-            placing,
-        ) {
+        let placed = match queued.take() {
+            Some(r) => Ok(r),
+            None => router.place(
+                prompt_tokens,
+                &hashes,
+                session_key,
+                &a.exclude,
+                Instant::now(),
+                placing,
+            ),
+        };
+        let routed = match placed {
             Ok(r) => {
                 gw.metrics
                     .timings

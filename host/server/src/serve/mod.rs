@@ -210,6 +210,7 @@ pub async fn serve(
                     (every * 3).max(switchyard_kv::load::REPORT_TTL)
                 }),
             hash_seed: config.kv_hash_key,
+            saturation: config.saturation,
             ..KvRouterConfig::new(16)
         },
         endpoint_forward_authorization: config.endpoint_forward_authorization.clone(),

@@ -1,0 +1,282 @@
+//! Who a request is and how urgent: its priority class (`x-switchyard-priority`, or its
+//! tenant's class, or `normal`), its tenant (a header, or its API key) and its queue
+//! deadline (`x-switchyard-deadline-ms`, or its class's).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::HeaderMap;
+use hyper::header::AUTHORIZATION;
+use sha2::{Digest, Sha256};
+
+/// The header naming a request's priority class.
+pub const PRIORITY_HEADER: &str = "x-switchyard-priority";
+/// The header giving the longest a request may wait in the router's queue, ms.
+pub const DEADLINE_HEADER: &str = "x-switchyard-deadline-ms";
+/// The header naming a request's tenant, unless the configuration names another.
+pub const TENANT_HEADER: &str = "x-switchyard-tenant";
+/// Longest tenant key taken from a header, bytes.
+const MAX_TENANT_BYTES: usize = 64;
+
+/// A priority class: every queued request of a lower `rank` is dispatched before any
+/// of a higher one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Class {
+    /// Its name, as the priority header says it.
+    pub name: String,
+    /// Dispatch order: lower first.
+    pub rank: u32,
+    /// The longest its requests wait in the queue unless their header says otherwise.
+    pub deadline: Duration,
+}
+
+/// A tenant the configuration knows: its weight in the fair share, how its API key is
+/// recognised, and its default class.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tenant {
+    /// Its name (the tenant header's value, or what its API key maps to).
+    pub name: String,
+    /// Its share of the queue relative to other tenants' (default 1).
+    pub weight: u32,
+    /// SHA-256 of its API key (the bearer token), if requests name it that way.
+    pub api_key_sha256: Option<[u8; 32]>,
+    /// The class of its requests that name none.
+    pub class: Option<String>,
+}
+
+/// How the router behaves past its fleet's capacity.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OverloadConfig {
+    /// Most requests waiting per endpoint (0: no queue; saturated workers are then only
+    /// avoided, and a fleet saturated everywhere takes requests as before).
+    pub queue_max: usize,
+    /// Most bytes of request bodies waiting per endpoint.
+    pub queue_max_bytes: usize,
+    /// The classes, ascending by rank.
+    pub classes: Vec<Class>,
+    /// Known tenants.
+    pub tenants: Vec<Tenant>,
+    /// The header naming the tenant.
+    pub tenant_header: String,
+}
+
+impl Default for OverloadConfig {
+    fn default() -> Self {
+        OverloadConfig {
+            queue_max: 1024,
+            queue_max_bytes: 256 << 20,
+            classes: builtin_classes(),
+            tenants: Vec::new(),
+            tenant_header: TENANT_HEADER.into(),
+        }
+    }
+}
+
+/// `high`, `normal` and `low`: 10 s, 60 s and 300 s of queue deadline.
+pub fn builtin_classes() -> Vec<Class> {
+    [("high", 0, 10), ("normal", 1, 60), ("low", 2, 300)]
+        .into_iter()
+        .map(|(name, rank, secs)| Class {
+            name: name.into(),
+            rank,
+            deadline: Duration::from_secs(secs),
+        })
+        .collect()
+}
+
+/// Who a request is, resolved from its headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// Index into [`OverloadConfig::classes`].
+    pub class: usize,
+    /// The tenant key.
+    pub tenant: Arc<str>,
+    /// Its weight.
+    pub weight: u32,
+    /// Longest wait in the queue.
+    pub deadline: Duration,
+}
+
+impl OverloadConfig {
+    /// The index of the class named `name`.
+    pub fn class_index(&self, name: &str) -> Option<usize> {
+        self.classes.iter().position(|c| c.name == name)
+    }
+
+    /// The request's class, tenant and deadline, or why its headers are refused (an
+    /// unknown class, a malformed deadline). A deadline is capped at `longest`.
+    pub fn identify(&self, headers: &HeaderMap, longest: Duration) -> Result<Identity, String> {
+        let tenant = self.tenant_of(headers);
+        let class = match headers.get(PRIORITY_HEADER) {
+            Some(v) => {
+                let name = v
+                    .to_str()
+                    .map_err(|_| format!("{PRIORITY_HEADER} is not text"))?;
+                self.class_index(name.trim()).ok_or_else(|| {
+                    let known: Vec<&str> = self.classes.iter().map(|c| c.name.as_str()).collect();
+                    format!(
+                        "{PRIORITY_HEADER}: no class `{}` (classes: {})",
+                        name.chars().take(64).collect::<String>(),
+                        known.join(", ")
+                    )
+                })?
+            }
+            None => tenant
+                .and_then(|t| t.class.as_deref())
+                .and_then(|c| self.class_index(c))
+                .or_else(|| self.class_index("normal"))
+                .unwrap_or(0),
+        };
+        let deadline = match headers.get(DEADLINE_HEADER) {
+            Some(v) => {
+                let ms: u64 = v
+                    .to_str()
+                    .ok()
+                    .filter(|s| s.len() <= 12)
+                    .and_then(|s| s.trim().parse().ok())
+                    .ok_or_else(|| {
+                        format!("{DEADLINE_HEADER} must be a whole number of milliseconds")
+                    })?;
+                Duration::from_millis(ms)
+            }
+            None => self.classes.get(class).map_or(longest, |c| c.deadline),
+        }
+        .min(longest);
+        let (name, weight) = match tenant {
+            Some(t) => (Arc::from(t.name.as_str()), t.weight.max(1)),
+            None => (self.tenant_key(headers), 1),
+        };
+        Ok(Identity {
+            class,
+            tenant: name,
+            weight,
+            deadline,
+        })
+    }
+
+    /// The configured tenant the request names (by the tenant header, or its API key).
+    fn tenant_of(&self, headers: &HeaderMap) -> Option<&Tenant> {
+        if let Some(name) = headers
+            .get(self.tenant_header.as_str())
+            .and_then(|v| v.to_str().ok())
+            && let Some(t) = self.tenants.iter().find(|t| t.name == name)
+        {
+            return Some(t);
+        }
+        let key = bearer(headers)?;
+        let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
+        self.tenants
+            .iter()
+            .find(|t| t.api_key_sha256 == Some(digest))
+    }
+
+    /// The tenant key of a request no configured tenant matches: the tenant header's
+    /// value (bounded), else a digest of the API key (never the key itself), else
+    /// `anonymous`.
+    fn tenant_key(&self, headers: &HeaderMap) -> Arc<str> {
+        if let Some(v) = headers
+            .get(self.tenant_header.as_str())
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+        {
+            let mut end = v.len().min(MAX_TENANT_BYTES);
+            while !v.is_char_boundary(end) {
+                end -= 1;
+            }
+            return Arc::from(&v[..end]);
+        }
+        if let Some(key) = bearer(headers) {
+            let digest = Sha256::digest(key.as_bytes());
+            let hex: String = digest[..6].iter().map(|b| format!("{b:02x}")).collect();
+            return Arc::from(format!("key:{hex}"));
+        }
+        Arc::from("anonymous")
+    }
+}
+
+/// The bearer token of `Authorization`, if any.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let v = headers.get(AUTHORIZATION)?.to_str().ok()?;
+    let token = v
+        .strip_prefix("Bearer ")
+        .or_else(|| v.strip_prefix("bearer "))?;
+    Some(token.trim()).filter(|t| !t.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, v.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn requests_are_identified_by_their_headers_and_keys() {
+        let key_sha: [u8; 32] = Sha256::digest(b"sk-batch").into();
+        let config = OverloadConfig {
+            tenants: vec![Tenant {
+                name: "nightly".into(),
+                weight: 3,
+                api_key_sha256: Some(key_sha),
+                class: Some("low".into()),
+            }],
+            ..OverloadConfig::default()
+        };
+        let long = Duration::from_secs(600);
+        let plain = config.identify(&HeaderMap::new(), long).unwrap();
+        assert_eq!(config.classes[plain.class].name, "normal");
+        assert_eq!(&*plain.tenant, "anonymous");
+        assert_eq!(plain.deadline, Duration::from_secs(60));
+
+        let by_key = config
+            .identify(&headers(&[("authorization", "Bearer sk-batch")]), long)
+            .unwrap();
+        assert_eq!(
+            (&*by_key.tenant, by_key.weight, by_key.class),
+            ("nightly", 3, 2)
+        );
+        let other_key = config
+            .identify(&headers(&[("authorization", "Bearer sk-other")]), long)
+            .unwrap();
+        assert!(other_key.tenant.starts_with("key:"), "{}", other_key.tenant);
+        assert!(!other_key.tenant.contains("sk-other"));
+
+        let urgent = config
+            .identify(
+                &headers(&[
+                    (PRIORITY_HEADER, "high"),
+                    (TENANT_HEADER, "search"),
+                    (DEADLINE_HEADER, "1500"),
+                ]),
+                long,
+            )
+            .unwrap();
+        assert_eq!((urgent.class, &*urgent.tenant), (0, "search"));
+        assert_eq!(urgent.deadline, Duration::from_millis(1500));
+        let capped = config
+            .identify(&headers(&[(DEADLINE_HEADER, "99999999")]), long)
+            .unwrap();
+        assert_eq!(capped.deadline, long);
+
+        let err = config
+            .identify(&headers(&[(PRIORITY_HEADER, "urgent")]), long)
+            .unwrap_err();
+        assert!(err.contains("high, normal, low"), "{err}");
+        assert!(
+            config
+                .identify(&headers(&[(DEADLINE_HEADER, "-5")]), long)
+                .is_err()
+        );
+        assert!(
+            config
+                .identify(&headers(&[(DEADLINE_HEADER, "1e400")]), long)
+                .is_err()
+        );
+    }
+}

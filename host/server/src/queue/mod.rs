@@ -1,0 +1,691 @@
+//! The router's queue: when every worker of an endpoint is saturated, a request waits
+//! here (body parsed, tokens and blocks kept) instead of in an engine's queue, and is
+//! placed when a worker leaves saturation — decided then, with that moment's KV view and
+//! load, so it still goes where its prefix is.
+//!
+//! Order: priority classes by rank (every queued request of a lower rank first); within
+//! a class, start-time fair queuing between tenants, weighted, measured in prompt
+//! tokens dispatched; FCFS within a tenant. Bounds: requests and body bytes waiting per
+//! endpoint, and each request's deadline. Shedding says why:
+//! - 429 (`tenant_over_share`): the queue is full and the tenant holds its share of it
+//!   or more (`queue_max` × its weight over the active tenants' weights): its newest
+//!   request gives way to another tenant's;
+//! - 503 (`fleet_full`): the queue is full of requests of tenants within their shares
+//!   and of classes as urgent, or the wait ahead, at the rate requests leave the queue,
+//!   exceeds the request's deadline (refused at arrival rather than at the deadline);
+//! - 503 (`queue_deadline`): it waited its deadline.
+//!
+//! A client that leaves drops its ticket, which takes its place out at once.
+
+pub mod classes;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use prometheus_client::metrics::histogram::Histogram;
+use tokio::sync::oneshot;
+
+use classes::{Identity, OverloadConfig};
+use switchyard_ids::BlockHash;
+use switchyard_router::{KvRouter, RouteError, Routed};
+
+/// What a queued request needs to be placed later.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// The prompt's block hashes.
+    pub hashes: Vec<BlockHash>,
+    /// The session key, if the request has one.
+    pub session_key: Option<u64>,
+}
+
+/// A request placed (booked) by the queue; the bookings are released if it is dropped
+/// before [`Placed::take`] (its client left in the meantime).
+pub struct Placed {
+    router: Arc<KvRouter>,
+    routed: Option<Routed>,
+}
+
+impl Placed {
+    /// The placement; its bookings are the caller's from here.
+    pub fn take(mut self) -> Routed {
+        self.routed.take().expect("taken once")
+    }
+}
+
+impl Drop for Placed {
+    fn drop(&mut self) {
+        if let Some(r) = self.routed.take() {
+            self.router.finish(r.request);
+            if let Some(p) = r.prefill {
+                self.router.finish(p.request);
+            }
+        }
+    }
+}
+
+/// Why a request was refused by the queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShedReason {
+    /// Its tenant holds its share of a full queue (429).
+    TenantShare,
+    /// The queue is full, or the wait ahead exceeds its deadline (503).
+    FleetFull,
+    /// It waited its deadline (503).
+    Deadline,
+}
+
+impl ShedReason {
+    /// Every reason, in the order of [`QueueStats::shed`].
+    pub const ALL: [ShedReason; 3] = [
+        ShedReason::TenantShare,
+        ShedReason::FleetFull,
+        ShedReason::Deadline,
+    ];
+
+    /// The error code and metric label.
+    pub fn code(self) -> &'static str {
+        match self {
+            ShedReason::TenantShare => "tenant_over_share",
+            ShedReason::FleetFull => "fleet_full",
+            ShedReason::Deadline => "queue_deadline",
+        }
+    }
+}
+
+/// A refusal: why, in words, and when to come back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shed {
+    /// Why.
+    pub reason: ShedReason,
+    /// What the client reads.
+    pub message: String,
+    /// When to try again.
+    pub retry_after: Duration,
+}
+
+/// How a request left the queue.
+pub enum Outcome {
+    /// Placed: go on with this placement.
+    Placed(Placed),
+    /// Not placeable for another reason than saturation (no worker, the policy
+    /// refused): route it the usual way, which answers that.
+    Route,
+    /// Refused.
+    Shed(Shed),
+}
+
+/// What [`Queue::admit`] did with a request.
+pub enum Admission {
+    /// Placed at once (nothing waited and a worker had room).
+    Placed(Placed),
+    /// Route it the usual way (see [`Outcome::Route`]).
+    Route,
+    /// Waiting: await the ticket.
+    Queued(Ticket),
+    /// Refused at arrival.
+    Shed(Shed),
+}
+
+/// One endpoint's counters, read at scrape time.
+#[derive(Default)]
+pub struct QueueStats {
+    /// Requests that waited, ever.
+    pub queued: AtomicU64,
+    /// Requests placed from the queue.
+    pub dispatched: AtomicU64,
+    /// Requests refused, by [`ShedReason::ALL`]'s order.
+    pub shed: [AtomicU64; 3],
+    /// Queued requests whose client left.
+    pub left: AtomicU64,
+}
+
+struct Entry {
+    id: u64,
+    job: Job,
+    bytes: usize,
+    enqueued: Instant,
+    deadline: Instant,
+    tx: oneshot::Sender<Outcome>,
+}
+
+struct TenantQueue {
+    entries: VecDeque<Entry>,
+    /// Virtual start of its head: the class's virtual time when it became active,
+    /// advanced by each dispatch's tokens over its weight.
+    start: f64,
+    weight: u32,
+}
+
+#[derive(Default)]
+struct ClassQueue {
+    tenants: BTreeMap<Arc<str>, TenantQueue>,
+    /// The start of the last request dispatched.
+    vtime: f64,
+    len: usize,
+}
+
+#[derive(Default)]
+struct State {
+    classes: Vec<ClassQueue>,
+    /// Requests waiting per tenant (all classes) and the tenant's weight.
+    tenants: HashMap<Arc<str>, (usize, u32)>,
+    count: usize,
+    bytes: usize,
+    next_id: u64,
+    /// The earliest deadline of a waiting request (a sweep is due then).
+    next_deadline: Option<Instant>,
+    /// Seconds between dispatches from the queue, smoothed.
+    interval: Option<f64>,
+    last_dispatch: Option<Instant>,
+}
+
+/// The queue of one endpoint.
+pub struct Queue {
+    router: Arc<KvRouter>,
+    config: Arc<OverloadConfig>,
+    state: Mutex<State>,
+    stats: QueueStats,
+    /// Time waited, per class.
+    waits: Vec<Histogram>,
+}
+
+/// A queued request's place: await [`Ticket::wait`]; dropping it leaves the queue.
+pub struct Ticket {
+    queue: Arc<Queue>,
+    id: u64,
+    class: usize,
+    tenant: Arc<str>,
+    rx: Option<oneshot::Receiver<Outcome>>,
+}
+
+impl Ticket {
+    /// Waits until the request is placed, refused or sent on its way.
+    pub async fn wait(mut self) -> Outcome {
+        let rx = self.rx.as_mut().expect("waited once");
+        let out = rx.await.unwrap_or(Outcome::Route);
+        self.rx = None;
+        out
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.rx.is_some() {
+            let mut st = self.queue.state.lock();
+            if st.remove(self.class, &self.tenant, self.id).is_some() {
+                self.queue.stats.left.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl State {
+    /// The next request to dispatch: the first class with requests, its tenant with the
+    /// lowest virtual start.
+    fn peek(&self) -> Option<(usize, Arc<str>)> {
+        let (c, class) = self.classes.iter().enumerate().find(|(_, c)| c.len > 0)?;
+        let (tenant, _) = class
+            .tenants
+            .iter()
+            .filter(|(_, t)| !t.entries.is_empty())
+            .min_by(|a, b| a.1.start.total_cmp(&b.1.start))?;
+        Some((c, tenant.clone()))
+    }
+
+    fn push(&mut self, class: usize, tenant: Arc<str>, weight: u32, entry: Entry) {
+        self.count += 1;
+        self.bytes += entry.bytes;
+        self.next_deadline = Some(
+            self.next_deadline
+                .map_or(entry.deadline, |d| d.min(entry.deadline)),
+        );
+        let t = self.tenants.entry(tenant.clone()).or_insert((0, weight));
+        t.0 += 1;
+        let q = &mut self.classes[class];
+        q.len += 1;
+        let vtime = q.vtime;
+        q.tenants
+            .entry(tenant)
+            .or_insert_with(|| TenantQueue {
+                entries: VecDeque::new(),
+                start: vtime,
+                weight,
+            })
+            .entries
+            .push_back(entry);
+    }
+
+    /// Takes `tenant`'s entry `id` (or its head with `None`, which also advances the
+    /// tenant's virtual start) out of `class`.
+    fn take(&mut self, class: usize, tenant: &Arc<str>, id: Option<u64>) -> Option<Entry> {
+        let q = &mut self.classes[class];
+        let t = q.tenants.get_mut(tenant)?;
+        let entry = match id {
+            None => {
+                let e = t.entries.pop_front()?;
+                q.vtime = t.start;
+                t.start += f64::from(e.job.prompt_tokens.max(1)) / f64::from(t.weight.max(1));
+                e
+            }
+            Some(id) => {
+                let at = t.entries.iter().position(|e| e.id == id)?;
+                t.entries.remove(at)?
+            }
+        };
+        if t.entries.is_empty() {
+            q.tenants.remove(tenant);
+        }
+        q.len -= 1;
+        self.count -= 1;
+        self.bytes -= entry.bytes;
+        if let Some(n) = self.tenants.get_mut(tenant) {
+            n.0 -= 1;
+            if n.0 == 0 {
+                self.tenants.remove(tenant);
+            }
+        }
+        Some(entry)
+    }
+
+    fn remove(&mut self, class: usize, tenant: &Arc<str>, id: u64) -> Option<Entry> {
+        self.take(class, tenant, Some(id))
+    }
+
+    /// `tenant`'s share of a queue of `max`: its weight over the weights of the tenants
+    /// waiting (itself included).
+    fn share(&self, tenant: &Arc<str>, weight: u32, max: usize) -> usize {
+        let others: u64 = self
+            .tenants
+            .iter()
+            .filter(|(t, _)| *t != tenant)
+            .map(|(_, (_, w))| u64::from(*w))
+            .sum();
+        let w = u64::from(weight.max(1));
+        ((max as u64).saturating_mul(w) / (w + others)).max(1) as usize
+    }
+
+    /// Requests that would leave the queue before a new one of `who`: every request of a
+    /// more urgent class, and of its own class each tenant's up to its weighted share of
+    /// the new one's position.
+    fn ahead(&self, who: &Identity) -> usize {
+        let mut n: usize = self.classes[..who.class].iter().map(|c| c.len).sum();
+        let class = &self.classes[who.class];
+        let own = class
+            .tenants
+            .get(&who.tenant)
+            .map_or(0, |t| t.entries.len());
+        let w = f64::from(who.weight.max(1));
+        for (name, t) in &class.tenants {
+            n += if *name == who.tenant {
+                own
+            } else {
+                let fair = ((own + 1) as f64 * f64::from(t.weight.max(1)) / w).ceil() as usize;
+                t.entries.len().min(fair)
+            };
+        }
+        n
+    }
+
+    /// The expected wait for `ahead` requests at the recent rate of dispatches.
+    fn expected_wait(&self, ahead: usize) -> Option<Duration> {
+        let interval = self.interval?;
+        Duration::try_from_secs_f64(interval * ahead as f64).ok()
+    }
+
+    /// The newest request of the waiting tenant most over its share, looking at the
+    /// least urgent classes first.
+    fn most_over_share(&self, max: usize) -> Option<(usize, Arc<str>, u64)> {
+        let (tenant, _) = self
+            .tenants
+            .iter()
+            .map(|(t, (n, w))| (t, *n as i64 - self.share(t, *w, max) as i64))
+            .filter(|(_, over)| *over > 0)
+            .max_by_key(|(_, over)| *over)?;
+        self.classes
+            .iter()
+            .enumerate()
+            .rev()
+            .find_map(|(c, q)| Some((c, tenant.clone(), q.tenants.get(tenant)?.entries.back()?.id)))
+    }
+}
+
+impl Queue {
+    /// A queue for `router`'s endpoint; `waits` is the wait histogram of each class.
+    pub fn start(
+        router: Arc<KvRouter>,
+        config: Arc<OverloadConfig>,
+        waits: Vec<Histogram>,
+    ) -> Arc<Queue> {
+        let state = State {
+            classes: config
+                .classes
+                .iter()
+                .map(|_| ClassQueue::default())
+                .collect(),
+            ..State::default()
+        };
+        let queue = Arc::new(Queue {
+            router: router.clone(),
+            config,
+            state: Mutex::new(state),
+            stats: QueueStats::default(),
+            waits,
+        });
+        // The dispatcher: woken by every change of load (a request ended, a report),
+        // and every 20 ms while requests wait (deadlines, workers that came back).
+        let weak = Arc::downgrade(&queue);
+        tokio::spawn(async move {
+            loop {
+                let pause = match weak.upgrade() {
+                    None => return,
+                    Some(q) => {
+                        if q.pump() > 0 {
+                            Duration::from_millis(20)
+                        } else {
+                            Duration::from_secs(1)
+                        }
+                    }
+                };
+                tokio::select! {
+                    _ = router.load_changed().notified() => {}
+                    _ = tokio::time::sleep(pause) => {}
+                }
+            }
+        });
+        queue
+    }
+
+    /// The router this queue feeds.
+    pub fn router(&self) -> &Arc<KvRouter> {
+        &self.router
+    }
+
+    /// Its classes, in dispatch order.
+    pub fn classes(&self) -> &[classes::Class] {
+        &self.config.classes
+    }
+
+    /// Its counters.
+    pub fn stats(&self) -> &QueueStats {
+        &self.stats
+    }
+
+    /// Requests waiting per class, and body bytes held.
+    pub fn depth(&self) -> (Vec<usize>, usize) {
+        let st = self.state.lock();
+        (st.classes.iter().map(|c| c.len).collect(), st.bytes)
+    }
+
+    /// Requests waiting per tenant (at most `limit` tenants, the longest queues first).
+    pub fn tenants(&self, limit: usize) -> Vec<(Arc<str>, usize)> {
+        let st = self.state.lock();
+        let mut v: Vec<(Arc<str>, usize)> = st
+            .tenants
+            .iter()
+            .map(|(t, (n, _))| (t.clone(), *n))
+            .collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        v.truncate(limit);
+        v
+    }
+
+    /// Whether the queue is full (a replica in this state is not ready).
+    pub fn is_full(&self) -> bool {
+        let st = self.state.lock();
+        st.count >= self.config.queue_max || st.bytes >= self.config.queue_max_bytes
+    }
+
+    /// Takes a request: placed at once when nothing waits and a worker has room, else
+    /// queued (making room by the rules of the module's documentation) or refused.
+    pub fn admit(self: &Arc<Self>, who: &Identity, job: Job, bytes: usize) -> Admission {
+        let mut st = self.state.lock();
+        if st.count == 0 {
+            match self.router.try_place(
+                job.prompt_tokens,
+                &job.hashes,
+                job.session_key,
+                Instant::now(),
+            ) {
+                Ok(routed) => {
+                    return Admission::Placed(Placed {
+                        router: self.router.clone(),
+                        routed: Some(routed),
+                    });
+                }
+                Err(RouteError::Saturated { .. }) => {}
+                Err(_) => return Admission::Route,
+            }
+        }
+        let deadline = who.deadline;
+        let wait = st.expected_wait(st.ahead(who));
+        if let Some(wait) = wait.filter(|w| *w > deadline) {
+            return self.shed(Shed {
+                reason: ShedReason::FleetFull,
+                message: format!(
+                    "every worker is saturated and the {} requests ahead would take about {:.1} s, longer than this request's deadline of {:.1} s",
+                    st.ahead(who),
+                    wait.as_secs_f64(),
+                    deadline.as_secs_f64()
+                ),
+                retry_after: wait,
+            });
+        }
+        // The arriving tenant counts among the waiting ones for the shares.
+        st.tenants
+            .entry(who.tenant.clone())
+            .or_insert((0, who.weight));
+        let room = self.make_room(&mut st, who, bytes);
+        if st.tenants.get(&who.tenant).is_some_and(|t| t.0 == 0) {
+            st.tenants.remove(&who.tenant);
+        }
+        if let Err(shed) = room {
+            return self.shed(shed);
+        }
+        let (tx, rx) = oneshot::channel();
+        let id = st.next_id;
+        st.next_id += 1;
+        let now = Instant::now();
+        st.push(
+            who.class,
+            who.tenant.clone(),
+            who.weight,
+            Entry {
+                id,
+                job,
+                bytes,
+                enqueued: now,
+                deadline: now + deadline,
+                tx,
+            },
+        );
+        drop(st);
+        self.stats.queued.fetch_add(1, Ordering::Relaxed);
+        // The dispatcher may have room already (a request ended as this one arrived).
+        self.router.load_changed().notify_one();
+        Admission::Queued(Ticket {
+            queue: self.clone(),
+            id,
+            class: who.class,
+            tenant: who.tenant.clone(),
+            rx: Some(rx),
+        })
+    }
+
+    /// Makes room for a request of `who` with a body of `bytes` in a full queue: the
+    /// newest request of the tenant most over its share gives way (429), else the
+    /// newest of a less urgent class (503); or the arriving request is refused.
+    fn make_room(&self, st: &mut State, who: &Identity, bytes: usize) -> Result<(), Shed> {
+        let max = self.config.queue_max;
+        while st.count >= max || st.bytes.saturating_add(bytes) > self.config.queue_max_bytes {
+            let own = st.tenants.get(&who.tenant).map_or(0, |t| t.0);
+            let retry_after = st.expected_wait(st.count).unwrap_or(Duration::from_secs(1));
+            if st.count == 0 || own >= st.share(&who.tenant, who.weight, max) {
+                let (reason, message) = if st.count == 0 {
+                    (
+                        ShedReason::FleetFull,
+                        format!(
+                            "every worker is saturated and the request's {bytes} bytes exceed the queue's {} bytes",
+                            self.config.queue_max_bytes
+                        ),
+                    )
+                } else if st.tenants.len() > 1 {
+                    (
+                        ShedReason::TenantShare,
+                        format!(
+                            "tenant `{}` has {own} requests waiting, its share of the full queue; other tenants' requests go first",
+                            who.tenant
+                        ),
+                    )
+                } else {
+                    (
+                        ShedReason::FleetFull,
+                        format!(
+                            "every worker is saturated and the queue is full ({} requests)",
+                            st.count
+                        ),
+                    )
+                };
+                return Err(Shed {
+                    reason,
+                    message,
+                    retry_after,
+                });
+            }
+            if let Some((c, tenant, id)) = st.most_over_share(max) {
+                let e = st.remove(c, &tenant, id).expect("found");
+                self.stats.shed[0].fetch_add(1, Ordering::Relaxed);
+                let _ = e.tx.send(Outcome::Shed(Shed {
+                    reason: ShedReason::TenantShare,
+                    message: format!(
+                        "tenant `{tenant}` held more than its share of the full queue; this request gave way to another tenant's"
+                    ),
+                    retry_after,
+                }));
+                continue;
+            }
+            let less_urgent = (who.class + 1..st.classes.len())
+                .rev()
+                .find(|c| st.classes[*c].len > 0);
+            let Some(c) = less_urgent else {
+                return Err(Shed {
+                    reason: ShedReason::FleetFull,
+                    message: format!(
+                        "every worker is saturated and the queue is full ({} requests, {} bytes)",
+                        st.count, st.bytes
+                    ),
+                    retry_after,
+                });
+            };
+            // The newest request of the least urgent class gives way.
+            let newest = st.classes[c]
+                .tenants
+                .iter()
+                .filter_map(|(t, q)| q.entries.back().map(|e| (e.enqueued, e.id, t.clone())))
+                .max_by_key(|(at, id, _)| (*at, *id));
+            let Some((_, id, tenant)) = newest else {
+                return Ok(());
+            };
+            let e = st.remove(c, &tenant, id).expect("found");
+            self.stats.shed[1].fetch_add(1, Ordering::Relaxed);
+            let _ = e.tx.send(Outcome::Shed(Shed {
+                reason: ShedReason::FleetFull,
+                message: format!(
+                    "the queue is full and a request of a more urgent class than `{}` took this one's place",
+                    self.config.classes[c].name
+                ),
+                retry_after,
+            }));
+        }
+        Ok(())
+    }
+
+    fn shed(&self, shed: Shed) -> Admission {
+        let i = ShedReason::ALL
+            .iter()
+            .position(|r| *r == shed.reason)
+            .unwrap_or(1);
+        self.stats.shed[i].fetch_add(1, Ordering::Relaxed);
+        Admission::Shed(shed)
+    }
+
+    /// Places waiting requests while a worker has room, and refuses those past their
+    /// deadline. Returns how many still wait.
+    fn pump(&self) -> usize {
+        let mut st = self.state.lock();
+        let now = Instant::now();
+        if st.next_deadline.is_some_and(|d| now >= d) {
+            self.expire(&mut st, now);
+        }
+        while let Some((c, tenant)) = st.peek() {
+            let job = &st.classes[c].tenants[&tenant].entries[0].job;
+            let placed =
+                self.router
+                    .try_place(job.prompt_tokens, &job.hashes, job.session_key, now);
+            let outcome = match placed {
+                Err(RouteError::Saturated { .. }) => break,
+                Ok(routed) => Outcome::Placed(Placed {
+                    router: self.router.clone(),
+                    routed: Some(routed),
+                }),
+                Err(_) => Outcome::Route,
+            };
+            let e = st.take(c, &tenant, None).expect("peeked");
+            let waited = now.saturating_duration_since(e.enqueued);
+            if let Some(h) = self.waits.get(c) {
+                h.observe(waited.as_secs_f64());
+            }
+            if let Some(last) = st.last_dispatch.replace(now) {
+                let dt = now.saturating_duration_since(last).as_secs_f64();
+                st.interval = Some(st.interval.map_or(dt, |i| 0.9 * i + 0.1 * dt));
+            }
+            self.stats.dispatched.fetch_add(1, Ordering::Relaxed);
+            // A client gone meanwhile drops the placement, which releases its bookings.
+            let _ = e.tx.send(outcome);
+        }
+        if st.count == 0 {
+            // The next busy spell measures its own rate.
+            st.last_dispatch = None;
+        }
+        st.count
+    }
+
+    /// Refuses every request past its deadline.
+    fn expire(&self, st: &mut State, now: Instant) {
+        let mut late = Vec::new();
+        let mut next: Option<Instant> = None;
+        for (c, q) in st.classes.iter().enumerate() {
+            for (t, tq) in &q.tenants {
+                for e in &tq.entries {
+                    if e.deadline <= now {
+                        late.push((c, t.clone(), e.id));
+                    } else {
+                        next = Some(next.map_or(e.deadline, |n| n.min(e.deadline)));
+                    }
+                }
+            }
+        }
+        st.next_deadline = next;
+        for (c, t, id) in late {
+            let Some(e) = st.remove(c, &t, id) else {
+                continue;
+            };
+            self.stats.shed[2].fetch_add(1, Ordering::Relaxed);
+            let waited = now.saturating_duration_since(e.enqueued);
+            let _ = e.tx.send(Outcome::Shed(Shed {
+                reason: ShedReason::Deadline,
+                message: format!(
+                    "every worker stayed saturated for the request's deadline ({:.1} s in the queue)",
+                    waited.as_secs_f64()
+                ),
+                retry_after: st
+                    .expected_wait(st.count)
+                    .unwrap_or(Duration::from_secs(1)),
+            }));
+        }
+    }
+}
