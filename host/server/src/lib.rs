@@ -241,13 +241,22 @@ impl Gateway {
         Some(q.clone())
     }
 
-    /// Every endpoint's queue.
+    /// Every endpoint's queue. Queues of routers the fleet let go of are dropped here,
+    /// with their metrics series (requests still waiting in one keep it alive until they
+    /// leave).
     pub fn queues(&self) -> Vec<(EndpointPath, Arc<queue::Queue>)> {
-        self.queues
-            .lock()
-            .iter()
-            .map(|(e, q)| (e.clone(), q.clone()))
-            .collect()
+        let live = self.fleet.routers();
+        let mut queues = self.queues.lock();
+        queues.retain(|endpoint, q| {
+            let keep = live.iter().any(|r| Arc::ptr_eq(r, q.router()));
+            if !keep {
+                self.metrics
+                    .timings
+                    .forget_queue(&endpoint.to_string(), q.classes());
+            }
+            keep
+        });
+        queues.iter().map(|(e, q)| (e.clone(), q.clone())).collect()
     }
 
     fn queue_waits(

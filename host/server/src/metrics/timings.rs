@@ -161,6 +161,16 @@ impl Timings {
             .clone()
     }
 
+    /// Drops the queue-wait series of an endpoint whose queue was let go of.
+    pub fn forget_queue(&self, endpoint: &str, classes: &[crate::queue::classes::Class]) {
+        for c in classes {
+            self.queue_wait.remove(&ClassLabel {
+                endpoint: endpoint.to_string(),
+                class: c.name.clone(),
+            });
+        }
+    }
+
     /// Drops the series of an endpoint the router let go of.
     pub fn forget(&self, endpoint: &str) {
         let l = label(endpoint);
