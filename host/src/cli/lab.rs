@@ -173,6 +173,19 @@ pub struct ReplayArgs {
     /// ... and whose answer ends within this (simulated seconds).
     #[arg(long, default_value_t = switchyard::replay::Slo::default().e2e)]
     pub slo_e2e_secs: f64,
+    /// Arrivals come this many times faster than the trace says, the workers' speed
+    /// unchanged (1.5: half again the load).
+    #[arg(long, default_value_t = 1.0)]
+    pub load: f64,
+    /// Mark this share of the requests interactive (`x-switchyard-priority: high`, the
+    /// TTFT SLO as `x-switchyard-deadline-ms`) and the rest batch (`low`, the E2E SLO);
+    /// the table then gives goodput, refusals and TTFT per class.
+    #[arg(long)]
+    pub interactive_share: Option<f64>,
+    /// Spread the requests over this many tenants (`x-switchyard-tenant`), with
+    /// `--interactive-share` [default: 2].
+    #[arg(long, requires = "interactive_share")]
+    pub tenants: Option<usize>,
     /// Router replicas: with N above 1, every policy also runs through N in-process
     /// routers sharing the workers (each with its own state, as N `serve` processes),
     /// the requests sent to them in turn, beside its run through one.
@@ -231,6 +244,21 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         ttft: args.slo_ttft_secs,
         e2e: args.slo_e2e_secs,
     };
+    anyhow::ensure!(
+        args.load > 0.0 && args.load.is_finite(),
+        "--load must be positive"
+    );
+    config.load = args.load;
+    if let Some(share) = args.interactive_share {
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&share),
+            "--interactive-share is a share, from 0 to 1"
+        );
+        config.mix = Some(switchyard::replay::Mix {
+            interactive: share,
+            tenants: args.tenants.unwrap_or(2).max(1),
+        });
+    }
     if args.prefill_workers > 0 || args.decode_workers > 0 {
         anyhow::ensure!(
             args.prefill_workers > 0 && args.decode_workers > 0,
@@ -249,10 +277,11 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     config.duration = Duration::from_secs(args.duration);
     config.max_output = args.max_output.max(1);
     eprintln!(
-        "replaying {} (at most {} requests, {}x) against {} mock workers of {} x {}-token blocks, batch {}",
+        "replaying {} (at most {} requests, {}x, load {}x) against {} mock workers of {} x {}-token blocks, batch {}",
         args.trace.display(),
         config.max_requests,
         config.speedup,
+        config.load,
         config.workers,
         config.engine.kv_blocks,
         config.engine.block_size,
@@ -271,6 +300,9 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         "{}",
         switchyard::replay::report::table(&runs, bound, config.slo)
     );
+    if let Some(t) = switchyard::replay::report::class_table(&runs, config.slo) {
+        println!("\n{t}");
+    }
     if let Some(t) = switchyard::replay::report::telemetry_table(&runs) {
         println!("\n{t}");
     }

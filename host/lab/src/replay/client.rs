@@ -91,6 +91,7 @@ pub fn read_records(text: &str, speedup: f64) -> Result<(Vec<Outcome>, f64), Str
                         .unwrap_or_default(),
                     status: None,
                     error: None,
+                    class: None,
                 },
                 (_, _, error) => Outcome {
                     ok: false,
@@ -102,6 +103,7 @@ pub fn read_records(text: &str, speedup: f64) -> Result<(Vec<Outcome>, f64), Str
                     // aiperf records the HTTP status of an error it received.
                     status: error.as_deref().and_then(http_status),
                     error: Some(error.unwrap_or_else(|| "no time to first token".into())),
+                    class: None,
                 },
             },
         );

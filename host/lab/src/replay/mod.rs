@@ -75,6 +75,38 @@ pub struct ReplayConfig {
     /// The service level a request must meet to count as goodput: TTFT and E2E at most
     /// these (simulated seconds).
     pub slo: Slo,
+    /// Arrivals come this many times faster than the trace says, the workers' speed
+    /// unchanged: 1.5 loads the fleet half again as much.
+    pub load: f64,
+    /// Priority classes and tenants marked on the requests, if any.
+    pub mix: Option<Mix>,
+}
+
+/// Requests marked with a class and a tenant (`x-switchyard-priority`,
+/// `x-switchyard-tenant`, and the class's deadline in `x-switchyard-deadline-ms`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Mix {
+    /// The share of interactive requests (class `high`, deadline the TTFT SLO); the
+    /// others are batch (class `low`, deadline the E2E SLO).
+    pub interactive: f64,
+    /// Tenants the requests are spread over (evenly, by a hash of their index).
+    pub tenants: usize,
+}
+
+impl Mix {
+    /// Request `i`'s class (interactive or not) and tenant: the same for every router.
+    pub fn of(&self, i: usize) -> (bool, usize) {
+        // splitmix64: a fixed, well-spread hash of the index.
+        let mut z = (i as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let unit = (z >> 11) as f64 / (1u64 << 53) as f64;
+        (
+            unit < self.interactive,
+            (z % self.tenants.max(1) as u64) as usize,
+        )
+    }
 }
 
 /// A request's service level objective, in simulated seconds.
@@ -124,6 +156,8 @@ impl ReplayConfig {
             shadow: None,
             disaggregated: None,
             slo: Slo::default(),
+            load: 1.0,
+            mix: None,
         }
     }
 }
@@ -184,6 +218,9 @@ pub struct Outcome {
     /// Why it failed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Its class, when the replay marks them (`interactive` or `batch`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub class: Option<&'static str>,
 }
 
 /// One policy's run.
@@ -537,6 +574,8 @@ async fn replay_once(
     let start = Instant::now();
     let done = Arc::new(AtomicU64::new(0));
     let speedup = config.speedup;
+    // Arrivals only: the workers' time runs at `speedup`.
+    let pace = speedup * config.load;
     let mut tasks = Vec::with_capacity(reqs.len());
     let progress = {
         let done = done.clone();
@@ -555,7 +594,7 @@ async fn replay_once(
     };
     let first_ts = reqs.first().map_or(0, |r| r.timestamp);
     for i in 0..reqs.len() {
-        let at = Duration::from_secs_f64((reqs[i].timestamp - first_ts) as f64 / 1000.0 / speedup);
+        let at = Duration::from_secs_f64((reqs[i].timestamp - first_ts) as f64 / 1000.0 / pace);
         if at > config.duration {
             break;
         }
@@ -563,6 +602,21 @@ async fn replay_once(
         let url = urls[i % urls.len()].clone();
         let (http, reqs, done) = (http.clone(), reqs.clone(), done.clone());
         let max_output = config.max_output;
+        let marks = config.mix.map(|mix| {
+            let (interactive, tenant) = mix.of(i);
+            // The class's deadline is its SLO, in wall milliseconds.
+            let slo = if interactive {
+                config.slo.ttft
+            } else {
+                config.slo.e2e
+            };
+            Marks {
+                class: if interactive { "interactive" } else { "batch" },
+                priority: if interactive { "high" } else { "low" },
+                tenant: format!("tenant-{tenant}"),
+                deadline_ms: ((slo / speedup) * 1000.0).ceil().max(1.0) as u64,
+            }
+        });
         tasks.push(tokio::spawn(async move {
             let r = &reqs[i];
             let prompt = match prompts {
@@ -577,7 +631,7 @@ async fn replay_once(
                 stream_options: serde_json::json!({"include_usage": true}),
             })
             .expect("serialises");
-            let outcome = one(&http, &url, body, speedup).await;
+            let outcome = one(&http, &url, body, speedup, marks.as_ref()).await;
             done.fetch_add(1, Ordering::Relaxed);
             (start.elapsed(), outcome)
         }));
@@ -597,6 +651,7 @@ async fn replay_once(
                     itl: Vec::new(),
                     status: None,
                     error: Some(e.to_string()),
+                    class: None,
                 },
             )
         });
@@ -616,12 +671,22 @@ async fn replay_once(
     }
 }
 
+/// A request's class and tenant as its headers say them.
+struct Marks {
+    class: &'static str,
+    priority: &'static str,
+    tenant: String,
+    deadline_ms: u64,
+}
+
 async fn one(
     http: &Client<HttpConnector, Full<Bytes>>,
     url: &str,
     body: Vec<u8>,
     speedup: f64,
+    marks: Option<&Marks>,
 ) -> Outcome {
+    let class = marks.map(|m| m.class);
     let failed = |e: String| Outcome {
         ok: false,
         ttft: 0.0,
@@ -631,10 +696,18 @@ async fn one(
         itl: Vec::new(),
         status: None,
         error: Some(e),
+        class,
     };
     let started = Instant::now();
-    let req = hyper::Request::post(format!("{url}/v1/completions"))
-        .header("content-type", "application/json")
+    let mut req = hyper::Request::post(format!("{url}/v1/completions"))
+        .header("content-type", "application/json");
+    if let Some(m) = marks {
+        req = req
+            .header("x-switchyard-priority", m.priority)
+            .header("x-switchyard-tenant", &m.tenant)
+            .header("x-switchyard-deadline-ms", m.deadline_ms);
+    }
+    let req = req
         .body(Full::new(Bytes::from(body)))
         .expect("valid request");
     let resp = match http.request(req).await {
@@ -688,6 +761,7 @@ async fn one(
         itl,
         status: None,
         error: None,
+        class,
     }
 }
 

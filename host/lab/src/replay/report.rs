@@ -151,6 +151,106 @@ pub fn table(runs: &[PolicyRun], bound: Bounds, slo: Slo) -> String {
     s
 }
 
+/// One class's figures in one run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClassSummary {
+    /// The class.
+    pub class: &'static str,
+    /// Requests of it sent.
+    pub requests: usize,
+    /// Met the SLO, over those sent.
+    pub goodput: f64,
+    /// Refused with 429 (a tenant over its share).
+    pub refused_429: usize,
+    /// Refused with 503 (a full fleet, a deadline).
+    pub refused_503: usize,
+    /// Failed otherwise.
+    pub failed: usize,
+    /// TTFT mean and p99 of those served (seconds).
+    pub ttft: [f64; 2],
+}
+
+/// The figures per class, for runs whose requests were marked with one.
+pub fn by_class(run: &PolicyRun, slo: Slo) -> Vec<ClassSummary> {
+    let mut classes: Vec<&'static str> = run.outcomes.iter().filter_map(|o| o.class).collect();
+    classes.sort_unstable();
+    classes.dedup();
+    classes
+        .into_iter()
+        .map(|class| {
+            let all: Vec<_> = run
+                .outcomes
+                .iter()
+                .filter(|o| o.class == Some(class))
+                .collect();
+            let mut ttft: Vec<f64> = all.iter().filter(|o| o.ok).map(|o| o.ttft).collect();
+            ttft.sort_by(f64::total_cmp);
+            let good = all
+                .iter()
+                .filter(|o| o.ok && o.ttft <= slo.ttft && o.e2e <= slo.e2e)
+                .count();
+            let status = |s: u16| all.iter().filter(|o| o.status == Some(s)).count();
+            ClassSummary {
+                class,
+                requests: all.len(),
+                goodput: good as f64 / all.len().max(1) as f64,
+                refused_429: status(429),
+                refused_503: status(503),
+                failed: all
+                    .iter()
+                    .filter(|o| !o.ok && !matches!(o.status, Some(429 | 503)))
+                    .count(),
+                ttft: [
+                    if ttft.is_empty() {
+                        f64::NAN
+                    } else {
+                        ttft.iter().sum::<f64>() / ttft.len() as f64
+                    },
+                    percentile(&ttft, 0.99),
+                ],
+            }
+        })
+        .collect()
+}
+
+/// The per-class table (goodput, refusals by status, TTFT of those served), when the
+/// requests were marked with classes.
+pub fn class_table(runs: &[PolicyRun], slo: Slo) -> Option<String> {
+    if !runs
+        .iter()
+        .any(|r| r.outcomes.iter().any(|o| o.class.is_some()))
+    {
+        return None;
+    }
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| router | class | requests | goodput | refused 429 | refused 503 | failed | TTFT mean (served) | TTFT p99 (served) |"
+    );
+    let _ = writeln!(
+        s,
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
+    for r in runs {
+        for c in by_class(r, slo) {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {:.1} % | {} | {} | {} | {:.3} s | {:.3} s |",
+                r.policy,
+                c.class,
+                c.requests,
+                c.goodput * 100.0,
+                c.refused_429,
+                c.refused_503,
+                c.failed,
+                c.ttft[0],
+                c.ttft[1]
+            );
+        }
+    }
+    Some(s)
+}
+
 /// The routers' own latency quantiles (from their `/metrics`), when any exposes them.
 pub fn live_table(runs: &[PolicyRun]) -> Option<String> {
     let live: Vec<_> = runs
@@ -269,6 +369,11 @@ pub fn json(runs: &[PolicyRun], bound: Bounds, slo: Slo) -> serde_json::Value {
                 "overlap_ratio": r.telemetry.as_ref().and_then(super::telemetry::Telemetry::overlap_ratio),
                 "shadow_agreement": r.telemetry.as_ref().and_then(|t| t.shadow.as_ref())
                     .and_then(|s| s.tally.agreement()),
+                "classes": by_class(r, slo).iter().map(|c| json!({
+                    "class": c.class, "requests": c.requests, "goodput": c.goodput,
+                    "refused_429": c.refused_429, "refused_503": c.refused_503, "failed": c.failed,
+                    "ttft_mean_s": c.ttft[0], "ttft_p99_s": c.ttft[1],
+                })).collect::<Vec<_>>(),
             })
         })
         .collect();
@@ -397,6 +502,7 @@ mod tests {
             itl: vec![0.02, 0.04],
             status,
             error: status.map(|s| format!("{s}")),
+            class: None,
         }
     }
 
@@ -427,5 +533,50 @@ mod tests {
         };
         assert!((summarise(&run, loose).goodput - 0.6).abs() < 1e-9);
         assert!((m.itl[0] - 0.03).abs() < 1e-6 && (m.itl[1] - 0.04).abs() < 1e-6);
+    }
+
+    #[test]
+    fn classes_are_summarised_apart_with_refusals_by_status() {
+        let marked = |class, ttft, status| Outcome {
+            class: Some(class),
+            ..outcome(ttft, 10.0, status)
+        };
+        let run = PolicyRun {
+            policy: "p".into(),
+            outcomes: vec![
+                marked("interactive", 1.0, None),
+                marked("interactive", 0.0, Some(429)),
+                marked("batch", 3.0, None),
+                marked("batch", 1.0, None),
+                marked("batch", 0.0, Some(503)),
+                marked("batch", 0.0, Some(500)),
+            ],
+            span: 10.0,
+            router: None,
+            live: None,
+            worker_requests: vec![],
+            fleet_hit_rate: None,
+            telemetry: None,
+        };
+        let c = by_class(&run, Slo::default());
+        assert_eq!(c.len(), 2);
+        let (batch, interactive) = (&c[0], &c[1]);
+        assert_eq!(
+            (
+                interactive.requests,
+                interactive.refused_429,
+                interactive.refused_503
+            ),
+            (2, 1, 0)
+        );
+        assert!((interactive.goodput - 0.5).abs() < 1e-9);
+        assert_eq!((batch.requests, batch.refused_503, batch.failed), (4, 1, 1));
+        assert!((batch.goodput - 0.25).abs() < 1e-9);
+        assert!((batch.ttft[0] - 2.0).abs() < 1e-9, "{:?}", batch.ttft);
+        assert!(
+            class_table(&[run], Slo::default())
+                .unwrap()
+                .contains("| p | interactive | 2 | 50.0 % | 1 | 0 | 0 |")
+        );
     }
 }
