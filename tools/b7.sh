@@ -91,6 +91,40 @@ common=(--max-requests "${B7_REQUESTS:-1500}"
     --prefill-us-per-token 60 --speedup "${B7_SPEEDUP:-20}"
     --policy none --router-logs "$logs")
 
+# B7_OVERLOAD=L: the overload comparison instead, at three loads: L (the `--load` at which
+# arrivals match the fleet's capacity: measure it as in BENCHMARKS.md, "B7: overload"),
+# 1.5 L and 3 L. A fifth of the requests are interactive (class high), the rest batch
+# (low), spread over two tenants, each with half the TTFT SLO as its queue deadline.
+# Switchyard as an operator sets it for the SLO (B7_SATURATION: at most 8 requests and
+# 16,384 unprefilled prompt tokens per worker), on its defaults, and without its queue
+# (every request forwarded at once, as before); each peer with its concurrency limit
+# set to the same fleet (8 per worker), a queue of 1,024 and the deadline as its queue
+# timeout (whole seconds, at least 1). One table per load.
+if [ -n "${B7_OVERLOAD:-}" ]; then
+    workers=${B7_WORKERS:-4}
+    speedup=${B7_SPEEDUP:-20}
+    saturation=${B7_SATURATION:---saturation-max-in-flight 8 --saturation-prefill-tokens 16384}
+    limit=$((workers * 8))
+    # The deadline: half the TTFT SLO of 2 s (simulated), in wall seconds.
+    timeout=$(python3 -c "import math; print(max(1, math.ceil(1 / $speedup)))")
+    peer_queue="--max-concurrent-requests $limit --queue-size 1024 --queue-timeout-secs $timeout"
+    for factor in 1 1.5 3; do
+        load=$(python3 -c "print(round($B7_OVERLOAD * $factor, 3))")
+        echo "## load ${factor}x (--load $load)"
+        "$sy" replay "$trace" "${common[@]}" --workers "$workers" \
+            --load "$load" --interactive-share 0.2 --tenants 2 \
+            --router "switchyard kv-cost, set for the SLO=$serve --policy kv-cost $saturation" \
+            --router "switchyard kv-cost, defaults=$serve --policy kv-cost" \
+            --router "switchyard kv-cost, no queue=$serve --policy kv-cost --queue-max 0 --saturation-queued 0" \
+            --router "sglang-router cache_aware=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29001 $peer_queue" \
+            --router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29002 $peer_queue" \
+            --router "vllm-router cache_aware=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29003 $peer_queue" \
+            --json "${B7_JSON:-b7-overload}-$factor.json" --chart "${B7_CHART:-b7-overload}-$factor.svg" \
+            "${tokenizer[@]}" "$@"
+    done
+    exit 0
+fi
+
 # B7_PD=P:D: the disaggregated comparison instead. P prefill and D decode workers, beside
 # P+D aggregated ones, on one trace: Switchyard aggregated, Switchyard split with vLLM's
 # handoff and with SGLang's, vllm-router's --vllm-pd-disaggregation, SMG's and

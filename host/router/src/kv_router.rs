@@ -488,6 +488,16 @@ impl KvRouter {
         self.config.saturation.reason(&l)
     }
 
+    /// The longest cached prefix of `hashes` among the workers that are not saturated
+    /// (`None`: every worker is): what a queued request would find where it can go now.
+    pub fn overlap_with_room(&self, hashes: &[BlockHash]) -> Option<u32> {
+        let (candidates, _, saturated) = self.gather(hashes, &[]);
+        (0..candidates.len())
+            .filter(|i| !saturated[*i])
+            .map(|i| candidates.row(i).overlap_blocks)
+            .max()
+    }
+
     /// Woken (one waiter, or the next to wait) whenever a worker's load may have
     /// dropped: a request ended, or a worker reported its load.
     pub fn load_changed(&self) -> &tokio::sync::Notify {

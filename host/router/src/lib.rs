@@ -67,19 +67,28 @@ pub struct Saturation {
     /// A reported KV usage at or above this share saturates a worker; above 1: never.
     pub kv_usage: f32,
     /// Requests in flight (the worker's report and this router's bookings) at which a
-    /// worker is saturated, for workers that report nothing; 0: no such limit.
+    /// worker is saturated: a concurrency the operator knows its workers meet their
+    /// latency objectives at, or a limit for workers that report nothing; 0: none.
     pub max_in_flight: u32,
+    /// Uncached prompt tokens routed to a worker and not yet prefilled at which it is
+    /// saturated: a request sent there would wait that long for its first token; 0:
+    /// no such limit.
+    pub prefill_tokens: u64,
 }
 
 impl Default for Saturation {
-    /// An engine queue of 4 (a worker with room has none: engines queue only when their
-    /// batch or KV cache is full, so this changes nothing until then, and 4 keep its
-    /// batch refilled while the router reacts to completions), or a full KV cache.
+    /// An engine queue of 4: a worker with room has none (engines queue only when their
+    /// batch or KV cache is full), so this changes nothing until then, and 4 keep its
+    /// batch refilled while the router reacts to completions. KV usage is not a signal
+    /// by default: engines run with their cache nearly full by design (vLLM sizes its
+    /// batch to it), so a full cache with an empty queue is a busy worker, not a
+    /// saturated one; where it is full, the requests it cannot start show in its queue.
     fn default() -> Self {
         Saturation {
             queued: 4,
-            kv_usage: 1.0,
+            kv_usage: f32::INFINITY,
             max_in_flight: 0,
+            prefill_tokens: 0,
         }
     }
 }
@@ -90,6 +99,7 @@ impl Saturation {
         queued: 0,
         kv_usage: f32::INFINITY,
         max_in_flight: 0,
+        prefill_tokens: 0,
     };
 
     /// Whether a worker with load `l` is saturated, and by what.
@@ -104,6 +114,8 @@ impl Saturation {
             Some("KV cache full")
         } else if self.max_in_flight > 0 && l.in_flight >= self.max_in_flight {
             Some("requests in flight")
+        } else if self.prefill_tokens > 0 && l.pending_prefill_tokens >= self.prefill_tokens {
+            Some("prefill backlog")
         } else {
             None
         }

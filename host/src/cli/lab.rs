@@ -177,8 +177,8 @@ pub struct ReplayArgs {
     /// unchanged (1.5: half again the load).
     #[arg(long, default_value_t = 1.0)]
     pub load: f64,
-    /// Mark this share of the requests interactive (`x-switchyard-priority: high`, the
-    /// TTFT SLO as `x-switchyard-deadline-ms`) and the rest batch (`low`, the E2E SLO);
+    /// Mark this share of the requests interactive (`x-switchyard-priority: high`) and
+    /// the rest batch (`low`), each with a deadline (`--queue-deadline-secs`);
     /// the table then gives goodput, refusals and TTFT per class.
     #[arg(long)]
     pub interactive_share: Option<f64>,
@@ -186,6 +186,12 @@ pub struct ReplayArgs {
     /// `--interactive-share` [default: 2].
     #[arg(long, requires = "interactive_share")]
     pub tenants: Option<usize>,
+    /// With `--interactive-share`: every request's deadline in the router's queue
+    /// (`x-switchyard-deadline-ms`), simulated seconds: the latest start from which it
+    /// can still meet the TTFT SLO [default: half the TTFT SLO, the other half left for
+    /// its prefill].
+    #[arg(long, requires = "interactive_share")]
+    pub queue_deadline_secs: Option<f64>,
     /// Router replicas: with N above 1, every policy also runs through N in-process
     /// routers sharing the workers (each with its own state, as N `serve` processes),
     /// the requests sent to them in turn, beside its run through one.
@@ -257,6 +263,10 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         config.mix = Some(switchyard::replay::Mix {
             interactive: share,
             tenants: args.tenants.unwrap_or(2).max(1),
+            deadline: args
+                .queue_deadline_secs
+                .unwrap_or(args.slo_ttft_secs / 2.0)
+                .max(0.001),
         });
     }
     if args.prefill_workers > 0 || args.decode_workers > 0 {

@@ -86,11 +86,14 @@ pub struct ReplayConfig {
 /// `x-switchyard-tenant`, and the class's deadline in `x-switchyard-deadline-ms`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Mix {
-    /// The share of interactive requests (class `high`, deadline the TTFT SLO); the
-    /// others are batch (class `low`, deadline the E2E SLO).
+    /// The share of interactive requests (class `high`); the others are batch (class
+    /// `low`).
     pub interactive: f64,
     /// Tenants the requests are spread over (evenly, by a hash of their index).
     pub tenants: usize,
+    /// Every request's deadline in the router's queue, simulated seconds: the latest
+    /// start from which it can still meet the TTFT SLO.
+    pub deadline: f64,
 }
 
 impl Mix {
@@ -604,12 +607,8 @@ async fn replay_once(
         let max_output = config.max_output;
         let marks = config.mix.map(|mix| {
             let (interactive, tenant) = mix.of(i);
-            // The class's deadline is its SLO, in wall milliseconds.
-            let slo = if interactive {
-                config.slo.ttft
-            } else {
-                config.slo.e2e
-            };
+            // In wall milliseconds.
+            let slo = mix.deadline;
             Marks {
                 class: if interactive { "interactive" } else { "batch" },
                 priority: if interactive { "high" } else { "low" },

@@ -251,13 +251,19 @@ pub struct ServeArgs {
     #[arg(long, env = "SWITCHYARD_SATURATION_QUEUED")]
     pub saturation_queued: Option<u32>,
     /// A worker whose reported KV usage reaches this share is saturated; above 1: never
-    /// [default: 1.0].
+    /// [default: never: a full cache with an empty queue is busy, not saturated].
     #[arg(long, env = "SWITCHYARD_SATURATION_KV_USAGE")]
     pub saturation_kv_usage: Option<f32>,
-    /// A worker with this many requests in flight is saturated, for workers that report
-    /// no load; 0: no limit [default: 0].
+    /// A worker with this many requests in flight is saturated: the concurrency your
+    /// workers meet their latency objectives at, or a limit for workers that report no
+    /// load; 0: no limit [default: 0].
     #[arg(long, env = "SWITCHYARD_SATURATION_MAX_IN_FLIGHT")]
     pub saturation_max_in_flight: Option<u32>,
+    /// A worker with this many uncached prompt tokens routed to it and not yet
+    /// prefilled is saturated (a new request would wait for them); 0: no limit
+    /// [default: 0].
+    #[arg(long, env = "SWITCHYARD_SATURATION_PREFILL_TOKENS")]
+    pub saturation_prefill_tokens: Option<u64>,
     /// The header naming a request's tenant [default: x-switchyard-tenant].
     #[arg(long, env = "SWITCHYARD_TENANT_HEADER")]
     pub tenant_header: Option<String>,

@@ -40,6 +40,7 @@ pub(crate) struct Raw {
     pub saturation_queued: Option<u32>,
     pub saturation_kv_usage: Option<f32>,
     pub saturation_max_in_flight: Option<u32>,
+    pub saturation_prefill_tokens: Option<u64>,
     pub tenant_header: Option<String>,
     pub classes: Vec<ClassTable>,
     pub tenants: Vec<TenantTable>,
@@ -62,6 +63,7 @@ pub(crate) fn resolve(raw: Raw) -> Result<(OverloadConfig, Saturation), ConfigEr
         queued: raw.saturation_queued.unwrap_or(s.queued),
         kv_usage,
         max_in_flight: raw.saturation_max_in_flight.unwrap_or(s.max_in_flight),
+        prefill_tokens: raw.saturation_prefill_tokens.unwrap_or(s.prefill_tokens),
     };
     let mut classes = builtin_classes();
     if raw.classes.len() > MAX_CLASSES {

@@ -137,6 +137,9 @@ impl ServeArgs {
             saturation_max_in_flight: self
                 .saturation_max_in_flight
                 .or(file.saturation_max_in_flight),
+            saturation_prefill_tokens: self
+                .saturation_prefill_tokens
+                .or(file.saturation_prefill_tokens),
             tenant_header: self.tenant_header.or(file.tenant_header),
             classes: file.classes,
             tenants: file.tenants,

@@ -5,7 +5,9 @@
 //!
 //! Order: priority classes by rank (every queued request of a lower rank first); within
 //! a class, start-time fair queuing between tenants, weighted, measured in prompt
-//! tokens dispatched; FCFS within a tenant. Bounds: requests and body bytes waiting per
+//! tokens dispatched; within a tenant, the oldest first, except that among its
+//! [`LOOK_AHEAD`] oldest the one whose prefix a worker with room holds goes first (a
+//! worker that frees up serves what it has cached). Bounds: requests and body bytes waiting per
 //! endpoint, and each request's deadline. Shedding says why:
 //! - 429 (`tenant_over_share`): the queue is full and the tenant holds its share of it
 //!   or more (`queue_max` × its weight over the active tenants' weights): its newest
@@ -31,6 +33,10 @@ use tokio::sync::oneshot;
 use classes::{Identity, OverloadConfig};
 use switchyard_ids::BlockHash;
 use switchyard_router::{KvRouter, RouteError, Routed};
+
+/// How many of a tenant's oldest requests a dispatch looks at for one whose prefix a
+/// worker with room holds.
+const LOOK_AHEAD: usize = 8;
 
 /// What a queued request needs to be placed later.
 #[derive(Debug, Clone)]
@@ -260,23 +266,22 @@ impl State {
             .push_back(entry);
     }
 
-    /// Takes `tenant`'s entry `id` (or its head with `None`, which also advances the
-    /// tenant's virtual start) out of `class`.
-    fn take(&mut self, class: usize, tenant: &Arc<str>, id: Option<u64>) -> Option<Entry> {
+    /// Takes `tenant`'s entry at `at` out of `class`; `dispatch` advances the tenant's
+    /// virtual start by it (a removal does not).
+    fn take(
+        &mut self,
+        class: usize,
+        tenant: &Arc<str>,
+        at: usize,
+        dispatch: bool,
+    ) -> Option<Entry> {
         let q = &mut self.classes[class];
         let t = q.tenants.get_mut(tenant)?;
-        let entry = match id {
-            None => {
-                let e = t.entries.pop_front()?;
-                q.vtime = t.start;
-                t.start += f64::from(e.job.prompt_tokens.max(1)) / f64::from(t.weight.max(1));
-                e
-            }
-            Some(id) => {
-                let at = t.entries.iter().position(|e| e.id == id)?;
-                t.entries.remove(at)?
-            }
-        };
+        let entry = t.entries.remove(at)?;
+        if dispatch {
+            q.vtime = t.start;
+            t.start += f64::from(entry.job.prompt_tokens.max(1)) / f64::from(t.weight.max(1));
+        }
         if t.entries.is_empty() {
             q.tenants.remove(tenant);
         }
@@ -293,7 +298,13 @@ impl State {
     }
 
     fn remove(&mut self, class: usize, tenant: &Arc<str>, id: u64) -> Option<Entry> {
-        self.take(class, tenant, Some(id))
+        let at = self.classes[class]
+            .tenants
+            .get(tenant)?
+            .entries
+            .iter()
+            .position(|e| e.id == id)?;
+        self.take(class, tenant, at, false)
     }
 
     /// `tenant`'s share of a queue of `max`: its weight over the weights of the tenants
@@ -622,7 +633,8 @@ impl Queue {
             self.expire(&mut st, now);
         }
         while let Some((c, tenant)) = st.peek() {
-            let job = &st.classes[c].tenants[&tenant].entries[0].job;
+            let at = self.prefix_pick(&st.classes[c].tenants[&tenant].entries);
+            let job = &st.classes[c].tenants[&tenant].entries[at].job;
             let placed =
                 self.router
                     .try_place(job.prompt_tokens, &job.hashes, job.session_key, now);
@@ -634,7 +646,7 @@ impl Queue {
                 }),
                 Err(_) => Outcome::Route,
             };
-            let e = st.take(c, &tenant, None).expect("peeked");
+            let e = st.take(c, &tenant, at, true).expect("peeked");
             let waited = now.saturating_duration_since(e.enqueued);
             if let Some(h) = self.waits.get(c) {
                 h.observe(waited.as_secs_f64());
@@ -652,6 +664,22 @@ impl Queue {
             st.last_dispatch = None;
         }
         st.count
+    }
+
+    /// Which of a tenant's first [`LOOK_AHEAD`] requests goes next: the one whose prefix
+    /// the workers with room hold most of (the oldest on a tie, so FCFS when none has
+    /// one). A request passed over keeps its place at the front and its deadline.
+    fn prefix_pick(&self, entries: &VecDeque<Entry>) -> usize {
+        let mut best = (0, 0u32);
+        for (i, e) in entries.iter().take(LOOK_AHEAD).enumerate() {
+            let Some(overlap) = self.router.overlap_with_room(&e.job.hashes) else {
+                return 0;
+            };
+            if overlap > best.1 {
+                best = (i, overlap);
+            }
+        }
+        best.0
     }
 
     /// Refuses every request past its deadline.
