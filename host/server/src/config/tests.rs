@@ -315,3 +315,48 @@ fn a_worker_says_its_role_and_bootstrap_port_in_the_url_or_the_table() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn the_overload_pages_file_is_read_as_it_says() {
+    // The example of docs/overload.md, as written.
+    let page = include_str!("../../../../docs/overload.md");
+    let start = page.find("```toml\n").expect("a toml block") + 8;
+    let toml = &page[start..start + page[start..].find("```").unwrap()];
+    let f = file(&format!("workers = [\"http://x:1\"]\n{toml}"));
+    let c = ServeArgs {
+        config: Some(f.path().into()),
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap();
+    let o = &c.gateway.overload;
+    assert_eq!(o.queue_max, 2048);
+    assert_eq!(c.saturation.max_in_flight, 16);
+    let names: Vec<&str> = o.classes.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["high", "search", "normal", "low"], "by rank");
+    assert_eq!(o.classes[3].deadline, Duration::from_secs(600));
+    let mut h = hyper::HeaderMap::new();
+    h.insert("authorization", "Bearer sk-nightly".parse().unwrap());
+    let who = o.identify(&h, Duration::from_secs(3600)).unwrap();
+    assert_eq!(
+        (&*who.tenant, o.classes[who.class].name.as_str()),
+        ("nightly", "low")
+    );
+    h.insert("x-switchyard-tenant", "app".parse().unwrap());
+    assert_eq!(o.identify(&h, Duration::from_secs(3600)).unwrap().weight, 4);
+    // A tenant naming a class that does not exist, and a weight of 0, are refused.
+    for bad in [
+        "[[tenants]]\nname = \"x\"\nclass = \"urgent\"\n",
+        "[[tenants]]\nname = \"x\"\nweight = 0\n",
+        "[[tenants]]\nname = \"x\"\napi_key_sha256 = \"abc\"\n",
+    ] {
+        let f = file(&format!("workers = [\"http://x:1\"]\n{bad}"));
+        let err = ServeArgs {
+            config: Some(f.path().into()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(err.to_string().contains("tenant `x`"), "{err}");
+    }
+}
