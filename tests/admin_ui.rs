@@ -340,3 +340,80 @@ async fn an_operator_tries_a_shadow_reads_its_comparison_and_promotes_it() {
         );
     }
 }
+
+/// With every worker saturated, the page shows the queue: requests waiting per class and
+/// the tenants they belong to, and why the worker gets no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_page_shows_the_queue_when_every_worker_is_saturated() {
+    let (_w, u) = mock_worker(&["--max-num-seqs", "1"]).await;
+    let (_router, url) = serve(&[
+        "--worker",
+        &u,
+        "--model",
+        "mock",
+        "--admin-token",
+        TOKEN,
+        "--saturation-max-in-flight",
+        "1",
+    ])
+    .await;
+    let send = |tenant: &'static str, priority: &'static str, max_tokens: u32| {
+        let url = url.clone();
+        tokio::spawn(async move {
+            let body = json!({"model": "mock", "prompt": format!("{tenant} {priority}"), "max_tokens": max_tokens});
+            http::send(
+                &http::client(),
+                Method::POST,
+                &format!("{url}/v1/completions"),
+                &[
+                    ("content-type", "application/json"),
+                    ("x-switchyard-tenant", tenant),
+                    ("x-switchyard-priority", priority),
+                ],
+                body.to_string(),
+                PATIENCE,
+            )
+            .await
+        })
+    };
+    // One long request runs; three wait behind it.
+    let running = send("search", "normal", 1500);
+    let c = http::client();
+    eventually("the long request to run", || {
+        let (c, url) = (c.clone(), url.clone());
+        async move {
+            let (_, v) = admin(&c, Method::GET, &format!("{url}/{EP}/instances")).await;
+            v["instances"][0]["saturated"].is_string()
+        }
+    })
+    .await;
+    let waiting = [
+        send("search", "high", 2),
+        send("nightly", "low", 2),
+        send("nightly", "low", 2),
+    ];
+    eventually("three requests to wait", || {
+        let (c, url) = (c.clone(), url.clone());
+        async move {
+            let (_, v) = admin(&c, Method::GET, &format!("{url}/admin/endpoints")).await;
+            v["endpoints"][0]["queue"]["classes"]
+                .as_array()
+                .is_some_and(|cs| {
+                    cs.iter()
+                        .map(|c| c["waiting"].as_u64().unwrap())
+                        .sum::<u64>()
+                        == 3
+                })
+        }
+    })
+    .await;
+    let page = browse(&format!("{url}/admin/ui?token={TOKEN}"));
+    assert!(page.contains("3 waiting"), "{page}");
+    assert!(page.contains("high 1 · normal 0 · low 2"), "{page}");
+    assert!(page.contains("nightly 2 · search 1"), "{page}");
+    assert!(page.contains("saturated: requests in flight"), "{page}");
+    for w in waiting {
+        w.abort();
+    }
+    running.abort();
+}

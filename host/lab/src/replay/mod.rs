@@ -215,7 +215,7 @@ pub struct Outcome {
     /// inter-token latency as the client sees it.
     #[serde(skip)]
     pub itl: Vec<f32>,
-    /// The router's status when it answered other than 2xx (429 and 503: refused).
+    /// The router's status when it answered other than 2xx (408, 429 and 503: refused).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub status: Option<u16>,
     /// Why it failed.

@@ -32,7 +32,7 @@ pub struct Summary {
     pub hit_rate: f64,
     /// Requests that met the SLO (TTFT and E2E), over those sent.
     pub goodput: f64,
-    /// Requests the router refused (429 or 503).
+    /// Requests the router refused (408 — the peers' queue timeouts —, 429 or 503).
     pub refused: usize,
     /// The busiest worker's requests over the mean worker's (1: even; NaN: unknown).
     pub skew: f64,
@@ -73,7 +73,7 @@ pub fn summarise(run: &PolicyRun, slo: Slo) -> Summary {
     let refused = run
         .outcomes
         .iter()
-        .filter(|o| matches!(o.status, Some(429 | 503)))
+        .filter(|o| matches!(o.status, Some(408 | 429 | 503)))
         .count();
     let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
     let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
@@ -162,7 +162,7 @@ pub struct ClassSummary {
     pub goodput: f64,
     /// Refused with 429 (a tenant over its share).
     pub refused_429: usize,
-    /// Refused with 503 (a full fleet, a deadline).
+    /// Refused with 503 (a full fleet, a deadline) or 408 (the peers' queue timeout).
     pub refused_503: usize,
     /// Failed otherwise.
     pub failed: usize,
@@ -189,16 +189,20 @@ pub fn by_class(run: &PolicyRun, slo: Slo) -> Vec<ClassSummary> {
                 .iter()
                 .filter(|o| o.ok && o.ttft <= slo.ttft && o.e2e <= slo.e2e)
                 .count();
-            let status = |s: u16| all.iter().filter(|o| o.status == Some(s)).count();
+            let status = |s: &[u16]| {
+                all.iter()
+                    .filter(|o| o.status.is_some_and(|x| s.contains(&x)))
+                    .count()
+            };
             ClassSummary {
                 class,
                 requests: all.len(),
                 goodput: good as f64 / all.len().max(1) as f64,
-                refused_429: status(429),
-                refused_503: status(503),
+                refused_429: status(&[429]),
+                refused_503: status(&[408, 503]),
                 failed: all
                     .iter()
-                    .filter(|o| !o.ok && !matches!(o.status, Some(429 | 503)))
+                    .filter(|o| !o.ok && !matches!(o.status, Some(408 | 429 | 503)))
                     .count(),
                 ttft: [
                     if ttft.is_empty() {
@@ -225,7 +229,7 @@ pub fn class_table(runs: &[PolicyRun], slo: Slo) -> Option<String> {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| router | class | requests | goodput | refused 429 | refused 503 | failed | TTFT mean (served) | TTFT p99 (served) |"
+        "| router | class | requests | goodput | refused 429 | refused 503/408 | failed | TTFT mean (served) | TTFT p99 (served) |"
     );
     let _ = writeln!(
         s,
