@@ -5,8 +5,8 @@
 //! property test driven by a small mutation engine: valid inputs the project generates
 //! itself (its own encoders: engines' msgpack batches in all three shapes, NDJSON event
 //! lines, OpenAI bodies, etcd gateway answers, engines' `/metrics` pages and `/v1/models`
-//! answers, ZMTP streams, workers' SSE streams, prefill workers' handoff answers and the
-//! handoff fields of requests)
+//! answers, ZMTP streams, workers' SSE streams, prefill workers' handoff answers, the
+//! handoff fields of requests and clients' overload headers)
 //! are the seed corpus, and each case applies 1–8 mutations (bit flips, interesting
 //! integers, insertions, deletions, duplications, splices with another seed,
 //! truncation). A target fails on a panic or on a broken property (a bound exceeded, a
@@ -597,6 +597,57 @@ mod targets {
             let secs: f64 = text.trim().parse().expect("only numbers are read");
             assert!(secs.is_finite() && secs >= 0.0);
             assert!(d == std::time::Duration::MAX || d.as_secs_f64() <= secs * 1.000_001 + 1e-9);
+            true
+        });
+    }
+
+    /// A client's overload headers (class, tenant, deadline, API key), each line of the
+    /// input one header's value: never a panic; a known class, a deadline within the
+    /// cap, a tenant key of at most 64 bytes that never holds the API key.
+    #[test]
+    fn overload_headers() {
+        use crate::http::queue::classes::OverloadConfig;
+        use std::time::Duration;
+        let seeds = texts(&[
+            "high\nsearch\n1500\nBearer sk-1",
+            "low\n\n99999999999\n",
+            "normal\ntenant-with-a-very-long-name-that-goes-on-and-on-past-sixty-four-bytes-ok\n0\nbearer x",
+            "urgent\nt\n-1\nBasic abc",
+        ]);
+        let config = OverloadConfig::default();
+        let cap = Duration::from_secs(600);
+        fuzz("overload-headers", seeds, false, |input| {
+            let mut values = input.split(|b| *b == b'\n');
+            let mut headers = hyper::HeaderMap::new();
+            for name in [
+                "x-switchyard-priority",
+                "x-switchyard-tenant",
+                "x-switchyard-deadline-ms",
+                "authorization",
+            ] {
+                let Some(v) = values.next() else { break };
+                if let Ok(v) = hyper::header::HeaderValue::from_bytes(v) {
+                    headers.insert(name, v);
+                }
+            }
+            let Ok(who) = config.identify(&headers, cap) else {
+                return false;
+            };
+            assert!(who.class < config.classes.len());
+            assert!(who.deadline <= cap);
+            assert!(who.tenant.len() <= 64 || who.tenant.starts_with("key:"));
+            if let Some(key) = headers
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .filter(|k| k.trim().len() > 3)
+                && !headers.contains_key("x-switchyard-tenant")
+            {
+                assert!(
+                    !who.tenant.contains(key.trim()),
+                    "the key leaked into the tenant"
+                );
+            }
             true
         });
     }
