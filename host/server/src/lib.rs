@@ -203,7 +203,7 @@ impl Gateway {
             queues: parking_lot::Mutex::default(),
         });
         // The admin page's trends: one point a second for as long as the gateway lives
-        // (the task holds it weakly).
+        // (the task holds it weakly); and the queues of released routers let go.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let weak = Arc::downgrade(&gw);
             rt.spawn(async move {
@@ -213,6 +213,8 @@ impl Gateway {
                     every.tick().await;
                     let Some(gw) = weak.upgrade() else { return };
                     gw.metrics.trends.sample(&gw.fleet.routers());
+                    // Queues of routers let go of are dropped within a second.
+                    gw.queues();
                 }
             });
         }
