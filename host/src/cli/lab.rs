@@ -192,6 +192,10 @@ pub struct ReplayArgs {
     /// its prefill].
     #[arg(long, requires = "interactive_share")]
     pub queue_deadline_secs: Option<f64>,
+    /// The interactive requests' own queue deadline, simulated seconds [default:
+    /// `--queue-deadline-secs`].
+    #[arg(long, requires = "interactive_share")]
+    pub interactive_deadline_secs: Option<f64>,
     /// Router replicas: with N above 1, every policy also runs through N in-process
     /// routers sharing the workers (each with its own state, as N `serve` processes),
     /// the requests sent to them in turn, beside its run through one.
@@ -267,6 +271,7 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
                 .queue_deadline_secs
                 .unwrap_or(args.slo_ttft_secs / 2.0)
                 .max(0.001),
+            interactive_deadline: args.interactive_deadline_secs.map(|d| d.max(0.001)),
         });
     }
     if args.prefill_workers > 0 || args.decode_workers > 0 {

@@ -94,6 +94,8 @@ pub struct Mix {
     /// Every request's deadline in the router's queue, simulated seconds: the latest
     /// start from which it can still meet the TTFT SLO.
     pub deadline: f64,
+    /// The interactive requests' own deadline, if shorter or longer.
+    pub interactive_deadline: Option<f64>,
 }
 
 impl Mix {
@@ -608,7 +610,10 @@ async fn replay_once(
         let marks = config.mix.map(|mix| {
             let (interactive, tenant) = mix.of(i);
             // In wall milliseconds.
-            let slo = mix.deadline;
+            let slo = match mix.interactive_deadline {
+                Some(d) if interactive => d,
+                _ => mix.deadline,
+            };
             Marks {
                 class: if interactive { "interactive" } else { "batch" },
                 priority: if interactive { "high" } else { "low" },
