@@ -217,8 +217,31 @@ pub fn by_class(run: &PolicyRun, slo: Slo) -> Vec<ClassSummary> {
         .collect()
 }
 
+/// Why a run's requests were refused: the error code of the router's answer (OpenAI's
+/// `error.code`, e.g. `fleet_full`, `queue_deadline`, `tenant_over_share`), or its status
+/// where the answer has none (the peers' 408), with counts, most first.
+pub fn refusal_reasons(run: &PolicyRun) -> Vec<(String, usize)> {
+    let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
+    for o in &run.outcomes {
+        let Some(status @ (408 | 429 | 503)) = o.status else {
+            continue;
+        };
+        let code = o
+            .error
+            .as_deref()
+            .and_then(|e| e.split_once("\"code\":\""))
+            .and_then(|(_, rest)| rest.split_once('"'))
+            .map(|(code, _)| code.to_string())
+            .unwrap_or_else(|| status.to_string());
+        *counts.entry(code).or_default() += 1;
+    }
+    let mut v: Vec<_> = counts.into_iter().collect();
+    v.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    v
+}
+
 /// The per-class table (goodput, refusals by status, TTFT of those served), when the
-/// requests were marked with classes.
+/// requests were marked with classes; then each router's refusals by reason.
 pub fn class_table(runs: &[PolicyRun], slo: Slo) -> Option<String> {
     if !runs
         .iter()
@@ -250,6 +273,13 @@ pub fn class_table(runs: &[PolicyRun], slo: Slo) -> Option<String> {
                 c.ttft[0],
                 c.ttft[1]
             );
+        }
+    }
+    for r in runs {
+        let reasons = refusal_reasons(r);
+        if !reasons.is_empty() {
+            let list: Vec<String> = reasons.iter().map(|(c, n)| format!("{c} {n}")).collect();
+            let _ = writeln!(s, "\n{} refused: {}", r.policy, list.join(", "));
         }
     }
     Some(s)
@@ -378,6 +408,7 @@ pub fn json(runs: &[PolicyRun], bound: Bounds, slo: Slo) -> serde_json::Value {
                     "refused_429": c.refused_429, "refused_503": c.refused_503, "failed": c.failed,
                     "ttft_mean_s": c.ttft[0], "ttft_p99_s": c.ttft[1],
                 })).collect::<Vec<_>>(),
+                "refusals": refusal_reasons(r).into_iter().map(|(k, v)| (k, json!(v))).collect::<serde_json::Map<_, _>>(),
             })
         })
         .collect();
@@ -578,9 +609,17 @@ mod tests {
         assert!((batch.goodput - 0.25).abs() < 1e-9);
         assert!((batch.ttft[0] - 2.0).abs() < 1e-9, "{:?}", batch.ttft);
         assert!(
-            class_table(&[run], Slo::default())
+            class_table(std::slice::from_ref(&run), Slo::default())
                 .unwrap()
                 .contains("| p | interactive | 2 | 50.0 % | 1 | 0 | 0 |")
+        );
+        // Reasons: the answer's error code where it has one, else its status.
+        let mut run = run;
+        run.outcomes[1].error =
+            Some(r#"429 Too Many Requests: {"error":{"code":"tenant_over_share"}}"#.into());
+        assert_eq!(
+            refusal_reasons(&run),
+            vec![("503".to_string(), 1), ("tenant_over_share".to_string(), 1)]
         );
     }
 }
