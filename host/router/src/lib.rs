@@ -94,14 +94,6 @@ impl Default for Saturation {
 }
 
 impl Saturation {
-    /// Never saturated (the behaviour before saturation existed).
-    pub const OFF: Saturation = Saturation {
-        queued: 0,
-        kv_usage: f32::INFINITY,
-        max_in_flight: 0,
-        prefill_tokens: 0,
-    };
-
     /// Whether a worker with load `l` is saturated, and by what.
     pub fn reason(&self, l: &switchyard_kv::load::WorkerLoad) -> Option<&'static str> {
         if self.queued > 0 && l.queued >= self.queued {

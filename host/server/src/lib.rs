@@ -212,9 +212,10 @@ impl Gateway {
                 loop {
                     every.tick().await;
                     let Some(gw) = weak.upgrade() else { return };
-                    gw.metrics.trends.sample(&gw.fleet.routers());
+                    let routers = gw.fleet.routers();
+                    gw.metrics.trends.sample(&routers);
                     // Queues of routers let go of are dropped within a second.
-                    gw.queues();
+                    gw.queues_among(&routers);
                 }
             });
         }
@@ -247,7 +248,11 @@ impl Gateway {
     /// with their metrics series (requests still waiting in one keep it alive until they
     /// leave).
     pub fn queues(&self) -> Vec<(EndpointPath, Arc<queue::Queue>)> {
-        let live = self.fleet.routers();
+        self.queues_among(&self.fleet.routers())
+    }
+
+    /// [`Gateway::queues`], the fleet's routers being `live`.
+    fn queues_among(&self, live: &[Arc<KvRouter>]) -> Vec<(EndpointPath, Arc<queue::Queue>)> {
         let mut queues = self.queues.lock();
         queues.retain(|endpoint, q| {
             let keep = live.iter().any(|r| Arc::ptr_eq(r, q.router()));
@@ -306,16 +311,19 @@ impl Gateway {
                 Ok(json_response(StatusCode::OK, &json!({"status": "ok"})))
             }
             (&Method::GET, "/ready") => Ok(self.ready()),
-            (&Method::GET, "/metrics") => Ok(text_response(
-                StatusCode::OK,
-                prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
-                self.metrics.render(
-                    &self.fleet.routers(),
-                    self.tokenizer.stats(),
-                    self.fleet.counters(),
-                    self.queues(),
-                ),
-            )),
+            (&Method::GET, "/metrics") => {
+                let routers = self.fleet.routers();
+                Ok(text_response(
+                    StatusCode::OK,
+                    prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+                    self.metrics.render(
+                        &routers,
+                        self.tokenizer.stats(),
+                        self.fleet.counters(),
+                        self.queues_among(&routers),
+                    ),
+                ))
+            }
             (_, p) if p.starts_with("/admin/") => admin::handle(&self, req).await,
             (m, p) => Err(ApiError::NotFound(format!("{m} {p}"))),
         };

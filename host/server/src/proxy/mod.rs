@@ -231,9 +231,7 @@ pub(crate) async fn completion(
         };
         use crate::queue::{Admission, Outcome};
         let outcome = match queue.admit(&who, job, body.len()) {
-            Admission::Placed(p) => Outcome::Placed(p),
-            Admission::Route => Outcome::Route,
-            Admission::Shed(s) => Outcome::Shed(s),
+            Admission::Now(outcome) => outcome,
             Admission::Queued(ticket) => ticket.wait().await,
         };
         match outcome {

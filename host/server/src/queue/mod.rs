@@ -127,14 +127,11 @@ pub enum Outcome {
 
 /// What [`Queue::admit`] did with a request.
 pub enum Admission {
-    /// Placed at once (nothing waited and a worker had room).
-    Placed(Placed),
-    /// Route it the usual way (see [`Outcome::Route`]).
-    Route,
+    /// Settled at arrival: placed at once (nothing waited and a worker had room), to
+    /// be routed the usual way, or refused.
+    Now(Outcome),
     /// Waiting: await the ticket.
     Queued(Ticket),
-    /// Refused at arrival.
-    Shed(Shed),
 }
 
 /// One endpoint's counters, read at scrape time.
@@ -148,6 +145,18 @@ pub struct QueueStats {
     pub shed: [AtomicU64; 3],
     /// Queued requests whose client left.
     pub left: AtomicU64,
+}
+
+impl QueueStats {
+    /// One request refused for `reason`.
+    fn count(&self, reason: ShedReason) {
+        // `ALL` lists every reason: the index is always found.
+        let i = ShedReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .unwrap_or(0);
+        self.shed[i].fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 struct Entry {
@@ -307,17 +316,13 @@ impl State {
         self.take(class, tenant, at, false)
     }
 
-    /// `tenant`'s share of a queue of `max`: its weight over the weights of the tenants
-    /// waiting (itself included).
-    fn share(&self, tenant: &Arc<str>, weight: u32, max: usize) -> usize {
-        let others: u64 = self
-            .tenants
-            .iter()
-            .filter(|(t, _)| *t != tenant)
-            .map(|(_, (_, w))| u64::from(*w))
-            .sum();
-        let w = u64::from(weight.max(1));
-        ((max as u64).saturating_mul(w) / (w + others)).max(1) as usize
+    /// The weights of the tenants waiting (an arriving one is counted among them by
+    /// [`Queue::admit`] first).
+    fn total_weight(&self) -> u64 {
+        self.tenants
+            .values()
+            .map(|(_, w)| u64::from((*w).max(1)))
+            .sum()
     }
 
     /// Requests that would leave the queue before a new one of `who`: every request of a
@@ -351,10 +356,11 @@ impl State {
     /// The newest request of the waiting tenant most over its share, looking at the
     /// least urgent classes first.
     fn most_over_share(&self, max: usize) -> Option<(usize, Arc<str>, u64)> {
+        let total = self.total_weight();
         let (tenant, _) = self
             .tenants
             .iter()
-            .map(|(t, (n, w))| (t, *n as i64 - self.share(t, *w, max) as i64))
+            .map(|(t, (n, w))| (t, *n as i64 - share(max, *w, total) as i64))
             .filter(|(_, over)| *over > 0)
             .max_by_key(|(_, over)| *over)?;
         self.classes
@@ -363,6 +369,13 @@ impl State {
             .rev()
             .find_map(|(c, q)| Some((c, tenant.clone(), q.tenants.get(tenant)?.entries.back()?.id)))
     }
+}
+
+/// A tenant of `weight`'s share of a queue of `max`, among waiting tenants whose weights
+/// sum to `total` (its own included): at least one request.
+fn share(max: usize, weight: u32, total: u64) -> usize {
+    let w = u64::from(weight.max(1));
+    ((max as u64).saturating_mul(w) / total.max(w)).max(1) as usize
 }
 
 impl Queue {
@@ -463,23 +476,22 @@ impl Queue {
                 Instant::now(),
             ) {
                 Ok(routed) => {
-                    return Admission::Placed(Placed {
+                    return Admission::Now(Outcome::Placed(Placed {
                         router: self.router.clone(),
                         routed: Some(routed),
-                    });
+                    }));
                 }
                 Err(RouteError::Saturated { .. }) => {}
-                Err(_) => return Admission::Route,
+                Err(_) => return Admission::Now(Outcome::Route),
             }
         }
         let deadline = who.deadline;
-        let wait = st.expected_wait(st.ahead(who));
-        if let Some(wait) = wait.filter(|w| *w > deadline) {
+        let ahead = st.ahead(who);
+        if let Some(wait) = st.expected_wait(ahead).filter(|w| *w > deadline) {
             return self.shed(Shed {
                 reason: ShedReason::FleetFull,
                 message: format!(
-                    "every worker is saturated and the {} requests ahead would take about {:.1} s, longer than this request's deadline of {:.1} s",
-                    st.ahead(who),
+                    "every worker is saturated and the {ahead} requests ahead would take about {:.1} s, longer than this request's deadline of {:.1} s",
                     wait.as_secs_f64(),
                     deadline.as_secs_f64()
                 ),
@@ -535,7 +547,7 @@ impl Queue {
         while st.count >= max || st.bytes.saturating_add(bytes) > self.config.queue_max_bytes {
             let own = st.tenants.get(&who.tenant).map_or(0, |t| t.0);
             let retry_after = st.expected_wait(st.count).unwrap_or(Duration::from_secs(1));
-            if st.count == 0 || own >= st.share(&who.tenant, who.weight, max) {
+            if st.count == 0 || own >= share(max, who.weight, st.total_weight()) {
                 let (reason, message) = if st.count == 0 {
                     (
                         ShedReason::FleetFull,
@@ -569,7 +581,7 @@ impl Queue {
             }
             if let Some((c, tenant, id)) = st.most_over_share(max) {
                 let e = st.remove(c, &tenant, id).expect("found");
-                self.stats.shed[0].fetch_add(1, Ordering::Relaxed);
+                self.stats.count(ShedReason::TenantShare);
                 let _ = e.tx.send(Outcome::Shed(Shed {
                     reason: ShedReason::TenantShare,
                     message: format!(
@@ -602,7 +614,7 @@ impl Queue {
                 return Ok(());
             };
             let e = st.remove(c, &tenant, id).expect("found");
-            self.stats.shed[1].fetch_add(1, Ordering::Relaxed);
+            self.stats.count(ShedReason::FleetFull);
             let _ = e.tx.send(Outcome::Shed(Shed {
                 reason: ShedReason::FleetFull,
                 message: format!(
@@ -616,12 +628,8 @@ impl Queue {
     }
 
     fn shed(&self, shed: Shed) -> Admission {
-        let i = ShedReason::ALL
-            .iter()
-            .position(|r| *r == shed.reason)
-            .unwrap_or(1);
-        self.stats.shed[i].fetch_add(1, Ordering::Relaxed);
-        Admission::Shed(shed)
+        self.stats.count(shed.reason);
+        Admission::Now(Outcome::Shed(shed))
     }
 
     /// Places waiting requests while a worker has room, and refuses those past their
@@ -702,7 +710,7 @@ impl Queue {
             let Some(e) = st.remove(c, &t, id) else {
                 continue;
             };
-            self.stats.shed[2].fetch_add(1, Ordering::Relaxed);
+            self.stats.count(ShedReason::Deadline);
             let waited = now.saturating_duration_since(e.enqueued);
             let _ = e.tx.send(Outcome::Shed(Shed {
                 reason: ShedReason::Deadline,
