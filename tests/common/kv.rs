@@ -7,7 +7,9 @@ use switchyard::client::Client;
 use switchyard::policy::{PolicyEngine, PolicyHandle};
 use switchyard::router::subscriber::{self, SubscriberConfig};
 use switchyard::router::{KvRouter, KvRouterConfig};
-use switchyard::worker::{EngineConfig, FaultConfig, MockWorkerConfig, TimingModel};
+use switchyard::worker::{
+    DEFAULT_MAX_BATCHED_TOKENS, EngineConfig, FaultConfig, MockWorkerConfig, TimingModel,
+};
 
 /// A router for `client`'s endpoint deciding with the built-in kv-cost policy.
 pub fn kv_cost_router(client: Arc<Client>, block_size: u32) -> Arc<KvRouter> {
@@ -46,6 +48,7 @@ pub fn mock_worker_config(kv_blocks: usize) -> MockWorkerConfig {
             kv_blocks,
             max_batch: 8,
             speedup: 1000.0,
+            max_batched_tokens: DEFAULT_MAX_BATCHED_TOKENS,
             timing: TimingModel::default(),
         },
         hash_seed: 0,

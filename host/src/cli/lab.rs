@@ -118,6 +118,11 @@ pub struct ReplayArgs {
     /// `--max-running-requests`); more wait in its queue.
     #[arg(long, alias = "max-num-seqs", default_value_t = 32)]
     pub max_batch: usize,
+    /// Most tokens a worker computes in one step (vLLM's `--max-num-batched-tokens`,
+    /// SGLang's `--chunked-prefill-size`): longer prompts are prefilled in chunks between
+    /// decode steps. 0 computes each prompt whole in one step.
+    #[arg(long, alias = "chunked-prefill-size", default_value_t = switchyard::worker::DEFAULT_MAX_BATCHED_TOKENS)]
+    pub max_num_batched_tokens: u64,
     /// Replay this many times faster than the trace (the workers' time runs as fast).
     #[arg(long, default_value_t = 20.0)]
     pub speedup: f64,
@@ -286,13 +291,14 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     config.engine.kv_blocks = args.kv_blocks;
     config.engine.block_size = args.block_size.max(1);
     config.engine.max_batch = args.max_batch.max(1);
+    config.engine.max_batched_tokens = args.max_num_batched_tokens;
     config.engine.timing.prefill_us_per_token = args.prefill_us_per_token;
     config.speedup = args.speedup;
     config.max_requests = args.max_requests;
     config.duration = Duration::from_secs(args.duration);
     config.max_output = args.max_output.max(1);
     eprintln!(
-        "replaying {} (at most {} requests, {}x, load {}x) against {} mock workers of {} x {}-token blocks, batch {}",
+        "replaying {} (at most {} requests, {}x, load {}x) against {} mock workers of {} x {}-token blocks, batch {}, step budget {} tokens",
         args.trace.display(),
         config.max_requests,
         config.speedup,
@@ -300,7 +306,8 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         config.workers,
         config.engine.kv_blocks,
         config.engine.block_size,
-        config.engine.max_batch
+        config.engine.max_batch,
+        config.engine.max_batched_tokens
     );
     let (runs, bound, count) = switchyard::replay::run(&config)
         .await
@@ -351,6 +358,7 @@ pub async fn demo(
             kv_blocks: 8192,
             max_batch: 64,
             speedup,
+            max_batched_tokens: switchyard::worker::DEFAULT_MAX_BATCHED_TOKENS,
             timing: TimingModel::default(),
         },
         model: model.into(),

@@ -8,8 +8,8 @@ use switchyard::discovery::etcd::EtcdConfig;
 use switchyard::discovery::etcd_register::Registration;
 use switchyard::discovery::{EndpointPath, Role};
 use switchyard::worker::{
-    EngineConfig, Fault, FaultConfig, MockWorker, MockWorkerConfig, PdConfig, PdProtocol,
-    TimingModel,
+    DEFAULT_MAX_BATCHED_TOKENS, EngineConfig, Fault, FaultConfig, MockWorker, MockWorkerConfig,
+    PdConfig, PdProtocol, TimingModel,
 };
 
 use super::shutdown_signal;
@@ -46,6 +46,11 @@ pub struct MockWorkerArgs {
     /// `--max-running-requests`); more wait in its queue.
     #[arg(long, alias = "max-num-seqs", default_value_t = 64)]
     pub max_batch: usize,
+    /// Most tokens computed in one engine step (vLLM's `--max-num-batched-tokens`,
+    /// SGLang's `--chunked-prefill-size`): longer prompts are prefilled in chunks between
+    /// decode steps. 0 computes each prompt whole in one step.
+    #[arg(long, alias = "chunked-prefill-size", default_value_t = DEFAULT_MAX_BATCHED_TOKENS)]
+    pub max_num_batched_tokens: u64,
     /// Run simulated time this many times faster.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
@@ -173,6 +178,7 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
             kv_blocks: args.kv_blocks,
             max_batch: args.max_batch,
             speedup: args.speedup,
+            max_batched_tokens: args.max_num_batched_tokens,
             timing: TimingModel {
                 prefill_us_per_token: args.prefill_us_per_token,
                 decode_base_us: args.decode_base_us,

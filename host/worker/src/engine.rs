@@ -2,17 +2,22 @@
 //! timing model where prefill time grows with *uncached* prompt tokens and decode time
 //! with the batch size.
 //!
-//! Each step: admit waiting requests in arrival order while the batch has room and the
-//! cache can hold them; then run one step whose duration is
+//! Each step schedules work within a token budget (vLLM's `max_num_batched_tokens`,
+//! SGLang's `chunked_prefill_size`), as vLLM's V1 scheduler does with chunked prefill: one
+//! token for each running request that decodes, then the next chunk of each running
+//! request still prefilling, then waiting requests in arrival order while the batch has
+//! room, the cache can hold them and budget is left, each taking as much of its uncached
+//! prompt as the budget allows. The step lasts
 //!
 //! ```text
-//! prefill_us_per_token × (uncached prompt tokens of the requests admitted this step)
+//! prefill_us_per_token × (prompt tokens computed in this step)
 //!   + decode_base_us + decode_us_per_seq × (running requests)
 //! ```
 //!
-//! divided by `speedup`; every running request then produces one token (a request's first
-//! token comes at the end of the step that prefilled it). Finished or cancelled requests
-//! release their blocks, which stay cached for later requests with the same prefix.
+//! divided by `speedup`; every request that decoded produces one token, and a request
+//! whose last chunk was computed produces its first. Finished or cancelled requests
+//! release their blocks, which stay cached for later requests with the same prefix. A
+//! budget of 0 computes every admitted prompt whole in the step that admits it.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -62,9 +67,18 @@ pub struct EngineConfig {
     pub max_batch: usize,
     /// Simulated time runs this many times faster than the model says.
     pub speedup: f64,
+    /// Most tokens computed in one step (vLLM's `max_num_batched_tokens`, SGLang's
+    /// `chunked_prefill_size`): a longer prompt is prefilled in chunks, between decode
+    /// steps. 0: no budget, a prompt is prefilled whole.
+    pub max_batched_tokens: u64,
     /// The timing model.
     pub timing: TimingModel,
 }
+
+/// vLLM's default token budget for its OpenAI server on an H100-class GPU
+/// (`EngineArgs.get_batch_defaults`, 0.8–0.11), and SGLang's default chunked prefill size
+/// on such GPUs.
+pub const DEFAULT_MAX_BATCHED_TOKENS: u64 = 8192;
 
 impl EngineConfig {
     /// The tokens its KV cache holds: the longest request it takes (its `max_model_len`).
@@ -162,6 +176,10 @@ struct Waiting {
 
 struct Running {
     lease: Lease,
+    /// Uncached prompt tokens not yet computed.
+    prefill_left: u64,
+    /// Tokens computed for it in the step under way (0: not scheduled).
+    scheduled: u64,
     generated: u32,
     max_tokens: u32,
     out: mpsc::UnboundedSender<Output>,
@@ -294,12 +312,26 @@ impl Engine {
         s.stats.waiting = s.waiting.len() as u64;
     }
 
-    /// Admits what fits; returns the prompt tokens to prefill in this step.
-    fn admit(&self, s: &mut State) -> u64 {
+    /// Schedules the next step within the token budget: decodes, the running prefills'
+    /// next chunks, then what fits of the waiting. Returns the prompt tokens to compute.
+    fn schedule(&self, s: &mut State) -> u64 {
         let bs = self.config.block_size;
+        let mut budget = match self.config.max_batched_tokens {
+            0 => u64::MAX,
+            n => n,
+        };
         let mut prefill = 0u64;
+        for r in s.running.iter_mut().filter(|r| r.prefill_left == 0) {
+            r.scheduled = u64::from(budget > 0);
+            budget -= r.scheduled;
+        }
+        for r in s.running.iter_mut().filter(|r| r.prefill_left > 0) {
+            r.scheduled = r.prefill_left.min(budget);
+            budget -= r.scheduled;
+            prefill += r.scheduled;
+        }
         let mut batch = (0u64, 0u64);
-        while s.running.len() < self.config.max_batch {
+        while s.running.len() < self.config.max_batch && budget > 0 {
             let Some(w) = s.waiting.front() else { break };
             if w.out.is_closed() {
                 s.waiting.pop_front();
@@ -317,7 +349,10 @@ impl Engine {
                     let w = s.waiting.pop_front().expect("peeked");
                     let cached_tokens = lease.cached as u32 * bs;
                     let uncached = u64::from(w.prompt_tokens - cached_tokens.min(w.prompt_tokens));
-                    prefill += uncached;
+                    // A prompt found whole in the cache still computes its last token.
+                    let chunk = uncached.max(1).min(budget);
+                    budget -= chunk;
+                    prefill += chunk.min(uncached);
                     s.stats.prefill_tokens += uncached;
                     s.stats.cached_tokens += u64::from(cached_tokens);
                     batch.0 += u64::from(w.prompt_tokens);
@@ -325,6 +360,8 @@ impl Engine {
                     let _ = w.out.send(Output::Admitted { cached_tokens });
                     s.running.push(Running {
                         lease,
+                        prefill_left: uncached.max(1),
+                        scheduled: chunk,
                         generated: 0,
                         max_tokens: w.max_tokens,
                         out: w.out,
@@ -348,11 +385,30 @@ impl Engine {
         prefill
     }
 
-    /// Produces one token per running request and retires the finished and cancelled.
+    /// Ends the step: a token from each request that decoded or computed its prompt's
+    /// last chunk; retires the finished and cancelled.
     fn emit(&self, s: &mut State) {
         let mut i = 0;
         while i < s.running.len() {
             let r = &mut s.running[i];
+            let ran = std::mem::take(&mut r.scheduled);
+            if r.prefill_left > 0 {
+                r.prefill_left -= ran.min(r.prefill_left);
+                if r.prefill_left > 0 || ran == 0 {
+                    // Mid-prefill: no token yet; a caller gone meanwhile is cancelled.
+                    if r.out.is_closed() {
+                        let r = s.running.swap_remove(i);
+                        s.cache.release(&r.lease);
+                        s.stats.cancelled += 1;
+                    } else {
+                        i += 1;
+                    }
+                    continue;
+                }
+            } else if ran == 0 {
+                i += 1;
+                continue;
+            }
             r.generated += 1;
             let alive = r.out.send(Output::Token(r.generated - 1)).is_ok();
             let done = r.generated >= r.max_tokens;
@@ -380,7 +436,7 @@ async fn run(engine: std::sync::Weak<Engine>, wake: Arc<Notify>) {
         let Some(e) = engine.upgrade() else { return };
         let step = {
             let mut s = e.state.lock();
-            let prefill = e.admit(&mut s);
+            let prefill = e.schedule(&mut s);
             e.publish(&mut s);
             if s.running.is_empty() {
                 None
@@ -418,5 +474,88 @@ async fn run(engine: std::sync::Weak<Engine>, wake: Arc<Notify>) {
         s.stats.steps += 1;
         e.emit(&mut s);
         e.publish(&mut s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::Instant;
+
+    fn engine(max_batched_tokens: u64) -> Arc<Engine> {
+        Engine::start(EngineConfig {
+            block_size: 16,
+            kv_blocks: 8192,
+            max_batch: 8,
+            speedup: 1.0,
+            max_batched_tokens,
+            timing: TimingModel::default(),
+        })
+    }
+
+    fn blocks(first: u64, n: u64) -> Vec<BlockHash> {
+        (first..first + n).map(BlockHash).collect()
+    }
+
+    /// While a 64k-token prompt prefills, a stream already decoding on the same engine:
+    /// how many tokens it gets before the long prompt's first, and its longest gap.
+    async fn decode_beside_long_prefill(max_batched_tokens: u64) -> (usize, Duration) {
+        let e = engine(max_batched_tokens);
+        let mut short = e.submit(blocks(1, 1), vec![], None, 16, 1_000);
+        assert!(matches!(short.recv().await, Some(Output::Admitted { .. })));
+        assert_eq!(short.recv().await, Some(Output::Token(0)));
+        let mut long = e.submit(blocks(100, 4096), vec![], None, 65_536, 1);
+        assert_eq!(
+            long.recv().await,
+            Some(Output::Admitted { cached_tokens: 0 })
+        );
+        let (mut tokens, mut gap, mut last) = (0, Duration::ZERO, Instant::now());
+        loop {
+            tokio::select! {
+                biased;
+                t = short.recv() => {
+                    assert!(matches!(t, Some(Output::Token(_))));
+                    tokens += 1;
+                    gap = gap.max(last.elapsed());
+                    last = Instant::now();
+                }
+                t = long.recv() => {
+                    assert_eq!(t, Some(Output::Token(0)));
+                    return (tokens, gap);
+                }
+            }
+        }
+    }
+
+    /// As vLLM and SGLang do by default, a long prompt is prefilled in chunks of the step
+    /// budget, so the streams already running keep getting tokens meanwhile instead of
+    /// stalling for the whole prefill.
+    #[tokio::test(start_paused = true)]
+    async fn a_long_prefill_is_chunked_between_decode_steps() {
+        let (tokens, gap) = decode_beside_long_prefill(DEFAULT_MAX_BATCHED_TOKENS).await;
+        // 65,536 tokens at 8,191 a step (one token of each step is the decode's): 9 steps.
+        assert!(tokens >= 8, "{tokens} tokens during the prefill");
+        // Each step: at most 8,192 tokens of prefill (0.33 s) and a decode step.
+        assert!(gap < Duration::from_millis(400), "a gap of {gap:?}");
+
+        let (tokens, gap) = decode_beside_long_prefill(0).await;
+        // The step under way when it arrived, and the one that prefills it whole.
+        assert!(tokens <= 2, "{tokens} tokens during an unchunked prefill");
+        assert!(gap > Duration::from_secs(2), "a gap of {gap:?}");
+    }
+
+    /// A caller that leaves mid-prefill is cancelled and its blocks freed, without waiting
+    /// for the prefill to end.
+    #[tokio::test(start_paused = true)]
+    async fn leaving_mid_prefill_frees_the_request() {
+        let e = engine(1024);
+        let mut long = e.submit(blocks(100, 4096), vec![], None, 65_536, 8);
+        assert!(matches!(long.recv().await, Some(Output::Admitted { .. })));
+        assert_eq!(e.stats().running, 1);
+        drop(long);
+        // Two steps of 1,024 tokens: well before the 64 steps the prefill needs.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let stats = e.stats();
+        assert_eq!((stats.running, stats.cancelled, stats.kv_used_blocks), (0, 1, 0));
     }
 }

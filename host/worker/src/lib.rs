@@ -13,5 +13,5 @@ pub mod engine;
 pub mod server;
 pub mod zmq;
 
-pub use engine::{EngineConfig, EngineStats, TimingModel};
+pub use engine::{DEFAULT_MAX_BATCHED_TOKENS, EngineConfig, EngineStats, TimingModel};
 pub use server::{Fault, FaultConfig, MockWorker, MockWorkerConfig, PdConfig, PdProtocol};

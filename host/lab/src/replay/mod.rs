@@ -146,6 +146,7 @@ impl ReplayConfig {
                 kv_blocks: 4096,
                 max_batch: 32,
                 speedup: 20.0,
+                max_batched_tokens: switchyard_worker::DEFAULT_MAX_BATCHED_TOKENS,
                 timing: TimingModel::default(),
             },
             speedup: 20.0,

@@ -591,6 +591,7 @@ mod tests {
             kv_blocks: 64,
             max_batch: 4,
             speedup: 1000.0,
+            max_batched_tokens: crate::engine::DEFAULT_MAX_BATCHED_TOKENS,
             timing: crate::engine::TimingModel::default(),
         })
     }
