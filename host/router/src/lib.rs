@@ -77,15 +77,19 @@ pub struct Saturation {
 }
 
 impl Default for Saturation {
-    /// An engine queue of 4: a worker with room has none (engines queue only when their
-    /// batch or KV cache is full), so this changes nothing until then, and 4 keep its
-    /// batch refilled while the router reacts to completions. KV usage is not a signal
-    /// by default: engines run with their cache nearly full by design (vLLM sizes its
-    /// batch to it), so a full cache with an empty queue is a busy worker, not a
-    /// saturated one; where it is full, the requests it cannot start show in its queue.
+    /// No signal: every worker takes requests, and engines queue what they cannot start,
+    /// as behind any router. The engine queue is not a default signal because engines
+    /// that chunk prefills (vLLM V1, SGLang) queue while they have room: a long prompt
+    /// holds each step's token budget for many steps and requests arriving meanwhile wait
+    /// for it, with slots and memory free; held in the router instead, they lost their
+    /// cache and their place (on B7's large-cache shape kv-cost's mean TTFT was 31 s
+    /// with the engine queue at 4, 1.8 s without). KV usage is not one either:
+    /// engines run with their cache nearly full by design (vLLM sizes its batch to it),
+    /// so a full cache is a busy worker, not a saturated one. An operator who knows the
+    /// concurrency or prefill backlog at which workers meet their objectives sets it.
     fn default() -> Self {
         Saturation {
-            queued: 4,
+            queued: 0,
             kv_usage: f32::INFINITY,
             max_in_flight: 0,
             prefill_tokens: 0,
