@@ -556,6 +556,9 @@ mod tests {
         // Two steps of 1,024 tokens: well before the 64 steps the prefill needs.
         tokio::time::sleep(Duration::from_millis(200)).await;
         let stats = e.stats();
-        assert_eq!((stats.running, stats.cancelled, stats.kv_used_blocks), (0, 1, 0));
+        assert_eq!(
+            (stats.running, stats.cancelled, stats.kv_used_blocks),
+            (0, 1, 0)
+        );
     }
 }
