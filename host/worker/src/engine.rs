@@ -392,29 +392,20 @@ impl Engine {
         while i < s.running.len() {
             let r = &mut s.running[i];
             let ran = std::mem::take(&mut r.scheduled);
-            if r.prefill_left > 0 {
-                r.prefill_left -= ran.min(r.prefill_left);
-                if r.prefill_left > 0 || ran == 0 {
-                    // Mid-prefill: no token yet; a caller gone meanwhile is cancelled.
-                    if r.out.is_closed() {
-                        let r = s.running.swap_remove(i);
-                        s.cache.release(&r.lease);
-                        s.stats.cancelled += 1;
-                    } else {
-                        i += 1;
-                    }
-                    continue;
+            r.prefill_left -= ran.min(r.prefill_left);
+            // A token from a decode step, or at the end of the step that computed the
+            // prompt's last chunk; without one, a caller gone meanwhile is cancelled.
+            let (alive, done) = if ran > 0 && r.prefill_left == 0 {
+                r.generated += 1;
+                let alive = r.out.send(Output::Token(r.generated - 1)).is_ok();
+                let done = r.generated >= r.max_tokens;
+                if done && alive {
+                    let _ = r.out.send(Output::Done);
                 }
-            } else if ran == 0 {
-                i += 1;
-                continue;
-            }
-            r.generated += 1;
-            let alive = r.out.send(Output::Token(r.generated - 1)).is_ok();
-            let done = r.generated >= r.max_tokens;
-            if done && alive {
-                let _ = r.out.send(Output::Done);
-            }
+                (alive, done)
+            } else {
+                (!r.out.is_closed(), false)
+            };
             if done || !alive {
                 let r = s.running.swap_remove(i);
                 s.cache.release(&r.lease);
