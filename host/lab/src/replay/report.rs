@@ -70,11 +70,7 @@ pub fn summarise(run: &PolicyRun, slo: Slo) -> Summary {
         .iter()
         .filter(|o| o.ttft <= slo.ttft && o.e2e <= slo.e2e)
         .count();
-    let refused = run
-        .outcomes
-        .iter()
-        .filter(|o| matches!(o.status, Some(408 | 429 | 503)))
-        .count();
+    let refused = run.outcomes.iter().filter(|o| refused(o.status)).count();
     let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
     let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
     Summary {
@@ -200,10 +196,7 @@ pub fn by_class(run: &PolicyRun, slo: Slo) -> Vec<ClassSummary> {
                 goodput: good as f64 / all.len().max(1) as f64,
                 refused_429: status(&[429]),
                 refused_503: status(&[408, 503]),
-                failed: all
-                    .iter()
-                    .filter(|o| !o.ok && !matches!(o.status, Some(408 | 429 | 503)))
-                    .count(),
+                failed: all.iter().filter(|o| !o.ok && !refused(o.status)).count(),
                 ttft: [
                     if ttft.is_empty() {
                         f64::NAN
@@ -217,13 +210,19 @@ pub fn by_class(run: &PolicyRun, slo: Slo) -> Vec<ClassSummary> {
         .collect()
 }
 
+/// Whether a router's answer refused the request: 429 (a tenant over its share), 503 (a
+/// full fleet, a deadline) or 408 (the peers' queue timeout).
+fn refused(status: Option<u16>) -> bool {
+    matches!(status, Some(408 | 429 | 503))
+}
+
 /// Why a run's requests were refused: the error code of the router's answer (OpenAI's
 /// `error.code`, e.g. `fleet_full`, `queue_deadline`, `tenant_over_share`), or its status
 /// where the answer has none (the peers' 408), with counts, most first.
 pub fn refusal_reasons(run: &PolicyRun) -> Vec<(String, usize)> {
     let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
     for o in &run.outcomes {
-        let Some(status @ (408 | 429 | 503)) = o.status else {
+        let Some(status) = o.status.filter(|s| refused(Some(*s))) else {
             continue;
         };
         let code = o
