@@ -547,6 +547,19 @@ mod tests {
                 assert_eq!(t.encode(&text).unwrap(), plain, "{name}: {text:?}");
             }
         }
+        // Every text of two bytes, whose pieces the lean path reads from its table instead
+        // of merging, on a vocabulary that merges pairs and on one that takes whole tokens
+        // first.
+        let twos = (0u8..128)
+            .flat_map(|a| (0u8..128).map(move |b| String::from_utf8(vec![a, b]).unwrap()))
+            .chain(('\u{80}'..='\u{7ff}').map(String::from));
+        for (name, json) in [("gpt2", &gpt2), ("llama3", &llama3)] {
+            let t = hugging_face(json);
+            for text in twos.clone() {
+                let lean = t.lean(&text).unwrap().unwrap();
+                assert_eq!(lean, t.plain(&text).unwrap(), "{name}: {text:?}");
+            }
+        }
         // Shapes it does not know stay with the tokenizers crate, and still tokenize.
         let mut prefix_space = gpt2.clone();
         prefix_space["pre_tokenizer"]["add_prefix_space"] = true.into();

@@ -14,6 +14,11 @@ pub(super) struct Merges {
     pub(super) pairs: HashMap<(u32, u32), (u32, u32)>,
     /// With `ignore_merges`, the vocabulary: a piece that is a token is not merged.
     pub(super) whole: Option<HashMap<Box<str>, u32>>,
+    /// The token of each two-byte piece (indexed by its bytes, big-endian) plus one, or 0
+    /// where its bytes stay two tokens: [`Merges::tokenize`]'s own results, so that the
+    /// most frequent short pieces cost one read of a 256 KiB table instead of a word cache
+    /// probe and a merge. `None` if a token's ID is `u32::MAX` (not representable here).
+    pub(super) two: Option<Box<[u32]>>,
 }
 
 /// One symbol of a word being merged: a token and its live neighbours.
@@ -87,11 +92,42 @@ impl Merges {
             pairs.insert((id(a)?, id(b)?), (rank, id(&format!("{a}{b}"))?));
         }
         let whole = (model.ignore_merges.as_bool() == Some(true)).then_some(vocab);
-        Ok(Merges {
+        let mut merges = Merges {
             bytes,
             pairs,
             whole,
-        })
+            two: None,
+        };
+        merges.two = merges.two_byte_table(byte_chars);
+        Ok(merges)
+    }
+
+    fn two_byte_table(&self, byte_chars: &[char; 256]) -> Option<Box<[u32]>> {
+        let mut s = Buffers::default();
+        let mut out = Vec::with_capacity(2);
+        let mut table = vec![0; 1 << 16];
+        for (i, slot) in table.iter_mut().enumerate() {
+            out.clear();
+            self.tokenize(&(i as u16).to_be_bytes(), byte_chars, &mut s, &mut out);
+            if let [id] = out[..] {
+                *slot = id.checked_add(1)?;
+            }
+        }
+        Some(table.into_boxed_slice())
+    }
+
+    /// The tokens of a piece of one or two bytes into `out`; `false` for a longer piece
+    /// (or without the table), which then needs [`Merges::tokenize`].
+    pub(super) fn short(&self, piece: &[u8], out: &mut Vec<u32>) -> bool {
+        match (piece, &self.two) {
+            (&[b], _) => out.push(self.bytes[usize::from(b)]),
+            (&[a, b], Some(two)) => match two[usize::from(u16::from_be_bytes([a, b]))] {
+                0 => out.extend([self.bytes[usize::from(a)], self.bytes[usize::from(b)]]),
+                id => out.push(id - 1),
+            },
+            _ => return false,
+        }
+        true
     }
 
     /// The tokens of `piece` into `out`: `tokenizers`' `Word::merge_all` on a queue of

@@ -9,10 +9,12 @@
 //!    ones first and then the normalized ones, as `tokenizers` does;
 //! 2. what is left is split by the pre-tokenizer's regexes (pieces between matches kept,
 //!    as `Split` with `Isolated` does), see [`Splitter`];
-//! 3. each piece is looked up in a word cache, and on a miss its bytes become their
-//!    tokens and are merged by the model's merges, lowest rank first, leftmost among equals,
-//!    with `tokenizers`' own algorithm (see [`Merges`]) but on token IDs, without its
-//!    per-character vocabulary lookups, its second cache and a `String` per token.
+//! 3. a piece of one or two bytes (most of them in code, numbers and short words) is read
+//!    from a table made at load; any other is looked up in a word cache, and on a miss its
+//!    bytes become their tokens and are merged by the model's merges, lowest rank first,
+//!    leftmost among equals, with `tokenizers`' own algorithm (see [`Merges`]) but on token
+//!    IDs, without its per-character vocabulary lookups, its second cache and a `String`
+//!    per token.
 //!
 //! Only shapes it knows are taken (see [`ByteLevelBpe::new`]); anything else stays with
 //! `tokenizers`. The discipline around it is in [`super::Tokenizer`]: sample texts must
@@ -359,7 +361,7 @@ impl ByteLevelBpe {
     }
 
     fn word(&self, piece: &str, s: &mut Scratch, out: &mut Vec<u32>) {
-        if piece.is_empty() {
+        if piece.is_empty() || self.merges.short(piece.as_bytes(), out) {
             return;
         }
         let mut words = if piece.len() <= MAX_WORD {
