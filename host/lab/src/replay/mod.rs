@@ -280,6 +280,32 @@ struct Body<'a> {
     stream_options: serde_json::Value,
 }
 
+/// The requests as the bounds count them: in the trace's blocks, or, when the routers
+/// get text and the workers a `tokenizer.json`, in that tokenizer's tokens and the
+/// workers' blocks (a real tokenizer does not cut the text back into the trace's blocks:
+/// English-like text takes about half the trace's tokens).
+fn block_views(
+    config: &ReplayConfig,
+    reqs: &[TraceRequest],
+    prompts: Prompts,
+) -> Result<Vec<trace::BlockView>, String> {
+    let tokenizer = match (prompts, &config.tokenizer) {
+        (Prompts::Text, Some(path)) => {
+            switchyard_tokens::Tokenizer::from_file(path).map_err(|e| e.to_string())?
+        }
+        _ => return Ok(reqs.iter().map(trace::BlockView::of_trace).collect()),
+    };
+    let block = config.engine.block_size as usize;
+    reqs.iter()
+        .map(|r| {
+            let tokens = tokenizer
+                .encode(&trace::text(r))
+                .map_err(|e| e.to_string())?;
+            Ok(trace::BlockView::of_tokens(&tokens, block))
+        })
+        .collect()
+}
+
 /// Replays the trace once per policy. Progress goes to stderr.
 pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize), String> {
     let mut reqs = trace::read(&config.trace)?;
@@ -287,17 +313,18 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
     let capacity = config.workers as u64
         * config.engine.kv_blocks as u64
         * u64::from(config.engine.block_size);
-    let bound = Bounds {
-        infinite: trace::infinite_cache_bound(&reqs),
-        capacity: trace::lru_cache_bound(&reqs, capacity),
-    };
-    let count = reqs.len();
-    let reqs = Arc::new(reqs);
     let prompts = if config.routers.is_empty() {
         Prompts::Tokens
     } else {
         Prompts::Text
     };
+    let views = block_views(config, &reqs, prompts)?;
+    let bound = Bounds {
+        infinite: trace::infinite_cache_bound(&views),
+        capacity: trace::lru_cache_bound(&views, capacity),
+    };
+    let count = reqs.len();
+    let reqs = Arc::new(reqs);
     let mut runs = Vec::new();
     let modes = if config.kv_events.is_empty() {
         vec![crate::local::KvEventsMode::Zmq]
