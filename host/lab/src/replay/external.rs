@@ -104,6 +104,9 @@ impl ExternalRouter {
 pub struct ProcessCost {
     /// User plus system CPU seconds of the whole process group.
     pub cpu_secs: f64,
+    /// Of which spent before it answered its first probe (loading, importing): a cost
+    /// paid once per start, not per request.
+    pub start_cpu_secs: f64,
     /// Sum of the group's processes' peak resident memory, MiB.
     pub peak_rss_mib: f64,
 }

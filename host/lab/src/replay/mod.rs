@@ -480,6 +480,7 @@ async fn replay_external(
     let mut process = RouterProcess::start(&command, log)?;
     let url = format!("http://127.0.0.1:{port}");
     let ready = router_ready(&url, &mut process).await;
+    let start_cpu_secs = process.cost().cpu_secs;
     let result = match ready {
         Ok(()) => match drive(
             config,
@@ -491,7 +492,10 @@ async fn replay_external(
         .await
         {
             Ok(mut run) => {
-                run.router = Some(process.cost());
+                run.router = Some(ProcessCost {
+                    start_cpu_secs,
+                    ..process.cost()
+                });
                 run.worker_requests = workers.iter().map(|w| w.stats().finished).collect();
                 if disaggregated.is_some() {
                     let computed: u64 = workers.iter().map(|w| w.stats().prefill_tokens).sum();

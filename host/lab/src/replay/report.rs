@@ -105,7 +105,7 @@ pub fn table(runs: &[PolicyRun], bound: Bounds, slo: Slo) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| policy | requests | failed | refused | goodput (TTFT ≤ {} s, E2E ≤ {} s) | TTFT mean | p50 | p90 | p99 | ITL mean | ITL p99 | E2E mean | p90 | throughput | hit rate | bound: fleet capacity | bound: infinite | load skew | router CPU | router peak RSS |",
+        "| policy | requests | failed | refused | goodput (TTFT ≤ {} s, E2E ≤ {} s) | TTFT mean | p50 | p90 | p99 | ITL mean | ITL p99 | E2E mean | p90 | throughput | hit rate | bound: fleet capacity | bound: infinite | load skew | router CPU: start + serving (per request) | router peak RSS |",
         slo.ttft, slo.e2e
     );
     let _ = writeln!(
@@ -135,11 +135,15 @@ pub fn table(runs: &[PolicyRun], bound: Bounds, slo: Slo) -> String {
             bound.capacity * 100.0,
             bound.infinite * 100.0,
             m.skew,
-            r.router.map_or("in process".to_string(), |c| format!(
-                "{:.1} s ({:.1} ms/req)",
-                c.cpu_secs,
-                1e3 * c.cpu_secs / m.requests.max(1) as f64
-            )),
+            r.router.map_or("in process".to_string(), |c| {
+                let serving = (c.cpu_secs - c.start_cpu_secs).max(0.0);
+                format!(
+                    "{:.1} + {:.1} s ({:.1} ms/req)",
+                    c.start_cpu_secs,
+                    serving,
+                    1e3 * serving / m.requests.max(1) as f64
+                )
+            }),
             r.router
                 .map_or("-".to_string(), |c| format!("{:.0} MiB", c.peak_rss_mib)),
         );
@@ -398,7 +402,7 @@ pub fn json(runs: &[PolicyRun], bound: Bounds, slo: Slo) -> serde_json::Value {
                 "e2e_mean_s": m.e2e[0], "e2e_p90_s": m.e2e[1], "throughput_rps": m.throughput, "hit_rate": m.hit_rate,
                 "goodput": m.goodput, "refused": m.refused,
                 "load_skew": (!m.skew.is_nan()).then_some(m.skew),
-                "router_cpu_s": r.router.map(|c| c.cpu_secs), "router_peak_rss_mib": r.router.map(|c| c.peak_rss_mib),
+                "router_cpu_s": r.router.map(|c| c.cpu_secs), "router_start_cpu_s": r.router.map(|c| c.start_cpu_secs), "router_peak_rss_mib": r.router.map(|c| c.peak_rss_mib),
                 "overlap_ratio": r.telemetry.as_ref().and_then(super::telemetry::Telemetry::overlap_ratio),
                 "shadow_agreement": r.telemetry.as_ref().and_then(|t| t.shadow.as_ref())
                     .and_then(|s| s.tally.agreement()),
