@@ -27,6 +27,7 @@ use switchyard_router::{KvRouter, Placing};
 use switchyard_tokens::ChatMessage;
 use switchyard_tokens::openai::{Api, CompletionRequest, Prompt};
 
+use super::chunk::{self, Seen, token_ids};
 use super::forward::forward;
 use super::tokenize::tokenize_prompt;
 use super::{Booking, Failure, Forwarded};
@@ -272,6 +273,19 @@ impl Migration {
             self.finished = true;
             return Event::Pass;
         }
+        // The usual chunk, once the stream's identity is noted and while nothing was
+        // migrated, is read into a view of the fields it needs (`chunk`); what the view
+        // leaves takes the full path below.
+        if self.used == 0
+            && self.head.is_some()
+            && !(self.token_segment && self.api == Api::Chat)
+            && let Some(choice) = chunk::read(self.api, &data)
+        {
+            if let Some(seen) = choice {
+                self.note(seen);
+            }
+            return Event::Pass;
+        }
         let Ok(mut v) = serde_json::from_str::<Value>(&data) else {
             return Event::Pass;
         };
@@ -331,31 +345,18 @@ impl Migration {
 
     /// Notes a choice's text, token and finish.
     fn observe(&mut self, choice: &Value) {
-        let piece = match self.api {
-            Api::Chat => {
-                let delta = choice.get("delta");
-                if delta
-                    .and_then(|d| d.get("tool_calls"))
-                    .is_some_and(|t| !t.is_null())
-                {
-                    self.blocked = Some("a tool call cannot be continued mid-argument");
-                }
-                if delta.is_some_and(|d| {
-                    ["reasoning_content", "reasoning"].iter().any(|k| {
-                        d.get(k)
-                            .and_then(Value::as_str)
-                            .is_some_and(|s| !s.is_empty())
-                    })
-                }) {
-                    self.blocked = Some("a separate reasoning stream cannot be continued");
-                }
-                delta.and_then(|d| d.get("content")).and_then(Value::as_str)
-            }
-            Api::Completions => choice.get("text").and_then(Value::as_str),
-        };
-        if let Some(p) = piece.filter(|p| !p.is_empty()) {
-            let chunk_ids = choice.get("token_ids").and_then(token_ids);
-            if let (Some(ids), Some(new)) = (&mut self.ids, chunk_ids)
+        self.note(Seen::of_value(self.api, choice));
+    }
+
+    fn note(&mut self, seen: Seen) {
+        if seen.tool_call {
+            self.blocked = Some("a tool call cannot be continued mid-argument");
+        }
+        if seen.reasoning {
+            self.blocked = Some("a separate reasoning stream cannot be continued");
+        }
+        if let Some(p) = seen.piece.filter(|p| !p.is_empty()) {
+            if let (Some(ids), Some(new)) = (&mut self.ids, seen.ids)
                 && ids.len() + new.len() <= MAX_KEPT_IDS
             {
                 ids.extend(new);
@@ -367,10 +368,10 @@ impl Migration {
                 self.blocked = Some("the answer is longer than the router keeps to continue it");
                 self.text = String::new();
             } else if self.blocked.is_none() {
-                self.text.push_str(p);
+                self.text.push_str(&p);
             }
         }
-        if choice.get("finish_reason").is_some_and(|f| !f.is_null()) {
+        if seen.finished {
             self.finished = true;
         }
     }
@@ -654,14 +655,6 @@ const SAMPLING_FIELDS: &[&str] = &[
     "cache_salt",
     "user",
 ];
-
-/// Token IDs from a JSON array (`None` if it holds anything else).
-fn token_ids(v: &Value) -> Option<Vec<u32>> {
-    v.as_array()?
-        .iter()
-        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-        .collect()
-}
 
 /// A completion chunk reshaped as a chat chunk: its `text` becomes the delta's content.
 fn completion_chunk_as_chat(v: &mut Value) {

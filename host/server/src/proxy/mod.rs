@@ -29,6 +29,7 @@
 //! - `relay`: the answer streamed to the client, the booking kept and released;
 //! - `migrate`: a broken stream continued on another worker.
 
+mod chunk;
 mod forward;
 mod handoff;
 mod migrate;
@@ -36,6 +37,7 @@ mod relay;
 mod split;
 mod tokenize;
 
+pub use chunk::view_agrees;
 pub use forward::parse_retry_after;
 pub use migrate::{MAX_KEPT_TEXT, continuation_of, relay_events};
 
