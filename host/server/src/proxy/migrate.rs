@@ -13,6 +13,7 @@
 //! stream's identity and its final `usage` to the whole answer's (ARCHITECTURE.md,
 //! "Migration").
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -732,19 +733,20 @@ fn find_event_end(buf: &[u8], from: usize) -> Option<(usize, usize)> {
 }
 
 /// The `data:` lines of an event, joined (`None`: it has none, e.g. a comment).
-fn event_data(raw: &[u8]) -> Option<String> {
+fn event_data(raw: &[u8]) -> Option<Cow<'_, str>> {
     let text = std::str::from_utf8(raw).ok()?;
-    let mut data: Option<String> = None;
+    let mut data: Option<Cow<str>> = None;
     for line in text.lines() {
         let line = line.trim_end_matches('\r');
         if let Some(rest) = line.strip_prefix("data:") {
             let rest = rest.strip_prefix(' ').unwrap_or(rest);
             match &mut data {
                 Some(d) => {
+                    let d = d.to_mut();
                     d.push('\n');
                     d.push_str(rest);
                 }
-                None => data = Some(rest.to_string()),
+                None => data = Some(Cow::Borrowed(rest)),
             }
         }
     }
