@@ -91,7 +91,7 @@ struct ChoiceView {
     prompt_token_ids: Present,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 struct DeltaView {
     #[serde(default)]
     content: Option<String>,
@@ -156,15 +156,7 @@ pub(super) fn read(api: Api, data: &str) -> Option<Option<Seen>> {
         .and_then(|ids| ids.into_iter().map(|t| u32::try_from(t).ok()).collect());
     match api {
         Api::Chat => {
-            let delta = choice.delta.map_or(
-                DeltaView {
-                    content: None,
-                    tool_calls: None,
-                    reasoning_content: None,
-                    reasoning: None,
-                },
-                |Object(d)| d,
-            );
+            let delta = choice.delta.map(|Object(d)| d).unwrap_or_default();
             seen.tool_call = delta.tool_calls.is_some();
             seen.reasoning = [&delta.reasoning_content, &delta.reasoning]
                 .iter()
