@@ -25,8 +25,13 @@ pub struct CompletionRequest {
     pub model: String,
     /// The prompt.
     pub prompt: Prompt,
-    /// Tokens to generate.
-    pub max_tokens: u32,
+    /// Tokens to generate before the end-of-sequence token may end the answer (vLLM's
+    /// `min_tokens`; 0 if unset).
+    pub min_tokens: u32,
+    /// Tokens to generate, if the client set a limit (`max_completion_tokens`, else
+    /// `max_tokens`, the first that is not `null`, as vLLM reads them). `None` leaves it
+    /// to the engine's default: [`default_max_tokens`].
+    pub max_tokens: Option<u32>,
     /// Server-sent events instead of one JSON body.
     pub stream: bool,
     /// With `stream`, send a final chunk with `usage`.
@@ -50,7 +55,26 @@ pub struct CompletionRequest {
     /// vLLM's `return_token_ids`: the stream carries the prompt's and each chunk's token
     /// IDs.
     pub return_token_ids: bool,
+    /// The answer is held to a grammar: a `response_format` other than text, vLLM's
+    /// `structured_outputs` or `guided_*` fields, SGLang's `regex`, `ebnf` or
+    /// `json_schema`. An engine applies it from the first generated token, so an answer
+    /// cut midway cannot be continued under it.
+    pub constrained: bool,
 }
+
+/// The fields that hold an answer to a grammar ([`CompletionRequest::constrained`]).
+const GRAMMAR_FIELDS: &[&str] = &[
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding",
+    "regex",
+    "ebnf",
+    "json_schema",
+    "structural_tag",
+];
 
 /// Which endpoint a request came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,20 +192,31 @@ pub fn parse(api: Api, body: &[u8]) -> Result<CompletionRequest, BadRequest> {
             Prompt::Chat(out)
         }
     };
-    let max_tokens = match obj
-        .get("max_completion_tokens")
-        .or_else(|| obj.get("max_tokens"))
-    {
-        None | Some(Value::Null) => 16,
+    let mut max_tokens = None;
+    for key in ["max_completion_tokens", "max_tokens"] {
+        match obj.get(key) {
+            None | Some(Value::Null) => continue,
+            Some(v) => {
+                let n = v
+                    .as_u64()
+                    .filter(|n| (1..=1 << 20).contains(n))
+                    .ok_or_else(|| {
+                        bad(
+                            format!("`{key}` must be an integer between 1 and 1048576"),
+                            key,
+                        )
+                    })?;
+                max_tokens = Some(n as u32);
+                break;
+            }
+        }
+    }
+    let min_tokens = match obj.get("min_tokens") {
+        None | Some(Value::Null) => 0,
         Some(v) => v
             .as_u64()
-            .filter(|n| (1..=1 << 20).contains(n))
-            .ok_or_else(|| {
-                bad(
-                    "`max_tokens` must be an integer between 1 and 1048576",
-                    "max_tokens",
-                )
-            })? as u32,
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| bad("`min_tokens` must be a non-negative integer", "min_tokens"))?,
     };
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
@@ -248,7 +283,15 @@ pub fn parse(api: Api, body: &[u8]) -> Result<CompletionRequest, BadRequest> {
     } || obj.get("top_logprobs").is_some_and(|v| !v.is_null());
     let echo = flag("echo")?.unwrap_or(false);
     let return_token_ids = flag("return_token_ids")?.unwrap_or(false);
+    let constrained = GRAMMAR_FIELDS
+        .iter()
+        .any(|k| obj.get(*k).is_some_and(|v| !v.is_null()))
+        || obj
+            .get("response_format")
+            .is_some_and(|f| !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text"));
     Ok(CompletionRequest {
+        constrained,
+        min_tokens,
         return_token_ids,
         continue_final_message,
         n,
@@ -262,6 +305,16 @@ pub fn parse(api: Api, body: &[u8]) -> Result<CompletionRequest, BadRequest> {
         include_usage,
         user,
     })
+}
+
+/// What an engine generates for a request that sets no limit, as vLLM and SGLang do:
+/// a completion 16 tokens (OpenAI's documented default), a chat the rest of the model's
+/// context (`None`: the engine's `max_model_len` less the prompt).
+pub fn default_max_tokens(api: Api) -> Option<u32> {
+    match api {
+        Api::Completions => Some(16),
+        Api::Chat => None,
+    }
 }
 
 /// An OpenAI error body.
@@ -311,16 +364,67 @@ mod tests {
         assert_eq!(r.model, "m");
         assert!(r.stream && r.include_usage);
         assert_eq!(r.user.as_deref(), Some("u1"));
-        assert_eq!(r.max_tokens, 16);
+        assert_eq!(r.max_tokens, None);
         let r = parse(
             Api::Completions,
             br#"{"model":"m","prompt":[1,2,3],"max_tokens":5}"#,
         )
         .unwrap();
         assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
-        assert_eq!(r.max_tokens, 5);
+        assert_eq!(r.max_tokens, Some(5));
         let r = parse(Api::Completions, br#"{"model":"m","prompt":"hello"}"#).unwrap();
         assert_eq!(r.prompt, Prompt::Text("hello".into()));
+    }
+
+    #[test]
+    fn a_limit_is_the_first_of_the_two_fields_that_is_set() {
+        // A chat that names no limit gets the rest of the context from the engine (not
+        // 16, which is a completion's default only).
+        let chat = |body: &[u8]| parse(Api::Chat, body).unwrap().max_tokens;
+        let m = r#""model":"m","messages":[{"role":"user","content":"x"}]"#;
+        assert_eq!(chat(format!("{{{m}}}").as_bytes()), None);
+        assert_eq!(default_max_tokens(Api::Chat), None);
+        assert_eq!(default_max_tokens(Api::Completions), Some(16));
+        assert_eq!(
+            chat(format!(r#"{{{m},"max_completion_tokens":null,"max_tokens":500}}"#).as_bytes()),
+            Some(500)
+        );
+        assert_eq!(
+            chat(format!(r#"{{{m},"max_completion_tokens":7,"max_tokens":500}}"#).as_bytes()),
+            Some(7)
+        );
+        assert_eq!(
+            chat(format!(r#"{{{m},"max_tokens":null}}"#).as_bytes()),
+            None
+        );
+        let e = parse(
+            Api::Chat,
+            format!(r#"{{{m},"max_completion_tokens":0}}"#).as_bytes(),
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_completion_tokens"));
+    }
+
+    #[test]
+    fn a_grammar_is_noticed_in_any_of_the_engines_fields() {
+        let m = r#""model":"m","messages":[{"role":"user","content":"x"}]"#;
+        let constrained = |extra: &str| {
+            parse(Api::Chat, format!("{{{m}{extra}}}").as_bytes())
+                .unwrap()
+                .constrained
+        };
+        assert!(!constrained(""));
+        assert!(!constrained(r#","response_format":{"type":"text"}"#));
+        assert!(!constrained(
+            r#","response_format":null,"guided_json":null"#
+        ));
+        assert!(constrained(r#","response_format":{"type":"json_object"}"#));
+        assert!(constrained(
+            r#","response_format":{"type":"json_schema","json_schema":{"name":"a","schema":{}}}"#
+        ));
+        assert!(constrained(r#","structured_outputs":{"regex":"a+"}"#));
+        assert!(constrained(r#","guided_choice":["a","b"]"#));
+        assert!(constrained(r#","regex":"[0-9]+""#));
     }
 
     #[test]

@@ -27,9 +27,34 @@ pub(super) struct Seen {
     pub(super) reasoning: bool,
     /// `finish_reason` is set.
     pub(super) finished: bool,
+    /// A chat delta named the role (the stream's opening chunk, which stands for no
+    /// token).
+    pub(super) role: bool,
+}
+
+/// A chunk as the view reads it: its first choice, and whether it reports `usage`.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct View {
+    pub(super) choice: Option<Seen>,
+    pub(super) usage: bool,
 }
 
 impl Seen {
+    /// The tokens the chunk stands for: its token IDs where it carries them, else one
+    /// for a chunk with text, and for one whose text is empty (vLLM streams a token that
+    /// ends inside a character, or a special token, with no text) unless it is the
+    /// stream's opening chunk (the role) or its closing one (a `finish_reason` and no
+    /// text). An engine sending several tokens in a chunk without their IDs
+    /// (speculative decoding) is counted one.
+    pub(super) fn tokens(&self) -> usize {
+        match (&self.ids, &self.piece) {
+            (Some(ids), _) => ids.len(),
+            (None, Some(p)) if !p.is_empty() => 1,
+            (None, Some(_)) => usize::from(!self.role && !self.finished),
+            (None, None) => 0,
+        }
+    }
+
     /// A choice read from a `Value` (the full path).
     pub(super) fn of_value(api: Api, choice: &Value) -> Seen {
         let mut seen = Seen::default();
@@ -39,6 +64,9 @@ impl Seen {
                 seen.tool_call = delta
                     .and_then(|d| d.get("tool_calls"))
                     .is_some_and(|t| !t.is_null());
+                seen.role = delta
+                    .and_then(|d| d.get("role"))
+                    .is_some_and(|r| !r.is_null());
                 seen.reasoning = delta.is_some_and(|d| {
                     ["reasoning_content", "reasoning"].iter().any(|k| {
                         d.get(k)
@@ -75,6 +103,8 @@ struct ChunkView {
     prompt_token_ids: Present,
     #[serde(default)]
     choices: Option<Vec<Object<ChoiceView>>>,
+    #[serde(default)]
+    usage: Option<IgnoredAny>,
 }
 
 #[derive(Deserialize)]
@@ -93,6 +123,8 @@ struct ChoiceView {
 
 #[derive(Deserialize, Default)]
 struct DeltaView {
+    #[serde(default)]
+    role: Option<IgnoredAny>,
     #[serde(default)]
     content: Option<String>,
     #[serde(default)]
@@ -136,13 +168,17 @@ impl<'de> Deserialize<'de> for Present {
 /// The first choice of a chunk (`Some(None)`: a chunk without one), or `None` when the
 /// chunk must be read the full way: it is not the shape the view reads, or it carries an
 /// error or the prompt's token IDs.
-pub(super) fn read(api: Api, data: &str) -> Option<Option<Seen>> {
+pub(super) fn read(api: Api, data: &str) -> Option<View> {
     let Object(chunk) = serde_json::from_str::<Object<ChunkView>>(data).ok()?;
     if chunk.error.0 || chunk.prompt_token_ids.0 {
         return None;
     }
+    let usage = chunk.usage.is_some();
     let Some(Object(choice)) = chunk.choices.and_then(|c| c.into_iter().next()) else {
-        return Some(None);
+        return Some(View {
+            choice: None,
+            usage,
+        });
     };
     if choice.prompt_token_ids.0 {
         return None;
@@ -158,6 +194,7 @@ pub(super) fn read(api: Api, data: &str) -> Option<Option<Seen>> {
         Api::Chat => {
             let delta = choice.delta.map(|Object(d)| d).unwrap_or_default();
             seen.tool_call = delta.tool_calls.is_some();
+            seen.role = delta.role.is_some();
             seen.reasoning = [&delta.reasoning_content, &delta.reasoning]
                 .iter()
                 .any(|r| r.as_deref().is_some_and(|s| !s.is_empty()));
@@ -165,7 +202,10 @@ pub(super) fn read(api: Api, data: &str) -> Option<Option<Seen>> {
         }
         Api::Completions => seen.piece = choice.text,
     }
-    Some(Some(seen))
+    Some(View {
+        choice: Some(seen),
+        usage,
+    })
 }
 
 /// Whether the view reads `data` as the full path does (`true` also when it leaves the
@@ -174,11 +214,13 @@ pub fn view_agrees(api: Api, data: &str) -> bool {
     let Some(seen) = read(api, data) else {
         return true;
     };
-    let full = serde_json::from_str::<Value>(data).ok().map(|v| {
-        v.get("choices")
+    let full = serde_json::from_str::<Value>(data).ok().map(|v| View {
+        choice: v
+            .get("choices")
             .and_then(Value::as_array)
             .and_then(|c| c.first())
-            .map(|c| Seen::of_value(api, c))
+            .map(|c| Seen::of_value(api, c)),
+        usage: v.get("usage").is_some_and(|u| !u.is_null()),
     });
     full == Some(seen)
 }

@@ -221,6 +221,14 @@ impl RelayBody {
         let worker = self.relay.worker;
         tracing::warn!(instance = %worker, error = %why, "upstream stream ended early");
         if let Some(m) = &mut self.relay.migration {
+            if m.complete() {
+                // The engine had ended the answer: nothing is continued and nobody is
+                // charged; the client gets the closing events it lacks.
+                self.relay.gw.metrics.migration(kind.label(), "complete");
+                self.ready = Some(m.close()).filter(|b| !b.is_empty());
+                self.ended_upstream = true;
+                return None;
+            }
             if kind.is_failure() {
                 m.broken.push((worker, why.clone()));
             }
@@ -367,8 +375,15 @@ impl hyper::body::Body for RelayBody {
                     }
                     Poll::Ready(Err(why)) => {
                         this.moving = None;
-                        let m = &this.relay.gw.metrics;
-                        m.migration("continuation", "failed");
+                        let r = &mut this.relay;
+                        r.gw.metrics.migration("continuation", "failed");
+                        // No worker finished the answer to confirm them: the breaks
+                        // count against their workers, as a lone 5xx does.
+                        if let Some(m) = &mut r.migration {
+                            for (w, w_why) in m.broken.drain(..) {
+                                r.client.record_failure(w, &w_why);
+                            }
+                        }
                         let broke = std::mem::take(&mut this.break_reason);
                         return Poll::Ready(Some(
                             this.end_broken(format!("{broke}; it could not be continued: {why}")),
@@ -401,7 +416,7 @@ impl hyper::body::Body for RelayBody {
                     }
                 }
                 Poll::Ready(None) => {
-                    if this.relay.migration.as_ref().is_some_and(|m| !m.finished) {
+                    if this.relay.migration.as_ref().is_some_and(|m| !m.complete()) {
                         let why = "the worker closed the stream before its final chunk".to_string();
                         if let Some(end) = this.broke(Break::Reset, why) {
                             return Poll::Ready(Some(end));
@@ -436,8 +451,11 @@ impl hyper::body::Body for RelayBody {
                     }
                     let why = format!("the worker sent nothing for {:?}", this.idle);
                     let r = &this.relay;
-                    r.client.record_failure(r.worker, &why);
-                    r.gw.metrics.stalls.fetch_add(1, Ordering::Relaxed);
+                    // Silent after the answer's end costs the answer nothing.
+                    if !r.migration.as_ref().is_some_and(|m| m.complete()) {
+                        r.client.record_failure(r.worker, &why);
+                        r.gw.metrics.stalls.fetch_add(1, Ordering::Relaxed);
+                    }
                     if let Some(end) = this.broke(Break::Stall, why) {
                         return Poll::Ready(Some(end));
                     }

@@ -14,33 +14,40 @@
 //! "Migration").
 
 use std::borrow::Cow;
-use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::Bytes;
-use hyper::body::Incoming;
-use hyper::header::HeaderValue;
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
 use crate::Gateway;
 use switchyard_ids::InstanceId;
-use switchyard_router::{KvRouter, Placing};
-use switchyard_tokens::ChatMessage;
-use switchyard_tokens::openai::{Api, CompletionRequest, Prompt};
+use switchyard_tokens::openai::{self, Api, CompletionRequest, Prompt};
 
 use super::chunk::{self, Seen, token_ids};
-use super::forward::forward;
-use super::tokenize::tokenize_prompt;
-use super::{Booking, Failure, Forwarded};
+use super::forward::Outbound;
+use bodies::completion_chunk_as_chat;
+
+mod bodies;
+mod moving;
+
+pub use bodies::continuation_of;
+pub(super) use moving::{ContinueRequest, Moved, continue_stream};
 
 /// The most answer text kept per stream to continue it (~250k tokens); a longer answer
 /// is relayed on, but not continued if it breaks.
 pub const MAX_KEPT_TEXT: usize = 1 << 20;
 
-/// The longest event kept whole while waiting for its end; a worker sending a longer one
-/// has broken the stream, which is continued elsewhere (no engine sends a token's event
-/// that large).
+/// The longest event kept whole while waiting for its end, beside what the prompt's
+/// token IDs take ([`event_limit`]); a worker sending a longer one has broken the stream,
+/// which is continued elsewhere (no engine sends a token's event that large).
 pub(super) const MAX_EVENT_BYTES: usize = 1 << 20;
+
+/// The longest event a stream of a request of `body_len` bytes may send: vLLM's first
+/// chunk with `return_token_ids` carries every prompt token's ID (up to 11 bytes each,
+/// and a prompt has at most about as many tokens as its request has bytes), so the bound
+/// grows with the request instead of failing long prompts.
+pub(super) fn event_limit(body_len: usize) -> usize {
+    MAX_EVENT_BYTES.saturating_add(body_len.saturating_mul(12))
+}
 
 /// Why a stream broke.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,8 +95,7 @@ struct Head {
 #[derive(Clone)]
 pub(super) struct Resend {
     path: String,
-    accept: Option<HeaderValue>,
-    auth: Option<HeaderValue>,
+    headers: Outbound,
     prompt: Prompt,
     /// The client's chat already continued its last message.
     continue_final: bool,
@@ -98,12 +104,32 @@ pub(super) struct Resend {
 }
 
 impl Resend {
+    /// The client's request `parsed`, to be sent again to `path` with its headers.
+    pub(super) fn new(
+        path: &str,
+        headers: &Outbound,
+        parsed: &CompletionRequest,
+        session_key: Option<u64>,
+    ) -> Resend {
+        Resend {
+            path: path.to_string(),
+            // A continuation is a request of its own (no split's request ID).
+            headers: Outbound {
+                request_id: None,
+                ..headers.clone()
+            },
+            prompt: parsed.prompt.clone(),
+            continue_final: parsed.continue_final_message,
+            cache_salt: parsed.cache_salt.clone(),
+            session_key,
+        }
+    }
+
     /// `prompt` sent to no path with no headers (for the fuzzer and tests).
     fn bare(prompt: Prompt) -> Resend {
         Resend {
             path: String::new(),
-            accept: None,
-            auth: None,
+            headers: Outbound::default(),
             prompt,
             continue_final: false,
             cache_salt: None,
@@ -118,7 +144,11 @@ pub(super) struct Migration {
     to: Resend,
     /// The client's request body, and the fields read from it.
     body: Bytes,
-    max_tokens: u32,
+    /// The answer's limit in tokens: the client's, or the engine's default for a
+    /// completion (16); `None` for a chat that set none (the rest of the context).
+    max_tokens: Option<u32>,
+    /// The model's context (its workers' `max_model_len`), if the router knows it.
+    context_len: Option<u32>,
     /// The original prompt's tokens (the router's count, which is the engine's when they
     /// share a tokenizer, as KV routing needs).
     prompt_tokens: u32,
@@ -128,15 +158,20 @@ pub(super) struct Migration {
     pub(super) used: u32,
     /// The answer so far (while it fits in [`MAX_KEPT_TEXT`]).
     text: String,
-    /// Tokens sent to the client (one per chunk with text, as engines stream them).
+    /// Tokens sent to the client: each chunk's token IDs where it carries them, else one
+    /// per chunk that stands for a token, with text or not ([`Seen::tokens`]).
     sent: u32,
     /// Tokens sent before the current worker's stream began.
     base: u32,
     head: Option<Head>,
     /// Why this stream can no longer be continued, once something made it so.
     blocked: Option<&'static str>,
-    /// The current worker sent its final chunk (a `finish_reason`).
-    pub(super) finished: bool,
+    /// The engine ended the answer (a chunk with a `finish_reason`).
+    finished: bool,
+    /// The stream's `[DONE]` came.
+    done: bool,
+    /// A chunk with `usage` came.
+    usage_seen: bool,
     /// Workers whose stream broke (not by a stall, which counts at once), counted
     /// against them once another worker has finished the answer.
     pub(super) broken: Vec<(InstanceId, String)>,
@@ -144,8 +179,10 @@ pub(super) struct Migration {
     exclude: Vec<InstanceId>,
     /// A partial event, waiting for its end.
     buf: Vec<u8>,
+    /// The longest event taken ([`event_limit`]).
+    max_event: usize,
     /// When the last event reached the client before a break (the gap's start).
-    pub(super) cut_at: Option<Instant>,
+    pub(super) cut_at: Option<std::time::Instant>,
     /// Prompt tokens the continuations' workers prefilled (not found cached): what the
     /// migrations cost.
     pub(super) extra_prefill: u64,
@@ -153,7 +190,7 @@ pub(super) struct Migration {
     segment_prefill: u64,
     /// The prompt's token IDs, when the stream carries them (vLLM's `return_token_ids`).
     prompt_ids: Option<Vec<u32>>,
-    /// The answer's token IDs, while every chunk with text carried its own.
+    /// The answer's token IDs, while every chunk that stood for tokens carried its own.
     ids: Option<Vec<u32>>,
     /// The current worker continues at the token level (a completion of token IDs,
     /// whose chunks a chat stream gets as chat chunks).
@@ -162,19 +199,17 @@ pub(super) struct Migration {
 
 impl Migration {
     /// The migration state of a streaming request, or `None` if it cannot be continued
-    /// honestly (several choices, log probabilities, an echoed prompt, a token-ID prompt)
-    /// or migration is off.
-    #[allow(clippy::too_many_arguments)]
+    /// honestly (several choices, log probabilities, an echoed prompt, a token-ID prompt,
+    /// an answer held to a grammar) or migration is off. `context_len` is the model's
+    /// context, if known.
     pub(super) fn new(
         gw: &Gateway,
         api: Api,
-        path: &str,
-        accept: Option<&HeaderValue>,
-        auth: Option<&HeaderValue>,
+        to: Resend,
         body: &Bytes,
         parsed: &CompletionRequest,
-        session_key: Option<u64>,
         prompt_tokens: u32,
+        context_len: Option<u32>,
     ) -> Option<Box<Migration>> {
         let limit = gw.config.migration_limit;
         if limit == 0
@@ -182,21 +217,14 @@ impl Migration {
             || parsed.n != 1
             || parsed.logprobs
             || parsed.echo
+            || parsed.constrained
             || matches!(parsed.prompt, Prompt::Tokens(_))
         {
             return None;
         }
-        let to = Resend {
-            path: path.to_string(),
-            accept: accept.cloned(),
-            auth: auth.cloned(),
-            prompt: parsed.prompt.clone(),
-            continue_final: parsed.continue_final_message,
-            cache_salt: parsed.cache_salt.clone(),
-            session_key,
-        };
         let mut m = Migration::fresh(api, body.clone(), to, limit);
-        m.max_tokens = parsed.max_tokens;
+        m.max_tokens = parsed.max_tokens.or(openai::default_max_tokens(api));
+        m.context_len = context_len;
         m.prompt_tokens = prompt_tokens;
         m.include_usage = parsed.include_usage;
         Some(Box::new(m))
@@ -207,8 +235,10 @@ impl Migration {
         Migration {
             api,
             to,
+            max_event: event_limit(body.len()),
             body,
-            max_tokens: 16,
+            max_tokens: openai::default_max_tokens(api),
+            context_len: None,
             prompt_tokens: 0,
             include_usage: false,
             limit,
@@ -219,6 +249,8 @@ impl Migration {
             head: None,
             blocked: None,
             finished: false,
+            done: false,
+            usage_seen: false,
             broken: Vec::new(),
             exclude: Vec::new(),
             buf: Vec::new(),
@@ -229,6 +261,11 @@ impl Migration {
             ids: Some(Vec::new()),
             token_segment: false,
         }
+    }
+
+    /// The engine ended the answer: a break now loses only its closing events.
+    pub(super) fn complete(&self) -> bool {
+        self.finished || self.done
     }
 
     /// Takes a chunk of the worker's stream; returns the complete events to send to the
@@ -255,10 +292,11 @@ impl Migration {
             start = next;
         }
         buf.drain(..start);
-        if buf.len() > MAX_EVENT_BYTES && broke.is_none() {
+        if buf.len() > self.max_event && broke.is_none() {
             buf.clear();
             broke = Some(format!(
-                "the worker sent an event longer than {MAX_EVENT_BYTES} bytes"
+                "the worker sent an event longer than {} bytes",
+                self.max_event
             ));
         }
         self.buf = buf;
@@ -271,7 +309,7 @@ impl Migration {
         };
         if data.trim() == "[DONE]" {
             // The end of an OpenAI stream, even one whose chunks gave no finish_reason.
-            self.finished = true;
+            self.done = true;
             return Event::Pass;
         }
         // The usual chunk, once the stream's identity is noted and while nothing was
@@ -280,9 +318,10 @@ impl Migration {
         if self.used == 0
             && self.head.is_some()
             && !(self.token_segment && self.api == Api::Chat)
-            && let Some(choice) = chunk::read(self.api, &data)
+            && let Some(view) = chunk::read(self.api, &data)
         {
-            if let Some(seen) = choice {
+            self.usage_seen |= view.usage;
+            if let Some(seen) = view.choice {
                 self.note(seen);
             }
             return Event::Pass;
@@ -325,12 +364,14 @@ impl Migration {
             .and_then(Value::as_array)
             .and_then(|c| c.first())
         {
-            self.observe(choice);
+            self.note(Seen::of_value(self.api, choice));
         }
+        let usage = v.get("usage").filter(|u| !u.is_null());
+        self.usage_seen |= usage.is_some();
         if self.used == 0 {
             return Event::Pass;
         }
-        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+        if let Some(u) = usage {
             let prompt = u.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(0);
             let cached = u
                 .get("prompt_tokens_details")
@@ -344,11 +385,7 @@ impl Migration {
         Event::Rewritten(Bytes::from(format!("data: {v}\n\n")))
     }
 
-    /// Notes a choice's text, token and finish.
-    fn observe(&mut self, choice: &Value) {
-        self.note(Seen::of_value(self.api, choice));
-    }
-
+    /// Notes a choice's text, tokens and finish.
     fn note(&mut self, seen: Seen) {
         if seen.tool_call {
             self.blocked = Some("a tool call cannot be continued mid-argument");
@@ -356,15 +393,19 @@ impl Migration {
         if seen.reasoning {
             self.blocked = Some("a separate reasoning stream cannot be continued");
         }
-        if let Some(p) = seen.piece.filter(|p| !p.is_empty()) {
-            if let (Some(ids), Some(new)) = (&mut self.ids, seen.ids)
-                && ids.len() + new.len() <= MAX_KEPT_IDS
-            {
-                ids.extend(new);
-            } else {
-                self.ids = None;
+        let tokens = seen.tokens();
+        match (&mut self.ids, &seen.ids) {
+            (Some(ids), Some(new)) if ids.len() + new.len() <= MAX_KEPT_IDS => {
+                ids.extend_from_slice(new)
             }
-            self.sent = self.sent.saturating_add(1);
+            // Tokens whose IDs the chunk did not carry: the answer's IDs are unknown.
+            (Some(_), None) if tokens == 0 => {}
+            _ => self.ids = None,
+        }
+        self.sent = self
+            .sent
+            .saturating_add(u32::try_from(tokens).unwrap_or(u32::MAX));
+        if let Some(p) = seen.piece.filter(|p| !p.is_empty()) {
             if self.text.len() + p.len() > MAX_KEPT_TEXT {
                 self.blocked = Some("the answer is longer than the router keeps to continue it");
                 self.text = String::new();
@@ -454,6 +495,20 @@ impl Migration {
         None
     }
 
+    /// The tokens still to generate: of the client's limit, else of the context
+    /// (`None`: unknown, left to the engine's default).
+    fn left(&self) -> Option<u32> {
+        match self.max_tokens {
+            Some(max) => Some(max.saturating_sub(self.sent)),
+            // The rest of the context, counted exactly only with the engine's own
+            // count of the prompt.
+            None => self.prompt_ids.as_ref().and(self.context_len).map(|c| {
+                c.saturating_sub(self.prompt_tokens)
+                    .saturating_sub(self.sent)
+            }),
+        }
+    }
+
     /// The worker's stream broke: a continuation request, and the worker excluded.
     pub(super) fn prepare(&mut self, worker: InstanceId) -> Result<Next, String> {
         self.exclude.push(worker);
@@ -463,23 +518,24 @@ impl Migration {
             .saturating_add(std::mem::take(&mut self.segment_prefill));
         self.used += 1;
         self.base = self.sent;
-        let left = self.max_tokens.saturating_sub(self.sent);
-        if left == 0 {
+        let left = self.left();
+        if left == Some(0) {
             // Everything asked for was sent; only the final chunk was lost.
-            return Ok(Next::Finish(self.final_events()));
+            return Ok(Next::Finish(self.closing_events(true)));
         }
-        let tokens = match (&self.prompt_ids, &self.ids) {
-            (Some(p), Some(ids)) => Some([p.as_slice(), ids].concat()),
+        // A completion of token IDs has a default of its own (16): it needs the limit.
+        let tokens = match (&self.prompt_ids, &self.ids, left) {
+            (Some(p), Some(ids), Some(_)) => Some([p.as_slice(), ids].concat()),
             _ => None,
         };
         self.token_segment = tokens.is_some();
         let mut to = self.to.clone();
-        let body = match &tokens {
-            Some(t) => {
+        let body = match (&tokens, left) {
+            (Some(t), Some(left)) => {
                 to.path = "/v1/completions".into();
                 self.token_body(t, left)?
             }
-            None => self.continuation_body(left)?,
+            _ => self.continuation_body(left)?,
         };
         Ok(Next::Continue(Box::new(ContinueRequest {
             to,
@@ -490,120 +546,10 @@ impl Migration {
         })))
     }
 
-    /// A completion of `tokens` (the prompt's IDs and the answer's) with the client's
-    /// sampling settings and `left` tokens to go: the exact continuation, for engines
-    /// that stream token IDs.
-    fn token_body(&self, tokens: &[u32], left: u32) -> Result<Bytes, String> {
-        let asked: Map<String, Value> = serde_json::from_slice(&self.body)
-            .map_err(|e| format!("the request cannot be read again: {e}"))?;
-        let mut v = Map::new();
-        for key in SAMPLING_FIELDS {
-            if let Some(x) = asked.get(*key) {
-                v.insert((*key).into(), x.clone());
-            }
-        }
-        v.insert("prompt".into(), json!(tokens));
-        v.insert("max_tokens".into(), left.into());
-        v.insert("stream".into(), true.into());
-        v.insert("return_token_ids".into(), true.into());
-        if let Some(min) = asked.get("min_tokens").and_then(Value::as_u64) {
-            v.insert(
-                "min_tokens".into(),
-                min.saturating_sub(u64::from(self.sent)).into(),
-            );
-        }
-        serde_json::to_vec(&v)
-            .map(Bytes::from)
-            .map_err(|e| e.to_string())
-    }
-
-    /// The client's request with the answer so far appended and `left` tokens to go.
-    fn continuation_body(&self, left: u32) -> Result<Bytes, String> {
-        let mut v: Map<String, Value> = serde_json::from_slice(&self.body)
-            .map_err(|e| format!("the request cannot be read again: {e}"))?;
-        match self.api {
-            Api::Chat => {
-                let messages = v
-                    .get_mut("messages")
-                    .and_then(Value::as_array_mut)
-                    .ok_or("the request has no messages")?;
-                let open = self
-                    .to
-                    .continue_final
-                    .then(|| messages.last_mut())
-                    .flatten();
-                if let Some(last) = open {
-                    let before = match &self.to.prompt {
-                        Prompt::Chat(m) => m.last().map(|m| m.content.clone()),
-                        _ => None,
-                    }
-                    .unwrap_or_default();
-                    last["content"] = Value::String(before + &self.text);
-                } else {
-                    messages.push(json!({"role": "assistant", "content": self.text}));
-                }
-                v.insert("continue_final_message".into(), true.into());
-                v.insert("add_generation_prompt".into(), false.into());
-            }
-            Api::Completions => match v.get_mut("prompt") {
-                Some(Value::String(p)) => p.push_str(&self.text),
-                Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-                    let p = a[0].as_str().unwrap_or_default().to_string();
-                    a[0] = Value::String(p + &self.text);
-                }
-                _ => return Err("the prompt cannot be continued".into()),
-            },
-        }
-        let mut set = false;
-        for key in ["max_tokens", "max_completion_tokens"] {
-            if v.get(key).is_some_and(|m| !m.is_null()) {
-                v.insert(key.into(), left.into());
-                set = true;
-            }
-        }
-        if !set {
-            v.insert("max_tokens".into(), left.into());
-        }
-        if let Some(min) = v.get("min_tokens").and_then(Value::as_u64) {
-            let min = min.saturating_sub(u64::from(self.sent));
-            v.insert("min_tokens".into(), min.into());
-        }
-        serde_json::to_vec(&v)
-            .map(Bytes::from)
-            .map_err(|e| e.to_string())
-    }
-
-    /// The engine's final chunk (and usage, and `[DONE]`) for an answer that was
-    /// complete when its stream broke.
-    fn final_events(&self) -> Bytes {
-        let (id, created, model) = match &self.head {
-            Some(h) => (h.id.clone(), h.created.clone(), h.model.clone()),
-            None => (Value::Null, Value::Null, Value::Null),
-        };
-        let (object, choice) = match self.api {
-            Api::Chat => (
-                "chat.completion.chunk",
-                json!({"index": 0, "delta": {}, "finish_reason": "length"}),
-            ),
-            Api::Completions => (
-                "text_completion",
-                json!({"index": 0, "text": "", "logprobs": null, "finish_reason": "length"}),
-            ),
-        };
-        let mut out = format!(
-            "data: {}\n\n",
-            json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]})
-        );
-        if self.include_usage {
-            let usage = json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": self.sent,
-                "total_tokens": u64::from(self.prompt_tokens) + u64::from(self.sent)});
-            out.push_str(&format!(
-                "data: {}\n\n",
-                json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage})
-            ));
-        }
-        out.push_str("data: [DONE]\n\n");
-        Bytes::from(out)
+    /// A break after the engine ended the answer: the closing events it did not send.
+    pub(super) fn close(&mut self) -> Bytes {
+        self.buf.clear();
+        self.closing_events(false)
     }
 }
 
@@ -633,70 +579,6 @@ pub fn relay_events(
 /// The most token IDs kept per stream to continue it at the token level (the prompt's,
 /// and the answer's).
 pub(super) const MAX_KEPT_IDS: usize = 1 << 20;
-
-/// The request fields a token-level continuation carries over: sampling and stopping,
-/// as vLLM's completions take them.
-const SAMPLING_FIELDS: &[&str] = &[
-    "model",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "include_stop_str_in_output",
-    "stream_options",
-    "cache_salt",
-    "user",
-];
-
-/// A completion chunk reshaped as a chat chunk: its `text` becomes the delta's content.
-fn completion_chunk_as_chat(v: &mut Value) {
-    let Some(obj) = v.as_object_mut() else { return };
-    obj.insert("object".into(), "chat.completion.chunk".into());
-    if let Some(choice) = obj
-        .get_mut("choices")
-        .and_then(Value::as_array_mut)
-        .and_then(|c| c.first_mut())
-        .and_then(Value::as_object_mut)
-    {
-        let text = choice.remove("text");
-        choice.remove("logprobs");
-        choice.remove("prompt_token_ids");
-        let mut delta = Map::new();
-        if let Some(t) = text.filter(|t| t.as_str().is_some_and(|s| !s.is_empty())) {
-            delta.insert("content".into(), t);
-        }
-        choice.insert("delta".into(), Value::Object(delta));
-    }
-}
-
-/// The text-level continuation the router would send for a client's `body` on `api`
-/// after `sent` tokens of `answer` (`None`: the request is not continued at all). For the
-/// fuzzer and tests.
-pub fn continuation_of(
-    api: Api,
-    body: &[u8],
-    answer: &str,
-    sent: u32,
-) -> Option<Result<Bytes, String>> {
-    let parsed = switchyard_tokens::openai::parse(api, body).ok()?;
-    let mut to = Resend::bare(parsed.prompt.clone());
-    to.continue_final = parsed.continue_final_message;
-    let mut m = Migration::fresh(api, Bytes::copy_from_slice(body), to, 2);
-    m.max_tokens = parsed.max_tokens;
-    m.text = answer.to_string();
-    m.sent = sent;
-    let left = m.max_tokens.checked_sub(sent).filter(|l| *l > 0)?;
-    Some(m.continuation_body(left))
-}
 
 /// What a chunk's events became.
 enum Event {
@@ -764,155 +646,6 @@ fn server_error(e: &Value) -> bool {
         || kind.eq_ignore_ascii_case("internal_server_error")
 }
 
-/// A continuation to send.
-pub(super) struct ContinueRequest {
-    /// Where, and what it is routed on (with `text` after the prompt).
-    to: Resend,
-    /// The exact prompt, at the token level (`None`: the text level).
-    tokens: Option<Vec<u32>>,
-    body: Bytes,
-    text: String,
-    exclude: Vec<InstanceId>,
-}
-
-impl ContinueRequest {
-    /// It is sent as token IDs (exact), not as text.
-    pub(super) fn token_level(&self) -> bool {
-        self.tokens.is_some()
-    }
-}
-
-/// A continuation that started on a worker.
-pub(super) struct Moved {
-    pub(super) worker: InstanceId,
-    pub(super) booking: Booking,
-    pub(super) predicted_blocks: u32,
-    pub(super) first: Option<Bytes>,
-    pub(super) upstream: Incoming,
-}
-
-/// Routes the continuation by the endpoint's policy (its own KV overlap; never to a
-/// worker that broke the stream) and forwards it, trying further workers as the first
-/// attempt would; returns once its first bytes came.
-pub(super) async fn continue_stream(
-    gw: Arc<Gateway>,
-    router: Arc<KvRouter>,
-    req: Box<ContinueRequest>,
-) -> Result<Moved, String> {
-    // Routed on the prompt it will be: the original prompt and the answer so far,
-    // rendered as the engine will render it.
-    let to = req.to;
-    let (context, open) = match (req.tokens, to.prompt) {
-        (Some(t), _) => (Prompt::Tokens(t), false),
-        (None, p) => match p {
-            Prompt::Chat(mut m) => {
-                match m.last_mut() {
-                    Some(last) if to.continue_final => last.content.push_str(&req.text),
-                    _ => m.push(ChatMessage {
-                        role: "assistant".into(),
-                        content: req.text,
-                    }),
-                }
-                (Prompt::Chat(m), true)
-            }
-            Prompt::Text(t) => (Prompt::Text(t + &req.text), false),
-            Prompt::Tokens(_) => return Err("a token prompt is not continued".into()),
-        },
-    };
-    let tokens = tokenize_prompt(&gw, &context, open)
-        .await
-        .map_err(|e| format!("the continuation cannot be tokenized: {e}"))?;
-    let hashes = router
-        .hasher()
-        .salted_hashes(&tokens, to.cache_salt.as_deref());
-    let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
-    let client = router.client().clone();
-    let endpoint = router.endpoint().to_string();
-    let mut exclude = req.exclude;
-    let mut last: Option<String> = None;
-    for _ in 0..gw.config.max_attempts.max(1) {
-        // A continuation runs on one worker: on a fleet that splits prefill from
-        // decode, a decode worker computes its prompt itself (where the handoff allows).
-        let routed = router
-            .place(
-                prompt_tokens,
-                &hashes,
-                to.session_key,
-                &exclude,
-                Instant::now(),
-                Placing::Alone,
-            )
-            .map_err(|e| match &last {
-                None => format!("no worker could take it: {e}"),
-                Some(last) => format!("{last}; and then no worker could take it: {e}"),
-            })?;
-        gw.metrics
-            .timings
-            .decision(&endpoint, routed.decision_time, routed.decision.call_time);
-        let booking = Booking {
-            router: router.clone(),
-            request: routed.request,
-        };
-        let worker = routed.worker;
-        let Some(instance) = client.instance(worker) else {
-            exclude.push(worker);
-            continue;
-        };
-        let sent = forward(
-            &gw,
-            &instance.url,
-            &to.path,
-            to.accept.as_ref(),
-            to.auth.as_ref(),
-            req.body.clone(),
-            gw.config.first_byte_timeout,
-        )
-        .await;
-        match sent {
-            Ok(Forwarded::Ok(_, first, upstream)) => {
-                router.prefill_done(routed.request);
-                router
-                    .quality()
-                    .continuations
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                client.record_success(worker);
-                return Ok(Moved {
-                    worker,
-                    booking,
-                    predicted_blocks: routed.overlap_blocks,
-                    first,
-                    upstream,
-                });
-            }
-            Ok(Forwarded::ClientError((parts, bytes))) => {
-                // The worker cannot take a continuation (say, an engine without
-                // `continue_final_message`): the request's limit, not the worker's fault.
-                return Err(format!(
-                    "the worker refused the continuation ({}): {}",
-                    parts.status,
-                    String::from_utf8_lossy(&bytes[..bytes.len().min(512)])
-                ));
-            }
-            Err(f) => {
-                let reason = f.reason();
-                match &f {
-                    Failure::Unreachable(_) | Failure::Closed(_) if gw.config.availability => {
-                        client.report_instance_down(worker, &reason);
-                    }
-                    Failure::Busy(_, retry_after) => {
-                        client.report_busy(worker, *retry_after);
-                    }
-                    _ => {}
-                }
-                tracing::warn!(%endpoint, instance = %worker, %reason, "continuation attempt failed");
-                exclude.push(worker);
-                last = Some(reason);
-            }
-        }
-    }
-    Err(last.unwrap_or_else(|| "no worker was tried".into()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -944,6 +677,187 @@ mod tests {
         let bad = b"data: {\"error\":{\"message\":\"bad\",\"type\":\"BadRequestError\",\"code\":400}}\n\n";
         let (out, broke, _, _) = relay_events(Api::Completions, false, &[bad]);
         assert_eq!((out.as_slice(), broke), (&bad[..], None));
+    }
+
+    fn chat(body: &str) -> Migration {
+        let parsed = switchyard_tokens::openai::parse(Api::Chat, body.as_bytes()).unwrap();
+        let mut m = Migration::fresh(
+            Api::Chat,
+            Bytes::copy_from_slice(body.as_bytes()),
+            Resend::bare(parsed.prompt),
+            2,
+        );
+        m.max_tokens = parsed.max_tokens;
+        m.include_usage = parsed.include_usage;
+        m
+    }
+
+    fn events(m: &mut Migration, events: &[&str]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for e in events {
+            let (o, broke) = m.take(format!("data: {e}\n\n").as_bytes());
+            assert_eq!(broke, None);
+            out.extend_from_slice(&o);
+        }
+        out
+    }
+
+    const ROLE: &str = r#"{"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}],"prompt_token_ids":[1,2,3]}"#;
+
+    fn token(text: &str, ids: &[u32], finish: Option<&str>) -> String {
+        json!({"id": "c", "choices": [{"index": 0, "delta": {"content": text},
+            "finish_reason": finish, "token_ids": ids}]})
+        .to_string()
+    }
+
+    #[test]
+    fn tokens_are_counted_from_their_ids_not_from_chunks_with_text() {
+        let mut m = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":10,"stream":true}"#,
+        );
+        // vLLM: a token ending inside a character has no text; speculative decoding
+        // sends several tokens in a chunk.
+        events(
+            &mut m,
+            &[
+                ROLE,
+                &token(" a", &[7], None),
+                &token("", &[195], None),
+                &token("é b", &[169, 8, 9], None),
+            ],
+        );
+        assert_eq!(m.sent, 5);
+        assert_eq!(m.text, " aé b");
+        // The continuation runs on the exact context and asks for what is left.
+        let Ok(Next::Continue(req)) = m.prepare(InstanceId(1)) else {
+            panic!("not continued");
+        };
+        let v: Value = serde_json::from_slice(&req.body).unwrap();
+        assert_eq!(v["prompt"], json!([1, 2, 3, 7, 195, 169, 8, 9]));
+        assert_eq!(v["max_tokens"], 5);
+        // Without IDs, a chunk is a token, text or not, but the role and a bare final
+        // chunk are none.
+        let mut m =
+            chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream":true}"#);
+        let bare = |t: &str, f: Option<&str>| {
+            json!({"choices": [{"index": 0, "delta": {"content": t}, "finish_reason": f}]})
+                .to_string()
+        };
+        events(
+            &mut m,
+            &[
+                &bare("", None).replace("{\"content\"", "{\"role\":\"assistant\",\"content\""),
+                &bare(" a", None),
+                &bare("", None),
+                &bare("é", None),
+            ],
+        );
+        assert_eq!(m.sent, 3);
+    }
+
+    #[test]
+    fn a_chat_without_a_limit_is_continued_to_the_end_of_its_context() {
+        // Not 16 tokens: a chat's default is the rest of the context, which the engine
+        // counts for the continuation as it did for the first worker.
+        let mut m =
+            chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream":true}"#);
+        m.head = Some(Head {
+            id: json!("c"),
+            created: json!(1),
+            model: json!("m"),
+        });
+        let answer: Vec<String> = (0..20).map(|i| token(" w", &[100 + i], None)).collect();
+        m.take(
+            format!(
+                "data: {}\n\n",
+                r#"{"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#
+            )
+            .as_bytes(),
+        );
+        for a in &answer {
+            m.take(format!("data: {a}\n\n").as_bytes());
+        }
+        assert_eq!(m.sent, 20);
+        let Ok(Next::Continue(req)) = m.prepare(InstanceId(1)) else {
+            panic!("a chat past 16 tokens was ended, not continued");
+        };
+        let v: Value = serde_json::from_slice(&req.body).unwrap();
+        assert!(
+            v.get("max_tokens").is_none() && v.get("max_completion_tokens").is_none(),
+            "{v}"
+        );
+        assert_eq!(v["continue_final_message"], true);
+        // A completion's default is 16: past it, nothing is left.
+        let body = br#"{"model":"m","prompt":"p","stream":true}"#;
+        assert_eq!(continuation_of(Api::Completions, body, " w", 16), None);
+        let next = continuation_of(Api::Completions, body, " w", 10)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            serde_json::from_slice::<Value>(&next).unwrap()["max_tokens"],
+            6
+        );
+    }
+
+    #[test]
+    fn a_stream_that_ended_is_closed_not_continued() {
+        let mut m = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":3,"stream":true,"stream_options":{"include_usage":true}}"#,
+        );
+        events(
+            &mut m,
+            &[
+                ROLE,
+                &token(" a", &[7], None),
+                &token(" b", &[8], Some("stop")),
+            ],
+        );
+        assert!(m.complete());
+        // Reset before the usage and [DONE]: they are sent, nothing else.
+        let closing = String::from_utf8(m.close().to_vec()).unwrap();
+        assert!(!closing.contains("finish_reason"), "{closing}");
+        assert!(closing.contains(r#""completion_tokens":2"#), "{closing}");
+        assert!(closing.ends_with("data: [DONE]\n\n"), "{closing}");
+        assert_eq!(m.used, 0);
+        // After the usage and [DONE]: nothing more.
+        events(
+            &mut m,
+            &[r#"{"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}"#],
+        );
+        m.take(b"data: [DONE]\n\n");
+        assert!(m.close().is_empty());
+    }
+
+    #[test]
+    fn the_first_chunk_may_carry_every_prompt_token_id() {
+        // vLLM's first chunk with `return_token_ids` on a 200k-token prompt: 1.4 MB.
+        let ids: Vec<u32> = (0..200_000).map(|i| 100_000 + i).collect();
+        let prompt = "w ".repeat(200_000);
+        let body =
+            json!({"model": "m", "prompt": prompt, "stream": true, "return_token_ids": true})
+                .to_string();
+        let mut m = Migration::fresh(
+            Api::Completions,
+            Bytes::from(body),
+            Resend::bare(Prompt::Text(prompt)),
+            2,
+        );
+        let first = json!({"id": "c", "choices": [{"index": 0, "text": " a", "token_ids": [1],
+            "prompt_token_ids": ids, "finish_reason": null}]});
+        let event = format!("data: {first}\n\n");
+        assert!(event.len() > MAX_EVENT_BYTES);
+        let mut out = Vec::new();
+        for piece in event.as_bytes().chunks(64 * 1024) {
+            let (o, broke) = m.take(piece);
+            assert_eq!(broke, None);
+            out.extend_from_slice(&o);
+        }
+        assert_eq!(out, event.as_bytes());
+        assert_eq!(m.prompt_ids.as_ref().map(Vec::len), Some(200_000));
+        // A short request's stream still may not send such an event.
+        let partial = &event.as_bytes()[..event.len() - 2];
+        let (_, broke, _, _) = relay_events(Api::Completions, false, &[partial]);
+        assert!(broke.is_some_and(|b| b.contains("longer than")));
     }
 
     #[test]

@@ -1,0 +1,168 @@
+//! A continuation placed and started: routed by the endpoint's policy on the prompt it
+//! will be (the original and the answer so far), never on a worker that broke the stream,
+//! and forwarded as the first attempt was.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use hyper::body::Incoming;
+
+use crate::Gateway;
+use switchyard_ids::InstanceId;
+use switchyard_router::{KvRouter, Placing};
+use switchyard_tokens::ChatMessage;
+use switchyard_tokens::openai::Prompt;
+
+use super::super::forward::forward;
+use super::super::tokenize::tokenize_prompt;
+use super::super::{Booking, Failure, Forwarded};
+use super::Resend;
+
+/// A continuation to send.
+pub(in crate::proxy) struct ContinueRequest {
+    /// Where, and what it is routed on (with `text` after the prompt).
+    pub(super) to: Resend,
+    /// The exact prompt, at the token level (`None`: the text level).
+    pub(super) tokens: Option<Vec<u32>>,
+    pub(super) body: Bytes,
+    pub(super) text: String,
+    pub(super) exclude: Vec<InstanceId>,
+}
+
+impl ContinueRequest {
+    /// It is sent as token IDs (exact), not as text.
+    pub(in crate::proxy) fn token_level(&self) -> bool {
+        self.tokens.is_some()
+    }
+}
+
+/// A continuation that started on a worker.
+pub(in crate::proxy) struct Moved {
+    pub(in crate::proxy) worker: InstanceId,
+    pub(in crate::proxy) booking: Booking,
+    pub(in crate::proxy) predicted_blocks: u32,
+    pub(in crate::proxy) first: Option<Bytes>,
+    pub(in crate::proxy) upstream: Incoming,
+}
+
+/// Routes the continuation by the endpoint's policy (its own KV overlap; never to a
+/// worker that broke the stream) and forwards it, trying further workers as the first
+/// attempt would; returns once its first bytes came.
+pub(in crate::proxy) async fn continue_stream(
+    gw: Arc<Gateway>,
+    router: Arc<KvRouter>,
+    req: Box<ContinueRequest>,
+) -> Result<Moved, String> {
+    // Routed on the prompt it will be: the original prompt and the answer so far,
+    // rendered as the engine will render it.
+    let to = req.to;
+    let (context, open) = match (req.tokens, to.prompt) {
+        (Some(t), _) => (Prompt::Tokens(t), false),
+        (None, p) => match p {
+            Prompt::Chat(mut m) => {
+                match m.last_mut() {
+                    Some(last) if to.continue_final => last.content.push_str(&req.text),
+                    _ => m.push(ChatMessage {
+                        role: "assistant".into(),
+                        content: req.text,
+                    }),
+                }
+                (Prompt::Chat(m), true)
+            }
+            Prompt::Text(t) => (Prompt::Text(t + &req.text), false),
+            Prompt::Tokens(_) => return Err("a token prompt is not continued".into()),
+        },
+    };
+    let tokens = tokenize_prompt(&gw, &context, open)
+        .await
+        .map_err(|e| format!("the continuation cannot be tokenized: {e}"))?;
+    let hashes = router
+        .hasher()
+        .salted_hashes(&tokens, to.cache_salt.as_deref());
+    let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
+    let client = router.client().clone();
+    let endpoint = router.endpoint().to_string();
+    let mut exclude = req.exclude;
+    let mut last: Option<String> = None;
+    for _ in 0..gw.config.max_attempts.max(1) {
+        // A continuation runs on one worker: on a fleet that splits prefill from
+        // decode, a decode worker computes its prompt itself (where the handoff allows).
+        let routed = router
+            .place(
+                prompt_tokens,
+                &hashes,
+                to.session_key,
+                &exclude,
+                Instant::now(),
+                Placing::Alone,
+            )
+            .map_err(|e| match &last {
+                None => format!("no worker could take it: {e}"),
+                Some(last) => format!("{last}; and then no worker could take it: {e}"),
+            })?;
+        gw.metrics
+            .timings
+            .decision(&endpoint, routed.decision_time, routed.decision.call_time);
+        let booking = Booking {
+            router: router.clone(),
+            request: routed.request,
+        };
+        let worker = routed.worker;
+        let Some(instance) = client.instance(worker) else {
+            exclude.push(worker);
+            continue;
+        };
+        let sent = forward(
+            &gw,
+            &instance.url,
+            &to.path,
+            &to.headers,
+            req.body.clone(),
+            gw.config.first_byte_timeout,
+        )
+        .await;
+        match sent {
+            Ok(Forwarded::Ok(_, first, upstream)) => {
+                router.prefill_done(routed.request);
+                router
+                    .quality()
+                    .continuations
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                client.record_success(worker);
+                return Ok(Moved {
+                    worker,
+                    booking,
+                    predicted_blocks: routed.overlap_blocks,
+                    first,
+                    upstream,
+                });
+            }
+            Ok(Forwarded::ClientError((parts, bytes))) => {
+                // The worker cannot take a continuation (say, an engine without
+                // `continue_final_message`): the request's limit, not the worker's fault.
+                return Err(format!(
+                    "the worker refused the continuation ({}): {}",
+                    parts.status,
+                    String::from_utf8_lossy(&bytes[..bytes.len().min(512)])
+                ));
+            }
+            Err(f) => {
+                let reason = f.reason();
+                match &f {
+                    Failure::Unreachable(_) | Failure::Closed(_) if gw.config.availability => {
+                        client.report_instance_down(worker, &reason);
+                    }
+                    Failure::Busy(_, retry_after) => {
+                        client.report_busy(worker, *retry_after);
+                    }
+                    _ => {}
+                }
+                tracing::warn!(%endpoint, instance = %worker, %reason, "continuation attempt failed");
+                exclude.push(worker);
+                last = Some(reason);
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| "no worker was tried".into()))
+}
