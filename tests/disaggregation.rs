@@ -333,6 +333,43 @@ async fn a_failing_decode_worker_is_replaced_and_vllm_keeps_the_prefill() {
     }
 }
 
+/// SGLang's handoff: a decode worker that fails after its prefill leg has answered (the
+/// prefill worker was quicker) is replaced like any failing decode worker; the answered
+/// leg is not waited on again (which once took down the client's connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_leg_failing_after_its_prefill_answered_is_replaced() {
+    let c = http::client();
+    let prefill = workers(1, "prefill", "sglang", &[]).await;
+    let decode = workers(
+        2,
+        "decode",
+        "sglang",
+        &["--fault", "error", "--first-token-delay-ms", "400"],
+    )
+    .await;
+    // It presents itself as SGLang, as SGLang does (SMG tells the engines' handoffs
+    // apart by `owned_by`).
+    let (_, models) = http::get(&c, &format!("{}/v1/models", prefill[0].1)).await;
+    let models: Value = serde_json::from_slice(&models).unwrap();
+    assert_eq!(models["data"][0]["owned_by"], "sglang");
+    let fleet: Vec<_> = prefill.iter().chain(&decode).collect();
+    let (_router, url) = router(&fleet, &["--policy", "round-robin"]).await;
+    for i in 0..4 {
+        for stream in [false, true] {
+            let b = body("/v1/completions", &long_text(i), stream);
+            let got = ask(&c, &url, "/v1/completions", &b).await;
+            assert_eq!(
+                got.usage.2, 12,
+                "the whole answer, from the other decode worker"
+            );
+        }
+    }
+    assert!(
+        metric(&c, &url, "switchyard_upstream_failures_total", "").await >= 1.0,
+        "the failing decode worker was tried"
+    );
+}
+
 /// A policy built against switchyard:policy@0.2.0 knows nothing of roles: the router asks
 /// it once among the prefill workers and once among the decode workers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

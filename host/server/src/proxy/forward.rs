@@ -13,6 +13,39 @@ use switchyard_router::client::local_exhaustion;
 
 use super::{Failure, Forwarded};
 
+/// The client's headers an attempt carries to a worker, and the request ID both legs
+/// of a vLLM split share.
+#[derive(Clone, Default)]
+pub(super) struct Outbound {
+    /// The client's `Accept`.
+    pub(super) accept: Option<HeaderValue>,
+    /// The client's `Authorization`, for endpoints whose workers may see it.
+    pub(super) auth: Option<HeaderValue>,
+    /// `X-Request-Id`: vLLM's disaggregated proxy sends one to both legs of a split, and
+    /// its NixlConnector names the decode side's "done" notification by it (with two
+    /// IDs, the prefill worker keeps the blocks pinned until its abort timeout).
+    pub(super) request_id: Option<HeaderValue>,
+}
+
+impl Outbound {
+    /// These headers with a fresh request ID (a split's, for both its legs).
+    pub(super) fn with_fresh_id(&self) -> Outbound {
+        let id = format!("switchyard-{:016x}", super::handoff::fresh_room());
+        Outbound {
+            request_id: HeaderValue::from_str(&id).ok(),
+            ..self.clone()
+        }
+    }
+
+    /// These headers without `Accept` (a leg whose answer the router reads itself).
+    pub(super) fn without_accept(&self) -> Outbound {
+        Outbound {
+            accept: None,
+            ..self.clone()
+        }
+    }
+}
+
 pub(super) fn set_retry_after(headers: &mut hyper::HeaderMap, d: Duration) {
     // Saturating: a float past `u64::MAX` converts to `u64::MAX`.
     let secs = d.as_secs_f64().ceil().max(1.0) as u64;
@@ -97,8 +130,7 @@ pub(super) async fn forward(
     gw: &Gateway,
     base: &str,
     path: &str,
-    accept: Option<&HeaderValue>,
-    auth: Option<&HeaderValue>,
+    headers: &Outbound,
     body: Bytes,
     limit: Duration,
 ) -> Result<Forwarded, Failure> {
@@ -106,11 +138,14 @@ pub(super) async fn forward(
         .parse()
         .map_err(|e| Failure::Unreachable(format!("bad worker URL: {e}")))?;
     let mut req = Request::post(uri).header(CONTENT_TYPE, "application/json");
-    if let Some(a) = accept {
+    if let Some(a) = &headers.accept {
         req = req.header(ACCEPT, a);
     }
-    if let Some(a) = auth {
+    if let Some(a) = &headers.auth {
         req = req.header(AUTHORIZATION, a);
+    }
+    if let Some(id) = &headers.request_id {
+        req = req.header("x-request-id", id);
     }
     let req = req
         .body(Full::new(body))

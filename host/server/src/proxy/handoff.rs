@@ -85,6 +85,9 @@ pub(super) fn vllm_prefill_body(body: &Map<String, Value>) -> Bytes {
     }
     m.insert("stream".into(), json!(false));
     m.remove("stream_options");
+    // A minimum above the one token asked for is refused (vLLM's proxy drops them).
+    m.remove("min_tokens");
+    m.remove("min_completion_tokens");
     m.insert(
         "kv_transfer_params".into(),
         json!({
@@ -142,7 +145,7 @@ mod tests {
     #[test]
     fn the_vllm_prefill_computes_one_token_and_keeps_the_kv() {
         let b = vllm_prefill_body(
-            &object(br#"{"model":"m","prompt":"hi","max_tokens":50,"stream":true,"stream_options":{"include_usage":true}}"#)
+            &object(br#"{"model":"m","prompt":"hi","max_tokens":50,"min_tokens":20,"min_completion_tokens":20,"stream":true,"stream_options":{"include_usage":true}}"#)
                 .unwrap(),
         );
         let v: Value = serde_json::from_slice(&b).unwrap();
@@ -150,6 +153,7 @@ mod tests {
         assert_eq!(v["stream"], false);
         assert!(v.get("stream_options").is_none());
         assert!(v.get("max_completion_tokens").is_none());
+        assert!(v.get("min_tokens").is_none() && v.get("min_completion_tokens").is_none());
         assert_eq!(v["kv_transfer_params"]["do_remote_decode"], true);
         assert_eq!(v["prompt"], "hi");
         let b =

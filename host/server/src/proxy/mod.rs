@@ -167,7 +167,11 @@ pub(crate) async fn completion(
             ApiError::UnknownModel(parsed.model.clone())
         }
     })?;
-    let auth = auth.filter(|_| router.forwards_authorization());
+    let headers = forward::Outbound {
+        accept,
+        auth: auth.filter(|_| router.forwards_authorization()),
+        request_id: None,
+    };
     let tokens = tokenize(gw, &parsed.prompt, parsed.continue_final_message).await?;
     // Refused before anything is booked or predicted: a prompt no worker can take must
     // not cost the router its locks or its prediction budget.
@@ -245,9 +249,10 @@ pub(crate) async fn completion(
 
     let mut a = Attempts::default();
     let mut attempt = 0;
-    // vLLM's handoff: a prefill done, and the decode request carrying it, kept for the
-    // next decode worker when one fails before its first byte.
-    let mut kept: Option<Bytes> = None;
+    // vLLM's handoff: a prefill done, and the decode request carrying it (with the
+    // split's request ID), kept for the next decode worker when one fails before its
+    // first byte.
+    let mut kept: Option<(Bytes, forward::Outbound)> = None;
     while attempt < gw.config.max_attempts.max(1) {
         let placing = if kept.is_some() {
             Placing::Decode
@@ -303,8 +308,10 @@ pub(crate) async fn completion(
         // A split request's prefill leg: done first (vLLM), or running beside the
         // decode leg (SGLang).
         let mut beside = None;
-        let send_body = match routed.prefill {
-            None => kept.clone().unwrap_or_else(|| body.clone()),
+        let (send_body, send_headers) = match routed.prefill {
+            None => kept
+                .clone()
+                .unwrap_or_else(|| (body.clone(), headers.clone())),
             Some(leg) => {
                 let prefill_booking = Booking {
                     router: router.clone(),
@@ -317,11 +324,13 @@ pub(crate) async fn completion(
                 gw.metrics.splits.fetch_add(1, Ordering::Relaxed);
                 match handoff::Protocol::of(&p) {
                     handoff::Protocol::Vllm => {
-                        match split::vllm_prefill(gw, &p.url, &path, auth.as_ref(), &body).await {
+                        // One request ID for both legs, as vLLM's own proxy sends.
+                        let both = headers.with_fresh_id();
+                        match split::vllm_prefill(gw, &p.url, &path, &both, &body).await {
                             Ok(decode_body) => {
                                 client.record_success(leg.worker);
-                                kept = Some(decode_body.clone());
-                                decode_body
+                                kept = Some((decode_body.clone(), both.clone()));
+                                (decode_body, both)
                             }
                             Err(split::LegEnd::Refused(ans)) => return Ok(answer(ans)),
                             Err(split::LegEnd::Failed(f)) => {
@@ -352,13 +361,13 @@ pub(crate) async fn completion(
                             gw.clone(),
                             p.url.clone(),
                             path.clone(),
-                            auth.clone(),
+                            headers.clone(),
                             both.clone(),
                             gw.config.request_timeout,
                             prefill_booking,
                         ));
                         beside = Some((leg.worker, p.url.clone(), task));
-                        both
+                        (both, headers.clone())
                     }
                 }
             }
@@ -368,12 +377,13 @@ pub(crate) async fn completion(
                 gw,
                 &instance.url,
                 &path,
-                accept.as_ref(),
-                auth.as_ref(),
+                &send_headers,
                 send_body.clone(),
                 limit,
             )
         };
+        // The prefill leg beside has answered (its task is done and not polled again).
+        let mut prefill_answered = false;
         let mut sent = match &mut beside {
             None => send().await,
             Some((pw, purl, task)) => {
@@ -384,7 +394,10 @@ pub(crate) async fn completion(
                 tokio::select! {
                     s = &mut decode => s,
                     r = &mut *task => match r {
-                        Ok(Ok(())) => decode.await,
+                        Ok(Ok(())) => {
+                            prefill_answered = true;
+                            decode.await
+                        }
                         Ok(Err(split::LegEnd::Refused(ans))) => return Ok(answer(ans)),
                         Ok(Err(split::LegEnd::Failed(f))) => {
                             drop(booking);
@@ -428,13 +441,13 @@ pub(crate) async fn completion(
                 let migration = migrate::Migration::new(
                     gw,
                     api,
-                    &path,
-                    accept.as_ref(),
-                    auth.as_ref(),
+                    migrate::Resend::new(&path, &headers, &parsed, session_key),
                     &body,
                     &parsed,
-                    session_key,
                     prompt_tokens,
+                    router
+                        .context_len()
+                        .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
                 );
                 let relay = Relay {
                     gw: gw.clone(),
@@ -457,7 +470,7 @@ pub(crate) async fn completion(
             Err(f) => f,
         };
         drop(booking);
-        if let Some((pw, purl, mut task)) = beside {
+        if let Some((pw, purl, mut task)) = beside.filter(|_| !prefill_answered) {
             // A decode worker fails when its prefill worker does (the KV never comes):
             // a prefill leg that failed too, or fails within a moment, is the cause.
             let prefill = tokio::time::timeout(PREFILL_VERDICT, &mut task).await;

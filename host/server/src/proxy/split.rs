@@ -7,11 +7,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use hyper::StatusCode;
-use hyper::header::HeaderValue;
 
 use crate::Gateway;
 
-use super::forward::forward;
+use super::forward::{Outbound, forward};
 use super::handoff::{self, MAX_PREFILL_ANSWER};
 use super::{Answer, Booking, Failure, Forwarded};
 
@@ -43,14 +42,15 @@ pub(super) async fn vllm_prefill(
     gw: &Gateway,
     base: &str,
     path: &str,
-    auth: Option<&HeaderValue>,
+    headers: &Outbound,
     body: &[u8],
 ) -> Result<Bytes, LegEnd> {
     let body = handoff::object(body).map_err(|e| LegEnd::Failed(bad_answer(e)))?;
     let request = handoff::vllm_prefill_body(&body);
     let limit = gw.config.request_timeout;
     let started = Instant::now();
-    let (first, rest) = match forward(gw, base, path, None, auth, request, limit).await {
+    let to = headers.without_accept();
+    let (first, rest) = match forward(gw, base, path, &to, request, limit).await {
         Ok(Forwarded::Ok(_, first, rest)) => (first, rest),
         Ok(Forwarded::ClientError(ans)) => return Err(LegEnd::Refused(ans)),
         Err(f) => return Err(LegEnd::Failed(f)),
@@ -84,13 +84,13 @@ pub(super) async fn prefill_beside(
     gw: Arc<Gateway>,
     base: String,
     path: String,
-    auth: Option<HeaderValue>,
+    headers: Outbound,
     body: Bytes,
     limit: Duration,
     booking: Booking,
 ) -> Result<(), LegEnd> {
     let started = Instant::now();
-    match forward(&gw, &base, &path, None, auth.as_ref(), body, limit).await {
+    match forward(&gw, &base, &path, &headers.without_accept(), body, limit).await {
         Ok(Forwarded::Ok(_, _, rest)) => {
             let left = limit.saturating_sub(started.elapsed());
             tokio::spawn(async move {
