@@ -268,11 +268,12 @@ async fn each_fault_flag_does_what_it_says() {
         .unwrap();
     assert!(!status.success());
 
-    // error: HTTP 500 with an OpenAI error body.
+    // error: HTTP 500 with an error body as vLLM's (the status as its code).
     let (_p, url) = spawn_worker(&["--fault", "error"]).await;
     let (s, v, _) = post_json(&c, &format!("{url}/v1/completions"), &hello()).await;
     assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(v["error"]["code"], "injected_fault");
+    assert_eq!(v["error"]["code"], 500);
+    assert_eq!(v["error"]["message"], "injected fault");
 
     // refuse after 1: then connections are refused.
     let (_p, url) = spawn_worker(&["--fault", "refuse", "--fault-after", "1"]).await;

@@ -49,6 +49,8 @@ pub fn mock_worker_config(kv_blocks: usize) -> MockWorkerConfig {
             max_batch: 8,
             speedup: 1000.0,
             max_batched_tokens: DEFAULT_MAX_BATCHED_TOKENS,
+            max_model_len: None,
+            eos_period: 0,
             timing: TimingModel::default(),
         },
         hash_seed: 0,

@@ -341,6 +341,9 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The demo model's natural answer length: up to this many tokens.
+const DEMO_EOS_PERIOD: u32 = 48;
+
 pub async fn demo(
     listen: std::net::SocketAddr,
     count: u16,
@@ -359,6 +362,10 @@ pub async fn demo(
             max_batch: 64,
             speedup,
             max_batched_tokens: switchyard::worker::DEFAULT_MAX_BATCHED_TOKENS,
+            max_model_len: None,
+            // Answers end by themselves, as a chat model's do: a chat that names no
+            // `max_tokens` gets a short answer, not the rest of the context.
+            eos_period: DEMO_EOS_PERIOD,
             timing: TimingModel::default(),
         },
         model: model.into(),

@@ -51,6 +51,16 @@ pub struct MockWorkerArgs {
     /// decode steps. 0 computes each prompt whole in one step.
     #[arg(long, alias = "chunked-prefill-size", default_value_t = DEFAULT_MAX_BATCHED_TOKENS)]
     pub max_num_batched_tokens: u64,
+    /// The model's context in tokens, prompt and answer together (vLLM's
+    /// `--max-model-len`, SGLang's `--context-length`): a chat that sets no `max_tokens`
+    /// is answered up to it. Default: what the KV cache holds.
+    #[arg(long, alias = "context-length")]
+    pub max_model_len: Option<u64>,
+    /// The simulated model ends its answer by itself (`finish_reason` "stop") when prompt
+    /// and answer reach a multiple of this many tokens. 0: never, as with `ignore_eos`
+    /// (an answer runs to its limit).
+    #[arg(long, default_value_t = 0)]
+    pub eos_period: u32,
     /// Run simulated time this many times faster.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
@@ -179,6 +189,8 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
             max_batch: args.max_batch,
             speedup: args.speedup,
             max_batched_tokens: args.max_num_batched_tokens,
+            max_model_len: args.max_model_len,
+            eos_period: args.eos_period,
             timing: TimingModel {
                 prefill_us_per_token: args.prefill_us_per_token,
                 decode_base_us: args.decode_base_us,

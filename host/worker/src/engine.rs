@@ -73,6 +73,15 @@ pub struct EngineConfig {
     pub max_batched_tokens: u64,
     /// The timing model.
     pub timing: TimingModel,
+    /// The model's context (vLLM's `max_model_len`): the longest prompt and answer
+    /// together. `None`: what the KV cache holds ([`EngineConfig::capacity_tokens`]).
+    pub max_model_len: Option<u64>,
+    /// The simulated model ends its answer (its end-of-sequence token, `finish_reason`
+    /// "stop") when prompt and answer together reach a multiple of this many tokens: an
+    /// answer of 1 to `eos_period` tokens, the same whether it is generated whole or
+    /// continued from a cut. 0: never, as with vLLM's `ignore_eos` (an answer runs to
+    /// its limit).
+    pub eos_period: u32,
 }
 
 /// vLLM's default token budget for its OpenAI server on an H100-class GPU
@@ -81,9 +90,36 @@ pub struct EngineConfig {
 pub const DEFAULT_MAX_BATCHED_TOKENS: u64 = 8192;
 
 impl EngineConfig {
-    /// The tokens its KV cache holds: the longest request it takes (its `max_model_len`).
+    /// The tokens its KV cache holds.
     pub fn capacity_tokens(&self) -> u64 {
         self.kv_blocks as u64 * u64::from(self.block_size)
+    }
+
+    /// The model's context: the longest prompt and answer together.
+    pub fn max_model_len(&self) -> u64 {
+        self.max_model_len.unwrap_or_else(|| self.capacity_tokens())
+    }
+
+    /// How many tokens a prompt of `prompt_tokens` is answered with, and how the answer
+    /// ends: the client's limit (`None`: a chat's default, the rest of the context) or
+    /// the model's own end, whichever comes first. `true`: it ends by the model's
+    /// end-of-sequence token ("stop"), else at the limit ("length").
+    pub fn answer_len(&self, prompt_tokens: u32, limit: Option<u32>) -> (u32, bool) {
+        let rest = u32::try_from(
+            self.max_model_len()
+                .saturating_sub(u64::from(prompt_tokens)),
+        )
+        .unwrap_or(u32::MAX);
+        let limit = limit.map_or(rest, |l| l.min(rest));
+        if self.eos_period == 0 {
+            return (limit, false);
+        }
+        let natural = self.eos_period - prompt_tokens % self.eos_period;
+        if natural <= limit {
+            (natural, true)
+        } else {
+            (limit, false)
+        }
     }
 }
 
@@ -480,6 +516,8 @@ mod tests {
             max_batch: 8,
             speedup: 1.0,
             max_batched_tokens,
+            max_model_len: None,
+            eos_period: 0,
             timing: TimingModel::default(),
         })
     }

@@ -147,6 +147,8 @@ impl ReplayConfig {
                 max_batch: 32,
                 speedup: 20.0,
                 max_batched_tokens: switchyard_worker::DEFAULT_MAX_BATCHED_TOKENS,
+                max_model_len: None,
+                eos_period: 0,
                 timing: TimingModel::default(),
             },
             speedup: 20.0,

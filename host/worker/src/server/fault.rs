@@ -89,13 +89,7 @@ impl FaultConfig {
             .status
             .and_then(|s| StatusCode::from_u16(s).ok())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let mut r = error(
-            status,
-            message,
-            "server_error",
-            None,
-            Some("injected_fault"),
-        );
+        let mut r = error(status, message, "server_error", None);
         if let Some(secs) = self.retry_after_secs
             && let Ok(v) = hyper::header::HeaderValue::from_str(&secs.to_string())
         {

@@ -82,6 +82,17 @@ pub(super) async fn completion(
     api: Api,
     req: Request<Incoming>,
 ) -> Response<Body> {
+    let request_id = req
+        .headers()
+        .get("x-request-id")
+        .map(|v| v.as_bytes().to_vec());
+    let fresh_id = || {
+        format!(
+            "{}-{:x}",
+            shared.addr.port(),
+            shared.served.load(Ordering::Relaxed) ^ pd::process_nonce()
+        )
+    };
     let body = match read_body(req).await {
         Ok(b) => b,
         Err(too_large) => return too_large,
@@ -94,7 +105,6 @@ pub(super) async fn completion(
                 &e.message,
                 "invalid_request_error",
                 e.param.as_deref(),
-                None,
             );
         }
     };
@@ -107,25 +117,15 @@ pub(super) async fn completion(
             ),
             "invalid_request_error",
             Some("model"),
-            Some("model_not_found"),
         );
     }
+    // A vLLM prefill keeps its KV under the request's ID.
     let leg = match pd::leg(&shared.pd, &body, || {
-        format!(
-            "{}-{:x}",
-            shared.addr.port(),
-            shared.served.load(Ordering::Relaxed) ^ pd::process_nonce()
-        )
+        pd::request_id(request_id.as_deref(), fresh_id)
     }) {
         Ok(l) => l,
         Err(m) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                &m,
-                "invalid_request_error",
-                None,
-                None,
-            );
+            return error(StatusCode::BAD_REQUEST, &m, "invalid_request_error", None);
         }
     };
     let (fault, faults) = shared.fault_for_request();
@@ -159,7 +159,6 @@ pub(super) async fn completion(
                 "injected fault",
                 "server_error",
                 None,
-                Some("injected_fault"),
             );
         }
         Fault::Status => return faults.status_answer("injected fault"),
@@ -190,7 +189,6 @@ pub(super) async fn completion(
                 "the prompt is empty",
                 "invalid_request_error",
                 Some("prompt"),
-                None,
             );
         }
         Err(e) => {
@@ -199,11 +197,50 @@ pub(super) async fn completion(
                 &e.to_string(),
                 "invalid_request_error",
                 Some("prompt"),
-                None,
             );
         }
     };
     let prompt_tokens = tokens.len() as u32;
+    // The limits vLLM checks before it schedules anything (`input_tokens`, then
+    // `max_tokens` against the context).
+    let context = shared.engine.config().max_model_len();
+    if u64::from(prompt_tokens) >= context {
+        return error(
+            StatusCode::BAD_REQUEST,
+            &format!(
+                "This model's maximum context length is {context} tokens. However, your prompt contains at least {prompt_tokens} input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt."
+            ),
+            "BadRequestError",
+            Some("input_tokens"),
+        );
+    }
+    if let Some(m) = parsed.max_tokens.filter(|m| u64::from(*m) > context) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            &format!(
+                "max_tokens={m} cannot be greater than max_model_len={context}. Please request fewer output tokens."
+            ),
+            "BadRequestError",
+            Some("max_tokens"),
+        );
+    }
+    if let Some(m) = parsed.max_tokens.filter(|m| parsed.min_tokens > *m) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            &format!(
+                "min_tokens must be less than or equal to max_tokens={m}, got {}.",
+                parsed.min_tokens
+            ),
+            "BadRequestError",
+            None,
+        );
+    }
+    // The client's limit or the engine's default (a chat: the rest of the context), or
+    // the model's own end, whichever comes first.
+    let (mut max_tokens, mut stops) = shared.engine.config().answer_len(
+        prompt_tokens,
+        parsed.max_tokens.or(openai::default_max_tokens(api)),
+    );
     // vLLM's `return_token_ids`: the prompt's IDs in the first chunk, each token's in its.
     let mut prompt_ids = parsed.return_token_ids.then(|| tokens.clone());
     let salt = parsed.cache_salt.as_deref();
@@ -220,7 +257,6 @@ pub(super) async fn completion(
     // A decode leg first receives the prompt's KV; a prefill leg keeps it for one.
     let mut received = None;
     let mut keep = None;
-    let mut max_tokens = parsed.max_tokens;
     match &leg {
         Leg::Whole => {}
         Leg::Decode {
@@ -230,7 +266,9 @@ pub(super) async fn completion(
             vllm,
         } => {
             let have = shared.engine.cached_prefix(&blocks);
-            match pd::fetch(host, *port, key, have, !*vllm).await {
+            // vLLM's decode worker says it is done under its own request ID.
+            let done = vllm.then(|| pd::request_id(request_id.as_deref(), fresh_id));
+            match pd::fetch(host, *port, key, have, !*vllm, done.as_deref()).await {
                 Ok(n) => {
                     let n = n.min(blocks.len());
                     let bs = shared.hasher.block_size() as usize;
@@ -246,7 +284,6 @@ pub(super) async fn completion(
                         &format!("KV transfer failed: {why}"),
                         "server_error",
                         None,
-                        Some("kv_transfer_failed"),
                     );
                 }
             }
@@ -254,7 +291,7 @@ pub(super) async fn completion(
         Leg::Prefill { key, vllm } => {
             if !*vllm {
                 // SGLang's prefill server computes the prompt and its first token only.
-                max_tokens = 1;
+                (max_tokens, stops) = (1, false);
             }
             keep = Some(pd::Keep {
                 guard: shared.handoffs.begin(&shared.engine, key),
@@ -280,7 +317,6 @@ pub(super) async fn completion(
                 &format!("the request needs {needed} KV blocks, more than this worker has"),
                 "invalid_request_error",
                 Some("prompt"),
-                Some("context_length_exceeded"),
             );
         }
         _ => {
@@ -288,7 +324,6 @@ pub(super) async fn completion(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "engine stopped",
                 "server_error",
-                None,
                 None,
             );
         }
@@ -339,12 +374,13 @@ pub(super) async fn completion(
                 &shared.model,
             )
         });
+        let finish = finish_reason(stops);
         let choice = match api {
             Api::Chat => {
-                json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish})
             }
             Api::Completions => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length"})
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
             }
         };
         let object = if api == Api::Chat {
@@ -367,15 +403,16 @@ pub(super) async fn completion(
         cut_at = cut_at.or(Some(strike.unwrap_or(max_tokens / 2)));
     }
     tokio::spawn(async move {
+        // vLLM's stream: a chat opens with the role and empty content; every token has a
+        // chunk of its own, the last carrying the finish reason; then the usage asked
+        // for, with no choices; then `[DONE]`.
         let object = if api == Api::Chat {
             "chat.completion.chunk"
         } else {
             "text_completion"
         };
-        let chunk = |choice: serde_json::Value| {
-            let v = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
-            Bytes::from(format!("data: {v}\n\n"))
-        };
+        let event = |v: serde_json::Value| format!("data: {v}\n\n");
+        let chunk = |choice: serde_json::Value| json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
         let mut n = 0u32;
         while let Some(o) = out.recv().await {
             let bytes = match o {
@@ -396,54 +433,45 @@ pub(super) async fn completion(
                         return;
                     }
                     n += 1;
+                    let finish = (i + 1 >= max_tokens).then(|| finish_reason(stops));
                     let mut choice = match api {
-                        Api::Chat if i == 0 => {
-                            json!({"index": 0, "delta": {"role": "assistant", "content": filler(first, i)}, "finish_reason": null})
-                        }
                         Api::Chat => {
-                            json!({"index": 0, "delta": {"content": filler(first, i)}, "finish_reason": null})
+                            json!({"index": 0, "delta": {"content": filler(first, i)}, "logprobs": null, "finish_reason": finish})
                         }
                         Api::Completions => {
-                            json!({"index": 0, "text": filler(first, i), "logprobs": null, "finish_reason": null})
+                            json!({"index": 0, "text": filler(first, i), "logprobs": null, "finish_reason": finish})
                         }
                     };
-                    match &mut prompt_ids {
-                        None => chunk(choice),
-                        Some(p) => {
-                            choice["token_ids"] = json!([word_id(first, i)]);
-                            let p = std::mem::take(p);
-                            let mut v = json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
-                            if i == 0 {
-                                // Where vLLM puts them: the chat chunk, the completion choice.
-                                match api {
-                                    Api::Chat => v["prompt_token_ids"] = json!(p),
-                                    Api::Completions => {
-                                        v["choices"][0]["prompt_token_ids"] = json!(p)
-                                    }
-                                }
-                            }
-                            Bytes::from(format!("data: {v}\n\n"))
+                    let mut out = String::new();
+                    if let Some(p) = &mut prompt_ids {
+                        choice["token_ids"] = json!([word_id(first, i)]);
+                        if i == 0 && api == Api::Completions {
+                            // Where vLLM puts them: the completion's first choice.
+                            choice["prompt_token_ids"] = json!(std::mem::take(p));
                         }
                     }
+                    if i == 0 && api == Api::Chat {
+                        let mut open = chunk(
+                            json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
+                        );
+                        if let Some(p) = &mut prompt_ids {
+                            // ... and the chat's opening chunk.
+                            open["prompt_token_ids"] = json!(std::mem::take(p));
+                        }
+                        out.push_str(&event(open));
+                    }
+                    out.push_str(&event(chunk(choice)));
+                    Bytes::from(out)
                 }
                 Output::Done => {
                     if let Some(k) = keep.take() {
                         k.ready(&engine);
                     }
-                    let last = match api {
-                        Api::Chat => {
-                            chunk(json!({"index": 0, "delta": {}, "finish_reason": "length"}))
-                        }
-                        Api::Completions => chunk(
-                            json!({"index": 0, "text": "", "logprobs": null, "finish_reason": "length"}),
-                        ),
-                    };
-                    let mut tail = last.to_vec();
+                    let mut tail = String::new();
                     if include_usage {
-                        let v = json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage(n)});
-                        tail.extend_from_slice(format!("data: {v}\n\n").as_bytes());
+                        tail.push_str(&event(json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage(n)})));
                     }
-                    tail.extend_from_slice(b"data: [DONE]\n\n");
+                    tail.push_str("data: [DONE]\n\n");
                     let _ = tx.send(Ok(Frame::data(Bytes::from(tail)))).await;
                     return;
                 }
@@ -459,4 +487,10 @@ pub(super) async fn completion(
         .header("cache-control", "no-cache")
         .body(StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed())
         .expect("valid response")
+}
+
+/// The `finish_reason` of an answer that ended by the model's end-of-sequence token
+/// (`stops`) or at its limit.
+fn finish_reason(stops: bool) -> &'static str {
+    if stops { "stop" } else { "length" }
 }

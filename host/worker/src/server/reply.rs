@@ -5,8 +5,6 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 
-use switchyard_tokens::openai;
-
 use super::Body;
 
 /// The largest request body the worker reads.
@@ -28,18 +26,16 @@ pub(super) fn json_response(status: StatusCode, v: serde_json::Value) -> Respons
     full(status, "application/json", v.to_string())
 }
 
+/// An error answer in vLLM's shape.
 pub(super) fn error(
     status: StatusCode,
     message: &str,
     kind: &str,
     param: Option<&str>,
-    code: Option<&str>,
 ) -> Response<Body> {
-    full(
-        status,
-        "application/json",
-        openai::error_body(message, kind, param, code),
-    )
+    // vLLM's `ErrorResponse`: the status is the `code`.
+    let body = serde_json::json!({"error": {"message": message, "type": kind, "param": param, "code": status.as_u16()}});
+    full(status, "application/json", body.to_string())
 }
 
 /// A request's body, or the 413 answer when it exceeds `MAX_BODY`.
@@ -50,7 +46,6 @@ pub(super) async fn read_body(req: Request<Incoming>) -> Result<Bytes, Response<
             StatusCode::PAYLOAD_TOO_LARGE,
             "request body too large",
             "invalid_request_error",
-            None,
             None,
         )),
     }

@@ -36,7 +36,7 @@ pub(super) async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
         (&Method::GET, "/v1/models") => json_response(
             StatusCode::OK,
             // Its context is what its cache holds, as the engine refuses longer requests.
-            json!({"object": "list", "data": [{"id": shared.model, "object": "model", "created": 0, "owned_by": "switchyard-mock", "max_model_len": shared.engine.config().capacity_tokens()}]}),
+            json!({"object": "list", "data": [{"id": shared.model, "object": "model", "created": 0, "owned_by": shared.pd.engine_name(), "max_model_len": shared.engine.config().max_model_len()}]}),
         ),
         (&Method::GET, "/health") => match shared.active_fault() {
             _ if shared.fault.lock().health_lies => {
@@ -86,7 +86,6 @@ pub(super) async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
                         "body too large",
                         "invalid_request_error",
                         None,
-                        None,
                     );
                 }
             };
@@ -100,7 +99,6 @@ pub(super) async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
                     StatusCode::BAD_REQUEST,
                     &format!("bad fault: {e}"),
                     "invalid_request_error",
-                    None,
                     None,
                 ),
             }
@@ -116,7 +114,6 @@ pub(super) async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
                 &format!("no such route: {path}"),
                 "invalid_request_error",
                 None,
-                Some("not_found"),
             );
             if !drained {
                 answer.headers_mut().insert(
@@ -140,6 +137,11 @@ async fn handoff(shared: &Shared, req: &Request<Incoming>) -> Response<Body> {
             .and_then(|n| n.parse::<usize>().ok())
     };
     let have = param("have").unwrap_or(0);
+    let done = req.uri().query().and_then(|q| {
+        q.split('&')
+            .find_map(|kv| kv.strip_prefix("done="))
+            .map(str::to_string)
+    });
     let wait = if param("wait") == Some(1) {
         super::pd::HANDOFF_WAIT
     } else {
@@ -151,7 +153,6 @@ async fn handoff(shared: &Shared, req: &Request<Incoming>) -> Response<Body> {
             "a handoff key is 1 to 128 characters",
             "invalid_request_error",
             None,
-            None,
         );
     }
     match shared
@@ -162,11 +163,12 @@ async fn handoff(shared: &Shared, req: &Request<Incoming>) -> Response<Body> {
             have,
             shared.pd.transfer_us_per_token,
             wait,
+            done.as_deref(),
         )
         .await
     {
         Ok(blocks) => json_response(StatusCode::OK, json!({ "blocks": blocks })),
-        Err((status, why)) => error(status, &why, "invalid_request_error", None, None),
+        Err((status, why)) => error(status, &why, "invalid_request_error", None),
     }
 }
 
@@ -203,15 +205,7 @@ pub(super) async fn tokenize(
     req: Request<Incoming>,
     render: bool,
 ) -> Response<Body> {
-    let bad = |m: &str| {
-        error(
-            StatusCode::BAD_REQUEST,
-            m,
-            "invalid_request_error",
-            None,
-            None,
-        )
-    };
+    let bad = |m: &str| error(StatusCode::BAD_REQUEST, m, "invalid_request_error", None);
     let body = match read_body(req).await {
         Ok(b) => b,
         Err(too_large) => return too_large,
@@ -249,7 +243,7 @@ pub(super) async fn tokenize(
         Ok(t) => t,
         Err(e) => return bad(&e.to_string()),
     };
-    let max_model_len = shared.engine.config().capacity_tokens();
+    let max_model_len = shared.engine.config().max_model_len();
     if render {
         json_response(
             StatusCode::OK,
