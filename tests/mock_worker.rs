@@ -137,11 +137,12 @@ async fn bad_requests_get_openai_style_errors() {
             StatusCode::NOT_FOUND,
             json!("model"),
         ),
-        // 64 blocks of 16 tokens cannot hold this prompt at all.
+        // Longer than the context (by default what 64 blocks of 16 tokens hold), as vLLM
+        // says it.
         (
             json!({"model": "mock", "messages": [{"role": "user", "content": "word ".repeat(3000)}]}),
             StatusCode::BAD_REQUEST,
-            json!("prompt"),
+            json!("input_tokens"),
         ),
     ] {
         let (got, err, raw) = post_json(&c, &url, &body).await;
