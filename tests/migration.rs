@@ -402,6 +402,29 @@ async fn a_stream_asking_for_log_probabilities_is_not_continued() {
     panic!("no request reached the cutting worker");
 }
 
+/// An answer held to a grammar is not continued: the next engine would start the
+/// grammar over in mid-answer (a second JSON object after half of the first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_held_to_a_grammar_is_not_continued() {
+    let cut: &[&str] = &["--fault", "cut-stream", "--fault-after-tokens", "5"];
+    let (_workers, _router, url) = fleet(&[cut, &[]], &[]).await;
+    let c = http::client();
+    for i in 0..10 {
+        let (_, mut body) = request(i, 20);
+        body["response_format"] = json!({"type": "json_object"});
+        let path = "/v1/chat/completions";
+        body["messages"] = json!([{"role": "user", "content": format!("give me JSON {i}")}]);
+        body.as_object_mut().unwrap().remove("prompt");
+        let got = read(&stream(&c, &url, path, &body, 0, Arc::default()).await);
+        if !got.errors.is_empty() {
+            assert!(!got.done);
+            assert_eq!(continued(&c, &url).await, 0.0);
+            return;
+        }
+    }
+    panic!("no request reached the cutting worker");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_workers_streams_finish_elsewhere_after_the_drain_grace() {
     let etcd = Etcd::start();

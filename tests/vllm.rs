@@ -5,14 +5,16 @@
 //! on these machines; starting them once keeps the suite within a few minutes):
 //! 1. conformance: the same requests to a vLLM engine and to a mock worker of the same
 //!    shape, compared as a router reads them (defaults, chunk shapes, errors, cache);
-//! 2. the router learns the engines' context from `/v1/models`, treats their 400s as
+//! 2. the router, started after the engines, catches up on their caches from their
+//!    replay sockets; it learns the engines' context from `/v1/models`, treats their 400s as
 //!    the requests' own, routes a conversation's turns to the engine that caches it (the
 //!    engines' own `cached_tokens`), mirrors their KV events (stored, and removed when
 //!    the engine evicts) and reads their load from `/metrics`;
 //! 3. a greedy streaming chat with no `max_tokens` whose engine is killed -9 mid-answer
 //!    is as long as the uninterrupted answer, with the same text, one finish and one
 //!    `[DONE]`; the same with `return_token_ids` (continued at the token level: the same
-//!    token IDs);
+//!    token IDs) for a chat continuing its own message into a token streamed with no
+//!    text;
 //! 4. the killed engine restarted: back in the fleet, its cache mirrored afresh.
 
 mod common;
@@ -87,6 +89,16 @@ async fn real_vllm_engines_behind_the_router() {
         },
     )
     .await;
+    // Started late: what engine `a` cached while answering the conformance requests
+    // came from its replay socket; `b` has answered nothing.
+    let (a_url, b_url) = (a.url(), b.url());
+    eventually("engine a's earlier blocks, replayed", || async {
+        instance(&c, &url, &a_url).await["cached_blocks"]
+            .as_u64()
+            .is_some_and(|n| n >= 2)
+    })
+    .await;
+    assert_eq!(instance(&c, &url, &b_url).await["cached_blocks"], 0);
     context_and_errors(&c, &url).await;
     prefix_routing(&c, &url, &a, &b).await;
     eviction_and_load(&c, &url, &a, &b).await;
@@ -328,6 +340,8 @@ struct Answer {
     finishes: Vec<String>,
     completion_tokens: u64,
     dones: usize,
+    /// Chunks that carried token IDs and no text.
+    empty_chunks: usize,
 }
 
 fn answer(events: &[String]) -> Answer {
@@ -337,6 +351,7 @@ fn answer(events: &[String]) -> Answer {
         finishes: Vec::new(),
         completion_tokens: 0,
         dones: 0,
+        empty_chunks: 0,
     };
     for e in events {
         if e == "[DONE]" {
@@ -351,6 +366,9 @@ fn answer(events: &[String]) -> Answer {
             }
             if let Some(ids) = choice["token_ids"].as_array() {
                 a.ids.extend(ids.iter().map(|i| i.as_u64().unwrap()));
+                if !ids.is_empty() && choice["delta"]["content"] == "" {
+                    a.empty_chunks += 1;
+                }
             }
             if let Some(f) = choice["finish_reason"].as_str() {
                 a.finishes.push(f.to_string());
@@ -382,9 +400,23 @@ async fn migration_without_max_tokens(c: &HttpClient, url: &str, a: &mut Vllm, b
     for token_level in [false, true] {
         let mut body = body.clone();
         if token_level {
+            // The client continues its own assistant message, which ends with a word
+            // the model follows with the byte tokens of one character: vLLM streams the
+            // first with its ID and no text, which the continuation must not lose.
+            let (_, detours) = chain();
+            body["messages"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!({"role": "assistant", "content": detours[0]}));
+            body["continue_final_message"] = json!(true);
+            body["add_generation_prompt"] = json!(false);
             body["return_token_ids"] = json!(true);
         }
         let reference = answer(&stream(c, url, &body, usize::MAX, || {}).await);
+        if token_level {
+            assert!(reference.empty_chunks > 0, "a token streamed with no text");
+            assert_eq!(reference.ids.len() as u64, reference.completion_tokens);
+        }
         let engines = [a.url(), b.url()];
         // Which engine runs it, once it streams: the router's in-flight count says.
         let serving = std::sync::Arc::new(parking_lot::Mutex::new(None::<usize>));
@@ -418,20 +450,20 @@ async fn migration_without_max_tokens(c: &HttpClient, url: &str, a: &mut Vllm, b
         finder.abort();
         let got = answer(&events);
         assert_eq!(got.dones, 1, "one [DONE]");
-        assert_eq!(got.finishes, whole.finishes, "one finish, the engine's");
+        assert_eq!(got.finishes, reference.finishes, "one finish, the engine's");
         assert_eq!(
-            got.completion_tokens, whole.completion_tokens,
+            got.completion_tokens, reference.completion_tokens,
             "as long as the uninterrupted answer"
         );
         assert_eq!(
-            got.text, whole.text,
+            got.text, reference.text,
             "the same text (the model's argmax is robust)"
         );
         assert_eq!(got.ids, reference.ids, "the same token IDs");
         if token_level {
-            assert_eq!(got.ids.len() as u64, whole.completion_tokens);
             break;
         }
+        assert_eq!(reference.text, whole.text);
         // The killed engine restarted: back in the fleet, the cache it had (an answer's
         // worth of blocks) gone from the router's view, what it stores now mirrored.
         let e = if killed == Some(0) { &mut *a } else { &mut *b };
