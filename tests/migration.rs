@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use common::etcd::Etcd;
 use common::http::{self, HttpClient};
 use common::procs::{Proc, mock_worker, serve};
-use common::router::{TOKEN, admin_get, eventually, instances, metric};
+use common::router::{TOKEN, admin_get, eventually, instance, instances, metric};
 
 /// One request of the test's traffic: chat or completions, streamed with usage.
 fn request(i: usize, max_tokens: u32) -> (&'static str, Value) {
@@ -400,6 +400,24 @@ async fn a_stream_asking_for_log_probabilities_is_not_continued() {
         }
     }
     panic!("no request reached the cutting worker");
+}
+
+/// A stream that breaks on a lone worker cannot be continued (no worker is left): no
+/// other worker can confirm the break was the worker's, and it counts against it, as a
+/// lone 5xx does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_break_nobody_else_can_continue_counts_against_its_worker() {
+    let cut: &[&str] = &["--fault", "cut-stream", "--fault-after-tokens", "5"];
+    let (workers, _router, url) = fleet(&[cut], &[]).await;
+    let c = http::client();
+    let (path, body) = request(0, 20);
+    let got = read(&stream(&c, &url, path, &body, 0, Arc::default()).await);
+    assert!(
+        !got.errors.is_empty() && !got.done,
+        "the stream ends with an error event"
+    );
+    let w = instance(&c, &url, &workers[0].1).await;
+    assert_eq!(w["consecutive_failures"], 1, "{w}");
 }
 
 /// An answer held to a grammar is not continued: the next engine would start the

@@ -10,12 +10,14 @@
 //!    the requests' own, routes a conversation's turns to the engine that caches it (the
 //!    engines' own `cached_tokens`), mirrors their KV events (stored, and removed when
 //!    the engine evicts) and reads their load from `/metrics`;
-//! 3. a greedy streaming chat with no `max_tokens` whose engine is killed -9 mid-answer
+//! 3. the two engines as a prefill and a decode worker (vLLM's `NixlConnector`): split
+//!    requests answer as whole ones, `min_tokens` included;
+//! 4. a greedy streaming chat with no `max_tokens` whose engine is killed -9 mid-answer
 //!    is as long as the uninterrupted answer, with the same text, one finish and one
 //!    `[DONE]`; the same with `return_token_ids` (continued at the token level: the same
 //!    token IDs) for a chat continuing its own message into a token streamed with no
 //!    text;
-//! 4. the killed engine restarted: back in the fleet, its cache mirrored afresh.
+//! 5. the killed engine restarted: back in the fleet, its cache mirrored afresh.
 
 mod common;
 
@@ -64,20 +66,17 @@ async fn real_vllm_engines_behind_the_router() {
     );
 
     stage("router");
-    let (_router, url) = serve(&[
-        "--model",
-        MODEL,
-        "--block-size",
-        &BLOCK.to_string(),
-        "--tokenizer",
+    let (_router, url) = router(
         tokenizer,
-        "--admin-token",
-        TOKEN,
-        "--worker",
-        &a.worker_arg(),
-        "--worker",
-        &b.worker_arg(),
-    ])
+        &[
+            "--admin-token",
+            TOKEN,
+            "--worker",
+            &a.worker_arg(),
+            "--worker",
+            &b.worker_arg(),
+        ],
+    )
     .await;
     eventually(
         "both engines available, mirrored from their events",
@@ -103,9 +102,27 @@ async fn real_vllm_engines_behind_the_router() {
     prefix_routing(&c, &url, &a, &b).await;
     eviction_and_load(&c, &url, &a, &b).await;
 
+    stage("disaggregated");
+    disaggregated(&c, &a, &b, tokenizer).await;
+
     stage("migration");
     migration_without_max_tokens(&c, &url, &mut a, &mut b).await;
     drop(dir);
+}
+
+/// A router for the engines' model (their block size and tokenizer) with `extra` flags.
+async fn router(tokenizer: &str, extra: &[&str]) -> (common::procs::Proc, String) {
+    let block = BLOCK.to_string();
+    let mut args = vec![
+        "--model",
+        MODEL,
+        "--block-size",
+        &block,
+        "--tokenizer",
+        tokenizer,
+    ];
+    args.extend_from_slice(extra);
+    serve(&args).await
 }
 
 fn stage(name: &str) {
@@ -294,6 +311,55 @@ async fn eviction_and_load(c: &HttpClient, url: &str, a: &Vllm, b: &Vllm) {
     })
     .await;
     drop(resp);
+}
+
+/// The two engines as a prefill and a decode worker (vLLM's `NixlConnector`, moving KV
+/// in host memory), behind a router that splits every request: the answer is the one a
+/// whole engine gives, the prefill leg computed the prompt, the decode leg pulled it;
+/// a request with `min_tokens` is split too (the prefill leg must not carry it: vLLM
+/// refuses a minimum above the one token it asks for).
+async fn disaggregated(c: &HttpClient, a: &Vllm, b: &Vllm, tokenizer: &str) {
+    let (_router, url) = router(
+        tokenizer,
+        &[
+            "--policy-config",
+            r#"{"max_local_prefill_tokens": 0}"#,
+            "--worker",
+            &format!("{}#role=prefill", a.url()),
+            "--worker",
+            &format!("{}#role=decode", b.url()),
+        ],
+    )
+    .await;
+    let (words, _) = chain();
+    let prefilled = a.metric(c, "vllm:prompt_tokens_total").await;
+    for (i, min_tokens) in [(0, None), (1, Some(3))] {
+        let system: String = (0..200)
+            .map(|k| words[(k * 3 + i) % words.len()].as_str())
+            .collect();
+        let mut body = json!({"model": MODEL, "temperature": 0, "max_tokens": 8, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": "go on"}]});
+        if let Some(m) = min_tokens {
+            body["min_tokens"] = json!(m);
+        }
+        let (status, v, _) = post_json(c, &format!("{url}/v1/chat/completions"), &body).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+        assert_eq!(text, words[..8].concat(), "the answer a whole engine gives");
+        assert_eq!(v["usage"]["completion_tokens"], 8);
+    }
+    assert_eq!(
+        common::router::metric(c, &url, "switchyard_split_requests_total", "").await,
+        2.0
+    );
+    assert_eq!(
+        common::router::metric(c, &url, "switchyard_prefill_leg_failures_total", "").await,
+        0.0
+    );
+    assert!(
+        a.metric(c, "vllm:prompt_tokens_total").await - prefilled >= 400.0,
+        "the prefill engine computed both prompts"
+    );
 }
 
 /// Reads an event stream from the router; after `kill_after` events, calls `kill`.

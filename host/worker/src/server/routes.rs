@@ -137,11 +137,6 @@ async fn handoff(shared: &Shared, req: &Request<Incoming>) -> Response<Body> {
             .and_then(|n| n.parse::<usize>().ok())
     };
     let have = param("have").unwrap_or(0);
-    let done = req.uri().query().and_then(|q| {
-        q.split('&')
-            .find_map(|kv| kv.strip_prefix("done="))
-            .map(str::to_string)
-    });
     let wait = if param("wait") == Some(1) {
         super::pd::HANDOFF_WAIT
     } else {
@@ -163,7 +158,6 @@ async fn handoff(shared: &Shared, req: &Request<Incoming>) -> Response<Body> {
             have,
             shared.pd.transfer_us_per_token,
             wait,
-            done.as_deref(),
         )
         .await
     {
