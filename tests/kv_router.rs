@@ -206,6 +206,33 @@ async fn workers_without_events_get_caches_predicted_from_decisions() {
     assert_eq!(second.overlap_blocks, 40);
 }
 
+/// `explain` decides as routing would but routes nothing: it is not counted among the
+/// decisions made (`switchyard_decisions_total`, the policy's own count).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_explained_request_is_not_a_decision_made() {
+    let (router, _client) = router((1..=2).map(|i| instance(i, None)).collect());
+    let tokens: Vec<u32> = (0..4 * 16).collect();
+    for _ in 0..3 {
+        let (candidates, decision) = router.explain(64, &hashes(&[1, 2, 3, 4]));
+        assert_eq!(candidates.len(), 2);
+        assert!(matches!(
+            decision.outcome,
+            switchyard::policy::DecisionOutcome::Chosen(_)
+        ));
+    }
+    let policy = router.policy();
+    assert_eq!(
+        (policy.totals().decisions, policy.status().decisions),
+        (0, 0)
+    );
+    let routed = router.route(&tokens, None, &[]).unwrap();
+    router.finish(routed.request);
+    assert_eq!(
+        (policy.totals().decisions, policy.status().decisions),
+        (1, 1)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_available_instance_is_a_typed_error() {
     let (router, client) = router(vec![instance(1, None)]);

@@ -254,15 +254,27 @@ impl PolicyHandle {
 
     /// Makes one decision. Never fails: a failed policy call falls back to the native
     /// `kv-cost`. Fills in `req.sequence`, and `req.seed` when it is 0.
-    pub fn decide(&self, mut req: Request, candidates: &Candidates) -> Decision {
+    pub fn decide(&self, req: Request, candidates: &Candidates) -> Decision {
+        self.decide_counted(req, candidates, true)
+    }
+
+    /// A decision nothing is routed on (the admin API's `explain`): made as
+    /// [`PolicyHandle::decide`] makes one, but not counted among the decisions made.
+    pub fn dry_run(&self, req: Request, candidates: &Candidates) -> Decision {
+        self.decide_counted(req, candidates, false)
+    }
+
+    fn decide_counted(&self, mut req: Request, candidates: &Candidates, counted: bool) -> Decision {
         let sequence = self.sequence.fetch_add(1, Ordering::Relaxed);
         req.sequence = sequence;
         if req.seed == 0 {
             req.seed = switchyard_cost_model::mix(sequence ^ self.seed_base);
         }
         let active = self.current.load_full();
-        active.decisions.fetch_add(1, Ordering::Relaxed);
-        self.totals.decisions.fetch_add(1, Ordering::Relaxed);
+        if counted {
+            active.decisions.fetch_add(1, Ordering::Relaxed);
+            self.totals.decisions.fetch_add(1, Ordering::Relaxed);
+        }
         let mut decision = Decision {
             outcome: DecisionOutcome::NoCandidates,
             decider: Decider::Policy,

@@ -571,7 +571,7 @@ impl KvRouter {
 
     /// What the router would do with a request, without routing it: the candidates as
     /// the policy would see them and the policy's decision (nothing is booked or
-    /// predicted; the policy's decision counters do count it).
+    /// predicted, and it is not counted among the decisions made).
     /// Saturated workers are shown but, as in [`KvRouter::place`], not offered to the
     /// policy while a worker of their role has room.
     pub fn explain(&self, prompt_tokens: u32, hashes: &[BlockHash]) -> (Candidates, Decision) {
@@ -582,9 +582,9 @@ impl KvRouter {
         };
         let decision = if saturated.iter().any(|s| *s) {
             self.policy
-                .decide(request, &unsaturated(candidates.clone(), &saturated))
+                .dry_run(request, &unsaturated(candidates.clone(), &saturated))
         } else {
-            self.policy.decide(request, &candidates)
+            self.policy.dry_run(request, &candidates)
         };
         (candidates, decision)
     }
