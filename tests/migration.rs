@@ -379,19 +379,15 @@ async fn with_migration_off_a_broken_stream_ends_with_an_error_event() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_asking_for_log_probabilities_is_not_continued() {
+/// Sends requests `0..10`, each shaped by `shape`, through a fleet whose first worker
+/// cuts its streams, until one lands there: that stream ends with an error event and
+/// is not continued.
+async fn a_cut_stream_is_not_continued(shape: impl Fn(usize) -> (&'static str, Value)) {
     let cut: &[&str] = &["--fault", "cut-stream", "--fault-after-tokens", "5"];
     let (_workers, _router, url) = fleet(&[cut, &[]], &[]).await;
     let c = http::client();
-    // Until one lands on the cutting worker.
     for i in 0..10 {
-        let (path, mut body) = request(i, 20);
-        body["logprobs"] = if path.contains("chat") {
-            json!(true)
-        } else {
-            json!(1)
-        };
+        let (path, body) = shape(i);
         let got = read(&stream(&c, &url, path, &body, 0, Arc::default()).await);
         if !got.errors.is_empty() {
             assert!(!got.done);
@@ -400,6 +396,20 @@ async fn a_stream_asking_for_log_probabilities_is_not_continued() {
         }
     }
     panic!("no request reached the cutting worker");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_asking_for_log_probabilities_is_not_continued() {
+    a_cut_stream_is_not_continued(|i| {
+        let (path, mut body) = request(i, 20);
+        body["logprobs"] = if path.contains("chat") {
+            json!(true)
+        } else {
+            json!(1)
+        };
+        (path, body)
+    })
+    .await;
 }
 
 /// A stream that breaks on a lone worker cannot be continued (no worker is left): no
@@ -424,23 +434,14 @@ async fn a_break_nobody_else_can_continue_counts_against_its_worker() {
 /// grammar over in mid-answer (a second JSON object after half of the first).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_held_to_a_grammar_is_not_continued() {
-    let cut: &[&str] = &["--fault", "cut-stream", "--fault-after-tokens", "5"];
-    let (_workers, _router, url) = fleet(&[cut, &[]], &[]).await;
-    let c = http::client();
-    for i in 0..10 {
+    a_cut_stream_is_not_continued(|i| {
         let (_, mut body) = request(i, 20);
         body["response_format"] = json!({"type": "json_object"});
-        let path = "/v1/chat/completions";
         body["messages"] = json!([{"role": "user", "content": format!("give me JSON {i}")}]);
         body.as_object_mut().unwrap().remove("prompt");
-        let got = read(&stream(&c, &url, path, &body, 0, Arc::default()).await);
-        if !got.errors.is_empty() {
-            assert!(!got.done);
-            assert_eq!(continued(&c, &url).await, 0.0);
-            return;
-        }
-    }
-    panic!("no request reached the cutting worker");
+        ("/v1/chat/completions", body)
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

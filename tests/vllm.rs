@@ -31,10 +31,8 @@ use serde_json::{Value, json};
 use common::conformance::observe;
 use common::http::{self, HttpClient, post_json};
 use common::procs::{mock_worker, serve};
-use common::router::{TOKEN, admin_get, auth, eventually};
+use common::router::{TOKEN, auth, eventually, instances_of};
 use common::vllm::{BLOCK, CONTEXT, KV_BLOCKS, MODEL, Vllm, chain, model_dir};
-
-const INSTANCES: &str = "/admin/endpoints/default/tiny/generate/instances";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_vllm_engines_behind_the_router() {
@@ -82,7 +80,7 @@ async fn real_vllm_engines_behind_the_router() {
     eventually(
         "both engines available, mirrored from their events",
         || async {
-            let v = admin_get(&c, &format!("{url}{INSTANCES}")).await;
+            let v = instances_of(&c, &url, MODEL).await;
             v["instances"].as_array().unwrap().iter().all(|i| {
                 i["available"] == true && i["cache_view"] == "events" && i["cache_blocks"].is_u64()
             })
@@ -131,13 +129,7 @@ fn stage(name: &str) {
 }
 
 async fn instance(c: &HttpClient, router: &str, engine: &str) -> Value {
-    admin_get(c, &format!("{router}{INSTANCES}")).await["instances"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|i| i["url"] == engine)
-        .cloned()
-        .unwrap_or_else(|| panic!("no instance {engine}"))
+    common::router::instance_of(c, router, MODEL, engine).await
 }
 
 /// A chat of one user message.
@@ -168,7 +160,7 @@ async fn context_and_errors(c: &HttpClient, url: &str) {
             assert_eq!(v["error"]["code"], 400, "the engine's own error: {v}");
         }
     }
-    let v = admin_get(c, &format!("{url}{INSTANCES}")).await;
+    let v = instances_of(c, url, MODEL).await;
     for i in v["instances"].as_array().unwrap() {
         assert_eq!(i["available"], true, "{i}");
         assert_eq!(
@@ -303,7 +295,7 @@ async fn eviction_and_load(c: &HttpClient, url: &str, a: &Vllm, b: &Vllm) {
     let resp = c.request(req).await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     eventually("an engine's reported running request", || async {
-        let v = admin_get(c, &format!("{url}{INSTANCES}")).await;
+        let v = instances_of(c, url, MODEL).await;
         v["instances"]
             .as_array()
             .unwrap()
@@ -493,7 +485,7 @@ async fn migration_without_max_tokens(c: &HttpClient, url: &str, a: &mut Vllm, b
             tokio::spawn(async move {
                 let deadline = Instant::now() + Duration::from_secs(120);
                 while Instant::now() < deadline && s.lock().is_none() {
-                    let v = admin_get(&c, &format!("{url}{INSTANCES}")).await;
+                    let v = instances_of(&c, &url, MODEL).await;
                     for i in v["instances"].as_array().unwrap() {
                         if i["in_flight"].as_u64().unwrap_or(0) > 0 {
                             *s.lock() = engines.iter().position(|u| *u == i["url"]);

@@ -507,7 +507,7 @@ mod targets {
                     // The limit left: one less than asked (or than a completion's
                     // default); a chat that named none names none (the rest of its
                     // context, as the engine counts it).
-                    let limit = req.max_tokens.or(crate::openai::default_max_tokens(api));
+                    let limit = req.limit(api);
                     assert_eq!(cont.max_tokens, limit.map(|m| m - 1));
                     match (&cont.prompt, &req.prompt) {
                         (crate::openai::Prompt::Chat(m), _) => {

@@ -65,9 +65,14 @@ pub async fn admin_get(c: &HttpClient, url: &str) -> Value {
 
 /// The endpoint's instances from the admin API (`{"panic": .., "instances": [..]}`).
 pub async fn instances(c: &HttpClient, router: &str) -> Value {
+    instances_of(c, router, "mock").await
+}
+
+/// The instances of the endpoint serving `model`.
+pub async fn instances_of(c: &HttpClient, router: &str, model: &str) -> Value {
     admin_get(
         c,
-        &format!("{router}/admin/endpoints/default/mock/generate/instances"),
+        &format!("{router}/admin/endpoints/default/{model}/generate/instances"),
     )
     .await
 }
@@ -84,7 +89,12 @@ pub async fn available(c: &HttpClient, router: &str) -> usize {
 
 /// The instance whose URL is `url`.
 pub async fn instance(c: &HttpClient, router: &str, url: &str) -> Value {
-    instances(c, router).await["instances"]
+    instance_of(c, router, "mock", url).await
+}
+
+/// The instance whose URL is `url`, of the endpoint serving `model`.
+pub async fn instance_of(c: &HttpClient, router: &str, model: &str, url: &str) -> Value {
+    instances_of(c, router, model).await["instances"]
         .as_array()
         .unwrap()
         .iter()

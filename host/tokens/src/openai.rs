@@ -307,6 +307,14 @@ pub fn parse(api: Api, body: &[u8]) -> Result<CompletionRequest, BadRequest> {
     })
 }
 
+impl CompletionRequest {
+    /// The answer's limit as an engine applies it to this request on `api`: the
+    /// client's, else [`default_max_tokens`] (`None`: the rest of the context).
+    pub fn limit(&self, api: Api) -> Option<u32> {
+        self.max_tokens.or(default_max_tokens(api))
+    }
+}
+
 /// What an engine generates for a request that sets no limit, as vLLM and SGLang do:
 /// a completion 16 tokens (OpenAI's documented default), a chat the rest of the model's
 /// context (`None`: the engine's `max_model_len` less the prompt).

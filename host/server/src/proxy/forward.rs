@@ -21,9 +21,10 @@ pub(super) struct Outbound {
     pub(super) accept: Option<HeaderValue>,
     /// The client's `Authorization`, for endpoints whose workers may see it.
     pub(super) auth: Option<HeaderValue>,
-    /// `X-Request-Id`: vLLM's disaggregated proxy sends one to both legs of a split, and
-    /// its NixlConnector names the decode side's "done" notification by it (with two
-    /// IDs, the prefill worker keeps the blocks pinned until its abort timeout).
+    /// `X-Request-Id`: vLLM's disaggregated proxy sends one to both legs of a split.
+    /// `NixlConnector` before its metadata version 2 named the decode side's "done" by
+    /// it (two IDs left the prefill's blocks pinned until its abort timeout); vLLM 0.32
+    /// names the prefill's request in its `kv_transfer_params` instead.
     pub(super) request_id: Option<HeaderValue>,
 }
 

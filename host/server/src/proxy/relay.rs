@@ -51,6 +51,16 @@ pub(super) struct Relay {
 }
 
 impl Relay {
+    /// Counts the stream's breaks so far against the workers that broke it, once
+    /// (after another worker finished the answer, or when none can).
+    fn charge_breaks(&mut self) {
+        if let Some(m) = &mut self.migration {
+            for (w, why) in m.broken.drain(..) {
+                self.client.record_failure(w, &why);
+            }
+        }
+    }
+
     /// Passes the rest of the worker's response through, byte for byte (a migratable
     /// stream event by event). When the worker breaks the stream or is silent for longer
     /// than the idle timeout (the worker is then counted as failing), the stream is
@@ -189,20 +199,18 @@ impl RelayBody {
     /// The stream ended complete.
     fn finish(&mut self) {
         let r = &mut self.relay;
-        if let Some(m) = &mut r.migration {
-            // Another worker finished the answer: the breaks were those workers' faults.
-            for (w, why) in m.broken.drain(..) {
-                r.client.record_failure(w, &why);
-            }
-            if m.used > 0 {
-                let metrics = &r.gw.metrics;
-                metrics
-                    .migrated_streams_completed
-                    .fetch_add(1, Ordering::Relaxed);
-                metrics
-                    .migration_prefill_tokens
-                    .fetch_add(m.prefill_spent(), Ordering::Relaxed);
-            }
+        // Another worker finished the answer: the breaks were those workers' faults.
+        r.charge_breaks();
+        if let Some(m) = &mut r.migration
+            && m.used > 0
+        {
+            let metrics = &r.gw.metrics;
+            metrics
+                .migrated_streams_completed
+                .fetch_add(1, Ordering::Relaxed);
+            metrics
+                .migration_prefill_tokens
+                .fetch_add(m.prefill_spent(), Ordering::Relaxed);
         }
         if let Some((prompt, cached)) = openai::scan_usage(&self.tail) {
             let m = &r.gw.metrics;
@@ -276,9 +284,7 @@ impl RelayBody {
                     }
                     // No worker left to confirm them: the breaks count against their
                     // workers, as a lone 5xx does.
-                    for (w, w_why) in m.broken.drain(..) {
-                        self.relay.client.record_failure(w, &w_why);
-                    }
+                    self.relay.charge_breaks();
                     return Some(self.end_broken(format!("{why}; not continued: {reason}")));
                 }
             }
@@ -375,15 +381,10 @@ impl hyper::body::Body for RelayBody {
                     }
                     Poll::Ready(Err(why)) => {
                         this.moving = None;
-                        let r = &mut this.relay;
-                        r.gw.metrics.migration("continuation", "failed");
+                        this.relay.gw.metrics.migration("continuation", "failed");
                         // No worker finished the answer to confirm them: the breaks
                         // count against their workers, as a lone 5xx does.
-                        if let Some(m) = &mut r.migration {
-                            for (w, w_why) in m.broken.drain(..) {
-                                r.client.record_failure(w, &w_why);
-                            }
-                        }
+                        this.relay.charge_breaks();
                         let broke = std::mem::take(&mut this.break_reason);
                         return Poll::Ready(Some(
                             this.end_broken(format!("{broke}; it could not be continued: {why}")),

@@ -237,10 +237,10 @@ pub(super) async fn completion(
     }
     // The client's limit or the engine's default (a chat: the rest of the context), or
     // the model's own end, whichever comes first.
-    let (mut max_tokens, mut stops) = shared.engine.config().answer_len(
-        prompt_tokens,
-        parsed.max_tokens.or(openai::default_max_tokens(api)),
-    );
+    let (mut max_tokens, mut stops) = shared
+        .engine
+        .config()
+        .answer_len(prompt_tokens, parsed.limit(api));
     // vLLM's `return_token_ids`: the prompt's IDs in the first chunk, each token's in its.
     let mut prompt_ids = parsed.return_token_ids.then(|| tokens.clone());
     let salt = parsed.cache_salt.as_deref();

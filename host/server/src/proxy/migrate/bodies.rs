@@ -207,7 +207,7 @@ pub fn continuation_of(
     let mut to = Resend::bare(parsed.prompt.clone());
     to.continue_final = parsed.continue_final_message;
     let mut m = Migration::fresh(api, Bytes::copy_from_slice(body), to, 2);
-    m.max_tokens = parsed.max_tokens.or(openai::default_max_tokens(api));
+    m.max_tokens = parsed.limit(api);
     m.text = answer.to_string();
     m.sent = sent;
     let left = match m.max_tokens {

@@ -223,7 +223,7 @@ impl Migration {
             return None;
         }
         let mut m = Migration::fresh(api, body.clone(), to, limit);
-        m.max_tokens = parsed.max_tokens.or(openai::default_max_tokens(api));
+        m.max_tokens = parsed.limit(api);
         m.context_len = context_len;
         m.prompt_tokens = prompt_tokens;
         m.include_usage = parsed.include_usage;
