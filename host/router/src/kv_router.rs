@@ -26,7 +26,7 @@ use switchyard_policy::{
 use crate::feeds::CacheReports;
 use crate::{
     CacheView, Index, KvRouterConfig, Placing, PrefillLeg, RouteError, Routed, ViewStatus,
-    central_events, metrics_scraper, quality, shadow, subscriber,
+    central_events, metrics_scraper, quality, shadow, subscriber, unsaturated,
 };
 
 /// The KV-aware router of one endpoint.
@@ -684,24 +684,4 @@ impl KvRouter {
     pub fn scrape_stats(&self) -> &metrics_scraper::ScrapeStats {
         &self.scrape_stats
     }
-}
-
-/// `candidates` without the saturated ones, role by role: a role whose every worker is
-/// saturated keeps them all (the request still needs one of them).
-fn unsaturated(candidates: Candidates, saturated: &[bool]) -> Candidates {
-    let rows: Vec<CandidateRow> = (0..candidates.len()).map(|i| candidates.row(i)).collect();
-    let open = |role: Role| {
-        rows.iter()
-            .zip(saturated)
-            .any(|(r, s)| r.role == role && !*s)
-    };
-    let open_roles: Vec<Role> = [Role::Both, Role::Prefill, Role::Decode]
-        .into_iter()
-        .filter(|r| open(*r))
-        .collect();
-    rows.into_iter()
-        .zip(saturated)
-        .filter(|(r, s)| !**s || !open_roles.contains(&r.role))
-        .map(|(r, _)| r)
-        .collect()
 }

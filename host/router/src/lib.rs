@@ -304,3 +304,31 @@ pub struct ViewStatus {
     /// Replay requests that failed (each silences replay requests for a while).
     pub replay_failures: u64,
 }
+
+/// `candidates` without the saturated ones, role by role: a role whose every worker is
+/// saturated keeps them all (the request still needs one of them).
+pub(crate) fn unsaturated(
+    candidates: switchyard_policy::Candidates,
+    saturated: &[bool],
+) -> switchyard_policy::Candidates {
+    let rows: Vec<switchyard_policy::CandidateRow> =
+        (0..candidates.len()).map(|i| candidates.row(i)).collect();
+    let open = |role: switchyard_ids::Role| {
+        rows.iter()
+            .zip(saturated)
+            .any(|(r, s)| r.role == role && !*s)
+    };
+    let open_roles: Vec<switchyard_ids::Role> = [
+        switchyard_ids::Role::Both,
+        switchyard_ids::Role::Prefill,
+        switchyard_ids::Role::Decode,
+    ]
+    .into_iter()
+    .filter(|r| open(*r))
+    .collect();
+    rows.into_iter()
+        .zip(saturated)
+        .filter(|(r, s)| !**s || !open_roles.contains(&r.role))
+        .map(|(r, _)| r)
+        .collect()
+}

@@ -23,7 +23,7 @@ use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
 
 use crate::local::{LocalFleet, LocalFleetConfig};
-use external::{ExternalRouter, LiveTimings, ProcessCost, RouterProcess};
+use external::{ExternalRouter, LiveTimings, ProcessCost, replay_external};
 use switchyard_ids::Role;
 use switchyard_worker::{
     EngineConfig, FaultConfig, MockWorker, MockWorkerConfig, PdConfig, TimingModel,
@@ -406,134 +406,6 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
 /// for the length of one run).
 const ADMIN_TOKEN: &str = "replay-admin-token";
 
-/// One external router on fresh mock workers.
-async fn replay_external(
-    config: &ReplayConfig,
-    router: &ExternalRouter,
-    reqs: Arc<Vec<TraceRequest>>,
-) -> Result<PolicyRun, String> {
-    let mut engine = config.engine.clone();
-    engine.speedup = config.speedup;
-    let tokenizer = switchyard_tokens::Tokenizer::from_file_if_any(config.tokenizer.as_deref())
-        .map_err(|e| e.to_string())?;
-    let start = |pd: PdConfig| {
-        MockWorker::bind(
-            MockWorkerConfig {
-                model: "replay".into(),
-                engine: engine.clone(),
-                hash_seed: 0,
-                fault: FaultConfig::NONE,
-                tokenizer: tokenizer.clone(),
-                zmq_events: None,
-                tls: None,
-                chat: None,
-                api_key: None,
-                pd,
-            },
-            "127.0.0.1:0".parse().expect("valid"),
-        )
-    };
-    let mut workers = Vec::new();
-    let mut fleet = external::PdFleet::default();
-    let disaggregated = config.disaggregated.filter(|_| router.wants_pd());
-    let roles = match disaggregated {
-        None => vec![PdConfig::default(); config.workers.max(1)],
-        Some((prefill, decode)) => {
-            let mut roles = Vec::new();
-            for _ in 0..prefill.max(1) {
-                roles.push(PdConfig {
-                    role: Role::Prefill,
-                    bootstrap_port: Some(external::free_port()?),
-                    ..PdConfig::default()
-                });
-            }
-            roles.extend(std::iter::repeat_n(
-                PdConfig {
-                    role: Role::Decode,
-                    ..PdConfig::default()
-                },
-                decode.max(1),
-            ));
-            roles
-        }
-    };
-    for pd in roles {
-        let worker = start(pd)
-            .await
-            .map_err(|e| format!("cannot start a mock worker: {e}"))?;
-        match (pd.role, pd.bootstrap_port) {
-            (Role::Prefill, Some(port)) => fleet.prefill.push((worker.url(), port)),
-            (Role::Decode, _) => fleet.decode.push(worker.url()),
-            _ => {}
-        }
-        workers.push(worker);
-    }
-    let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
-    let port = external::free_port()?;
-    let command = router.expand(port, &urls, &fleet);
-    let log = config
-        .logs
-        .join(format!("{}.log", router.name.replace('/', "_")));
-    eprintln!(
-        "[{}] starting: {command} (output in {})",
-        router.name,
-        log.display()
-    );
-    let mut process = RouterProcess::start(&command, log)?;
-    let url = format!("http://127.0.0.1:{port}");
-    let ready = router_ready(&url, &mut process).await;
-    let start_cpu_secs = process.cost().cpu_secs;
-    let result = match ready {
-        Ok(()) => match drive(
-            config,
-            &router.name,
-            std::slice::from_ref(&url),
-            reqs,
-            Prompts::Text,
-        )
-        .await
-        {
-            Ok(mut run) => {
-                run.router = Some(ProcessCost {
-                    start_cpu_secs,
-                    ..process.cost()
-                });
-                run.worker_requests = workers.iter().map(|w| w.stats().finished).collect();
-                if disaggregated.is_some() {
-                    let computed: u64 = workers.iter().map(|w| w.stats().prefill_tokens).sum();
-                    let prompt: u64 = run
-                        .outcomes
-                        .iter()
-                        .filter(|o| o.ok)
-                        .map(|o| o.prompt_tokens)
-                        .sum();
-                    run.fleet_hit_rate =
-                        (prompt > 0).then(|| 1.0 - (computed as f64 / prompt as f64).min(1.0));
-                }
-                if let Some(text) = scrape(&format!("{url}/metrics")).await {
-                    let _ = std::fs::write(
-                        config
-                            .logs
-                            .join(format!("{}.metrics", router.name.replace('/', "_"))),
-                        &text,
-                    );
-                    run.live = LiveTimings::parse(&text);
-                }
-                Ok(run)
-            }
-            Err(e) => Err(format!("{}: {e}", router.name)),
-        },
-        Err(e) => Err(format!("{}: {e}\n{}", router.name, process.log_tail())),
-    };
-    tokio::task::spawn_blocking(move || process.stop(Duration::from_secs(10)))
-        .await
-        .map_err(|e| e.to_string())?;
-    for w in workers {
-        w.shutdown().await;
-    }
-    result
-}
-
 /// One run's requests, by the replay's own client (sent to the routers in turn) or by
 /// the configured one (to the first).
 async fn drive(
@@ -566,37 +438,6 @@ async fn scrape(url: &str) -> Option<String> {
     .await
     .ok()??;
     String::from_utf8(answer.to_vec()).ok()
-}
-
-/// Waits until a one-token completion through the router succeeds (the router is up and
-/// has found its workers healthy), for at most two minutes.
-async fn router_ready(url: &str, process: &mut RouterProcess) -> Result<(), String> {
-    let http: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut last = String::from("no answer");
-    while Instant::now() < deadline {
-        if let Some(status) = process.exited() {
-            return Err(format!("the router exited ({status})"));
-        }
-        let req = hyper::Request::post(format!("{url}/v1/completions"))
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from_static(
-                br#"{"model":"replay","prompt":"ready","max_tokens":1}"#,
-            )))
-            .expect("valid request");
-        match tokio::time::timeout(Duration::from_secs(5), http.request(req)).await {
-            Ok(Ok(r)) if r.status().is_success() => {
-                let _ = r.into_body().collect().await;
-                return Ok(());
-            }
-            Ok(Ok(r)) => last = format!("answered {}", r.status()),
-            Ok(Err(e)) => last = e.to_string(),
-            Err(_) => last = "timed out".into(),
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    Err(format!("not ready after 120 s (last: {last})"))
 }
 
 async fn replay_once(

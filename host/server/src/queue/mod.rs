@@ -20,10 +20,13 @@
 //! A client that leaves drops its ticket, which takes its place out at once.
 
 pub mod classes;
+mod outcome;
+
+pub use outcome::{Admission, Job, Outcome, Placed, QueueStats, Shed, ShedReason};
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -31,133 +34,11 @@ use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::oneshot;
 
 use classes::{Identity, OverloadConfig};
-use switchyard_ids::BlockHash;
-use switchyard_router::{KvRouter, RouteError, Routed};
+use switchyard_router::{KvRouter, RouteError};
 
 /// How many of a tenant's oldest requests a dispatch looks at for one whose prefix a
 /// worker with room holds.
 const LOOK_AHEAD: usize = 8;
-
-/// What a queued request needs to be placed later.
-#[derive(Debug, Clone)]
-pub struct Job {
-    /// Prompt tokens.
-    pub prompt_tokens: u32,
-    /// The prompt's block hashes.
-    pub hashes: Vec<BlockHash>,
-    /// The session key, if the request has one.
-    pub session_key: Option<u64>,
-}
-
-/// A request placed (booked) by the queue; the bookings are released if it is dropped
-/// before [`Placed::take`] (its client left in the meantime).
-pub struct Placed {
-    router: Arc<KvRouter>,
-    routed: Option<Routed>,
-}
-
-impl Placed {
-    /// The placement; its bookings are the caller's from here.
-    pub fn take(mut self) -> Routed {
-        self.routed.take().expect("taken once")
-    }
-}
-
-impl Drop for Placed {
-    fn drop(&mut self) {
-        if let Some(r) = self.routed.take() {
-            self.router.finish(r.request);
-            if let Some(p) = r.prefill {
-                self.router.finish(p.request);
-            }
-        }
-    }
-}
-
-/// Why a request was refused by the queue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ShedReason {
-    /// Its tenant holds its share of a full queue (429).
-    TenantShare,
-    /// The queue is full, or the wait ahead exceeds its deadline (503).
-    FleetFull,
-    /// It waited its deadline (503).
-    Deadline,
-}
-
-impl ShedReason {
-    /// Every reason, in the order of [`QueueStats::shed`].
-    pub const ALL: [ShedReason; 3] = [
-        ShedReason::TenantShare,
-        ShedReason::FleetFull,
-        ShedReason::Deadline,
-    ];
-
-    /// The error code and metric label.
-    pub fn code(self) -> &'static str {
-        match self {
-            ShedReason::TenantShare => "tenant_over_share",
-            ShedReason::FleetFull => "fleet_full",
-            ShedReason::Deadline => "queue_deadline",
-        }
-    }
-}
-
-/// A refusal: why, in words, and when to come back.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Shed {
-    /// Why.
-    pub reason: ShedReason,
-    /// What the client reads.
-    pub message: String,
-    /// When to try again.
-    pub retry_after: Duration,
-}
-
-/// How a request left the queue.
-pub enum Outcome {
-    /// Placed: go on with this placement.
-    Placed(Placed),
-    /// Not placeable for another reason than saturation (no worker, the policy
-    /// refused): route it the usual way, which answers that.
-    Route,
-    /// Refused.
-    Shed(Shed),
-}
-
-/// What [`Queue::admit`] did with a request.
-pub enum Admission {
-    /// Settled at arrival: placed at once (nothing waited and a worker had room), to
-    /// be routed the usual way, or refused.
-    Now(Outcome),
-    /// Waiting: await the ticket.
-    Queued(Ticket),
-}
-
-/// One endpoint's counters, read at scrape time.
-#[derive(Default)]
-pub struct QueueStats {
-    /// Requests that waited, ever.
-    pub queued: AtomicU64,
-    /// Requests placed from the queue.
-    pub dispatched: AtomicU64,
-    /// Requests refused, by [`ShedReason::ALL`]'s order.
-    pub shed: [AtomicU64; 3],
-    /// Queued requests whose client left.
-    pub left: AtomicU64,
-}
-
-impl QueueStats {
-    /// One request refused for `reason`.
-    fn count(&self, reason: ShedReason) {
-        // `ALL` lists every reason: the index is always found.
-        let i = ShedReason::ALL
-            .iter()
-            .position(|r| *r == reason)
-            .unwrap_or(0);
-        self.shed[i].fetch_add(1, Ordering::Relaxed);
-    }
-}
 
 struct Entry {
     id: u64,
