@@ -1,5 +1,7 @@
 //! `switchyard replay` on a small generated trace (tests never read ../shared).
 
+mod common;
+
 use std::path::Path;
 use std::process::Command;
 
@@ -52,6 +54,23 @@ fn chat_trace(dir: &Path, requests: &str) -> std::path::PathBuf {
         .unwrap();
     assert!(generated.status.success());
     std::fs::write(&trace, &generated.stdout).unwrap();
+    trace
+}
+
+/// Four requests in `dir` sharing a two-block prefix (each with a block of its own),
+/// `gap_ms` apart in trace time.
+fn shared_prefix_trace(dir: &Path, gap_ms: u64) -> std::path::PathBuf {
+    let trace = dir.join("trace.jsonl");
+    let lines: Vec<String> = (0..4u64)
+        .map(|i| {
+            format!(
+                r#"{{"timestamp": {}, "input_length": 1400, "output_length": 4, "hash_ids": [1, 2, {}]}}"#,
+                i * gap_ms,
+                10 + i
+            )
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n")).unwrap();
     trace
 }
 
@@ -159,18 +178,8 @@ with open(out + "/profile_export.jsonl", "w") as f:
 #[test]
 fn another_program_can_be_the_client() {
     let dir = tempfile::tempdir().unwrap();
-    let trace = dir.path().join("trace.jsonl");
     // Four requests sharing a two-block prefix, one second apart in trace time.
-    let lines: Vec<String> = (0..4u64)
-        .map(|i| {
-            format!(
-                r#"{{"timestamp": {}, "input_length": 1400, "output_length": 4, "hash_ids": [1, 2, {}]}}"#,
-                i * 1000,
-                10 + i
-            )
-        })
-        .collect();
-    std::fs::write(&trace, lines.join("\n")).unwrap();
+    let trace = shared_prefix_trace(dir.path(), 1000);
     let client = dir.path().join("client.py");
     std::fs::write(&client, CLIENT).unwrap();
     let logs = dir.path().join("logs");
@@ -326,4 +335,89 @@ fn a_shadow_beside_each_policy_compares_them_on_the_same_decisions() {
         t["chosen_overlap_blocks"].as_f64().unwrap() / t["best_overlap_blocks"].as_f64().unwrap()
     };
     assert!(ratio(&kv) > ratio(&rr), "{stdout}");
+}
+
+/// Running engines instead of fresh mock workers (`--engine`, as `tools/b7-vllm.sh` runs
+/// real vLLM engines): before each router the engines' caches are emptied, so a router
+/// run twice finds the same hits both times, and the hit rate and finished requests are
+/// the engines' own counters over the run (the mock keeps vLLM's); the routers' rounds
+/// give a table of medians and ranges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_engines_are_emptied_before_each_router_and_read_from_their_counters() {
+    let dir = tempfile::tempdir().unwrap();
+    // Four requests sharing a two-block prefix, half a second apart.
+    let trace = shared_prefix_trace(dir.path(), 500);
+    let mut engines = Vec::new();
+    let mut args: Vec<String> = Vec::new();
+    for _ in 0..2 {
+        let listen = format!("127.0.0.1:{}", common::procs::free_port());
+        let p =
+            common::procs::switchyard(&["mock-worker", "--listen", &listen, "--model", "replay"]);
+        common::procs::wait_ok(&format!("http://{listen}/v1/models")).await;
+        engines.push(p);
+        args.extend(["--engine".to_string(), format!("http://{listen}")]);
+    }
+    let bin = env!("CARGO_BIN_EXE_switchyard");
+    args.extend(
+        [
+            "--policy",
+            "none",
+            "--speedup",
+            "1",
+            "--rounds",
+            "2",
+            "--router-logs",
+            dir.path().join("logs").to_str().unwrap(),
+        ]
+        .map(String::from),
+    );
+    args.extend([
+        "--router".to_string(),
+        format!("sy={bin} serve --listen 127.0.0.1:{{port}} {{worker_args}} --model replay --kv-events true"),
+        "--router".to_string(),
+        format!("rr={bin} serve --listen 127.0.0.1:{{port}} {{worker_args}} --model replay --kv-events true --policy round-robin"),
+    ]);
+    let (stdout, v) = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        replay(&trace, &args)
+    })
+    .await
+    .unwrap();
+    let runs: Vec<&serde_json::Value> = v["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["policy"] == "sy")
+        .collect();
+    assert_eq!(runs.len(), 2, "{stdout}");
+    let rates: Vec<f64> = runs
+        .iter()
+        .map(|r| {
+            r["fleet_hit_rate"]
+                .as_f64()
+                .expect("the engines' own hit rate")
+        })
+        .collect();
+    assert!(rates[0] > 0.0, "the shared prefix hit: {rates:?}");
+    // Emptied before each router (the warm-up and the first round's blocks gone): the
+    // second round finds what the first did, no more.
+    assert!((rates[0] - rates[1]).abs() < 1e-9, "{rates:?}");
+    for r in &runs {
+        let finished: u64 = r["worker_requests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_u64().unwrap())
+            .sum();
+        assert_eq!(
+            finished, 4,
+            "the run's requests, from the engines' counters: {r}"
+        );
+    }
+    assert!(stdout.contains("Over 2 rounds"), "{stdout}");
+    assert!(
+        stdout.lines().any(|l| l.starts_with("| sy | 2 | 0 |")),
+        "{stdout}"
+    );
+    drop(engines);
 }

@@ -164,6 +164,18 @@ pub struct ReplayArgs {
     /// `--prefill URL PORT` and `--decode URL`) runs on one.
     #[arg(long = "router")]
     pub routers: Vec<String>,
+    /// A running engine to replay on instead of mock workers (repeatable), as `serve
+    /// --worker` takes it (`URL` or `URL#kv_events=...`): for external `--router`s only
+    /// (add `--policy none`). Before each router the engines' prefix caches are emptied
+    /// (vLLM's `POST /reset_prefix_cache`: start them with `VLLM_SERVER_DEV_MODE=1`) and
+    /// the hit rate is read from their own counters. Give `--speedup 1`, and `--kv-blocks`
+    /// and `--block-size` as the engines have them (for the bounds).
+    #[arg(long = "engine")]
+    pub engines: Vec<String>,
+    /// Run every external router this many times, the order turned by one each round;
+    /// a table then gives each figure's median and range over the runs.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
     /// Prefill workers of the disaggregated fleet (each with a bootstrap port, so that
     /// either handoff works) for the `--router`s that ask for one.
     #[arg(long, default_value_t = 0, requires = "decode_workers")]
@@ -251,6 +263,19 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         config.logs = args.router_logs.clone();
     }
     config.workers = args.workers.max(1);
+    config.rounds = args.rounds.max(1);
+    if !args.engines.is_empty() {
+        anyhow::ensure!(
+            config.policies.is_empty() && !config.routers.is_empty(),
+            "--engine runs external routers only: add --policy none and at least one --router"
+        );
+        anyhow::ensure!(
+            args.prefill_workers == 0 && config.client.is_none() && config.replicas == 1,
+            "--engine runs aggregated engines with the replay's own client and one router"
+        );
+        config.engines.specs = args.engines.clone();
+        config.workers = args.engines.len();
+    }
     anyhow::ensure!(
         args.slo_ttft_secs > 0.0 && args.slo_e2e_secs > 0.0,
         "--slo-ttft-secs and --slo-e2e-secs must be positive"
@@ -297,8 +322,13 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     config.max_requests = args.max_requests;
     config.duration = Duration::from_secs(args.duration);
     config.max_output = args.max_output.max(1);
+    let fleet = if config.engines.specs.is_empty() {
+        "mock workers"
+    } else {
+        "running engines"
+    };
     eprintln!(
-        "replaying {} (at most {} requests, {}x, load {}x) against {} mock workers of {} x {}-token blocks, batch {}, step budget {} tokens",
+        "replaying {} (at most {} requests, {}x, load {}x) against {} {fleet} of {} x {}-token blocks, batch {}, step budget {} tokens",
         args.trace.display(),
         config.max_requests,
         config.speedup,
@@ -322,6 +352,9 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         "{}",
         switchyard::replay::report::table(&runs, bound, config.slo)
     );
+    if let Some(t) = switchyard::replay::report::spread_table(&runs, config.slo) {
+        println!("\nOver {} rounds, median (min–max):\n\n{t}", config.rounds);
+    }
     if let Some(t) = switchyard::replay::report::class_table(&runs, config.slo) {
         println!("\n{t}");
     }
@@ -366,6 +399,7 @@ pub async fn demo(
             // Answers end by themselves, as a chat model's do: a chat that names no
             // `max_tokens` gets a short answer, not the rest of the context.
             eos_period: DEMO_EOS_PERIOD,
+            stream_interval: 1,
             timing: TimingModel::default(),
         },
         model: model.into(),
@@ -388,6 +422,10 @@ pub async fn demo(
     for w in &fleet.workers {
         println!("  mock worker {}", w.url());
     }
+    println!();
+    println!(
+        "Admin token: {token} (the demo's own; `serve` takes yours from --admin-token-file or SWITCHYARD_ADMIN_TOKEN)"
+    );
     println!();
     println!("Try:");
     println!(

@@ -64,9 +64,12 @@ impl ExternalRouter {
         PD_PLACEHOLDERS.iter().any(|p| self.command.contains(p))
     }
 
-    /// The command with its placeholders filled in (`workers`: every worker).
+    /// The command with its placeholders filled in (`workers`: every worker, as a URL or
+    /// as `serve --worker` takes it, `URL#options`: `{worker_args}` keeps the options, the
+    /// other placeholders give the URL alone).
     pub fn expand(&self, port: u16, workers: &[String], pd: &PdFleet) -> String {
-        let args: Vec<String> = workers.iter().map(|w| format!("--worker {w}")).collect();
+        let args: Vec<String> = workers.iter().map(|w| format!("--worker '{w}'")).collect();
+        let workers: Vec<&str> = workers.iter().map(|w| engines::url_of(w)).collect();
         let each = |f: &dyn Fn(&str, u16) -> String| -> String {
             pd.prefill
                 .iter()
@@ -358,12 +361,78 @@ pub fn free_port() -> Result<u16, String> {
         .map_err(|e| format!("no free port: {e}"))
 }
 
-/// One external router on fresh mock workers.
+/// One external router on fresh mock workers, or on the running engines emptied of
+/// their caches.
 pub(super) async fn replay_external(
     config: &ReplayConfig,
     router: &ExternalRouter,
     reqs: Arc<Vec<TraceRequest>>,
 ) -> Result<PolicyRun, String> {
+    let (fleet, workers, pd) = if config.engines.specs.is_empty() {
+        let disaggregated = config.disaggregated.filter(|_| router.wants_pd());
+        let (workers, pd) = mock_fleet(config, disaggregated).await?;
+        let urls = workers.iter().map(MockWorker::url).collect();
+        let fleet = Fleet::Mock {
+            workers,
+            disaggregated: disaggregated.is_some(),
+        };
+        (fleet, urls, pd)
+    } else {
+        config.engines.reset().await?;
+        let specs = config.engines.specs.clone();
+        (Fleet::Engines(&config.engines), specs, PdFleet::default())
+    };
+    let port = free_port()?;
+    let command = router.expand(port, &workers, &pd);
+    let log = config
+        .logs
+        .join(format!("{}.log", router.name.replace('/', "_")));
+    eprintln!(
+        "[{}] starting: {command} (output in {})",
+        router.name,
+        log.display()
+    );
+    let mut process = RouterProcess::start(&command, log)?;
+    let url = format!("http://127.0.0.1:{port}");
+    let ready = router_ready(&url, &mut process).await;
+    let start_cpu_secs = process.cost().cpu_secs;
+    let result = match ready {
+        Ok(()) => {
+            let cost = || ProcessCost {
+                start_cpu_secs,
+                ..process.cost()
+            };
+            run_through(config, router, &url, &fleet, reqs, cost).await
+        }
+        Err(e) => Err(format!("{}: {e}\n{}", router.name, process.log_tail())),
+    };
+    tokio::task::spawn_blocking(move || process.stop(Duration::from_secs(10)))
+        .await
+        .map_err(|e| e.to_string())?;
+    if let Fleet::Mock { workers, .. } = fleet {
+        for w in workers {
+            w.shutdown().await;
+        }
+    }
+    result
+}
+
+/// The workers an external router runs in front of.
+enum Fleet<'a> {
+    /// Mock workers started for it (some of them prefill workers of a split fleet).
+    Mock {
+        workers: Vec<MockWorker>,
+        disaggregated: bool,
+    },
+    /// Running engines.
+    Engines(&'a engines::Engines),
+}
+
+/// Fresh mock workers: aggregated ones, or `(prefill, decode)` of a split fleet.
+async fn mock_fleet(
+    config: &ReplayConfig,
+    disaggregated: Option<(usize, usize)>,
+) -> Result<(Vec<MockWorker>, PdFleet), String> {
     let mut engine = config.engine.clone();
     engine.speedup = config.speedup;
     let tokenizer = switchyard_tokens::Tokenizer::from_file_if_any(config.tokenizer.as_deref())
@@ -387,7 +456,6 @@ pub(super) async fn replay_external(
     };
     let mut workers = Vec::new();
     let mut fleet = PdFleet::default();
-    let disaggregated = config.disaggregated.filter(|_| router.wants_pd());
     let roles = match disaggregated {
         None => vec![PdConfig::default(); config.workers.max(1)],
         Some((prefill, decode)) => {
@@ -420,70 +488,62 @@ pub(super) async fn replay_external(
         }
         workers.push(worker);
     }
-    let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
-    let port = free_port()?;
-    let command = router.expand(port, &urls, &fleet);
-    let log = config
-        .logs
-        .join(format!("{}.log", router.name.replace('/', "_")));
-    eprintln!(
-        "[{}] starting: {command} (output in {})",
-        router.name,
-        log.display()
-    );
-    let mut process = RouterProcess::start(&command, log)?;
-    let url = format!("http://127.0.0.1:{port}");
-    let ready = router_ready(&url, &mut process).await;
-    let start_cpu_secs = process.cost().cpu_secs;
-    let result = match ready {
-        Ok(()) => match drive(
-            config,
-            &router.name,
-            std::slice::from_ref(&url),
-            reqs,
-            Prompts::Text,
-        )
-        .await
-        {
-            Ok(mut run) => {
-                run.router = Some(ProcessCost {
-                    start_cpu_secs,
-                    ..process.cost()
-                });
-                run.worker_requests = workers.iter().map(|w| w.stats().finished).collect();
-                if disaggregated.is_some() {
-                    let computed: u64 = workers.iter().map(|w| w.stats().prefill_tokens).sum();
-                    let prompt: u64 = run
-                        .outcomes
-                        .iter()
-                        .filter(|o| o.ok)
-                        .map(|o| o.prompt_tokens)
-                        .sum();
-                    run.fleet_hit_rate =
-                        (prompt > 0).then(|| 1.0 - (computed as f64 / prompt as f64).min(1.0));
-                }
-                if let Some(text) = scrape(&format!("{url}/metrics")).await {
-                    let _ = std::fs::write(
-                        config
-                            .logs
-                            .join(format!("{}.metrics", router.name.replace('/', "_"))),
-                        &text,
-                    );
-                    run.live = LiveTimings::parse(&text);
-                }
-                Ok(run)
-            }
-            Err(e) => Err(format!("{}: {e}", router.name)),
-        },
-        Err(e) => Err(format!("{}: {e}\n{}", router.name, process.log_tail())),
+    Ok((workers, fleet))
+}
+
+/// The trace through a ready router; the run's hit rate from the workers where the
+/// answers' usage cannot say it (a split fleet's decode workers report received blocks as
+/// cached; engines are read from their own counters).
+async fn run_through(
+    config: &ReplayConfig,
+    router: &ExternalRouter,
+    url: &str,
+    fleet: &Fleet<'_>,
+    reqs: Arc<Vec<TraceRequest>>,
+    cost: impl Fn() -> ProcessCost,
+) -> Result<PolicyRun, String> {
+    let before = match fleet {
+        Fleet::Engines(engines) => engines.counters().await?,
+        Fleet::Mock { .. } => Vec::new(),
     };
-    tokio::task::spawn_blocking(move || process.stop(Duration::from_secs(10)))
+    let urls = [url.to_string()];
+    let mut run = drive(config, &router.name, &urls, reqs, Prompts::Text)
         .await
-        .map_err(|e| e.to_string())?;
-    for w in workers {
-        w.shutdown().await;
+        .map_err(|e| format!("{}: {e}", router.name))?;
+    run.router = Some(cost());
+    match fleet {
+        Fleet::Engines(engines) => {
+            let after = engines.counters().await?;
+            (run.fleet_hit_rate, run.worker_requests) = engines::delta(&before, &after);
+        }
+        Fleet::Mock {
+            workers,
+            disaggregated,
+        } => {
+            run.worker_requests = workers.iter().map(|w| w.stats().finished).collect();
+            if *disaggregated {
+                let computed: u64 = workers.iter().map(|w| w.stats().prefill_tokens).sum();
+                let prompt: u64 = run
+                    .outcomes
+                    .iter()
+                    .filter(|o| o.ok)
+                    .map(|o| o.prompt_tokens)
+                    .sum();
+                run.fleet_hit_rate =
+                    (prompt > 0).then(|| 1.0 - (computed as f64 / prompt as f64).min(1.0));
+            }
+        }
     }
-    result
+    if let Some(text) = scrape(&format!("{url}/metrics")).await {
+        let _ = std::fs::write(
+            config
+                .logs
+                .join(format!("{}.metrics", router.name.replace('/', "_"))),
+            &text,
+        );
+        run.live = LiveTimings::parse(&text);
+    }
+    Ok(run)
 }
 
 /// Waits until a one-token completion through the router succeeds (the router is up and
@@ -570,9 +630,15 @@ switchyard_policy_call_seconds_bucket{le=\"+Inf\",endpoint=\"a\"} 100
         let workers = ["http://a".to_string(), "http://b".to_string()];
         assert_eq!(
             r.expand(9, &workers, &PdFleet::default()),
-            "run --port 9 --urls http://a http://b --worker http://a --worker http://b http://a,http://b"
+            "run --port 9 --urls http://a http://b --worker 'http://a' --worker 'http://b' http://a,http://b"
         );
         assert!(!r.wants_pd());
+        let engines = ["http://a#kv_events=tcp://127.0.0.1:5557&topic=kv".to_string()];
+        assert_eq!(
+            r.expand(9, &engines, &PdFleet::default()),
+            "run --port 9 --urls http://a --worker 'http://a#kv_events=tcp://127.0.0.1:5557&topic=kv' http://a",
+            "an engine's options go to Switchyard's --worker only"
+        );
         let pd = PdFleet {
             prefill: vec![("http://p".into(), 8998)],
             decode: vec!["http://d".into(), "http://e".into()],

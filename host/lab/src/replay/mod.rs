@@ -4,6 +4,7 @@
 //! prefix hit rate next to the trace's infinite-cache bound.
 
 pub mod client;
+pub mod engines;
 pub mod external;
 pub mod report;
 pub mod synth;
@@ -80,6 +81,13 @@ pub struct ReplayConfig {
     pub load: f64,
     /// Priority classes and tenants marked on the requests, if any.
     pub mix: Option<Mix>,
+    /// Running engines the external routers run in front of, instead of fresh mock
+    /// workers (none: mock workers).
+    pub engines: engines::Engines,
+    /// Every external router runs this many times, the order turned by one each round
+    /// (each router first once in `routers` rounds), so that the order's effects (a
+    /// warm-up, the machine's drift) show as the spread of its runs.
+    pub rounds: usize,
 }
 
 /// Requests marked with a class and a tenant (`x-switchyard-priority`,
@@ -149,6 +157,7 @@ impl ReplayConfig {
                 max_batched_tokens: switchyard_worker::DEFAULT_MAX_BATCHED_TOKENS,
                 max_model_len: None,
                 eos_period: 0,
+                stream_interval: 1,
                 timing: TimingModel::default(),
             },
             speedup: 20.0,
@@ -166,6 +175,8 @@ impl ReplayConfig {
             slo: Slo::default(),
             load: 1.0,
             mix: None,
+            engines: engines::Engines::default(),
+            rounds: 1,
         }
     }
 }
@@ -396,8 +407,15 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
             ..run?
         });
     }
-    for router in &config.routers {
-        runs.push(replay_external(config, router, reqs.clone()).await?);
+    if !config.engines.specs.is_empty() {
+        engines::warm_up(config, &reqs).await?;
+    }
+    let n = config.routers.len();
+    for round in 0..config.rounds.max(1) {
+        for k in 0..n {
+            let router = &config.routers[(round + k) % n];
+            runs.push(replay_external(config, router, reqs.clone()).await?);
+        }
     }
     Ok((runs, bound, count))
 }

@@ -151,6 +151,58 @@ pub fn table(runs: &[PolicyRun], bound: Bounds, slo: Slo) -> String {
     s
 }
 
+/// For routers run more than once (`--rounds`): each figure's median over the runs,
+/// with its range, so that a lead can be read against the spread.
+pub fn spread_table(runs: &[PolicyRun], slo: Slo) -> Option<String> {
+    let mut names: Vec<&str> = Vec::new();
+    for r in runs {
+        if !names.contains(&r.policy.as_str()) {
+            names.push(&r.policy);
+        }
+    }
+    let of = |name: &str| -> Vec<Summary> {
+        runs.iter()
+            .filter(|r| r.policy == name)
+            .map(|r| summarise(r, slo))
+            .collect()
+    };
+    if names.iter().all(|n| of(n).len() < 2) {
+        return None;
+    }
+    // Median (min–max) of one figure over the runs, scaled and with its unit.
+    let spread = |v: &mut Vec<f64>, scale: f64, digits: usize, unit: &str| {
+        v.sort_by(f64::total_cmp);
+        let (lo, hi) = (v[0] * scale, v[v.len() - 1] * scale);
+        let mid = percentile(v, 0.5) * scale;
+        format!("{mid:.digits$} ({lo:.digits$}–{hi:.digits$}) {unit}")
+    };
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| router | runs | failed | TTFT mean | TTFT p90 | E2E mean | throughput | hit rate |"
+    );
+    let _ = writeln!(
+        s,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
+    for name in names {
+        let m = of(name);
+        let pick = |f: &dyn Fn(&Summary) -> f64| m.iter().map(f).collect::<Vec<f64>>();
+        let _ = writeln!(
+            s,
+            "| {name} | {} | {} | {} | {} | {} | {} | {} |",
+            m.len(),
+            m.iter().map(|x| x.failed).sum::<usize>(),
+            spread(&mut pick(&|x| x.ttft[0]), 1e3, 0, "ms"),
+            spread(&mut pick(&|x| x.ttft[2]), 1e3, 0, "ms"),
+            spread(&mut pick(&|x| x.e2e[0]), 1.0, 2, "s"),
+            spread(&mut pick(&|x| x.throughput), 1.0, 2, "req/s"),
+            spread(&mut pick(&|x| x.hit_rate), 100.0, 1, "%"),
+        );
+    }
+    Some(s)
+}
+
 /// One class's figures in one run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClassSummary {
@@ -526,103 +578,4 @@ fn format_seconds(t: f64) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::replay::Outcome;
-
-    fn outcome(ttft: f64, e2e: f64, status: Option<u16>) -> Outcome {
-        Outcome {
-            ok: status.is_none(),
-            ttft,
-            e2e,
-            prompt_tokens: 100,
-            cached_tokens: 50,
-            itl: vec![0.02, 0.04],
-            status,
-            error: status.map(|s| format!("{s}")),
-            class: None,
-        }
-    }
-
-    #[test]
-    fn goodput_counts_the_answers_within_both_objectives_and_refusals_are_counted_apart() {
-        let run = PolicyRun {
-            policy: "p".into(),
-            outcomes: vec![
-                outcome(1.0, 10.0, None),
-                outcome(3.0, 10.0, None),
-                outcome(1.0, 40.0, None),
-                outcome(0.0, 0.0, Some(503)),
-                outcome(0.0, 0.0, Some(500)),
-            ],
-            span: 10.0,
-            router: None,
-            live: None,
-            worker_requests: vec![1, 2],
-            fleet_hit_rate: None,
-            telemetry: None,
-        };
-        let m = summarise(&run, Slo::default());
-        assert_eq!((m.requests, m.failed, m.refused), (5, 2, 1));
-        assert!((m.goodput - 0.2).abs() < 1e-9, "{}", m.goodput);
-        let loose = Slo {
-            ttft: 5.0,
-            e2e: 60.0,
-        };
-        assert!((summarise(&run, loose).goodput - 0.6).abs() < 1e-9);
-        assert!((m.itl[0] - 0.03).abs() < 1e-6 && (m.itl[1] - 0.04).abs() < 1e-6);
-    }
-
-    #[test]
-    fn classes_are_summarised_apart_with_refusals_by_status() {
-        let marked = |class, ttft, status| Outcome {
-            class: Some(class),
-            ..outcome(ttft, 10.0, status)
-        };
-        let run = PolicyRun {
-            policy: "p".into(),
-            outcomes: vec![
-                marked("interactive", 1.0, None),
-                marked("interactive", 0.0, Some(429)),
-                marked("batch", 3.0, None),
-                marked("batch", 1.0, None),
-                marked("batch", 0.0, Some(503)),
-                marked("batch", 0.0, Some(500)),
-            ],
-            span: 10.0,
-            router: None,
-            live: None,
-            worker_requests: vec![],
-            fleet_hit_rate: None,
-            telemetry: None,
-        };
-        let c = by_class(&run, Slo::default());
-        assert_eq!(c.len(), 2);
-        let (batch, interactive) = (&c[0], &c[1]);
-        assert_eq!(
-            (
-                interactive.requests,
-                interactive.refused_429,
-                interactive.refused_503
-            ),
-            (2, 1, 0)
-        );
-        assert!((interactive.goodput - 0.5).abs() < 1e-9);
-        assert_eq!((batch.requests, batch.refused_503, batch.failed), (4, 1, 1));
-        assert!((batch.goodput - 0.25).abs() < 1e-9);
-        assert!((batch.ttft[0] - 2.0).abs() < 1e-9, "{:?}", batch.ttft);
-        assert!(
-            class_table(std::slice::from_ref(&run), Slo::default())
-                .unwrap()
-                .contains("| p | interactive | 2 | 50.0 % | 1 | 0 | 0 |")
-        );
-        // Reasons: the answer's error code where it has one, else its status.
-        let mut run = run;
-        run.outcomes[1].error =
-            Some(r#"429 Too Many Requests: {"error":{"code":"tenant_over_share"}}"#.into());
-        assert_eq!(
-            refusal_reasons(&run),
-            vec![("503".to_string(), 1), ("tenant_over_share".to_string(), 1)]
-        );
-    }
-}
+mod tests;

