@@ -401,6 +401,8 @@ struct Answer {
     dones: usize,
     /// Chunks that carried token IDs and no text.
     empty_chunks: usize,
+    /// Chunks that carried token IDs.
+    chunks: usize,
 }
 
 fn answer(events: &[String]) -> Answer {
@@ -411,6 +413,7 @@ fn answer(events: &[String]) -> Answer {
         completion_tokens: 0,
         dones: 0,
         empty_chunks: 0,
+        chunks: 0,
     };
     for e in events {
         if e == "[DONE]" {
@@ -425,6 +428,7 @@ fn answer(events: &[String]) -> Answer {
             }
             if let Some(ids) = choice["token_ids"].as_array() {
                 a.ids.extend(ids.iter().map(|i| i.as_u64().unwrap()));
+                a.chunks += usize::from(!ids.is_empty());
                 if !ids.is_empty() && choice["delta"]["content"] == "" {
                     a.empty_chunks += 1;
                 }
@@ -470,11 +474,18 @@ async fn migration_without_max_tokens(c: &HttpClient, url: &str, a: &mut Vllm, b
             body["continue_final_message"] = json!(true);
             body["add_generation_prompt"] = json!(false);
             body["return_token_ids"] = json!(true);
+            // Three tokens a chunk after the first (speculative decoding's shape): the
+            // continuation must count them by their IDs.
+            body["stream_interval"] = json!(3);
         }
         let reference = answer(&stream(c, url, &body, usize::MAX, || {}).await);
         if token_level {
             assert!(reference.empty_chunks > 0, "a token streamed with no text");
             assert_eq!(reference.ids.len() as u64, reference.completion_tokens);
+            assert!(
+                reference.ids.len() > 2 * reference.chunks,
+                "several tokens a chunk"
+            );
         }
         let engines = [a.url(), b.url()];
         // Which engine runs it, once it streams: the router's in-flight count says.

@@ -27,7 +27,7 @@ fn main() {
         let worker = MockWorker::bind(
             MockWorkerConfig {
                 model: "mock".into(),
-                engine: EngineConfig { block_size: 16, kv_blocks: 1 << 16, max_batch: 256, speedup: 1.0, max_batched_tokens: 0, max_model_len: None, eos_period: 0, timing: zero },
+                engine: EngineConfig { block_size: 16, kv_blocks: 1 << 16, max_batch: 256, speedup: 1.0, max_batched_tokens: 0, max_model_len: None, eos_period: 0, stream_interval: 1, timing: zero },
                 hash_seed: 0,
                 fault: FaultConfig::NONE,
                 tokenizer: None,

@@ -105,6 +105,10 @@ pub async fn observe(c: &HttpClient, base: &str, model: &str) -> Value {
         .unwrap()
         .extend(s.as_object().unwrap().clone());
     let comp_stream = streamed(comp, comp_url.clone()).await;
+    // Several tokens a chunk (vLLM's `stream_interval`, as with speculative decoding):
+    // the first token alone, then three at a time, the rest with the finish.
+    let batched = json!({"model": model, "prompt": "Hello there", "max_tokens": 8, "stream": true, "return_token_ids": true, "stream_interval": 3});
+    let batched_stream = streamed(batched, comp_url.clone()).await;
     let mut plain = chat_body(json!({"max_tokens": 2, "stream": true}));
     plain["temperature"] = json!(0);
     let plain_stream = streamed(plain, chat_url.clone()).await;
@@ -122,13 +126,16 @@ pub async fn observe(c: &HttpClient, base: &str, model: &str) -> Value {
         "prompt_over_context": status(json!({"model": model, "prompt": long}), comp_url.clone()).await,
         "min_over_max": status(json!({"model": model, "prompt": "x", "max_tokens": 1, "min_tokens": 5}), comp_url.clone()).await,
         "max_tokens_zero": status(json!({"model": model, "prompt": "x", "max_tokens": 0}), comp_url.clone()).await,
+        "stream_interval_zero": status(json!({"model": model, "prompt": "x", "stream_interval": 0}), comp_url.clone()).await,
         "unknown_model": status(json!({"model": "nope", "prompt": "x"}), comp_url.clone()).await[0],
     });
     // The prefix cache: a prompt of 2.5 blocks twice; the second finds 2 blocks.
     let ids: Vec<u32> = (0..BLOCK * 5 / 2).map(|i| 1000 + i * 7).collect();
     let prompt = json!({"model": model, "prompt": ids, "max_tokens": 1});
+    let before = counters(c, base).await;
     let (_, first, _) = post_json(c, &comp_url, &prompt).await;
     let (_, second, _) = post_json(c, &comp_url, &prompt).await;
+    let after = counters(c, base).await;
     json!({
         "models": {"max_model_len": m["max_model_len"], "owned_by": m["owned_by"]},
         "chat_default": {
@@ -140,7 +147,30 @@ pub async fn observe(c: &HttpClient, base: &str, model: &str) -> Value {
         "chat_stream": shapes(&chat_stream),
         "completion_stream": shapes(&comp_stream),
         "plain_chat_stream": shapes(&plain_stream),
+        "several_tokens_a_chunk": shapes(&batched_stream),
         "errors": errors,
         "cache": [first["usage"]["prompt_tokens_details"]["cached_tokens"], second["usage"]["prompt_tokens_details"]["cached_tokens"]],
+        // The engine's own prefix-cache counters over the two (tokens queried, hit) and
+        // its finished requests: what a benchmark reads instead of the answers' usage.
+        "counters": [after[0] - before[0], after[1] - before[1], after[2] - before[2]],
     })
+}
+
+/// `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total` and
+/// `vllm:request_success_total` from `base`'s `/metrics`, each summed over its series.
+async fn counters(c: &HttpClient, base: &str) -> [f64; 3] {
+    let (_, page) = http::get(c, &format!("{base}/metrics")).await;
+    let page = String::from_utf8_lossy(&page);
+    let mut out = [0.0; 3];
+    for line in page.lines().filter(|l| !l.starts_with('#')) {
+        let name = line.split(['{', ' ']).next().unwrap_or("");
+        let k = match name {
+            "vllm:prefix_cache_queries_total" => 0,
+            "vllm:prefix_cache_hits_total" => 1,
+            "vllm:request_success_total" => 2,
+            _ => continue,
+        };
+        out[k] += line.rsplit(' ').next().unwrap().parse::<f64>().unwrap();
+    }
+    out
 }

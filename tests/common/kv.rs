@@ -51,6 +51,7 @@ pub fn mock_worker_config(kv_blocks: usize) -> MockWorkerConfig {
             max_batched_tokens: DEFAULT_MAX_BATCHED_TOKENS,
             max_model_len: None,
             eos_period: 0,
+            stream_interval: 1,
             timing: TimingModel::default(),
         },
         hash_seed: 0,

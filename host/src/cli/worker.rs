@@ -61,6 +61,10 @@ pub struct MockWorkerArgs {
     /// (an answer runs to its limit).
     #[arg(long, default_value_t = 0)]
     pub eos_period: u32,
+    /// Tokens per streamed chunk (vLLM's `--stream-interval`): the first token alone,
+    /// then a chunk every this many tokens, and the rest with the finish.
+    #[arg(long, default_value_t = 1)]
+    pub stream_interval: u32,
     /// Run simulated time this many times faster.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
@@ -191,6 +195,7 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
             max_batched_tokens: args.max_num_batched_tokens,
             max_model_len: args.max_model_len,
             eos_period: args.eos_period,
+            stream_interval: args.stream_interval.max(1),
             timing: TimingModel {
                 prefill_us_per_token: args.prefill_us_per_token,
                 decode_base_us: args.decode_base_us,

@@ -82,6 +82,10 @@ pub struct EngineConfig {
     /// continued from a cut. 0: never, as with vLLM's `ignore_eos` (an answer runs to
     /// its limit).
     pub eos_period: u32,
+    /// Tokens per streamed chunk, as vLLM's `--stream-interval`: the first token goes
+    /// alone, then a chunk every this many tokens and one at the end (1: a chunk per
+    /// token; above 1, chunks carry several tokens, as with speculative decoding).
+    pub stream_interval: u32,
 }
 
 /// vLLM's default token budget for its OpenAI server on an H100-class GPU
@@ -518,6 +522,7 @@ mod tests {
             max_batched_tokens,
             max_model_len: None,
             eos_period: 0,
+            stream_interval: 1,
             timing: TimingModel::default(),
         })
     }

@@ -19,8 +19,11 @@ use super::pd::{self, Leg};
 use super::reply::{error, json_response, read_body};
 use super::{Body, Fault, Shared};
 
-/// The words the mock generates, one per token, in this order.
-const WORDS: [&str; 8] = [
+/// The text of each token the mock generates, in this order. The last two spell "é " as a
+/// byte-level tokenizer does: the first is a lone byte of the character, with no text of
+/// its own until the next completes it, so its chunk carries no text (vLLM streams it
+/// anyway, with its token ID; its text arrives with the next).
+const WORDS: [&str; 10] = [
     "lorem ",
     "ipsum ",
     "dolor ",
@@ -29,6 +32,8 @@ const WORDS: [&str; 8] = [
     "consectetur ",
     "adipiscing ",
     "elit ",
+    "",
+    "é ",
 ];
 
 /// Generated token `i`'s text when the first is word `first` ([`first_word`]).
@@ -36,7 +41,7 @@ pub(super) fn filler(first: u32, i: u32) -> &'static str {
     WORDS[(first as usize + i as usize) % WORDS.len()]
 }
 
-/// The token ID the mock reports for word `k` of [`WORDS`] (`return_token_ids`): eight
+/// The token ID the mock reports for word `k` of [`WORDS`] (`return_token_ids`): ten
 /// IDs of its own at the top of the built-in vocabulary.
 const WORD_ID_BASE: u32 = switchyard_tokens::BUILTIN_VOCAB - WORDS.len() as u32;
 
@@ -53,7 +58,7 @@ fn word_id(first: u32, i: u32) -> u32 {
 pub(super) fn first_word(text: Option<&str>, tokens: &[u32]) -> u32 {
     let hash = match text {
         Some(t) => {
-            if let Some(k) = WORDS.iter().position(|w| t.ends_with(w)) {
+            if let Some(k) = WORDS.iter().position(|w| !w.is_empty() && t.ends_with(w)) {
                 return k as u32 + 1;
             }
             xxhash_rust::xxh3::xxh3_64(t.as_bytes())
@@ -119,6 +124,19 @@ pub(super) async fn completion(
             Some("model"),
         );
     }
+    // vLLM's per-request `stream_interval`, at least the engine's own.
+    let interval = match requested_interval(&body) {
+        Ok(n) => n.max(shared.engine.config().stream_interval).max(1) as usize,
+        Err(m) => {
+            // vLLM's answer to a field its request model refuses.
+            return error(
+                StatusCode::BAD_REQUEST,
+                &m,
+                "Bad Request",
+                Some("body.stream_interval"),
+            );
+        }
+    };
     // A vLLM prefill keeps its KV under the request's ID.
     let leg = match pd::leg(&shared.pd, &body, || {
         pd::request_id(request_id.as_deref(), fresh_id)
@@ -402,8 +420,9 @@ pub(super) async fn completion(
     }
     tokio::spawn(async move {
         // vLLM's stream: a chat opens with the role and empty content; every token has a
-        // chunk of its own, the last carrying the finish reason; then the usage asked
-        // for, with no choices; then `[DONE]`.
+        // chunk of its own (also one with no text: a lone byte of a character), the last
+        // carrying the finish reason; then the usage asked for, with no choices; then
+        // `[DONE]`.
         let object = if api == Api::Chat {
             "chat.completion.chunk"
         } else {
@@ -412,6 +431,10 @@ pub(super) async fn completion(
         let event = |v: serde_json::Value| format!("data: {v}\n\n");
         let chunk = |choice: serde_json::Value| json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]});
         let mut n = 0u32;
+        // vLLM's `--stream-interval`: the first token alone, then every `interval`
+        // tokens, and what is left with the finish.
+        let (mut pending_text, mut pending_ids) = (String::new(), Vec::new());
+        let mut opening = true;
         while let Some(o) = out.recv().await {
             let bytes = match o {
                 Output::Token(i) => {
@@ -431,24 +454,32 @@ pub(super) async fn completion(
                         return;
                     }
                     n += 1;
-                    let finish = (i + 1 >= max_tokens).then(|| finish_reason(stops));
+                    pending_text.push_str(filler(first, i));
+                    pending_ids.push(word_id(first, i));
+                    let last = i + 1 >= max_tokens;
+                    if !(opening || pending_ids.len() >= interval || last) {
+                        continue;
+                    }
+                    let finish = last.then(|| finish_reason(stops));
+                    let text = std::mem::take(&mut pending_text);
+                    let ids = std::mem::take(&mut pending_ids);
                     let mut choice = match api {
                         Api::Chat => {
-                            json!({"index": 0, "delta": {"content": filler(first, i)}, "logprobs": null, "finish_reason": finish})
+                            json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish})
                         }
                         Api::Completions => {
-                            json!({"index": 0, "text": filler(first, i), "logprobs": null, "finish_reason": finish})
+                            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
                         }
                     };
                     let mut out = String::new();
                     if let Some(p) = &mut prompt_ids {
-                        choice["token_ids"] = json!([word_id(first, i)]);
-                        if i == 0 && api == Api::Completions {
+                        choice["token_ids"] = json!(ids);
+                        if opening && api == Api::Completions {
                             // Where vLLM puts them: the completion's first choice.
                             choice["prompt_token_ids"] = json!(std::mem::take(p));
                         }
                     }
-                    if i == 0 && api == Api::Chat {
+                    if opening && api == Api::Chat {
                         let mut open = chunk(
                             json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
                         );
@@ -458,6 +489,7 @@ pub(super) async fn completion(
                         }
                         out.push_str(&event(open));
                     }
+                    opening = false;
                     out.push_str(&event(chunk(choice)));
                     Bytes::from(out)
                 }
@@ -485,6 +517,30 @@ pub(super) async fn completion(
         .header("cache-control", "no-cache")
         .body(StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed())
         .expect("valid response")
+}
+
+/// The request's `stream_interval` (vLLM's sampling parameter: tokens per chunk), 0 when
+/// it names none.
+fn requested_interval(body: &[u8]) -> Result<u32, String> {
+    #[derive(serde::Deserialize)]
+    struct Fields {
+        stream_interval: Option<serde_json::Value>,
+    }
+    let Ok(Fields {
+        stream_interval: Some(v),
+    }) = serde_json::from_slice::<Fields>(body)
+    else {
+        return Ok(0);
+    };
+    if v.is_null() {
+        return Ok(0);
+    }
+    match v.as_i64() {
+        Some(n) if n >= 1 => Ok(u32::try_from(n).unwrap_or(u32::MAX)),
+        _ => Err(format!(
+            "1 validation error:\n  body.stream_interval: Input should be greater than or equal to 1, got {v}"
+        )),
+    }
 }
 
 /// The `finish_reason` of an answer that ended by the model's end-of-sequence token

@@ -11,7 +11,8 @@
 //! | `GET /v1/models` | the one model served |
 //! | `GET /health` | 200 when serving; 503 while a fault is active |
 //! | `GET /v1/kv_events` | the KV event stream (`docs/kv-events.md`) |
-//! | `GET /metrics` | load in vLLM's Prometheus names (`vllm:num_requests_running`, …) |
+//! | `GET /metrics` | load and counters in vLLM's Prometheus names (`vllm:num_requests_running`, `vllm:prefix_cache_hits_total`, …) |
+//! | `POST /reset_prefix_cache` | vLLM's (its dev mode): the cache emptied, `{"success": false}` while requests run |
 //! | `GET /stats` | the engine's step accounting |
 //! | `GET /get_server_info`, `/server_info` | model, KV block size (`page_size`, `block_size`), cache size, batch limit |
 //! | `GET /get_model_info`, `/model_info`, `/version` | what routers probe at start |

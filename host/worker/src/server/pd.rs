@@ -625,6 +625,7 @@ mod tests {
             max_batched_tokens: crate::engine::DEFAULT_MAX_BATCHED_TOKENS,
             max_model_len: None,
             eos_period: 0,
+            stream_interval: 1,
             timing: crate::engine::TimingModel::default(),
         })
     }

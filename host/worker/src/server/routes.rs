@@ -58,6 +58,7 @@ pub(super) async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
         (&Method::GET, "/v1/kv_events") => kv_events(&shared),
         (&Method::GET, path) if path.starts_with("/handoff/") => handoff(&shared, &req).await,
         (&Method::GET, "/metrics") => engine_metrics(&shared),
+        (&Method::POST, "/reset_prefix_cache") => reset_prefix_cache(&shared),
         (&Method::GET, "/get_server_info" | "/server_info") => {
             json_response(StatusCode::OK, server_info(&shared))
         }
@@ -342,6 +343,9 @@ pub(super) fn engine_metrics(shared: &Shared) -> Response<Body> {
          # HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n\
          # TYPE vllm:prefix_cache_hits_total counter\n\
          vllm:prefix_cache_hits_total{{engine=\"0\",model_name=\"{m}\"}} {}\n\
+         # HELP vllm:request_success_total Count of successfully processed requests.\n\
+         # TYPE vllm:request_success_total counter\n\
+         vllm:request_success_total{{engine=\"0\",model_name=\"{m}\"}} {}\n\
          # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
          # TYPE vllm:cache_config_info gauge\n\
          vllm:cache_config_info{{block_size=\"{}\",engine=\"0\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"True\"}} 1.0\n",
@@ -349,10 +353,23 @@ pub(super) fn engine_metrics(shared: &Shared) -> Response<Body> {
         s.waiting,
         s.prefill_tokens.saturating_add(s.cached_tokens),
         s.cached_tokens,
+        s.finished,
         shared.hasher.block_size(),
         s.kv_total_blocks,
     );
     full(StatusCode::OK, "text/plain; version=0.0.4", page)
+}
+
+/// vLLM's `POST /reset_prefix_cache` (served in its dev mode): every cached block
+/// dropped, `{"success": false}` while requests run (vLLM refuses while blocks are held;
+/// callers retry).
+fn reset_prefix_cache(shared: &Shared) -> Response<Body> {
+    let s = shared.engine.stats();
+    let success = s.running == 0 && s.waiting == 0;
+    if success {
+        shared.engine.clear_cache();
+    }
+    json_response(StatusCode::OK, serde_json::json!({ "success": success }))
 }
 
 /// The KV event stream: snapshot, then every event, plus a load report each second.

@@ -24,13 +24,14 @@ use switchyard_tokens::openai::{self, Api, CompletionRequest, Prompt};
 
 use super::chunk::{self, Seen, token_ids};
 use super::forward::Outbound;
+use super::tokenize::BLOCKING_TOKENIZE_BYTES;
 use bodies::completion_chunk_as_chat;
 
 mod bodies;
 mod moving;
 
 pub use bodies::continuation_of;
-pub(super) use moving::{ContinueRequest, Moved, continue_stream};
+pub(super) use moving::{ContinueBody, ContinueRequest, Moved, continue_stream};
 
 /// The most answer text kept per stream to continue it (~250k tokens); a longer answer
 /// is relayed on, but not continued if it breaks.
@@ -163,6 +164,10 @@ pub(super) struct Migration {
     sent: u32,
     /// Tokens sent before the current worker's stream began.
     base: u32,
+    /// Of `sent`, the tokens since the last chunk with text: the first bytes of a
+    /// character, whose text the client has not got yet (a text-level continuation
+    /// generates them again).
+    textless: u32,
     head: Option<Head>,
     /// Why this stream can no longer be continued, once something made it so.
     blocked: Option<&'static str>,
@@ -246,6 +251,7 @@ impl Migration {
             text: String::new(),
             sent: 0,
             base: 0,
+            textless: 0,
             head: None,
             blocked: None,
             finished: false,
@@ -402,9 +408,13 @@ impl Migration {
             (Some(_), None) if tokens == 0 => {}
             _ => self.ids = None,
         }
-        self.sent = self
-            .sent
-            .saturating_add(u32::try_from(tokens).unwrap_or(u32::MAX));
+        let tokens = u32::try_from(tokens).unwrap_or(u32::MAX);
+        self.sent = self.sent.saturating_add(tokens);
+        if seen.piece.as_ref().is_some_and(|p| !p.is_empty()) {
+            self.textless = 0;
+        } else {
+            self.textless = self.textless.saturating_add(tokens);
+        }
         if let Some(p) = seen.piece.filter(|p| !p.is_empty()) {
             if self.text.len() + p.len() > MAX_KEPT_TEXT {
                 self.blocked = Some("the answer is longer than the router keeps to continue it");
@@ -517,6 +527,14 @@ impl Migration {
             .extra_prefill
             .saturating_add(std::mem::take(&mut self.segment_prefill));
         self.used += 1;
+        // At the text level the answer so far is its text: tokens that gave none yet (a
+        // character's first bytes) are generated again, so they are not counted as sent.
+        let token_level = self.prompt_ids.is_some()
+            && self.ids.is_some()
+            && (self.max_tokens.is_some() || self.context_len.is_some());
+        if !token_level {
+            self.sent = self.sent.saturating_sub(std::mem::take(&mut self.textless));
+        }
         self.base = self.sent;
         let left = self.left();
         if left == Some(0) {
@@ -530,12 +548,16 @@ impl Migration {
         };
         self.token_segment = tokens.is_some();
         let mut to = self.to.clone();
-        let body = match (&tokens, left) {
-            (Some(t), Some(left)) => {
-                to.path = "/v1/completions".into();
-                self.token_body(t, left)?
-            }
-            _ => self.continuation_body(left)?,
+        if tokens.is_some() {
+            to.path = "/v1/completions".into();
+        }
+        // Past 8 KiB the request is parsed and written again off the async workers, in
+        // the continuation's task.
+        let recipe = self.recipe(left);
+        let body = if self.body.len() > BLOCKING_TOKENIZE_BYTES {
+            ContinueBody::Deferred(Box::new(recipe))
+        } else {
+            ContinueBody::Ready(recipe.build(tokens.as_deref())?)
         };
         Ok(Next::Continue(Box::new(ContinueRequest {
             to,

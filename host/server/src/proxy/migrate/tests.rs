@@ -86,7 +86,7 @@ fn tokens_are_counted_from_their_ids_not_from_chunks_with_text() {
     let Ok(Next::Continue(req)) = m.prepare(InstanceId(1)) else {
         panic!("not continued");
     };
-    let v: Value = serde_json::from_slice(&req.body).unwrap();
+    let v: Value = serde_json::from_slice(&req.body_now()).unwrap();
     assert_eq!(v["prompt"], json!([1, 2, 3, 7, 195, 169, 8, 9]));
     assert_eq!(v["max_tokens"], 5);
     // Without IDs, a chunk is a token, text or not, but the role and a bare final
@@ -105,6 +105,40 @@ fn tokens_are_counted_from_their_ids_not_from_chunks_with_text() {
         ],
     );
     assert_eq!(m.sent, 3);
+}
+
+#[test]
+fn at_the_text_level_a_character_cut_in_half_is_generated_again_not_counted() {
+    // The stream broke after a token with no text (the first byte of "é"): the text
+    // continuation carries " a" and asks for 4 more tokens, not 3, since the engine
+    // generates that byte again; the client's usage then counts the answer once.
+    let mut m = chat(
+        r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":5,"stream":true}"#,
+    );
+    let bare = |t: &str| json!({"choices": [{"index": 0, "delta": {"content": t}}]}).to_string();
+    events(&mut m, &[&bare(" a"), &bare("")]);
+    assert_eq!(m.sent, 2);
+    let Ok(Next::Continue(req)) = m.prepare(InstanceId(1)) else {
+        panic!("not continued");
+    };
+    let v: Value = serde_json::from_slice(&req.body_now()).unwrap();
+    assert_eq!(v["max_tokens"], 4, "{v}");
+    assert_eq!(v["messages"][1]["content"], " a");
+    assert_eq!(m.sent, 1);
+    // With token IDs the continuation is exact: nothing is generated again.
+    let mut m = chat(
+        r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":5,"stream":true}"#,
+    );
+    events(
+        &mut m,
+        &[ROLE, &token(" a", &[7], None), &token("", &[195], None)],
+    );
+    let Ok(Next::Continue(req)) = m.prepare(InstanceId(1)) else {
+        panic!("not continued");
+    };
+    let v: Value = serde_json::from_slice(&req.body_now()).unwrap();
+    assert_eq!(v["max_tokens"], 3, "{v}");
+    assert_eq!(v["prompt"], json!([1, 2, 3, 7, 195]));
 }
 
 #[test]
@@ -132,7 +166,7 @@ fn a_chat_without_a_limit_is_continued_to_the_end_of_its_context() {
     let Ok(Next::Continue(req)) = m.prepare(InstanceId(1)) else {
         panic!("a chat past 16 tokens was ended, not continued");
     };
-    let v: Value = serde_json::from_slice(&req.body).unwrap();
+    let v: Value = serde_json::from_slice(&req.body_now()).unwrap();
     assert!(
         v.get("max_tokens").is_none() && v.get("max_completion_tokens").is_none(),
         "{v}"
