@@ -56,6 +56,10 @@ pub enum ApiError {
     /// deadline).
     #[error("{}", .0.message)]
     Shed(crate::queue::Shed),
+    /// The router's own fault (a task of its own panicked): neither the client's nor a
+    /// worker's.
+    #[error("the router failed: {0}")]
+    Internal(String),
 }
 
 impl ApiError {
@@ -72,6 +76,7 @@ impl ApiError {
             | ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ApiError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Shed(s) if s.reason == crate::queue::ShedReason::TenantShare => {
                 StatusCode::TOO_MANY_REQUESTS
@@ -123,6 +128,7 @@ impl ApiError {
             }
             ApiError::Upstream(_) => ("server_error", None, Some("upstream_error")),
             ApiError::UpstreamTimeout(_) => ("server_error", None, Some("upstream_timeout")),
+            ApiError::Internal(_) => ("server_error", None, Some("internal_error")),
             ApiError::Unauthorized(_) => ("authentication_error", None, Some("invalid_api_key")),
             ApiError::NotFound(_) => ("invalid_request_error", None, Some("not_found")),
             ApiError::Refused(_) => ("invalid_request_error", None, Some("refused")),
@@ -153,5 +159,62 @@ impl ApiError {
                 .boxed(),
             )
             .expect("valid response")
+    }
+}
+
+/// `f` on a blocking thread, off the async workers; its panic is the router's own fault
+/// (500), not a worker's.
+pub(crate) async fn off_thread<T: Send + 'static>(
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal(format!("{what} failed: {e}")))
+}
+
+/// `f` off the async workers when `large` (a request body past 8 KiB parsed or written
+/// again), else here.
+pub(crate) async fn off_thread_if<T: Send + 'static>(
+    large: bool,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    if large {
+        off_thread(what, f).await
+    } else {
+        Ok(f())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panic_off_the_async_threads_is_the_routers_own_500() {
+        let ok = off_thread("adding", || 2 + 2).await.unwrap();
+        assert_eq!(ok, 4);
+        let err = off_thread("the request parser", || -> u32 { panic!("a bug") })
+            .await
+            .unwrap_err();
+        assert_eq!(err.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = err
+            .response()
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["code"], "internal_error", "{v}");
+        assert_eq!(v["error"]["type"], "server_error", "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("the router failed: the request parser failed"),
+            "{v}"
+        );
     }
 }

@@ -23,16 +23,22 @@
 //! booking is released on every path: end, failure, retry, stall, client gone, and
 //! moves with a migrated stream.
 //!
-//! - this module: the attempts and their failover (`completion`);
+//! - this module: a completion's stages (`completion`), and each failed attempt settled;
+//! - `prepare`: the request parsed, tokenized and hashed on its model's router, then
+//!   admitted by the overload queue;
+//! - `attempt`: the attempts: placed, booked, both legs of a split sent, the answer
+//!   relayed or the failure settled;
 //! - `tokenize`: prompts to token IDs, off the async threads when long;
 //! - `forward`: one attempt on one worker, its failure classified;
 //! - `relay`: the answer streamed to the client, the booking kept and released;
 //! - `migrate`: a broken stream continued on another worker.
 
+mod attempt;
 mod chunk;
 mod forward;
 mod handoff;
 mod migrate;
+mod prepare;
 mod relay;
 mod split;
 mod tokenize;
@@ -57,17 +63,14 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Response;
 use hyper::body::Incoming;
-use hyper::header::{ACCEPT, AUTHORIZATION};
 
 use crate::{ApiError, Body, Gateway};
 use switchyard_ids::{InstanceId, RequestId};
 use switchyard_router::client::Client;
-use switchyard_router::{KvRouter, Placing, RouteError};
-use switchyard_tokens::openai::{self, Api};
+use switchyard_router::{KvRouter, RouteError};
+use switchyard_tokens::openai::Api;
 
 use forward::{forward, set_retry_after};
-use relay::Relay;
-use tokenize::BLOCKING_TOKENIZE_BYTES;
 
 /// Releases a request's load booking when dropped.
 pub(super) struct Booking {
@@ -138,7 +141,9 @@ pub(super) struct Attempts {
     pub(super) reconnects: u32,
 }
 
-/// Routes and forwards a completion whose body has been read whole (`super::body`).
+/// Routes and forwards a completion whose body has been read whole (`super::body`), in
+/// three stages: the request prepared (`prepare`), admitted by the overload queue
+/// (`admit`), then its attempts (`attempt`).
 pub(crate) async fn completion(
     gw: &Arc<Gateway>,
     api: Api,
@@ -146,360 +151,9 @@ pub(crate) async fn completion(
     body: Bytes,
     request_started: Instant,
 ) -> Result<Response<Body>, ApiError> {
-    let path = req.uri.path().to_string();
-    let accept = req.headers.get(ACCEPT).cloned();
-    // Kept only for endpoints whose workers may see clients' credentials.
-    let auth = req.headers.get(AUTHORIZATION).cloned();
-    let parsed = if body.len() > BLOCKING_TOKENIZE_BYTES {
-        // A large body is parsed off the async workers.
-        let b = body.clone();
-        tokio::task::spawn_blocking(move || openai::parse(api, &b))
-            .await
-            .map_err(|e| ApiError::Upstream(format!("the request parser failed: {e}")))?
-    } else {
-        openai::parse(api, &body)
-    }
-    .map_err(ApiError::BadRequest)?;
-    let router = gw.fleet.router_for_model(&parsed.model).ok_or_else(|| {
-        if gw.fleet.model_known(&parsed.model) {
-            ApiError::ModelUnavailable(parsed.model.clone())
-        } else {
-            ApiError::UnknownModel(parsed.model.clone())
-        }
-    })?;
-    let headers = forward::Outbound {
-        accept,
-        auth: auth.filter(|_| router.forwards_authorization()),
-        request_id: None,
-    };
-    let tokens = tokenize(gw, &parsed.prompt, parsed.continue_final_message).await?;
-    // Refused before anything is booked or predicted: a prompt no worker can take must
-    // not cost the router its locks or its prediction budget.
-    let context = router
-        .context_len()
-        .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
-    if tokens.len() > gw.config.max_prompt_tokens.min(context) {
-        let limit = if context < gw.config.max_prompt_tokens {
-            format!("the model's context is {context} tokens (its workers' max_model_len)")
-        } else {
-            format!(
-                "this router takes at most {} (--max-prompt-tokens)",
-                gw.config.max_prompt_tokens
-            )
-        };
-        return Err(ApiError::BadRequest(openai::BadRequest {
-            message: format!("the prompt has {} tokens; {limit}", tokens.len()),
-            param: Some(
-                if api == Api::Chat {
-                    "messages"
-                } else {
-                    "prompt"
-                }
-                .into(),
-            ),
-        }));
-    }
-    let session_key = parsed
-        .user
-        .as_deref()
-        .map(|u| xxhash_rust::xxh3::xxh3_64(u.as_bytes()));
-    let hashes = router
-        .hasher()
-        .salted_hashes(&tokens, parsed.cache_salt.as_deref());
-    let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
-    // A stream's first bytes come at its first token; a plain answer's only at its end.
-    let limit = if parsed.stream {
-        gw.config.first_byte_timeout
-    } else {
-        gw.config.request_timeout
-    };
-    let client = router.client().clone();
-    let endpoint = router.endpoint().to_string();
-
-    // Past the fleet's capacity the request waits in the router's queue, and is placed
-    // when a worker has room (`crate::queue`).
-    let mut queued: Option<switchyard_router::Routed> = None;
-    if let Some(queue) = gw.queue_for(&router) {
-        let who = gw
-            .config
-            .overload
-            .identify(&req.headers, gw.config.request_timeout)
-            .map_err(|message| {
-                ApiError::BadRequest(openai::BadRequest {
-                    message,
-                    param: None,
-                })
-            })?;
-        let job = crate::queue::Job {
-            prompt_tokens,
-            hashes: hashes.clone(),
-            session_key,
-        };
-        use crate::queue::{Admission, Outcome};
-        let outcome = match queue.admit(&who, job, body.len()) {
-            Admission::Now(outcome) => outcome,
-            Admission::Queued(ticket) => ticket.wait().await,
-        };
-        match outcome {
-            Outcome::Placed(p) => queued = Some(p.take()),
-            Outcome::Route => {}
-            Outcome::Shed(s) => return Err(ApiError::Shed(s)),
-        }
-    }
-
-    let mut a = Attempts::default();
-    let mut attempt = 0;
-    // vLLM's handoff: a prefill done, and the decode request carrying it (with the
-    // split's request ID), kept for the next decode worker when one fails before its
-    // first byte.
-    let mut kept: Option<(Bytes, forward::Outbound)> = None;
-    while attempt < gw.config.max_attempts.max(1) {
-        let placing = if kept.is_some() {
-            Placing::Decode
-        } else {
-            Placing::Any
-        };
-        let placed = match queued.take() {
-            Some(r) => Ok(r),
-            None => router.place(
-                prompt_tokens,
-                &hashes,
-                session_key,
-                &a.exclude,
-                Instant::now(),
-                placing,
-            ),
-        };
-        let routed = match placed {
-            Ok(r) => {
-                gw.metrics
-                    .timings
-                    .decision(&endpoint, r.decision_time, r.decision.call_time);
-                r
-            }
-            Err(_) if kept.is_some() => {
-                // No decode worker is left for the prefill kept: place it anew.
-                kept = None;
-                continue;
-            }
-            // A retry the policy refuses is refused for the workers it left out (a split
-            // fleet with its only decode worker excluded): the client hears what failed.
-            Err(e @ RouteError::Rejected(_)) if attempt == 0 => return Err(e.into()),
-            Err(e) => return give_up(&client, a, Some(e)),
-        };
-        if attempt > 0 {
-            gw.metrics.retries.fetch_add(1, Ordering::Relaxed);
-        }
-        attempt += 1;
-        let this = Attempt {
-            stream: parsed.stream,
-            limit,
-            number: attempt,
-        };
-        let booking = Booking {
-            router: router.clone(),
-            request: routed.request,
-        };
-        let worker = routed.worker;
-        let Some(instance) = client.instance(worker) else {
-            a.exclude.push(worker);
-            continue;
-        };
-        // A split request's prefill leg: done first (vLLM), or running beside the
-        // decode leg (SGLang).
-        let mut beside = None;
-        let (send_body, send_headers) = match routed.prefill {
-            None => kept
-                .clone()
-                .unwrap_or_else(|| (body.clone(), headers.clone())),
-            Some(leg) => {
-                let prefill_booking = Booking {
-                    router: router.clone(),
-                    request: leg.request,
-                };
-                let Some(p) = client.instance(leg.worker) else {
-                    a.exclude.push(leg.worker);
-                    continue;
-                };
-                gw.metrics.splits.fetch_add(1, Ordering::Relaxed);
-                match handoff::Protocol::of(&p) {
-                    handoff::Protocol::Vllm => {
-                        // One request ID for both legs, as vLLM's own proxy sends.
-                        let both = headers.with_fresh_id();
-                        match split::vllm_prefill(gw, &p.url, &path, &both, &body).await {
-                            Ok(decode_body) => {
-                                client.record_success(leg.worker);
-                                kept = Some((decode_body.clone(), both.clone()));
-                                (decode_body, both)
-                            }
-                            Err(split::LegEnd::Refused(ans)) => return Ok(answer(ans)),
-                            Err(split::LegEnd::Failed(f)) => {
-                                drop(booking);
-                                drop(prefill_booking);
-                                let failed = Failed {
-                                    worker: leg.worker,
-                                    url: &p.url,
-                                    attempt: this,
-                                    prefill: true,
-                                };
-                                match settle(gw, &router, &mut a, failed, f) {
-                                    Some(done) => return done,
-                                    None => continue,
-                                }
-                            }
-                        }
-                    }
-                    handoff::Protocol::Sglang { host, port } => {
-                        let both = handoff::sglang_body(&body, &host, port, handoff::fresh_room())
-                            .map_err(|m| {
-                                ApiError::BadRequest(openai::BadRequest {
-                                    message: m,
-                                    param: None,
-                                })
-                            })?;
-                        let task = tokio::spawn(split::prefill_beside(
-                            gw.clone(),
-                            p.url.clone(),
-                            path.clone(),
-                            headers.clone(),
-                            both.clone(),
-                            gw.config.request_timeout,
-                            prefill_booking,
-                        ));
-                        beside = Some((leg.worker, p.url.clone(), task));
-                        (both, headers.clone())
-                    }
-                }
-            }
-        };
-        let send = || {
-            forward(
-                gw,
-                &instance.url,
-                &path,
-                &send_headers,
-                send_body.clone(),
-                limit,
-            )
-        };
-        // The prefill leg beside has answered (its task is done and not polled again).
-        let mut prefill_answered = false;
-        let mut sent = match &mut beside {
-            None => send().await,
-            Some((pw, purl, task)) => {
-                // The decode worker waits for its prefill: a prefill leg that fails
-                // first ends the wait, and both legs are placed again.
-                let decode = send();
-                tokio::pin!(decode);
-                tokio::select! {
-                    s = &mut decode => s,
-                    r = &mut *task => match r {
-                        Ok(Ok(())) => {
-                            prefill_answered = true;
-                            decode.await
-                        }
-                        Ok(Err(split::LegEnd::Refused(ans))) => return Ok(answer(ans)),
-                        Ok(Err(split::LegEnd::Failed(f))) => {
-                            drop(booking);
-                            let failed = Failed {
-                                worker: *pw,
-                                url: purl,
-                                attempt: this,
-                                prefill: true,
-                            };
-                            match settle(gw, &router, &mut a, failed, f) {
-                                Some(done) => return done,
-                                None => continue,
-                            }
-                        }
-                        Err(e) => Err(Failure::Local(format!("the prefill leg ended: {e}"))),
-                    },
-                }
-            }
-        };
-        if gw.config.outlier_detection
-            && a.reconnects == 0
-            && let Err(closed @ Failure::Closed(_)) = &sent
-        {
-            // Once, on a fresh connection, to the same worker with the same booking
-            // (its prefix is there), not counted against it.
-            a.reconnects += 1;
-            count_failed_attempt(gw, &router, worker, &instance.url, closed, attempt);
-            sent = send().await;
-        }
-        let failure = match sent {
-            Ok(Forwarded::Ok(parts, first, rest)) => {
-                gw.metrics
-                    .timings
-                    .first_byte(&endpoint, request_started.elapsed());
-                router.prefill_done(routed.request);
-                client.record_success(worker);
-                // Served here: the earlier 5xx answers were those workers' own faults.
-                for (w, reason) in a.pending.drain(..) {
-                    client.record_failure(w, &reason);
-                }
-                let migration = migrate::Migration::new(
-                    gw,
-                    api,
-                    migrate::Resend::new(&path, &headers, &parsed, session_key),
-                    &body,
-                    &parsed,
-                    prompt_tokens,
-                    router
-                        .context_len()
-                        .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
-                );
-                let relay = Relay {
-                    gw: gw.clone(),
-                    client: client.clone(),
-                    worker,
-                    router: router.clone(),
-                    booking: Some(booking),
-                    started: request_started,
-                    endpoint: endpoint.clone(),
-                    predicted_blocks: routed.overlap_blocks,
-                    migration,
-                };
-                return Ok(relay.stream(parts, first, rest));
-            }
-            Ok(Forwarded::ClientError((parts, bytes))) => {
-                // The request's own fault, so any earlier 5xx most likely was too.
-                client.record_success(worker);
-                return Ok(answer((parts, bytes)));
-            }
-            Err(f) => f,
-        };
-        drop(booking);
-        if let Some((pw, purl, mut task)) = beside.filter(|_| !prefill_answered) {
-            // A decode worker fails when its prefill worker does (the KV never comes):
-            // a prefill leg that failed too, or fails within a moment, is the cause.
-            let prefill = tokio::time::timeout(PREFILL_VERDICT, &mut task).await;
-            // A room serves one handoff: the next attempt runs both legs again.
-            task.abort();
-            if let Ok(Ok(Err(split::LegEnd::Failed(f)))) = prefill {
-                let failed = Failed {
-                    worker: pw,
-                    url: &purl,
-                    attempt: this,
-                    prefill: true,
-                };
-                match settle(gw, &router, &mut a, failed, f) {
-                    Some(done) => return done,
-                    None => continue,
-                }
-            }
-        }
-        let failed = Failed {
-            worker,
-            url: &instance.url,
-            attempt: this,
-            prefill: false,
-        };
-        if let Some(done) = settle(gw, &router, &mut a, failed, failure) {
-            return done;
-        }
-    }
-    give_up(&client, a, None)
+    let prepared = prepare::prepare(gw, api, req, &body).await?;
+    let queued = prepare::admit(gw, &req.headers, &prepared, body.len()).await?;
+    attempt::attempts(gw, &prepared, body, queued, request_started).await
 }
 
 /// How long a failed decode leg waits to hear whether its prefill leg failed first

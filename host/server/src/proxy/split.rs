@@ -12,6 +12,7 @@ use crate::Gateway;
 
 use super::forward::{Outbound, forward};
 use super::handoff::{self, MAX_PREFILL_ANSWER};
+use super::tokenize::BLOCKING_TOKENIZE_BYTES;
 use super::{Answer, Booking, Failure, Forwarded};
 
 /// How a prefill leg ended, when not with its handoff.
@@ -21,6 +22,8 @@ pub(super) enum LegEnd {
     Refused(Answer),
     /// The leg failed: the worker's fault or not, as [`Failure`] says.
     Failed(Failure),
+    /// The router's own fault (its body builder panicked): the client's 500.
+    Router(crate::ApiError),
 }
 
 /// A 502 answer naming what the prefill worker did wrong (counted like a 5xx: against
@@ -43,10 +46,20 @@ pub(super) async fn vllm_prefill(
     base: &str,
     path: &str,
     headers: &Outbound,
-    body: &[u8],
+    body: &Bytes,
 ) -> Result<Bytes, LegEnd> {
-    let body = handoff::object(body).map_err(|e| LegEnd::Failed(bad_answer(e)))?;
-    let request = handoff::vllm_prefill_body(&body);
+    // The client's request parsed and written again: off the async workers past 8 KiB.
+    let large = body.len() > BLOCKING_TOKENIZE_BYTES;
+    let b = body.clone();
+    let (body, request) = crate::error::off_thread_if(large, "the prefill leg's body", move || {
+        handoff::object(&b).map(|o| {
+            let request = handoff::vllm_prefill_body(&o);
+            (o, request)
+        })
+    })
+    .await
+    .map_err(LegEnd::Router)?
+    .map_err(|e| LegEnd::Failed(bad_answer(e)))?;
     let limit = gw.config.request_timeout;
     let started = Instant::now();
     let to = headers.without_accept();
@@ -74,7 +87,11 @@ pub(super) async fn vllm_prefill(
     answer.extend_from_slice(&tail);
     let params = handoff::vllm_transfer_params(&answer)
         .map_err(|e| LegEnd::Failed(bad_answer(format!("prefill worker: {e}"))))?;
-    Ok(handoff::vllm_decode_body(body, params))
+    crate::error::off_thread_if(large, "the decode leg's body", move || {
+        handoff::vllm_decode_body(body, params)
+    })
+    .await
+    .map_err(LegEnd::Router)
 }
 
 /// SGLang's prefill leg, beside the decode leg: `Ok` once the prefill worker answers (it

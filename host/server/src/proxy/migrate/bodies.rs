@@ -8,12 +8,42 @@ use switchyard_tokens::openai::{self, Api};
 
 use super::{Migration, Resend};
 
-impl Migration {
+/// What a continuation's body is built from: the client's request, the answer so far
+/// and what is left of it. Built on the relay's thread for a small request, off the async
+/// workers for a large one (`ContinueBody::Deferred`: the whole request is parsed and
+/// written again).
+#[derive(Debug, Clone)]
+pub(in crate::proxy) struct BodyRecipe {
+    api: Api,
+    /// The client's request body.
+    body: Bytes,
+    /// The client's chat continues its own last message.
+    continue_final: bool,
+    /// That message's content as the client sent it.
+    last_message: Option<String>,
+    /// The answer so far.
+    text: String,
+    /// Tokens sent so far.
+    sent: u32,
+    /// Tokens still to generate (`None`: left to the engine's default).
+    left: Option<u32>,
+}
+
+impl BodyRecipe {
+    /// The body: a completion of `tokens` at the token level, else the client's request
+    /// with the answer so far appended.
+    pub(in crate::proxy) fn build(&self, tokens: Option<&[u32]>) -> Result<Bytes, String> {
+        match (tokens, self.left) {
+            (Some(t), Some(left)) => self.token_body(t, left),
+            _ => self.continuation_body(),
+        }
+    }
+
     /// A completion of `tokens` (the prompt's IDs and the answer's) with the client's
     /// sampling settings and `left` tokens to go: the exact continuation, for engines
     /// that stream token IDs. The limit is always set: a completion's own default (16)
     /// is not the chat's.
-    pub(super) fn token_body(&self, tokens: &[u32], left: u32) -> Result<Bytes, String> {
+    fn token_body(&self, tokens: &[u32], left: u32) -> Result<Bytes, String> {
         let asked: Map<String, Value> = serde_json::from_slice(&self.body)
             .map_err(|e| format!("the request cannot be read again: {e}"))?;
         let mut v = Map::new();
@@ -40,7 +70,7 @@ impl Migration {
     /// The client's request with the answer so far appended and `left` tokens to go
     /// (`None`: no limit is set, and the engine gives what its default leaves — for a
     /// chat that named none, the rest of the context, as the first worker would have).
-    pub(super) fn continuation_body(&self, left: Option<u32>) -> Result<Bytes, String> {
+    fn continuation_body(&self) -> Result<Bytes, String> {
         let mut v: Map<String, Value> = serde_json::from_slice(&self.body)
             .map_err(|e| format!("the request cannot be read again: {e}"))?;
         match self.api {
@@ -49,17 +79,9 @@ impl Migration {
                     .get_mut("messages")
                     .and_then(Value::as_array_mut)
                     .ok_or("the request has no messages")?;
-                let open = self
-                    .to
-                    .continue_final
-                    .then(|| messages.last_mut())
-                    .flatten();
+                let open = self.continue_final.then(|| messages.last_mut()).flatten();
                 if let Some(last) = open {
-                    let before = match &self.to.prompt {
-                        openai::Prompt::Chat(m) => m.last().map(|m| m.content.clone()),
-                        _ => None,
-                    }
-                    .unwrap_or_default();
+                    let before = self.last_message.clone().unwrap_or_default();
                     last["content"] = Value::String(before + &self.text);
                 } else {
                     messages.push(json!({"role": "assistant", "content": self.text}));
@@ -76,7 +98,7 @@ impl Migration {
                 _ => return Err("the prompt cannot be continued".into()),
             },
         }
-        match left {
+        match self.left {
             Some(left) => {
                 let mut set = false;
                 for key in ["max_tokens", "max_completion_tokens"] {
@@ -101,6 +123,24 @@ impl Migration {
         serde_json::to_vec(&v)
             .map(Bytes::from)
             .map_err(|e| e.to_string())
+    }
+}
+
+impl Migration {
+    /// What the continuation's body is built from, `left` tokens to go.
+    pub(super) fn recipe(&self, left: Option<u32>) -> BodyRecipe {
+        BodyRecipe {
+            api: self.api,
+            body: self.body.clone(),
+            continue_final: self.to.continue_final,
+            last_message: match &self.to.prompt {
+                openai::Prompt::Chat(m) => m.last().map(|m| m.content.clone()),
+                _ => None,
+            },
+            text: self.text.clone(),
+            sent: self.sent,
+            left,
+        }
     }
 
     /// The events an answer that ended lacks: its final chunk (`length`, when the
@@ -214,5 +254,5 @@ pub fn continuation_of(
         Some(max) => Some(max.checked_sub(sent).filter(|l| *l > 0)?),
         None => None,
     };
-    Some(m.continuation_body(left))
+    Some(m.recipe(left).build(None))
 }

@@ -25,15 +25,30 @@ pub(in crate::proxy) struct ContinueRequest {
     pub(super) to: Resend,
     /// The exact prompt, at the token level (`None`: the text level).
     pub(super) tokens: Option<Vec<u32>>,
-    pub(super) body: Bytes,
+    pub(super) body: ContinueBody,
     pub(super) text: String,
     pub(super) exclude: Vec<InstanceId>,
+}
+
+/// A continuation's request body: built, or to be built off the async workers.
+pub(in crate::proxy) enum ContinueBody {
+    Ready(Bytes),
+    Deferred(Box<super::bodies::BodyRecipe>),
 }
 
 impl ContinueRequest {
     /// It is sent as token IDs (exact), not as text.
     pub(in crate::proxy) fn token_level(&self) -> bool {
         self.tokens.is_some()
+    }
+
+    /// The body, built here if it was deferred (tests).
+    #[cfg(test)]
+    pub(super) fn body_now(&self) -> Bytes {
+        match &self.body {
+            ContinueBody::Ready(b) => b.clone(),
+            ContinueBody::Deferred(r) => r.build(self.tokens.as_deref()).unwrap(),
+        }
     }
 }
 
@@ -54,6 +69,17 @@ pub(in crate::proxy) async fn continue_stream(
     router: Arc<KvRouter>,
     req: Box<ContinueRequest>,
 ) -> Result<Moved, String> {
+    let body = match req.body {
+        ContinueBody::Ready(b) => b,
+        ContinueBody::Deferred(recipe) => {
+            let ids = req.tokens.clone();
+            crate::error::off_thread("the continuation's body", move || {
+                recipe.build(ids.as_deref())
+            })
+            .await
+            .map_err(|e| e.to_string())??
+        }
+    };
     // Routed on the prompt it will be: the original prompt and the answer so far,
     // rendered as the engine will render it.
     let to = req.to;
@@ -118,7 +144,7 @@ pub(in crate::proxy) async fn continue_stream(
             &instance.url,
             &to.path,
             &to.headers,
-            req.body.clone(),
+            body.clone(),
             gw.config.first_byte_timeout,
         )
         .await;

@@ -1,0 +1,157 @@
+//! A completion's first two stages: its body read into a request on its model's router
+//! (parsed, tokenized, hashed, held to the context), then admitted by the overload queue
+//! or refused.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::header::{ACCEPT, AUTHORIZATION};
+
+use super::forward;
+use super::tokenize::{BLOCKING_TOKENIZE_BYTES, tokenize};
+use crate::{ApiError, Gateway};
+use switchyard_ids::BlockHash;
+use switchyard_router::{KvRouter, Routed};
+use switchyard_tokens::openai::{self, Api, CompletionRequest};
+
+/// A request ready to place: parsed, on its model's router, tokenized and hashed.
+pub(super) struct Prepared {
+    pub(super) api: Api,
+    /// The path it came on (and goes to the worker on).
+    pub(super) path: String,
+    pub(super) parsed: CompletionRequest,
+    pub(super) router: Arc<KvRouter>,
+    /// The client's headers a worker gets.
+    pub(super) headers: forward::Outbound,
+    /// The prompt's block hashes (salted with its `cache_salt`).
+    pub(super) hashes: Vec<BlockHash>,
+    pub(super) prompt_tokens: u32,
+    /// The session's key, from the request's `user`.
+    pub(super) session_key: Option<u64>,
+    /// How long a worker has for its first byte: a stream's first token, a plain
+    /// answer's end.
+    pub(super) limit: Duration,
+}
+
+/// Parses the body (off the async workers when large), finds its model's router,
+/// tokenizes and hashes the prompt, and refuses a prompt no worker can take before
+/// anything is booked or predicted: it must not cost the router its locks or its
+/// prediction budget.
+pub(super) async fn prepare(
+    gw: &Arc<Gateway>,
+    api: Api,
+    req: &hyper::http::request::Parts,
+    body: &Bytes,
+) -> Result<Prepared, ApiError> {
+    let parsed = if body.len() > BLOCKING_TOKENIZE_BYTES {
+        let b = body.clone();
+        crate::error::off_thread("the request parser", move || openai::parse(api, &b)).await?
+    } else {
+        openai::parse(api, body)
+    }
+    .map_err(ApiError::BadRequest)?;
+    let router = gw.fleet.router_for_model(&parsed.model).ok_or_else(|| {
+        if gw.fleet.model_known(&parsed.model) {
+            ApiError::ModelUnavailable(parsed.model.clone())
+        } else {
+            ApiError::UnknownModel(parsed.model.clone())
+        }
+    })?;
+    let headers = forward::Outbound {
+        accept: req.headers.get(ACCEPT).cloned(),
+        // Kept only for endpoints whose workers may see clients' credentials.
+        auth: req
+            .headers
+            .get(AUTHORIZATION)
+            .cloned()
+            .filter(|_| router.forwards_authorization()),
+        request_id: None,
+    };
+    let tokens = tokenize(gw, &parsed.prompt, parsed.continue_final_message).await?;
+    let context = router
+        .context_len()
+        .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
+    if tokens.len() > gw.config.max_prompt_tokens.min(context) {
+        let limit = if context < gw.config.max_prompt_tokens {
+            format!("the model's context is {context} tokens (its workers' max_model_len)")
+        } else {
+            format!(
+                "this router takes at most {} (--max-prompt-tokens)",
+                gw.config.max_prompt_tokens
+            )
+        };
+        return Err(ApiError::BadRequest(openai::BadRequest {
+            message: format!("the prompt has {} tokens; {limit}", tokens.len()),
+            param: Some(
+                if api == Api::Chat {
+                    "messages"
+                } else {
+                    "prompt"
+                }
+                .into(),
+            ),
+        }));
+    }
+    let session_key = parsed
+        .user
+        .as_deref()
+        .map(|u| xxhash_rust::xxh3::xxh3_64(u.as_bytes()));
+    let hashes = router
+        .hasher()
+        .salted_hashes(&tokens, parsed.cache_salt.as_deref());
+    let limit = if parsed.stream {
+        gw.config.first_byte_timeout
+    } else {
+        gw.config.request_timeout
+    };
+    Ok(Prepared {
+        api,
+        path: req.uri.path().to_string(),
+        prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+        parsed,
+        router,
+        headers,
+        hashes,
+        session_key,
+        limit,
+    })
+}
+
+/// Past the fleet's capacity the request waits in the router's queue (`crate::queue`):
+/// placed when a worker has room (`Some`), routed at once (`None`), or shed.
+pub(super) async fn admit(
+    gw: &Arc<Gateway>,
+    headers: &hyper::HeaderMap,
+    p: &Prepared,
+    body_len: usize,
+) -> Result<Option<Routed>, ApiError> {
+    let Some(queue) = gw.queue_for(&p.router) else {
+        return Ok(None);
+    };
+    let who = gw
+        .config
+        .overload
+        .identify(headers, gw.config.request_timeout)
+        .map_err(|message| {
+            ApiError::BadRequest(openai::BadRequest {
+                message,
+                param: None,
+            })
+        })?;
+    let job = crate::queue::Job {
+        prompt_tokens: p.prompt_tokens,
+        hashes: p.hashes.clone(),
+        session_key: p.session_key,
+    };
+    use crate::queue::{Admission, Outcome};
+    let outcome = match queue.admit(&who, job, body_len) {
+        Admission::Now(outcome) => outcome,
+        Admission::Queued(ticket) => ticket.wait().await,
+    };
+    match outcome {
+        Outcome::Placed(placed) => Ok(Some(placed.take())),
+        Outcome::Route => Ok(None),
+        Outcome::Shed(s) => Err(ApiError::Shed(s)),
+    }
+}
