@@ -1,9 +1,10 @@
 //! The architecture's floors, as Cargo sees them: every workspace crate's declared
 //! dependencies (from `cargo metadata`) point only to lower floors, and the crates that
 //! must stay free of something (I/O in the KV crate, wasmtime outside the policy
-//! runtime, HTTP in the pure crates) are. A change that breaks the layering fails here
-//! with the crate and the dependency named, not in review; so does an import circle
-//! between two modules of one crate.
+//! runtime, HTTP in the pure crates) are, through every crate they reach, not only the
+//! ones they name. A change that breaks the layering fails here with the crate and the
+//! path to the dependency named, not in review; so does an import circle between two
+//! modules of one crate, and a source file over 700 lines.
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -13,6 +14,7 @@ use serde_json::Value;
 /// Each workspace crate's floor: a crate may depend only on crates of lower floors.
 const FLOORS: &[(&str, u32)] = &[
     ("switchyard-ids", 0),
+    ("switchyard-bounded", 0),
     ("switchyard-cost-model", 0),
     ("switchyard-kv", 1),
     ("switchyard-tokens", 1),
@@ -60,6 +62,7 @@ const HTTP: &[&str] = &[
 ];
 const NO_HTTP: &[&str] = &[
     "switchyard-ids",
+    "switchyard-bounded",
     "switchyard-kv",
     "switchyard-tokens",
     "switchyard-policy",
@@ -72,16 +75,12 @@ fn declared() -> &'static BTreeMap<String, Vec<String>> {
     DECLARED.get_or_init(read_metadata)
 }
 
-fn read_metadata() -> BTreeMap<String, Vec<String>> {
+/// `cargo metadata --offline` with `extra` flags, as JSON.
+fn metadata(extra: &[&str]) -> Value {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
-        .args([
-            "metadata",
-            "--format-version",
-            "1",
-            "--no-deps",
-            "--offline",
-        ])
+        .args(["metadata", "--format-version", "1", "--offline"])
+        .args(extra)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("cargo metadata runs");
@@ -90,7 +89,11 @@ fn read_metadata() -> BTreeMap<String, Vec<String>> {
         "cargo metadata: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let meta: Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn read_metadata() -> BTreeMap<String, Vec<String>> {
+    let meta = metadata(&["--no-deps"]);
     meta["packages"]
         .as_array()
         .unwrap()
@@ -107,6 +110,68 @@ fn read_metadata() -> BTreeMap<String, Vec<String>> {
         })
         .collect()
 }
+
+/// The resolved graph: package name → the names of what it depends on (normal and build
+/// edges, for the platforms Cargo resolved), read once for all tests.
+fn graph() -> &'static BTreeMap<String, Vec<String>> {
+    static GRAPH: std::sync::OnceLock<BTreeMap<String, Vec<String>>> = std::sync::OnceLock::new();
+    GRAPH.get_or_init(|| {
+        let meta = metadata(&[]);
+        let names: BTreeMap<&str, &str> = meta["packages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p["id"].as_str().unwrap(), p["name"].as_str().unwrap()))
+            .collect();
+        let mut graph: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for node in meta["resolve"]["nodes"].as_array().unwrap() {
+            let name = names[node["id"].as_str().unwrap()].to_string();
+            let deps = graph.entry(name).or_default();
+            for d in node["deps"].as_array().unwrap() {
+                let used = d["dep_kinds"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|k| k["kind"] != "dev");
+                if used {
+                    deps.push(names[d["pkg"].as_str().unwrap()].to_string());
+                }
+            }
+        }
+        graph
+    })
+}
+
+/// The path from `from` to `to` through the resolved graph, not passing through `via`
+/// (the one crate allowed to bring `to` in), if there is one.
+fn path(from: &str, to: &str, via: Option<&str>) -> Option<Vec<String>> {
+    let graph = graph();
+    let mut came: BTreeMap<&str, &str> = BTreeMap::new();
+    let mut queue = std::collections::VecDeque::from([from]);
+    while let Some(at) = queue.pop_front() {
+        if at == to {
+            let mut p = vec![to.to_string()];
+            let mut cur = to;
+            while let Some(prev) = came.get(cur) {
+                p.push(prev.to_string());
+                cur = prev;
+            }
+            p.reverse();
+            return Some(p);
+        }
+        for next in graph.get(at).into_iter().flatten() {
+            if Some(next.as_str()) == via || next == from || came.contains_key(next.as_str()) {
+                continue;
+            }
+            came.insert(next, at);
+            queue.push_back(next);
+        }
+    }
+    None
+}
+
+/// Networking and async runtimes, which `switchyard-kv` must not reach.
+const IO: &[&str] = &["tokio", "mio", "socket2", "async-std", "smol"];
 
 fn floor(name: &str) -> Option<u32> {
     FLOORS.iter().find(|(n, _)| *n == name).map(|(_, f)| *f)
@@ -141,6 +206,95 @@ fn the_kv_crate_uses_nothing_that_does_io() {
         .filter(|d| !KV_MAY_USE.contains(&d.as_str()))
         .collect();
     assert!(extra.is_empty(), "switchyard-kv depends on {extra:?}");
+}
+
+#[test]
+fn no_crate_reaches_io_wasmtime_zeromq_or_http_around_its_floor() {
+    let mut wrong = Vec::new();
+    for io in IO.iter().chain(HTTP) {
+        if let Some(p) = path("switchyard-kv", io, None) {
+            wrong.push(format!("switchyard-kv reaches {io}: {}", p.join(" -> ")));
+        }
+    }
+    for (name, _) in FLOORS {
+        for (dep, owner) in ONLY_IN {
+            if name != owner
+                && let Some(p) = path(name, dep, Some(owner))
+            {
+                wrong.push(format!(
+                    "{name} reaches {dep} other than through {owner}: {}",
+                    p.join(" -> ")
+                ));
+            }
+        }
+        if NO_HTTP.contains(name) {
+            for http in HTTP {
+                if let Some(p) = path(name, http, None) {
+                    wrong.push(format!("{name} reaches {http}: {}", p.join(" -> ")));
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// Rooms stay small: no source file of the workspace over 700 lines (split by concern
+/// as it grows).
+#[test]
+fn no_source_file_is_over_700_lines() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new("git")
+        .args(["ls-files", "-z"])
+        .current_dir(&root)
+        .output();
+    // Outside a git checkout (a source tarball), every file under the workspace's
+    // source folders.
+    let files: Vec<std::path::PathBuf> = match out {
+        Ok(o) if o.status.success() => o
+            .stdout
+            .split(|b| *b == 0)
+            .filter(|f| !f.is_empty())
+            .map(|f| root.join(String::from_utf8_lossy(f).as_ref()))
+            .collect(),
+        _ => {
+            let mut files = Vec::new();
+            let mut stack = vec![
+                root.join("host"),
+                root.join("policies"),
+                root.join("tests"),
+                root.join("tools"),
+            ];
+            while let Some(dir) = stack.pop() {
+                for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                    let p = e.path();
+                    if p.is_dir() && !p.ends_with("target") {
+                        stack.push(p);
+                    } else {
+                        files.push(p);
+                    }
+                }
+            }
+            files
+        }
+    };
+    const SOURCE: &[&str] = &["rs", "py", "sh", "js", "ts", "html", "wit"];
+    let mut long = Vec::new();
+    for f in files {
+        if !f
+            .extension()
+            .is_some_and(|e| SOURCE.contains(&e.to_str().unwrap_or("")))
+        {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(&f) else {
+            continue;
+        };
+        let lines = text.lines().count();
+        if lines > 700 {
+            long.push(format!("{} has {lines} lines", f.display()));
+        }
+    }
+    assert!(long.is_empty(), "over 700 lines:\n{}", long.join("\n"));
 }
 
 #[test]

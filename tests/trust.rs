@@ -196,6 +196,11 @@ async fn every_command_reaches_an_etcd_with_tls_and_authentication() {
     api.call("/v3/auth/enable", json!({})).await.unwrap();
     let password_file = dir.path().join("etcd-password");
     std::fs::write(&password_file, "rootpw\n").unwrap();
+    // Private to its user, as every secret file must be.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&password_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
 
     // `switchyard instances` with the CA, and the user if given.
     let instances = |user: bool, env: &[(&str, &str)]| {

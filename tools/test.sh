@@ -87,7 +87,7 @@ if ! command -v chromium >/dev/null 2>&1; then
     echo "installing chromium (Debian)"
     export DEBIAN_FRONTEND=noninteractive
     as_root apt-get update -q
-    as_root apt-get install -y -q chromium
+    as_root apt-get install -y -q --no-install-recommends chromium
 fi
 chromium_version="$(chromium --version)"
 echo "$chromium_version"

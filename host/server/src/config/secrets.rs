@@ -37,14 +37,9 @@ impl EtcdAccessArgs {
             &self.etcd_password_file,
             std::env::var("SWITCHYARD_ETCD_PASSWORD"),
         ) {
+            // Its first line, from a file private to this user (as the admin token's).
             (Some(path), _) => Some(
-                switchyard_net::files::read_to_string(path, 4096)
-                    .map_err(|e| {
-                        ConfigError(format!(
-                            "cannot read the etcd password file {}: {e}",
-                            path.display()
-                        ))
-                    })?
+                read_secret_file(path, "the etcd password file")?
                     .lines()
                     .next()
                     .unwrap_or("")
@@ -126,7 +121,11 @@ pub(super) fn admin_token(
 }
 
 /// A secret from a file that must be this user's and readable by no one else; its text,
-/// trimmed, not empty, at most 4 KiB.
+/// trimmed, not empty; a file over 4 KiB is refused (not cut: a cut secret fails later,
+/// far from its cause).
+/// The largest secret file read.
+const SECRET_FILE_LIMIT: u64 = 4096;
+
 pub(super) fn read_secret_file(path: &std::path::Path, what: &str) -> Result<String, ConfigError> {
     use std::io::Read;
     let fail = |why: String| ConfigError(format!("{what} {}: {why}", path.display()));
@@ -144,9 +143,14 @@ pub(super) fn read_secret_file(path: &std::path::Path, what: &str) -> Result<Str
     }
     let _ = meta;
     let mut text = String::new();
-    file.take(4096)
+    file.take(SECRET_FILE_LIMIT + 1)
         .read_to_string(&mut text)
         .map_err(|e| fail(e.to_string()))?;
+    if text.len() as u64 > SECRET_FILE_LIMIT {
+        return Err(fail(format!(
+            "it is over {SECRET_FILE_LIMIT} bytes, more than a secret takes"
+        )));
+    }
     let text = text.trim().to_string();
     if text.is_empty() {
         return Err(fail("it is empty".into()));

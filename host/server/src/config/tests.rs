@@ -52,6 +52,31 @@ fn the_admin_token_comes_from_a_private_file_or_the_environment_and_is_long() {
 }
 
 #[test]
+fn the_etcd_password_file_is_private_bounded_and_read_for_its_first_line() {
+    use std::os::unix::fs::PermissionsExt;
+    let access = |path: &std::path::Path| EtcdAccessArgs {
+        etcd_user: Some("router".into()),
+        etcd_password_file: Some(path.to_path_buf()),
+        etcd_ca_files: Vec::new(),
+    };
+    let config =
+        || switchyard_discovery::etcd::EtcdConfig::new(vec!["http://127.0.0.1:2379".into()]);
+    let f = file("pass word\nignored\n");
+    std::fs::set_permissions(f.path(), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let c = access(f.path()).apply(config()).unwrap();
+    assert_eq!(c.auth.unwrap().password, "pass word");
+    // Readable by others: refused, saying how to fix it.
+    std::fs::set_permissions(f.path(), std::fs::Permissions::from_mode(0o640)).unwrap();
+    let err = access(f.path()).apply(config()).unwrap_err();
+    assert!(err.to_string().contains("chmod 600"), "{err}");
+    // Larger than a secret: refused whole, not cut.
+    let big = file(&"x".repeat(5000));
+    std::fs::set_permissions(big.path(), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let err = access(big.path()).apply(config()).unwrap_err();
+    assert!(err.to_string().contains("over 4096 bytes"), "{err}");
+}
+
+#[test]
 fn flags_beat_the_file_and_the_file_beats_defaults() {
     let f = file(
         r#"
