@@ -251,7 +251,8 @@ async fn engines_connecting_to_the_routers_bound_socket_are_told_apart_by_topic(
     use switchyard::router::central_events::CentralEvents;
     const W2: InstanceId = InstanceId(8);
     let address = format!("tcp://127.0.0.1:{}", common::procs::free_port());
-    let hub = CentralEvents::bind(std::slice::from_ref(&address))
+    let budget = switchyard::bounded::budget::Budget::new(switchyard::router::DEFAULT_EVENT_MEMORY);
+    let hub = CentralEvents::bind(std::slice::from_ref(&address), budget)
         .await
         .unwrap();
     let mut p1 = Publisher::start_with("vllm-map", &["--connect", &address, "--topic", "w1"]).await;

@@ -5,11 +5,12 @@
 mod common;
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use common::hostile_zmtp::{Hostile, hostile_publisher};
 use common::http::{self, post_json};
 use common::procs::{mock_worker, serve};
-use common::router::{PATIENCE, eventually};
+use common::router::{PATIENCE, eventually, metric};
 use hyper::StatusCode;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -81,8 +82,10 @@ async fn a_hostile_kv_event_peer_neither_kills_nor_grows_the_router() {
 }
 
 /// Clients that send a request head and then stall their body take no in-flight slot:
-/// with room for 4 requests and 12 stalled uploads, normal requests keep succeeding, and
-/// each stalled upload is answered 408 once the client timeout passes.
+/// with room for 4 requests and 12 stalled uploads, normal requests sent one after
+/// another for as long as any upload is still stalled are all served (had the uploads
+/// held slots, those sent in the ~3 s before the router gave up on them would have been
+/// refused 503), and each stalled upload is answered 408 once the client timeout passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_uploads_hold_no_slot_and_are_answered_408() {
     let (_worker, _router, url, _) = one_worker(
@@ -99,31 +102,45 @@ async fn stalled_uploads_hold_no_slot_and_are_answered_408() {
         )
         .await
         .unwrap();
-        stalled.push(s);
-    }
-    let c = http::client();
-    for i in 0..20 {
-        let body = json!({"model": "mock", "prompt": format!("request {i}"), "max_tokens": 2});
-        let (status, answer, _) = post_json(&c, &format!("{url}/v1/completions"), &body).await;
-        assert_eq!(status, StatusCode::OK, "request {i}: {answer}");
-    }
-    for mut s in stalled {
-        let mut answer = Vec::new();
-        let read = tokio::time::timeout(PATIENCE, async {
+        // Each one's answer, read as it comes.
+        stalled.push(tokio::spawn(async move {
+            let mut answer = Vec::new();
             let mut buf = [0u8; 1024];
             loop {
                 match s.read(&mut buf).await {
-                    Ok(0) | Err(_) => return,
+                    Ok(0) | Err(_) => break,
                     Ok(n) => answer.extend_from_slice(&buf[..n]),
                 }
                 if answer.windows(4).any(|w| w == b"\r\n\r\n") {
-                    return;
+                    break;
                 }
             }
-        })
-        .await;
-        assert!(read.is_ok(), "a stalled upload was never answered");
-        let answer = String::from_utf8_lossy(&answer);
+            String::from_utf8_lossy(&answer).into_owned()
+        }));
+    }
+    let c = http::client();
+    let deadline = std::time::Instant::now() + PATIENCE;
+    let mut served = 0;
+    while stalled.iter().any(|t| !t.is_finished()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a stalled upload was never answered"
+        );
+        let body = json!({"model": "mock", "prompt": format!("request {served}"), "max_tokens": 2});
+        let (status, answer, _) = post_json(&c, &format!("{url}/v1/completions"), &body).await;
+        assert_eq!(
+            status,
+            StatusCode::OK,
+            "request {served}, beside the stalled uploads: {answer}"
+        );
+        served += 1;
+    }
+    assert!(
+        served >= 20,
+        "only {served} requests beside the stalled uploads"
+    );
+    for t in stalled {
+        let answer = t.await.unwrap();
         assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     }
 }
@@ -223,4 +240,89 @@ async fn a_prompt_past_the_models_context_is_refused_by_the_router() {
     let ok = json!({"model": "mock", "prompt": short, "max_tokens": 2});
     let (status, answer, _) = post_json(&c, &format!("{url}/v1/completions"), &ok).await;
     assert_eq!(status, StatusCode::OK, "{answer}");
+}
+
+/// Many peers on the bound KV events socket, each at its per-message bound (a 24 MiB
+/// payload sent but for its last byte, held until the message deadline): they share the
+/// router's one budget for event input (`--kv-events-memory-mib 32`), so the router holds
+/// one such message, not twenty (which took ~500 MiB before the budget), refuses the
+/// others' frames at their headers, and keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_peers_at_their_bound_together_are_held_to_the_event_memory() {
+    let port = common::procs::free_port();
+    let bind = format!("tcp://127.0.0.1:{port}");
+    let (_worker, router, url, _) = one_worker(
+        &[],
+        &["--kv-events-bind", &bind, "--kv-events-memory-mib", "32"],
+    )
+    .await;
+    let address = format!("127.0.0.1:{port}");
+    let peers: Vec<_> = (0..20)
+        .map(|_| {
+            let a = address.clone();
+            tokio::spawn(async move { unfinished_message(&a, 24 << 20, PATIENCE).await })
+        })
+        .collect();
+    // Every peer has sent what it meant to (or was refused), within the 10 s message
+    // deadline of the one the router admitted.
+    let c = http::client();
+    eventually("the peers refused at the budget", || {
+        let (c, url) = (c.clone(), url.clone());
+        async move {
+            metric(
+                &c,
+                &url,
+                "switchyard_kv_events_refused_connections_total",
+                "",
+            )
+            .await
+                >= 19.0
+        }
+    })
+    .await;
+    let held = metric(&c, &url, "switchyard_kv_events_memory_bytes", "").await;
+    assert!(held <= f64::from(32u32 << 20), "{held} bytes held");
+    let rss = switchyard::replay::external::proc_status_kb(router.0.id(), "VmRSS").unwrap() * 1024;
+    assert!(
+        rss < 160 << 20,
+        "20 peers at their bound: the router holds {} MiB",
+        rss >> 20
+    );
+    let ok = json!({"model": "mock", "prompt": "still serving", "max_tokens": 2});
+    let (status, answer, _) = post_json(&c, &format!("{url}/v1/completions"), &ok).await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    for p in peers {
+        p.abort();
+    }
+}
+
+/// A publisher connecting to a router's bound KV events socket (`address`: `HOST:PORT`)
+/// that sends a message whose last frame declares `size` bytes and then sends all but
+/// the last byte of it, so that the router holds the message unfinished until its
+/// deadline. Returns once it has sent what it meant to, or the router hung up; the
+/// connection stays open until `hold` ends.
+async fn unfinished_message(address: &str, size: u64, hold: Duration) {
+    let Ok(mut s) = TcpStream::connect(address).await else {
+        return;
+    };
+    let mut head = switchyard::router::zmtp::hello(b"PUB");
+    // [topic (MORE), seq (MORE), payload (LONG): `size` bytes declared].
+    head.extend_from_slice(&[0x01, 1, b't', 0x01, 8]);
+    head.extend_from_slice(&1u64.to_be_bytes());
+    head.push(0x02);
+    head.extend_from_slice(&size.to_be_bytes());
+    if s.write_all(&head).await.is_err() {
+        return;
+    }
+    let chunk = vec![b'x'; 1 << 20];
+    let mut left = size.saturating_sub(1);
+    while left > 0 {
+        let n = left.min(chunk.len() as u64) as usize;
+        // The router stops reading a connection it closed: the write fails or stalls.
+        match tokio::time::timeout(Duration::from_secs(2), s.write_all(&chunk[..n])).await {
+            Ok(Ok(())) => left -= n as u64,
+            _ => return,
+        }
+    }
+    tokio::time::sleep(hold).await;
 }

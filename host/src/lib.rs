@@ -28,6 +28,7 @@ pub use switchyard_router::client;
 pub use switchyard_server::config;
 #[cfg(test)]
 mod fuzz;
+pub use switchyard_bounded as bounded;
 pub use switchyard_ids as ids;
 pub use switchyard_kv as kv;
 pub use switchyard_lab::local;

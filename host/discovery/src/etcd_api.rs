@@ -434,7 +434,7 @@ impl EtcdApi {
         }
         let mut watch = Watch {
             body: resp.into_body(),
-            lines: switchyard_net::lines::Lines::default(),
+            lines: switchyard_bounded::lines::Lines::default(),
             api: self.clone(),
             prefix: prefix.to_string(),
             keys: listed.iter().map(|kv| kv.key.clone()).collect(),
@@ -462,7 +462,7 @@ impl EtcdApi {
 /// watch does not deliver by the next check means it is dead.
 pub struct Watch {
     body: Incoming,
-    lines: switchyard_net::lines::Lines,
+    lines: switchyard_bounded::lines::Lines,
     api: EtcdApi,
     prefix: String,
     /// The keys under the prefix as the listing and the watch's events have them.

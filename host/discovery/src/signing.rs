@@ -50,7 +50,7 @@ const MAX_KEY_FILE: u64 = 64 << 10;
 impl PublicKey {
     /// Reads a `.pub` file.
     pub fn load(path: &Path) -> Result<PublicKey, String> {
-        let text = switchyard_net::files::read_to_string(path, MAX_KEY_FILE)
+        let text = switchyard_bounded::files::read_to_string(path, MAX_KEY_FILE)
             .map_err(|e| format!("cannot read the public key {}: {e}", path.display()))?;
         text.parse()
             .map_err(|e| format!("{} is not an ed25519 public key: {e}", path.display()))
@@ -117,7 +117,7 @@ impl SigningKey {
                 ));
             }
         }
-        let text = switchyard_net::files::read_to_string(path, MAX_KEY_FILE)
+        let text = switchyard_bounded::files::read_to_string(path, MAX_KEY_FILE)
             .map_err(|e| format!("cannot read the signing key {}: {e}", path.display()))?;
         let der = b64()
             .decode(text.trim())

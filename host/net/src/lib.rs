@@ -1,14 +1,8 @@
-//! Switchyard's outbound networking and the small pieces every floor that talks to the
-//! outside shares: the HTTP connector and TLS configuration used for workers and etcd
-//! alike ([`upstream`]), errors in words ([`error_chain`]), newline-delimited records
-//! arriving in pieces ([`lines`]), one unit of a bounded count ([`slot`]), and operator
-//! files read with a size bound ([`files`]).
+//! Switchyard's outbound connections: the HTTP connector and TLS configuration used for
+//! workers and etcd alike ([`upstream`]), and their errors in words ([`error_chain`]).
 //!
-//! Knows no Switchyard concept above identifiers: no routing, no discovery, no policy.
+//! Knows no Switchyard concept: no routing, no discovery, no policy.
 
-pub mod files;
-pub mod lines;
-pub mod slot;
 pub mod upstream;
 
 /// An error and its causes in words, outermost first, each said once (`client error

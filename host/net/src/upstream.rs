@@ -115,7 +115,7 @@ fn system_roots() -> RootCertStore {
 
 fn add_pem(roots: &mut RootCertStore, path: &Path) -> Result<usize, String> {
     // A CA bundle is kilobytes; the system's whole store is under a megabyte.
-    let bytes = crate::files::read(path, 16 << 20)?;
+    let bytes = switchyard_bounded::files::read(path, 16 << 20)?;
     let mut added = 0;
     for cert in CertificateDer::pem_slice_iter(&bytes) {
         let cert = cert.map_err(|e| format!("not PEM: {e}"))?;

@@ -24,6 +24,7 @@ use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
 use super::zmtp::{Connection, KV_EVENT_LIMITS, SocketType, tcp_address};
+use switchyard_bounded::budget::{Budget, Grant};
 
 use switchyard_ids::InstanceId;
 
@@ -38,8 +39,9 @@ pub const QUEUE: usize = 4096;
 pub const MAX_PEERS: usize = 1024;
 
 type Route = (String, u32);
-/// A batch as it arrived: `(seq, payload)`.
-type Batch = (u64, Bytes);
+/// A batch as it arrived: `(seq, payload)`, its bytes held against the router's budget
+/// for event input until the feed has handled it.
+type Batch = (u64, Bytes, Grant);
 
 /// The router's bound SUB sockets and where their batches go.
 pub struct CentralEvents {
@@ -80,7 +82,7 @@ pub struct Claim {
     hub: Arc<CentralEvents>,
     route: Route,
     id: u64,
-    /// `(seq, payload)` of each batch.
+    /// `(seq, payload, bytes held)` of each batch.
     pub batches: mpsc::Receiver<Batch>,
 }
 
@@ -98,7 +100,7 @@ impl Drop for Claim {
 impl CentralEvents {
     /// Binds a SUB socket (every topic) at each of `addresses` (`tcp://HOST:PORT`; the
     /// `r`-th for rank `r`) and starts receiving.
-    pub async fn bind(addresses: &[String]) -> Result<Arc<CentralEvents>, String> {
+    pub async fn bind(addresses: &[String], budget: Budget) -> Result<Arc<CentralEvents>, String> {
         let hub = Arc::new(CentralEvents {
             addresses: addresses.to_vec(),
             routes: Mutex::new(HashMap::new()),
@@ -117,7 +119,12 @@ impl CentralEvents {
                 .local_addr()
                 .map_err(|e| format!("KV events socket {address}: {e}"))?;
             tracing::info!(%bound, rank, "receiving engines' KV events (central mode)");
-            tokio::spawn(accept(Arc::downgrade(&hub), listener, rank as u32));
+            tokio::spawn(accept(
+                Arc::downgrade(&hub),
+                listener,
+                rank as u32,
+                budget.clone(),
+            ));
         }
         Ok(hub)
     }
@@ -168,7 +175,7 @@ impl CentralEvents {
         })
     }
 
-    fn dispatch(&self, rank: u32, topic: &[u8], seq: u64, payload: Bytes) {
+    fn dispatch(&self, rank: u32, topic: &[u8], seq: u64, payload: Bytes, held: Grant) {
         let topic = String::from_utf8_lossy(topic);
         let sender = self
             .routes
@@ -182,14 +189,19 @@ impl CentralEvents {
             }
             return;
         };
-        if tx.try_send((seq, payload)).is_err() {
+        if tx.try_send((seq, payload, held)).is_err() {
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
 }
 
 /// Accepts engines' connections on one bound address while the hub lives.
-async fn accept(hub: std::sync::Weak<CentralEvents>, listener: tokio::net::TcpListener, rank: u32) {
+async fn accept(
+    hub: std::sync::Weak<CentralEvents>,
+    listener: tokio::net::TcpListener,
+    rank: u32,
+    budget: Budget,
+) {
     let peers = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         let stream = match listener.accept().await {
@@ -202,15 +214,15 @@ async fn accept(hub: std::sync::Weak<CentralEvents>, listener: tokio::net::TcpLi
             }
         };
         let Some(h) = hub.upgrade() else { return };
-        let Some(peer_slot) = switchyard_net::slot::Slot::take(&peers, MAX_PEERS) else {
+        let Some(peer_slot) = switchyard_bounded::slot::Slot::take(&peers, MAX_PEERS) else {
             h.refused.fetch_add(1, Ordering::Relaxed);
             continue;
         };
         drop(h);
-        let hub = hub.clone();
+        let (hub, budget) = (hub.clone(), budget.clone());
         tokio::spawn(async move {
             let peer = stream.peer_addr().ok();
-            if let Err(e) = receive(&hub, stream, rank).await
+            if let Err(e) = receive(&hub, stream, rank, budget).await
                 && let Some(h) = hub.upgrade()
             {
                 let n = h.refused.fetch_add(1, Ordering::Relaxed) + 1;
@@ -229,12 +241,15 @@ async fn receive(
     hub: &std::sync::Weak<CentralEvents>,
     stream: tokio::net::TcpStream,
     rank: u32,
+    budget: Budget,
 ) -> Result<(), super::zmtp::ZmtpError> {
     super::zmtp::tune(&stream);
-    let mut sub = Connection::handshake(stream, SocketType::Sub, KV_EVENT_LIMITS).await?;
+    let mut sub = Connection::handshake(stream, SocketType::Sub, KV_EVENT_LIMITS)
+        .await?
+        .with_budget(budget);
     sub.subscribe(b"").await?;
     loop {
-        let msg = match sub.recv().await {
+        let (msg, held) = match sub.recv_held().await {
             Ok(m) => m,
             Err(e) if e.broke_bounds() => return Err(e),
             Err(_) => return Ok(()),
@@ -248,7 +263,7 @@ async fn receive(
             .flatten()
             .and_then(|(topic, seq, payload)| Some((topic?, seq, payload)));
         match parsed {
-            Some((topic, seq, payload)) => hub.dispatch(rank, &topic, seq, payload),
+            Some((topic, seq, payload)) => hub.dispatch(rank, &topic, seq, payload, held),
             None => {
                 hub.malformed.fetch_add(1, Ordering::Relaxed);
             }
@@ -267,7 +282,7 @@ mod tests {
             .local_addr()
             .unwrap()
             .port();
-        let hub = CentralEvents::bind(&[format!("tcp://127.0.0.1:{port}")])
+        let hub = CentralEvents::bind(&[format!("tcp://127.0.0.1:{port}")], Budget::new(1 << 30))
             .await
             .unwrap();
         (hub, port)
@@ -281,10 +296,10 @@ mod tests {
         let stuck = hub.claim("stuck", 0, InstanceId(1)).unwrap();
         let mut live = hub.claim("live", 0, InstanceId(2)).unwrap();
         for seq in 0..(QUEUE as u64 + 10) {
-            hub.dispatch(0, b"stuck", seq, Bytes::new());
+            hub.dispatch(0, b"stuck", seq, Bytes::new(), Grant::default());
         }
         assert_eq!(hub.dropped.load(Ordering::Relaxed), 10);
-        hub.dispatch(0, b"live", 0, Bytes::from_static(b"x"));
+        hub.dispatch(0, b"live", 0, Bytes::from_static(b"x"), Grant::default());
         assert_eq!(live.batches.try_recv().unwrap().0, 0);
         // A dropped claim frees its topic.
         drop(stuck);
@@ -293,7 +308,7 @@ mod tests {
         let old = hub.claim("w", 0, InstanceId(4)).unwrap();
         let mut new = hub.claim("w", 0, InstanceId(4)).unwrap();
         drop(old);
-        hub.dispatch(0, b"w", 7, Bytes::new());
+        hub.dispatch(0, b"w", 7, Bytes::new(), Grant::default());
         assert_eq!(
             new.batches.try_recv().unwrap().0,
             7,
@@ -341,7 +356,7 @@ mod tests {
             .await
             .unwrap();
         s.write_all(&engine).await.unwrap();
-        let (seq, payload) = claim.batches.recv().await.unwrap();
+        let (seq, payload, _) = claim.batches.recv().await.unwrap();
         assert_eq!((seq, &payload[..]), (5, &b"batch"[..]));
     }
 }

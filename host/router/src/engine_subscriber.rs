@@ -16,6 +16,7 @@ use std::sync::Arc;
 use super::zmtp::{Connection, KV_EVENT_LIMITS, SocketType, ZmtpError};
 
 use super::{KvRouter, ViewStatus};
+use switchyard_bounded::budget::{Budget, Grant};
 use switchyard_discovery::EngineEventSource;
 use switchyard_ids::InstanceId;
 use switchyard_kv::engine_events::{EngineBatch, decode_batch};
@@ -58,6 +59,7 @@ pub async fn follow(
     )));
     // Not in sync yet: approximate until the first batches say otherwise.
     r.apply_engine_ops(worker, &[], ViewStatus::default());
+    let budget = r.config.event_budget.clone();
     drop(r);
     let mut ranks = tokio::task::JoinSet::new();
     for rank in 0..source.data_parallel_size.max(1) {
@@ -75,6 +77,7 @@ pub async fn follow(
             malformed: 0,
             replay_failures: 0,
             replay_quiet_until: None,
+            budget: budget.clone(),
         };
         ranks.spawn(feed.run(backoff));
     }
@@ -92,6 +95,9 @@ struct Feed {
     malformed: u64,
     replay_failures: u64,
     replay_quiet_until: Option<tokio::time::Instant>,
+    /// The router's budget for event input (every batch's bytes are held against it
+    /// from the socket until handled).
+    budget: Budget,
 }
 
 impl Feed {
@@ -108,7 +114,8 @@ impl Feed {
                     KV_EVENT_LIMITS,
                     Duration::from_secs(5),
                 )
-                .await?;
+                .await?
+                .with_budget(self.budget.clone());
                 sub.subscribe(self.topic.as_bytes()).await?;
                 Ok::<_, ZmtpError>(sub)
             }
@@ -140,7 +147,8 @@ impl Feed {
                         Ok(Ok(())) => settle = None,
                     }
                 }
-                let msg = match sub.recv().await {
+                // Its bytes held against the budget until it is handled.
+                let (msg, _held) = match sub.recv_held().await {
                     Ok(m) => m,
                     Err(e) => break e,
                 };
@@ -190,7 +198,7 @@ impl Feed {
         };
         tracing::info!(instance = %self.worker, topic = self.topic, rank = self.rank, "following the engine's KV events (central mode)");
         self.catch_up().await;
-        while let Some((seq, payload)) = claim.batches.recv().await {
+        while let Some((seq, payload, _held)) = claim.batches.recv().await {
             if !self.handle(seq, &payload, true).await {
                 return;
             }
@@ -219,7 +227,7 @@ impl Feed {
             .last_seq(self.rank)
             .map_or(0, |s| s.saturating_add(1));
         match self.replay(&replay, from, None).await {
-            Some(batches) if batches.is_empty() && from == 0 => {
+            Some((batches, _)) if batches.is_empty() && from == 0 => {
                 // The engine has published nothing yet: its cache is empty.
                 let status = {
                     let mut v = self.view.lock();
@@ -230,7 +238,7 @@ impl Feed {
                     r.apply_engine_ops(self.worker, &[], status);
                 }
             }
-            Some(batches) => {
+            Some((batches, _held)) => {
                 for (seq, payload) in batches {
                     if !self.handle(seq, &payload, false).await {
                         return;
@@ -248,12 +256,12 @@ impl Feed {
         endpoint: &str,
         from: u64,
         to: Option<u64>,
-    ) -> Option<Vec<(u64, Bytes)>> {
+    ) -> Option<(Vec<(u64, Bytes)>, Grant)> {
         let now = tokio::time::Instant::now();
         if self.replay_quiet_until.is_some_and(|t| now < t) {
             return None;
         }
-        match fetch_replay(endpoint, from, to).await {
+        match fetch_replay(endpoint, from, to, &self.budget).await {
             Ok(batches) => Some(batches),
             Err(e) => {
                 self.replay_failures += 1;
@@ -321,12 +329,12 @@ impl Feed {
                 ops.extend(v.apply(self.rank, seq, batch.ts, &batch.events));
             }
             SeqVerdict::Gap { from, to } => {
-                let missing = match (self.replay.clone(), may_replay) {
+                let (missing, _held) = match (self.replay.clone(), may_replay) {
                     (Some(replay), true) => self
                         .replay(&replay, from, Some(to))
                         .await
                         .unwrap_or_default(),
-                    _ => Vec::new(),
+                    _ => (Vec::new(), Grant::default()),
                 };
                 // Decoded before the view is locked.
                 let missing: Vec<(u64, EngineBatch)> =
@@ -362,12 +370,15 @@ fn frames(msg: Vec<Bytes>) -> Option<(u64, Bytes)> {
     super::zmtp::topic_frames(msg).map(|(_, seq, payload)| (seq, payload))
 }
 
-/// Asks a replay socket for the batches from `from` (up to, not including, `to`).
+/// Asks a replay socket for the batches from `from` (up to, not including, `to`), their
+/// bytes held against `budget` (a replay that does not fit fails, and its gap counts as
+/// lost).
 pub async fn fetch_replay(
     endpoint: &str,
     from: u64,
     to: Option<u64>,
-) -> Result<Vec<(u64, Bytes)>, String> {
+    budget: &Budget,
+) -> Result<(Vec<(u64, Bytes)>, Grant), String> {
     let deadline = tokio::time::Instant::now() + REPLAY_TIMEOUT;
     let connect = Connection::connect(
         endpoint,
@@ -378,14 +389,16 @@ pub async fn fetch_replay(
     let mut dealer = tokio::time::timeout_at(deadline, connect)
         .await
         .map_err(|_| "connect timed out".to_string())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| e.to_string())?
+        .with_budget(budget.clone());
     tokio::time::timeout_at(deadline, dealer.send(&[b"", &from.to_be_bytes()]))
         .await
         .map_err(|_| "send timed out".to_string())?
         .map_err(|e| e.to_string())?;
     let mut out = Vec::new();
+    let mut held = Grant::default();
     loop {
-        let msg = tokio::time::timeout_at(deadline, dealer.recv())
+        let (msg, grant) = tokio::time::timeout_at(deadline, dealer.recv_held())
             .await
             .map_err(|_| format!("timed out after {} batches", out.len()))?
             .map_err(|e| e.to_string())?;
@@ -394,10 +407,11 @@ pub async fn fetch_replay(
         };
         if seq == u64::MAX {
             // -1 as a signed 8-byte integer: the end.
-            return Ok(out);
+            return Ok((out, held));
         }
         if to.is_none_or(|t| seq < t) && seq >= from && out.len() < REPLAY_MAX_BATCHES {
             out.push((seq, payload));
+            held.absorb(grant);
         }
     }
 }

@@ -675,6 +675,11 @@ impl KvRouter {
         self.config.forward_authorization
     }
 
+    /// The process's budget for engines' KV event input (shared by every endpoint).
+    pub fn event_budget(&self) -> &switchyard_bounded::budget::Budget {
+        &self.config.event_budget
+    }
+
     /// The bound sockets engines connect to (central mode), if any.
     pub fn central_events(&self) -> Option<&Arc<central_events::CentralEvents>> {
         self.config.central_events.as_ref()

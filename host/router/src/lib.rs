@@ -140,7 +140,14 @@ pub struct KvRouterConfig {
     pub report_ttl: Duration,
     /// When a worker is saturated.
     pub saturation: Saturation,
+    /// The process's one budget for engines' KV event input (clones share it): every
+    /// batch's bytes are taken from it before they are read and held until handled.
+    pub event_budget: switchyard_bounded::budget::Budget,
 }
+
+/// The default budget for KV event input: 512 MiB, room for sixteen of the largest
+/// batches (32 MiB) at once, far more than engines send in normal operation.
+pub const DEFAULT_EVENT_MEMORY: u64 = 512 << 20;
 
 impl KvRouterConfig {
     /// Defaults for `block_size`: hash seed 0, predictions for 2 minutes, 10-minute
@@ -156,6 +163,7 @@ impl KvRouterConfig {
             forward_authorization: false,
             report_ttl: switchyard_kv::load::REPORT_TTL,
             saturation: Saturation::default(),
+            event_budget: switchyard_bounded::budget::Budget::new(DEFAULT_EVENT_MEMORY),
         }
     }
 }

@@ -215,7 +215,7 @@ async fn stream_once(
         return End::Broken(format!("HTTP {}", response.status()));
     }
     let mut body = response.into_body();
-    let mut lines = switchyard_net::lines::Lines::default();
+    let mut lines = switchyard_bounded::lines::Lines::default();
     let mut last: Option<u64> = None;
     loop {
         let frame = match tokio::time::timeout(config.idle_timeout, body.frame()).await {

@@ -11,7 +11,9 @@
 //! written here with every read bounded ([`Limits`]):
 //! - a frame's declared size is checked against [`Limits::max_frame`] *before* anything
 //!   is allocated, and a message's frames and total bytes against `max_frames` and
-//!   `max_message`;
+//!   `max_message`; with a budget ([`Connection::with_budget`]: the router's one budget
+//!   for all event input) its bytes are taken from it first, and held until the message
+//!   is done with;
 //! - the greeting and handshake must finish within `handshake_deadline`, and a message,
 //!   once its first byte has arrived, within `message_deadline` (an idle publisher is
 //!   normal; a half-sent message is not);
@@ -27,6 +29,7 @@
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use switchyard_bounded::budget::{Budget, Grant};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
@@ -140,6 +143,9 @@ pub fn tcp_address(endpoint: &str) -> Result<String, ZmtpError> {
 pub struct Connection<S = TcpStream> {
     stream: BufReader<S>,
     limits: Limits,
+    /// The process's budget for event input, which every frame's bytes are taken from
+    /// before they are read ([`Connection::with_budget`]); `None`: the limits alone.
+    budget: Option<Budget>,
 }
 
 /// No Nagle delay, and TCP keepalive: a peer that vanished without a reset is found by
@@ -184,11 +190,20 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         let mut c = Connection {
             stream: BufReader::with_capacity(64 << 10, stream),
             limits,
+            budget: None,
         };
         tokio::time::timeout(limits.handshake_deadline, c.greet(kind))
             .await
             .map_err(|_| ZmtpError::Timeout("handshake"))??;
         Ok(c)
+    }
+
+    /// Takes every message's bytes from `budget` before reading them: a frame that does
+    /// not fit in what is left closes the connection (`TooLarge`), and a message holds
+    /// its bytes until its [`Grant`] is dropped ([`Connection::recv_held`]).
+    pub fn with_budget(mut self, budget: Budget) -> Connection<S> {
+        self.budget = Some(budget);
+        self
     }
 
     async fn greet(&mut self, kind: SocketType) -> Result<(), ZmtpError> {
@@ -281,6 +296,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     /// The next message, its frames in order. Waits as long as the peer is silent; once
     /// a message has begun it must end within the message deadline and the limits.
     pub async fn recv(&mut self) -> Result<Vec<Bytes>, ZmtpError> {
+        self.recv_held().await.map(|(m, _)| m)
+    }
+
+    /// [`Connection::recv`], with the message's bytes held against the budget until the
+    /// grant is dropped (keep it while the message is queued or handled).
+    pub async fn recv_held(&mut self) -> Result<(Vec<Bytes>, Grant), ZmtpError> {
         loop {
             let first = self.stream.read_u8().await?;
             let limits = self.limits;
@@ -294,15 +315,18 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     }
 
     /// The message that `flags` starts, or `None` for a command (handled here).
-    async fn rest_of(&mut self, mut flags: u8) -> Result<Option<Vec<Bytes>>, ZmtpError> {
+    async fn rest_of(&mut self, mut flags: u8) -> Result<Option<(Vec<Bytes>, Grant)>, ZmtpError> {
         let mut frames = Vec::new();
         let mut total: u64 = 0;
+        let mut held = Grant::default();
         loop {
             if flags & FLAG_COMMAND != 0 {
                 if !frames.is_empty() {
                     return Err(ZmtpError::Protocol("a command inside a message".into()));
                 }
-                let body = self.frame_body(flags, self.limits.max_command).await?;
+                let body = self
+                    .frame_body(flags, self.limits.max_command, None)
+                    .await?;
                 self.on_command(&body).await?;
                 return Ok(None);
             }
@@ -314,12 +338,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             }
             let left = self.limits.max_message - total;
             let body = self
-                .frame_body(flags, self.limits.max_frame.min(left))
+                .frame_body(flags, self.limits.max_frame.min(left), Some(&mut held))
                 .await?;
             total += body.len() as u64;
             frames.push(body);
             if flags & FLAG_MORE == 0 {
-                return Ok(Some(frames));
+                return Ok(Some((frames, held)));
             }
             flags = self.stream.read_u8().await?;
         }
@@ -344,13 +368,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     /// One whole frame (for the handshake): its flags and body.
     async fn read_frame(&mut self, bound: u64) -> Result<(u8, Bytes), ZmtpError> {
         let flags = self.stream.read_u8().await?;
-        let body = self.frame_body(flags, bound).await?;
+        let body = self.frame_body(flags, bound, None).await?;
         Ok((flags, body))
     }
 
     /// The size and body of a frame whose flags byte was read; a declared size past
-    /// `bound` is refused before anything is allocated.
-    async fn frame_body(&mut self, flags: u8, bound: u64) -> Result<Bytes, ZmtpError> {
+    /// `bound`, or past what the budget has left (when `held` gathers a message's
+    /// bytes), is refused before anything is allocated.
+    async fn frame_body(
+        &mut self,
+        flags: u8,
+        bound: u64,
+        held: Option<&mut Grant>,
+    ) -> Result<Bytes, ZmtpError> {
         if flags & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
             return Err(ZmtpError::Protocol(format!(
                 "reserved flag bits in {flags:#04x}"
@@ -365,6 +395,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             return Err(ZmtpError::TooLarge(format!(
                 "a frame of {size} bytes (at most {bound} here)"
             )));
+        }
+        if let (Some(budget), Some(held)) = (&self.budget, held) {
+            let grant = budget.take(size).ok_or_else(|| {
+                ZmtpError::TooLarge(format!(
+                    "a frame of {size} bytes past the router's KV event memory ({} of {} MiB held)",
+                    budget.used() >> 20,
+                    budget.capacity() >> 20
+                ))
+            })?;
+            held.absorb(grant);
         }
         let size = usize::try_from(size)
             .map_err(|_| ZmtpError::TooLarge(format!("a frame of {size} bytes")))?;

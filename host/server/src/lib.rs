@@ -43,8 +43,8 @@ use tokio::net::TcpListener;
 
 pub use error::ApiError;
 pub use metrics::Metrics;
+use switchyard_bounded::slot::Slot;
 use switchyard_discovery::EndpointPath;
-use switchyard_net::slot::Slot;
 use switchyard_router::KvRouter;
 use switchyard_tokens::PrefixTokenizer;
 

@@ -232,7 +232,7 @@ pub async fn policy_push(
         .map_err(anyhow::Error::msg)?;
     let bytes = match switchyard::policy::builtin(&spec) {
         Some(b) => b.wasm.to_vec(),
-        None => switchyard::net::files::read(
+        None => switchyard::bounded::files::read(
             std::path::Path::new(&spec),
             switchyard::policy::MAX_POLICY_BYTES as u64,
         )
@@ -269,7 +269,7 @@ pub async fn policy_push(
 }
 
 pub fn policy_test(spec: &str, cases: &std::path::Path, config: &str) -> anyhow::Result<()> {
-    let text = switchyard::net::files::read_to_string(cases, 64 << 20)
+    let text = switchyard::bounded::files::read_to_string(cases, 64 << 20)
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", cases.display()))?;
     let cases = switchyard::policy::cases::parse(&text)
         .map_err(|e| anyhow::anyhow!("{}: {e}", cases.display()))?;

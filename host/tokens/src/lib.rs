@@ -83,18 +83,9 @@ pub const MAX_TOKENIZER_FILE: u64 = 64 << 20;
 pub const MAX_TEMPLATE_FILE: u64 = 16 << 20;
 
 /// A file the operator named, at most `limit` bytes of UTF-8 (a path naming `/dev/zero`
-/// or a huge file by mistake is refused, not read to exhaustion). The same discipline as
-/// `switchyard-net`'s `files`, which this crate sits beside and cannot use.
+/// or a huge file by mistake is refused, not read to exhaustion).
 pub(crate) fn read_text(path: &Path, limit: u64) -> Result<String, String> {
-    use std::io::Read;
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(limit.saturating_add(1)).read_to_end(&mut bytes))
-        .map_err(|e| e.to_string())?;
-    if bytes.len() as u64 > limit {
-        return Err(format!("it is larger than {limit} bytes"));
-    }
-    String::from_utf8(bytes).map_err(|_| "it is not UTF-8 text".to_string())
+    switchyard_bounded::files::read_to_string(path, limit)
 }
 
 /// Vocabulary size of the built-in tokenizer.

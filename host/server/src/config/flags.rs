@@ -238,6 +238,12 @@ pub struct ServeArgs {
         value_delimiter = ','
     )]
     pub kv_events_bind: Vec<String>,
+    /// Memory for engines' KV event input, MiB: every batch read from an engine's (or a
+    /// central-mode peer's) socket, queued or being replayed, is held against it; a
+    /// connection whose next message does not fit is closed (a gap, replayed or marked
+    /// incomplete) [default: 512].
+    #[arg(long, env = "SWITCHYARD_KV_EVENTS_MEMORY_MIB")]
+    pub kv_events_memory_mib: Option<u64>,
     /// Most requests waiting in the router's queue per endpoint when every worker is
     /// saturated; 0 turns the queue off [default: 1024].
     #[arg(long, env = "SWITCHYARD_QUEUE_MAX")]

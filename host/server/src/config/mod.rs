@@ -84,6 +84,8 @@ pub struct ServeConfig {
     pub engine_metrics: Option<Duration>,
     /// Addresses of the SUB sockets engines connect to (central mode), rank by rank.
     pub kv_events_bind: Vec<String>,
+    /// The budget for engines' KV event input, bytes.
+    pub kv_events_memory: u64,
     /// The key of the router's block-hash chain (see `--kv-hash-key`).
     pub kv_hash_key: u64,
     /// Whether clients' `Authorization` header goes on to workers, by default.

@@ -22,7 +22,7 @@ impl ServeArgs {
     pub fn resolve(self) -> Result<ServeConfig, ConfigError> {
         let file: FileConfig = match &self.config {
             Some(path) => {
-                let text = switchyard_net::files::read_to_string(path, MAX_CONFIG_FILE)
+                let text = switchyard_bounded::files::read_to_string(path, MAX_CONFIG_FILE)
                     .map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
                 toml::from_str(&text)
                     .map_err(|e| ConfigError(format!("{}: {e}", path.display())))?
@@ -431,6 +431,16 @@ impl ServeArgs {
                 )?),
             },
             kv_events_bind,
+            kv_events_memory: match self.kv_events_memory_mib.or(file.kv_events_memory_mib) {
+                None => switchyard_router::DEFAULT_EVENT_MEMORY,
+                // At least one of the largest messages (32 MiB); at most 1 TiB.
+                Some(mib) if (32..=1 << 20).contains(&mib) => mib << 20,
+                Some(mib) => {
+                    return Err(ConfigError(format!(
+                        "--kv-events-memory-mib {mib}: from 32 (one message at its bound) to 1048576"
+                    )));
+                }
+            },
             forward_authorization: self
                 .forward_authorization
                 .or(file.forward_authorization)

@@ -442,6 +442,16 @@ impl Collector for Scrape {
             "Tokens held for reuse",
             vec![(vec![], i64::try_from(p.tokens).unwrap_or(i64::MAX))],
         )?;
+        // One budget for every engine's event input, whichever endpoint it feeds.
+        if let Some(r) = rs.first() {
+            let budget = r.event_budget();
+            gauges(
+                e,
+                "kv_events_memory_bytes",
+                "Bytes of engine KV event input held now (read, queued or replayed, not yet handled), of --kv-events-memory-mib",
+                vec![(vec![], i64::try_from(budget.used()).unwrap_or(i64::MAX))],
+            )?;
+        }
         // Central mode's sockets are shared by every endpoint: said once.
         if let Some(hub) = rs.iter().find_map(|r| r.central_events()) {
             for (name, help, c) in [

@@ -155,13 +155,18 @@ pub async fn serve(
     let tokenizer = Arc::new(
         PrefixTokenizer::new(tokenizer, config.tokenizer_cache_tokens).with_chat(Arc::new(chat)),
     );
+    // One budget for every engine's event input, whichever endpoint it feeds.
+    let event_budget = switchyard_bounded::budget::Budget::new(config.kv_events_memory);
     let central_events = if config.kv_events_bind.is_empty() {
         None
     } else {
         Some(
-            switchyard_router::central_events::CentralEvents::bind(&config.kv_events_bind)
-                .await
-                .map_err(ServeError::KvEvents)?,
+            switchyard_router::central_events::CentralEvents::bind(
+                &config.kv_events_bind,
+                event_budget.clone(),
+            )
+            .await
+            .map_err(ServeError::KvEvents)?,
         )
     };
     let (discovery, static_set): (Arc<dyn Discovery>, Option<Vec<InstanceInfo>>) =
@@ -211,6 +216,7 @@ pub async fn serve(
                 }),
             hash_seed: config.kv_hash_key,
             saturation: config.saturation,
+            event_budget,
             ..KvRouterConfig::new(16)
         },
         endpoint_forward_authorization: config.endpoint_forward_authorization.clone(),
@@ -369,7 +375,7 @@ fn watch_policy_files(fleet: Arc<ServeFleet>, config: &ServeConfig) -> tokio::ta
                 // Bounded: a watched path replaced by a huge file (or a device) is
                 // refused with a log line, not read into memory.
                 let limit = switchyard_policy::MAX_POLICY_BYTES as u64;
-                let bytes = match switchyard_net::files::read(path, limit) {
+                let bytes = match switchyard_bounded::files::read(path, limit) {
                     Ok(bytes) => bytes,
                     Err(why) => {
                         tracing::warn!(path = %path.display(), "policy file not reloaded: {why}");
