@@ -401,3 +401,63 @@ async fn after_failure(
     }
     settle(gw, router, a, decode, failure)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use switchyard_discovery::{DiscoveryUpdate, EndpointPath, InstanceInfo};
+    use switchyard_policy::{PolicyEngine, PolicyHandle, RuntimeConfig};
+    use switchyard_router::KvRouterConfig;
+    use switchyard_router::client::{Client, ClientConfig, HttpHealthCheck};
+
+    /// A placement dropped on any path (here: before anything was sent, as when its
+    /// decode worker leaves discovery between the decision and the lookup) releases both
+    /// legs' bookings: they are guards from the moment of the placement.
+    #[tokio::test]
+    async fn a_split_placement_dropped_before_sending_releases_both_legs() {
+        let endpoint = EndpointPath::for_model("m");
+        let client = Client::new(
+            endpoint.clone(),
+            ClientConfig::default(),
+            Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
+        );
+        client.apply(DiscoveryUpdate::Reset(
+            (0..2u64)
+                .map(|i| {
+                    let url = format!("http://192.0.2.{}:8000", i + 1);
+                    InstanceInfo::new(InstanceId(i), endpoint.clone(), url, "m", 16)
+                })
+                .collect(),
+        ));
+        let engine = PolicyEngine::new(RuntimeConfig {
+            cache_dir: None,
+            ..RuntimeConfig::default()
+        })
+        .unwrap();
+        let policy = engine.load_spec("round-robin", "{}").unwrap();
+        let policy = Arc::new(PolicyHandle::new(engine, policy).unwrap());
+        let router = Arc::new(KvRouter::new(client, policy, KvRouterConfig::new(16)));
+        let place = || {
+            router
+                .place(64, &[], None, &[], Instant::now(), Placing::Any)
+                .unwrap()
+        };
+        // A decode placement and a prefill leg booked on the other worker, as a split
+        // decision gives them.
+        let mut routed = place();
+        let leg = place();
+        assert_ne!(routed.worker, leg.worker, "round-robin spreads them");
+        routed.prefill = Some(PrefillLeg {
+            worker: leg.worker,
+            request: leg.request,
+            overlap_blocks: 0,
+        });
+        let booked_on = |w| router.load_of(w).booked;
+        assert_eq!((booked_on(routed.worker), booked_on(leg.worker)), (1, 1));
+        let (decode, prefill) = (routed.worker, leg.worker);
+        drop(book(&router, routed));
+        assert_eq!((booked_on(decode), booked_on(prefill)), (0, 0));
+        assert_eq!(router.expired_bookings(), 0);
+    }
+}
