@@ -15,7 +15,8 @@
 #       --max-prompt-tokens 4000 > vllm-chat.jsonl
 #
 # B7_KV_BLOCKS (160) sets each engine's cache in 32-token blocks, B7_MAX_OUTPUT (48) the
-# longest answer, B7_ROUNDS (3) the rounds. Every prompt must fit the engines' context
+# longest answer, B7_ROUNDS (3) the rounds; B7_SWITCHYARD and B7_PEERS (below) choose
+# the routers. Every prompt must fit the engines' context
 # (4,096 tokens of the tiny model's tokenizer).
 set -euo pipefail
 
@@ -81,11 +82,17 @@ for spec in "${specs[@]}"; do
 done
 
 serve="$sy serve --listen 127.0.0.1:{port} {worker_args} --model replay --block-size 32 --tokenizer $tokenizer"
+routers=(--router "switchyard kv-cost=$serve --policy kv-cost")
+# B7_SWITCHYARD="FLAGS": also Switchyard with these serve flags (e.g. a faster
+# --engine-metrics-ms); B7_PEERS (sglang-router,smg,vllm-router) says which peers run.
+if [ -n "${B7_SWITCHYARD:-}" ]; then
+    routers+=(--router "switchyard kv-cost, $B7_SWITCHYARD=$serve --policy kv-cost $B7_SWITCHYARD")
+fi
+peers=",${B7_PEERS:-sglang-router,smg,vllm-router},"
+[[ $peers == *,sglang-router,* ]] && routers+=(--router "sglang-router cache_aware=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware")
+[[ $peers == *,smg,* ]] && routers+=(--router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware")
+[[ $peers == *,vllm-router,* ]] && routers+=(--router "vllm-router cache_aware=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware")
 "$sy" replay "$trace" --policy none "${specs[@]}" --rounds "${B7_ROUNDS:-3}" \
     --speedup 1 --kv-blocks "$blocks" --block-size 32 --tokenizer "$tokenizer" \
-    --max-output "${B7_MAX_OUTPUT:-48}" --router-logs "$logs" \
-    --router "switchyard kv-cost=$serve --policy kv-cost" \
-    --router "sglang-router cache_aware=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware" \
-    --router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware" \
-    --router "vllm-router cache_aware=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware" \
+    --max-output "${B7_MAX_OUTPUT:-48}" --router-logs "$logs" "${routers[@]}" \
     --json "${B7_JSON:-b7-vllm.json}" --chart "${B7_CHART:-b7-vllm.svg}" "$@"
