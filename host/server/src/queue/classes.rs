@@ -154,31 +154,40 @@ impl OverloadConfig {
         })
     }
 
-    /// The configured tenant the request names (by the tenant header, or its API key).
+    /// The configured tenant the request is: the one its API key belongs to, else the
+    /// one its tenant header names if that tenant has no key (a tenant with a key is
+    /// that key's alone: naming it by header without the key does not make a request
+    /// it).
     fn tenant_of(&self, headers: &HeaderMap) -> Option<&Tenant> {
-        if let Some(name) = headers
-            .get(self.tenant_header.as_str())
-            .and_then(|v| v.to_str().ok())
-            && let Some(t) = self.tenants.iter().find(|t| t.name == name)
-        {
-            return Some(t);
+        if let Some(key) = bearer(headers) {
+            let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
+            if let Some(t) = self
+                .tenants
+                .iter()
+                .find(|t| t.api_key_sha256 == Some(digest))
+            {
+                return Some(t);
+            }
         }
-        let key = bearer(headers)?;
-        let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
+        let name = headers
+            .get(self.tenant_header.as_str())
+            .and_then(|v| v.to_str().ok())?;
         self.tenants
             .iter()
-            .find(|t| t.api_key_sha256 == Some(digest))
+            .find(|t| t.name == name && t.api_key_sha256.is_none())
     }
 
     /// The tenant key of a request no configured tenant matches: the tenant header's
-    /// value (bounded), else a digest of the API key (never the key itself), else
-    /// `anonymous`.
+    /// value (bounded; not a configured tenant's name), else a digest of the API key
+    /// (never the key itself), else `anonymous`.
     fn tenant_key(&self, headers: &HeaderMap) -> Arc<str> {
+        // A header naming a configured tenant it is not (one with a key, without that
+        // key) is no tenant of its own either: it must not share the tenant's place.
         if let Some(v) = headers
             .get(self.tenant_header.as_str())
             .and_then(|v| v.to_str().ok())
             .map(str::trim)
-            .filter(|v| !v.is_empty())
+            .filter(|v| !v.is_empty() && !self.tenants.iter().any(|t| t.name == *v))
         {
             let mut end = v.len().min(MAX_TENANT_BYTES);
             while !v.is_char_boundary(end) {
@@ -278,5 +287,64 @@ mod tests {
                 .identify(&headers(&[(DEADLINE_HEADER, "1e400")]), long)
                 .is_err()
         );
+    }
+
+    /// A tenant with an API key is that key's: a client naming it in the tenant header
+    /// without the key is not it (nor shares its place under its name), and the key
+    /// wins over a header naming another tenant; a tenant without a key is named by the
+    /// header (as a trusted gateway sets it).
+    #[test]
+    fn a_client_cannot_impersonate_a_tenant_that_has_a_key() {
+        let key_sha: [u8; 32] = Sha256::digest(b"sk-app").into();
+        let config = OverloadConfig {
+            tenants: vec![
+                Tenant {
+                    name: "app".into(),
+                    weight: 4,
+                    api_key_sha256: Some(key_sha),
+                    class: Some("high".into()),
+                },
+                Tenant {
+                    name: "gateway-team".into(),
+                    weight: 2,
+                    api_key_sha256: None,
+                    class: None,
+                },
+            ],
+            ..OverloadConfig::default()
+        };
+        let long = Duration::from_secs(600);
+        let forged = config
+            .identify(&headers(&[(TENANT_HEADER, "app")]), long)
+            .unwrap();
+        assert_ne!(&*forged.tenant, "app", "the header alone is not the tenant");
+        assert_eq!((&*forged.tenant, forged.weight), ("anonymous", 1));
+        assert_eq!(config.classes[forged.class].name, "normal", "nor its class");
+        let with_key = config
+            .identify(
+                &headers(&[
+                    (TENANT_HEADER, "gateway-team"),
+                    ("authorization", "Bearer sk-app"),
+                ]),
+                long,
+            )
+            .unwrap();
+        assert_eq!(
+            (&*with_key.tenant, with_key.weight),
+            ("app", 4),
+            "the key wins"
+        );
+        assert_eq!(config.classes[with_key.class].name, "high");
+        let named = config
+            .identify(&headers(&[(TENANT_HEADER, "gateway-team")]), long)
+            .unwrap();
+        assert_eq!((&*named.tenant, named.weight), ("gateway-team", 2));
+        let wrong_key = config
+            .identify(
+                &headers(&[(TENANT_HEADER, "app"), ("authorization", "Bearer sk-guess")]),
+                long,
+            )
+            .unwrap();
+        assert!(wrong_key.tenant.starts_with("key:"), "{}", wrong_key.tenant);
     }
 }
