@@ -367,8 +367,20 @@ fn the_overload_pages_file_is_read_as_it_says() {
         (&*who.tenant, o.classes[who.class].name.as_str()),
         ("nightly", "low")
     );
+    // The key wins over the header; `app` (no key) is named by the header.
     h.insert("x-switchyard-tenant", "app".parse().unwrap());
+    assert_eq!(
+        &*o.identify(&h, Duration::from_secs(3600)).unwrap().tenant,
+        "nightly"
+    );
+    h.remove("authorization");
     assert_eq!(o.identify(&h, Duration::from_secs(3600)).unwrap().weight, 4);
+    // `nightly` has a key: its name in the header is not enough.
+    h.insert("x-switchyard-tenant", "nightly".parse().unwrap());
+    assert_eq!(
+        &*o.identify(&h, Duration::from_secs(3600)).unwrap().tenant,
+        "anonymous"
+    );
     // A tenant naming a class that does not exist, and a weight of 0, are refused.
     for bad in [
         "[[tenants]]\nname = \"x\"\nclass = \"urgent\"\n",
