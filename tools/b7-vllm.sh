@@ -29,12 +29,7 @@ blocks=${B7_KV_BLOCKS:-160}
 logs=${B7_LOGS:-b7-vllm-logs}
 mkdir -p "$logs"
 
-if [ ! -x "$venv/bin/smg" ] || [ ! -x "$venv/bin/vllm-router" ] \
-    || ! "$venv/bin/python" -c 'import sglang_router' 2>/dev/null; then
-    echo "installing the peers into $venv" >&2
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install --quiet sglang-router==0.3.2 smg==1.13.0 vllm-router==0.1.17
-fi
+"$root/tools/peers.sh" "$venv"
 "$root/tools/vllm.sh" "$home" >&2
 # SWITCHYARD_BIN: another build of the router (a check of the script; figures come from
 # the release build).

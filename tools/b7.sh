@@ -20,12 +20,7 @@ shift
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${SWITCHYARD_PEERS_VENV:-$HOME/.cache/switchyard/peers}
 
-if [ ! -x "$venv/bin/smg" ] || [ ! -x "$venv/bin/vllm-router" ] \
-    || ! "$venv/bin/python" -c 'import sglang_router' 2>/dev/null; then
-    echo "installing the peers into $venv" >&2
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install --quiet sglang-router==0.3.2 smg==1.13.0 vllm-router==0.1.17
-fi
+"$root/tools/peers.sh" "$venv"
 
 # B7_CLIENT=aiperf: NVIDIA's aiperf sends the requests instead of the replay's own
 # client. It needs a Hugging Face tokenizer to write prompts and cannot download one

@@ -157,20 +157,10 @@ pub async fn observe(c: &HttpClient, base: &str, model: &str) -> Value {
 }
 
 /// `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total` and
-/// `vllm:request_success_total` from `base`'s `/metrics`, each summed over its series.
+/// `vllm:request_success_total` from `base`'s `/metrics`, each summed over its series (as
+/// the replay reads an engine's).
 async fn counters(c: &HttpClient, base: &str) -> [f64; 3] {
     let (_, page) = http::get(c, &format!("{base}/metrics")).await;
-    let page = String::from_utf8_lossy(&page);
-    let mut out = [0.0; 3];
-    for line in page.lines().filter(|l| !l.starts_with('#')) {
-        let name = line.split(['{', ' ']).next().unwrap_or("");
-        let k = match name {
-            "vllm:prefix_cache_queries_total" => 0,
-            "vllm:prefix_cache_hits_total" => 1,
-            "vllm:request_success_total" => 2,
-            _ => continue,
-        };
-        out[k] += line.rsplit(' ').next().unwrap().parse::<f64>().unwrap();
-    }
-    out
+    let n = switchyard::replay::engines::parse(&String::from_utf8_lossy(&page));
+    [n.queries, n.hits, n.finished]
 }

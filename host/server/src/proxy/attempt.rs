@@ -52,6 +52,18 @@ struct Beside {
     task: JoinHandle<Result<(), split::LegEnd>>,
 }
 
+impl Beside {
+    /// Its worker, as a failed prefill leg of attempt `attempt`.
+    fn failed(&self, attempt: Attempt) -> Failed<'_> {
+        Failed {
+            worker: self.worker,
+            url: &self.url,
+            attempt,
+            prefill: true,
+        }
+    }
+}
+
 /// What the prefill leg leaves the attempt to send.
 enum Leg {
     /// This body with these headers to the (decode) worker, the prefill leg beside it if
@@ -169,13 +181,7 @@ pub(super) async fn attempts(
                         Ok(Err(split::LegEnd::Router(e))) => return Err(e),
                         Ok(Err(split::LegEnd::Failed(f))) => {
                             drop(booking);
-                            let failed = Failed {
-                                worker: b.worker,
-                                url: &b.url,
-                                attempt: this,
-                                prefill: true,
-                            };
-                            match settle(gw, router, &mut a, failed, f) {
+                            match settle(gw, router, &mut a, b.failed(this), f) {
                                 Some(done) => return done,
                                 None => continue,
                             }
@@ -390,13 +396,7 @@ async fn after_failure(
         // A room serves one handoff: the next attempt runs both legs again.
         b.task.abort();
         if let Ok(Ok(Err(split::LegEnd::Failed(f)))) = prefill {
-            let failed = Failed {
-                worker: b.worker,
-                url: &b.url,
-                attempt: decode.attempt,
-                prefill: true,
-            };
-            return settle(gw, router, a, failed, f);
+            return settle(gw, router, a, b.failed(decode.attempt), f);
         }
     }
     settle(gw, router, a, decode, failure)

@@ -44,13 +44,12 @@ pub(super) async fn prepare(
     req: &hyper::http::request::Parts,
     body: &Bytes,
 ) -> Result<Prepared, ApiError> {
-    let parsed = if body.len() > BLOCKING_TOKENIZE_BYTES {
-        let b = body.clone();
-        crate::error::off_thread("the request parser", move || openai::parse(api, &b)).await?
-    } else {
-        openai::parse(api, body)
-    }
-    .map_err(ApiError::BadRequest)?;
+    let b = body.clone();
+    let large = body.len() > BLOCKING_TOKENIZE_BYTES;
+    let parsed =
+        crate::error::off_thread_if(large, "the request parser", move || openai::parse(api, &b))
+            .await?
+            .map_err(ApiError::BadRequest)?;
     let router = gw.fleet.router_for_model(&parsed.model).ok_or_else(|| {
         if gw.fleet.model_known(&parsed.model) {
             ApiError::ModelUnavailable(parsed.model.clone())

@@ -154,19 +154,16 @@ pub fn table(runs: &[PolicyRun], bound: Bounds, slo: Slo) -> String {
 /// For routers run more than once (`--rounds`): each figure's median over the runs,
 /// with its range, so that a lead can be read against the spread.
 pub fn spread_table(runs: &[PolicyRun], slo: Slo) -> Option<String> {
-    let mut names: Vec<&str> = Vec::new();
+    // Each router's summaries, in the order of its first run.
+    let mut groups: Vec<(&str, Vec<Summary>)> = Vec::new();
     for r in runs {
-        if !names.contains(&r.policy.as_str()) {
-            names.push(&r.policy);
+        let m = summarise(r, slo);
+        match groups.iter_mut().find(|(n, _)| *n == r.policy) {
+            Some((_, g)) => g.push(m),
+            None => groups.push((&r.policy, vec![m])),
         }
     }
-    let of = |name: &str| -> Vec<Summary> {
-        runs.iter()
-            .filter(|r| r.policy == name)
-            .map(|r| summarise(r, slo))
-            .collect()
-    };
-    if names.iter().all(|n| of(n).len() < 2) {
+    if groups.iter().all(|(_, g)| g.len() < 2) {
         return None;
     }
     // Median (min–max) of one figure over the runs, scaled and with its unit.
@@ -185,8 +182,7 @@ pub fn spread_table(runs: &[PolicyRun], slo: Slo) -> Option<String> {
         s,
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
-    for name in names {
-        let m = of(name);
+    for (name, m) in groups {
         let pick = |f: &dyn Fn(&Summary) -> f64| m.iter().map(f).collect::<Vec<f64>>();
         let _ = writeln!(
             s,

@@ -529,9 +529,8 @@ impl Migration {
         self.used += 1;
         // At the text level the answer so far is its text: tokens that gave none yet (a
         // character's first bytes) are generated again, so they are not counted as sent.
-        let token_level = self.prompt_ids.is_some()
-            && self.ids.is_some()
-            && (self.max_tokens.is_some() || self.context_len.is_some());
+        // A completion of token IDs has a default of its own (16): it needs the limit.
+        let token_level = self.prompt_ids.is_some() && self.ids.is_some() && self.left().is_some();
         if !token_level {
             self.sent = self.sent.saturating_sub(std::mem::take(&mut self.textless));
         }
@@ -541,9 +540,8 @@ impl Migration {
             // Everything asked for was sent; only the final chunk was lost.
             return Ok(Next::Finish(self.closing_events(true)));
         }
-        // A completion of token IDs has a default of its own (16): it needs the limit.
-        let tokens = match (&self.prompt_ids, &self.ids, left) {
-            (Some(p), Some(ids), Some(_)) => Some([p.as_slice(), ids].concat()),
+        let tokens = match (&self.prompt_ids, &self.ids) {
+            (Some(p), Some(ids)) if token_level => Some([p.as_slice(), ids].concat()),
             _ => None,
         };
         self.token_segment = tokens.is_some();
