@@ -91,8 +91,9 @@ common=(--max-requests "${B7_REQUESTS:-1500}"
 # 1.5 L and 3 L. A fifth of the requests are interactive (class high), the rest batch
 # (low), spread over two tenants, each with half the TTFT SLO as its queue deadline.
 # Switchyard as an operator sets it for the SLO (B7_SATURATION: at most 8 requests and
-# 16,384 unprefilled prompt tokens per worker), on its defaults, and without its queue
-# (every request forwarded at once, as before); each peer with its concurrency limit
+# 16,384 unprefilled prompt tokens per worker), on its defaults (the expected wait of 1 s,
+# at the replay's pace: 1 s / B7_SPEEDUP of wall time), and without its queue (every
+# request forwarded at once, as before); each peer with its concurrency limit
 # set to the same fleet (8 per worker), a queue of 1,024 and the deadline as its queue
 # timeout (whole seconds, at least 1). One table per load.
 if [ -n "${B7_OVERLOAD:-}" ]; then
@@ -100,6 +101,12 @@ if [ -n "${B7_OVERLOAD:-}" ]; then
     speedup=${B7_SPEEDUP:-20}
     saturation=${B7_SATURATION:---saturation-max-in-flight 8 --saturation-prefill-tokens 16384}
     limit=$((workers * 8))
+    # The replay's two tenants, named by its tenant header as a trusted gateway would set
+    # it, each allowed to ask for `high` (a client's header alone may not).
+    tenants="$(cd "$logs" && pwd)/overload-tenants.toml"
+    printf '[[tenants]]\nname = "tenant-%s"\nmax_class = "high"\n\n' 0 1 > "$tenants"
+    # The default saturation wait (1 s) on the replay's clock.
+    wait_ms=$(python3 -c "print(max(1, round(1000 / $speedup)))")
     # The deadline: half the TTFT SLO of 2 s (simulated), in wall seconds.
     timeout=$(python3 -c "import math; print(max(1, math.ceil(1 / $speedup)))")
     peer_queue="--max-concurrent-requests $limit --queue-size 1024 --queue-timeout-secs $timeout"
@@ -108,9 +115,9 @@ if [ -n "${B7_OVERLOAD:-}" ]; then
         echo "## load ${factor}x (--load $load)"
         "$sy" replay "$trace" "${common[@]}" --workers "$workers" \
             --load "$load" --interactive-share 0.2 --tenants 2 \
-            --router "switchyard kv-cost, set for the SLO=$serve --policy kv-cost $saturation" \
-            --router "switchyard kv-cost, defaults=$serve --policy kv-cost" \
-            --router "switchyard kv-cost, no queue=$serve --policy kv-cost --queue-max 0 --saturation-queued 0" \
+            --router "switchyard kv-cost, set for the SLO=$serve --config $tenants --policy kv-cost $saturation" \
+            --router "switchyard kv-cost, defaults=$serve --config $tenants --policy kv-cost --saturation-wait-ms $wait_ms" \
+            --router "switchyard kv-cost, no queue=$serve --config $tenants --policy kv-cost --queue-max 0 --saturation-wait-ms 0" \
             --router "sglang-router cache_aware=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29001 $peer_queue" \
             --router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29002 $peer_queue" \
             --router "vllm-router cache_aware=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29003 $peer_queue" \

@@ -62,6 +62,55 @@ pub struct WorkerLoad {
     /// queue plus this router's bookings since it when the queue was not empty; 0 while
     /// the engine has never been seen queueing; without a fresh report, 0.
     pub queued: u32,
+    /// The worker's prefill rate as this router measured it (uncached prompt tokens a
+    /// second of busy time, see [`PrefillRate`]), once measured.
+    pub prefill_rate: Option<f64>,
+}
+
+impl WorkerLoad {
+    /// How long a request sent now would wait for the prefill already routed to the
+    /// worker: its pending prefill at its measured rate (unknown until measured).
+    pub fn prefill_wait(&self) -> Option<Duration> {
+        let rate = self.prefill_rate?;
+        Duration::try_from_secs_f64(self.pending_prefill_tokens as f64 / rate).ok()
+    }
+}
+
+/// A worker's prefill rate, measured from its first tokens: each first token closes an
+/// interval that began at the later of the request's booking and the worker's previous
+/// first token, during which the worker had this request's prompt to prefill. Those
+/// intervals tile the time the worker had prefill pending, so tokens over their sum is
+/// the rate it served prompts at while busy, decode steps and engine queueing included
+/// (what a request waiting behind them sees). Recent intervals weigh most (each one
+/// discounts the past by 1/16).
+#[derive(Debug, Default, Clone, Copy)]
+struct PrefillRate {
+    tokens: f64,
+    secs: f64,
+    last_first_token: Option<Instant>,
+}
+
+/// Tokens the rate must have seen before it counts: a few prompts, not one request's
+/// overhead.
+const RATE_MIN_TOKENS: f64 = 1024.0;
+
+impl PrefillRate {
+    fn sample(&mut self, tokens: u64, booked_at: Instant, now: Instant) {
+        let from = self
+            .last_first_token
+            .map_or(booked_at, |t| t.max(booked_at));
+        self.last_first_token = Some(now);
+        if tokens == 0 {
+            return;
+        }
+        let dt = now.saturating_duration_since(from).as_secs_f64();
+        self.tokens = self.tokens * (15.0 / 16.0) + tokens as f64;
+        self.secs = self.secs * (15.0 / 16.0) + dt;
+    }
+
+    fn rate(&self) -> Option<f64> {
+        (self.tokens >= RATE_MIN_TOKENS && self.secs > 0.0).then(|| self.tokens / self.secs)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -77,6 +126,7 @@ struct Worker {
     /// The most requests the engine was seen running while others waited: its batch
     /// limit as it shows (see [`WorkerLoad::queued`]).
     batch: Option<u32>,
+    prefill_rate: PrefillRate,
 }
 
 impl Worker {
@@ -120,6 +170,7 @@ struct Booking {
     /// When it was booked or last showed life ([`LoadTracker::touch`]): the hard expiry
     /// counts from here, so a stream that is still relaying is never taken for a leak.
     seen_at: Instant,
+    booked_at: Instant,
 }
 
 /// How long a worker's report counts by default.
@@ -178,19 +229,24 @@ impl LoadTracker {
                 blocks: blocks.to_vec(),
                 pending: uncached_tokens,
                 seen_at: now,
+                booked_at: now,
             },
         );
     }
 
-    /// The request's first token arrived: its prompt is no longer pending prefill.
-    pub fn prefill_done(&mut self, req: RequestId) {
+    /// The request's first token arrived at `now`: its prompt is no longer pending
+    /// prefill, and the worker's prefill rate learns from it. Returns whether it was
+    /// pending.
+    pub fn prefill_done(&mut self, req: RequestId, now: Instant) -> bool {
         let Some(b) = self.requests.get_mut(&req) else {
-            return;
+            return false;
         };
+        let pending = std::mem::take(&mut b.pending);
         if let Some(w) = self.workers.get_mut(&b.worker) {
-            w.pending_prefill_tokens -= b.pending;
+            w.pending_prefill_tokens -= pending;
+            w.prefill_rate.sample(pending, b.booked_at, now);
         }
-        b.pending = 0;
+        pending > 0
     }
 
     /// The request ended, failed or was cancelled: release everything it holds.
@@ -281,6 +337,7 @@ impl LoadTracker {
                 booked: w.in_flight,
                 reported: w.reported.map(|(r, _)| r),
                 queued: w.queued(now, self.report_ttl),
+                prefill_rate: w.prefill_rate.rate(),
             })
     }
 
@@ -316,6 +373,44 @@ mod tests {
         v.iter().map(|&x| BlockHash(x)).collect()
     }
 
+    /// The rate is the tokens of the prompts served over the time the worker had one
+    /// pending: requests queued together are served one after another, and a spell of
+    /// idleness between them does not count.
+    #[test]
+    fn the_prefill_rate_is_learned_from_first_tokens_over_busy_time() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut t = LoadTracker::default();
+        let w = InstanceId(3);
+        for r in 1..=3 {
+            t.book(RequestId(r), w, &b(&[r]), 1000, t0);
+        }
+        assert_eq!(t.load(w, t0).prefill_wait(), None, "not measured yet");
+        t.prefill_done(RequestId(1), t0 + s(1));
+        t.prefill_done(RequestId(2), t0 + s(2));
+        let l = t.load(w, t0 + s(2));
+        let rate = l.prefill_rate.expect("2,000 tokens seen");
+        assert!((rate - 1000.0).abs() < 1.0, "{rate}");
+        assert_eq!(
+            l.prefill_wait(),
+            Some(s(1)),
+            "1,000 tokens left at 1,000 a second"
+        );
+        t.prefill_done(RequestId(3), t0 + s(3));
+        for r in 1..=3 {
+            t.finish(RequestId(r));
+        }
+        // Idle for a minute, then one prompt served in half a second.
+        t.book(RequestId(4), w, &b(&[4]), 500, t0 + s(60));
+        t.prefill_done(RequestId(4), t0 + s(60) + Duration::from_millis(500));
+        let rate = t.load(w, t0 + s(61)).prefill_rate.unwrap();
+        assert!(
+            (rate - 1000.0).abs() < 1.0,
+            "idle time is not counted: {rate}"
+        );
+        assert_eq!(t.load(w, t0 + s(61)).prefill_wait(), Some(Duration::ZERO));
+    }
+
     #[test]
     fn shared_prefixes_count_once_and_prefill_clears_at_first_token() {
         let now = Instant::now();
@@ -327,7 +422,7 @@ mod tests {
             (l.active_blocks, l.pending_prefill_tokens, l.in_flight),
             (4, 64, 2)
         );
-        t.prefill_done(RequestId(1));
+        t.prefill_done(RequestId(1), now);
         assert_eq!(t.load(InstanceId(7), now).pending_prefill_tokens, 16);
         t.finish(RequestId(1));
         let l = t.load(InstanceId(7), now);
@@ -559,7 +654,9 @@ mod tests {
             for op in ops {
                 match op {
                     Op::Book(r, w, bl, tok) => t.book(RequestId(r), InstanceId(w), &b(&bl), tok, now),
-                    Op::Prefill(r) => t.prefill_done(RequestId(r)),
+                    Op::Prefill(r) => {
+                        t.prefill_done(RequestId(r), now);
+                    }
                     Op::Finish(r) => { t.finish(RequestId(r)); }
                 }
             }

@@ -74,11 +74,24 @@ pub struct Saturation {
     /// saturated: a request sent there would wait that long for its first token; 0:
     /// no such limit.
     pub prefill_tokens: u64,
+    /// The expected wait for the prefill already routed to a worker (its pending prefill
+    /// at its measured rate, [`switchyard_kv::load::WorkerLoad::prefill_wait`]) at which
+    /// it is saturated: a request sent there would wait at least this long for its
+    /// first token; zero: none.
+    pub wait: Duration,
 }
 
+/// The expected wait that saturates a worker by default.
+pub const DEFAULT_SATURATION_WAIT: Duration = Duration::from_secs(1);
+
 impl Default for Saturation {
-    /// No signal: every worker takes requests, and engines queue what they cannot start,
-    /// as behind any router. The engine queue is not a default signal because engines
+    /// The expected wait alone, at [`DEFAULT_SATURATION_WAIT`]: a worker that would make
+    /// a new request wait a second for the prefill routed ahead of it takes no more
+    /// while another would not, and when none would, requests wait in the router's
+    /// queue, in order of class and tenant, instead of in an engine's. A signal in time
+    /// rather than in counts holds for every workload (long prompts or short, cached or
+    /// not) and every engine speed, which no one count does: the counts that win on one
+    /// trace halve another's throughput. The engine queue is not a default signal because engines
     /// that chunk prefills (vLLM V1, SGLang) queue while they have room: a long prompt
     /// holds each step's token budget for many steps and requests arriving meanwhile wait
     /// for it, with slots and memory free; held in the router instead, they lost their
@@ -86,13 +99,14 @@ impl Default for Saturation {
     /// with the engine queue at 4, 1.8 s without). KV usage is not one either:
     /// engines run with their cache nearly full by design (vLLM sizes its batch to it),
     /// so a full cache is a busy worker, not a saturated one. An operator who knows the
-    /// concurrency or prefill backlog at which workers meet their objectives sets it.
+    /// concurrency or prefill backlog at which workers meet their objectives adds it.
     fn default() -> Self {
         Saturation {
             queued: 0,
             kv_usage: f32::INFINITY,
             max_in_flight: 0,
             prefill_tokens: 0,
+            wait: DEFAULT_SATURATION_WAIT,
         }
     }
 }
@@ -100,6 +114,21 @@ impl Default for Saturation {
 impl Saturation {
     /// Whether a worker with load `l` is saturated, and by what.
     pub fn reason(&self, l: &switchyard_kv::load::WorkerLoad) -> Option<&'static str> {
+        self.avoided(l).or_else(|| {
+            (!self.wait.is_zero() && l.prefill_wait().is_some_and(|w| w >= self.wait))
+                .then_some("expected wait")
+        })
+    }
+
+    /// Whether a worker with load `l` is saturated by a signal that keeps every new
+    /// request away from it while another worker has room (every signal but the
+    /// expected wait), and by what. The expected wait decides whether a request waits
+    /// in the router's queue, and where one leaving the queue may go; a request
+    /// arriving while some worker is below it goes where the policy puts it (whose
+    /// costs weigh each worker's pending prefill against its cache): holding a cached
+    /// worker's next request back from it at one second of backlog cost a sixth of the
+    /// hits below capacity for no time saved.
+    pub fn avoided(&self, l: &switchyard_kv::load::WorkerLoad) -> Option<&'static str> {
         if self.queued > 0 && l.queued >= self.queued {
             Some("engine queue")
         } else if l

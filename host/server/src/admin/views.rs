@@ -103,6 +103,8 @@ pub(super) fn instances_json(r: &KvRouter) -> Value {
                 "reported_waiting": load.reported.map(|l| l.waiting),
                 "active_blocks": load.active_blocks,
                 "pending_prefill_tokens": load.pending_prefill_tokens,
+                "prefill_rate_tokens_per_s": load.prefill_rate.map(|r| r.round()),
+                "expected_wait_ms": load.prefill_wait().map(|w| w.as_millis() as u64),
                 "kv_usage": load.reported.and_then(|l| l.kv_usage()),
                 "cached_blocks": r.cached_blocks(*id),
                 "cache_blocks": r.known_capacity(*id),

@@ -85,6 +85,7 @@ pub struct FileConfig {
     pub(crate) saturation_kv_usage: Option<f32>,
     pub(crate) saturation_max_in_flight: Option<u32>,
     pub(crate) saturation_prefill_tokens: Option<u64>,
+    pub(crate) saturation_wait_ms: Option<u64>,
     pub(crate) tenant_header: Option<String>,
     /// `[[classes]]` tables: priority classes besides (or replacing) the built-ins.
     #[serde(default)]

@@ -253,7 +253,7 @@ pub struct ServeArgs {
     pub queue_max_bytes: Option<usize>,
     /// A worker whose engine queue (its reported waiting requests, and those routed
     /// beyond the batch it was seen running) reaches this is saturated; 0: never
-    /// [default: 4].
+    /// [default: 0: engines that chunk prefills queue while they have room].
     #[arg(long, env = "SWITCHYARD_SATURATION_QUEUED")]
     pub saturation_queued: Option<u32>,
     /// A worker whose reported KV usage reaches this share is saturated; above 1: never
@@ -270,6 +270,11 @@ pub struct ServeArgs {
     /// [default: 0].
     #[arg(long, env = "SWITCHYARD_SATURATION_PREFILL_TOKENS")]
     pub saturation_prefill_tokens: Option<u64>,
+    /// A worker that would make a new request wait this long for the prefill already
+    /// routed to it (its unprefilled tokens at the prefill rate measured from its first
+    /// tokens) is saturated; 0: never [default: 1000].
+    #[arg(long, env = "SWITCHYARD_SATURATION_WAIT_MS")]
+    pub saturation_wait_ms: Option<u64>,
     /// The header naming a request's tenant [default: x-switchyard-tenant].
     #[arg(long, env = "SWITCHYARD_TENANT_HEADER")]
     pub tenant_header: Option<String>,

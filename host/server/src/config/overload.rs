@@ -31,6 +31,9 @@ pub(crate) struct TenantTable {
     api_key_sha256: Option<String>,
     #[serde(default)]
     class: Option<String>,
+    /// The most urgent class its requests may ask for (default: `class`).
+    #[serde(default)]
+    max_class: Option<String>,
 }
 
 /// The raw values, flag beating file.
@@ -41,6 +44,7 @@ pub(crate) struct Raw {
     pub saturation_kv_usage: Option<f32>,
     pub saturation_max_in_flight: Option<u32>,
     pub saturation_prefill_tokens: Option<u64>,
+    pub saturation_wait_ms: Option<u64>,
     pub tenant_header: Option<String>,
     pub classes: Vec<ClassTable>,
     pub tenants: Vec<TenantTable>,
@@ -64,6 +68,12 @@ pub(crate) fn resolve(raw: Raw) -> Result<(OverloadConfig, Saturation), ConfigEr
         kv_usage,
         max_in_flight: raw.saturation_max_in_flight.unwrap_or(s.max_in_flight),
         prefill_tokens: raw.saturation_prefill_tokens.unwrap_or(s.prefill_tokens),
+        wait: bounded(
+            "saturation_wait_ms",
+            raw.saturation_wait_ms,
+            Duration::from_millis,
+            s.wait,
+        )?,
     };
     let mut classes = builtin_classes();
     if raw.classes.len() > MAX_CLASSES {
@@ -103,10 +113,16 @@ pub(crate) fn resolve(raw: Raw) -> Result<(OverloadConfig, Saturation), ConfigEr
     }
     let mut tenants = Vec::new();
     for t in raw.tenants {
-        if let Some(c) = &t.class
-            && !classes.iter().any(|k| &k.name == c)
-        {
-            return Err(ConfigError(format!("tenant `{}`: no class `{c}`", t.name)));
+        for c in [&t.class, &t.max_class].into_iter().flatten() {
+            if !classes.iter().any(|k| &k.name == c) {
+                return Err(ConfigError(format!("tenant `{}`: no class `{c}`", t.name)));
+            }
+        }
+        if t.name == crate::queue::classes::DEFAULT_TENANT {
+            return Err(ConfigError(format!(
+                "tenant `{}`: the name of the tenant of requests no configured tenant claims",
+                t.name
+            )));
         }
         let api_key_sha256 = match &t.api_key_sha256 {
             None => None,
@@ -134,6 +150,7 @@ pub(crate) fn resolve(raw: Raw) -> Result<(OverloadConfig, Saturation), ConfigEr
             name: t.name,
             api_key_sha256,
             class: t.class,
+            max_class: t.max_class,
         });
     }
     let overload = OverloadConfig {

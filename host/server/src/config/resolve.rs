@@ -140,6 +140,7 @@ impl ServeArgs {
             saturation_prefill_tokens: self
                 .saturation_prefill_tokens
                 .or(file.saturation_prefill_tokens),
+            saturation_wait_ms: self.saturation_wait_ms.or(file.saturation_wait_ms),
             tenant_header: self.tenant_header.or(file.tenant_header),
             classes: file.classes,
             tenants: file.tenants,

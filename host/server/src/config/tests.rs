@@ -375,6 +375,15 @@ fn the_overload_pages_file_is_read_as_it_says() {
     );
     h.remove("authorization");
     assert_eq!(o.identify(&h, Duration::from_secs(3600)).unwrap().weight, 4);
+    // `app` may ask for high; `nightly` (its cap is its class, low) may not.
+    h.insert("x-switchyard-priority", "high".parse().unwrap());
+    let app = o.identify(&h, Duration::from_secs(3600)).unwrap();
+    assert_eq!(o.classes[app.class].name, "high");
+    h.insert("authorization", "Bearer sk-nightly".parse().unwrap());
+    let nightly = o.identify(&h, Duration::from_secs(3600)).unwrap();
+    assert_eq!(o.classes[nightly.class].name, "low");
+    h.remove("authorization");
+    h.remove("x-switchyard-priority");
     // `nightly` has a key: its name in the header is not enough.
     h.insert("x-switchyard-tenant", "nightly".parse().unwrap());
     assert_eq!(
@@ -384,6 +393,7 @@ fn the_overload_pages_file_is_read_as_it_says() {
     // A tenant naming a class that does not exist, and a weight of 0, are refused.
     for bad in [
         "[[tenants]]\nname = \"x\"\nclass = \"urgent\"\n",
+        "[[tenants]]\nname = \"x\"\nmax_class = \"urgent\"\n",
         "[[tenants]]\nname = \"x\"\nweight = 0\n",
         "[[tenants]]\nname = \"x\"\napi_key_sha256 = \"abc\"\n",
     ] {
@@ -396,4 +406,13 @@ fn the_overload_pages_file_is_read_as_it_says() {
         .unwrap_err();
         assert!(err.to_string().contains("tenant `x`"), "{err}");
     }
+    // `anonymous` is every unconfigured client: no configured tenant may be it.
+    let f = file("workers = [\"http://x:1\"]\n[[tenants]]\nname = \"anonymous\"\n");
+    let err = ServeArgs {
+        config: Some(f.path().into()),
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap_err();
+    assert!(err.to_string().contains("tenant `anonymous`"), "{err}");
 }

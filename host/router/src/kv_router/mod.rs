@@ -25,8 +25,8 @@ use switchyard_policy::{
 
 use crate::feeds::CacheReports;
 use crate::{
-    CacheView, Index, KvRouterConfig, Placing, PrefillLeg, RouteError, Routed, ViewStatus,
-    central_events, metrics_scraper, quality, shadow, subscriber, unsaturated,
+    Index, KvRouterConfig, Placing, PrefillLeg, RouteError, Routed, ViewStatus, metrics_scraper,
+    quality, shadow, subscriber, unsaturated,
 };
 
 /// The KV-aware router of one endpoint.
@@ -65,6 +65,10 @@ pub struct KvRouter {
     /// See [`KvRouter::load_changed`].
     pub(crate) load_changed: tokio::sync::Notify,
 }
+
+mod views;
+
+use views::{Admit, Saturated};
 
 impl KvRouter {
     /// A router for `client`'s endpoint deciding with `policy`.
@@ -266,13 +270,13 @@ impl KvRouter {
             exclude,
             now,
             placing,
-            false,
+            Admit::Route,
         )
     }
 
-    /// [`KvRouter::place`], but [`RouteError::Saturated`] when every candidate is
-    /// saturated: the caller queues the request and tries again when
-    /// [`KvRouter::load_changed`] says so.
+    /// [`KvRouter::place`] for a request arriving, but [`RouteError::Saturated`] when
+    /// every candidate is saturated: the caller queues the request and places it with
+    /// [`KvRouter::dispatch`] when [`KvRouter::load_changed`] says so.
     pub fn try_place(
         &self,
         prompt_tokens: u32,
@@ -287,7 +291,29 @@ impl KvRouter {
             &[],
             now,
             Placing::Any,
-            true,
+            Admit::Arrive,
+        )
+    }
+
+    /// [`KvRouter::try_place`] for a request leaving the router's queue: only workers
+    /// below every saturation signal, the expected wait included, are offered to the
+    /// policy (the queue would otherwise empty itself onto saturated workers while one
+    /// had room).
+    pub fn dispatch(
+        &self,
+        prompt_tokens: u32,
+        hashes: &[BlockHash],
+        session_key: Option<u64>,
+        now: Instant,
+    ) -> Result<Routed, RouteError> {
+        self.place_as(
+            prompt_tokens,
+            hashes,
+            session_key,
+            &[],
+            now,
+            Placing::Any,
+            Admit::Dispatch,
         )
     }
 
@@ -300,25 +326,31 @@ impl KvRouter {
         exclude: &[InstanceId],
         now: Instant,
         placing: Placing,
-        may_wait: bool,
+        admit: Admit,
     ) -> Result<Routed, RouteError> {
         let started = Instant::now();
         let busy = self.client.busy(now);
-        let (mut candidates, _, saturated) = if busy.is_empty() {
+        let (mut candidates, _, saturation) = if busy.is_empty() {
             self.gather(hashes, exclude)
         } else {
             let mut skip = exclude.to_vec();
             skip.extend(busy.iter().map(|(id, _)| *id));
             self.gather(hashes, &skip)
         };
-        if saturated.iter().any(|s| *s) {
-            if may_wait && saturated.iter().all(|s| *s) {
-                return Err(RouteError::Saturated {
-                    endpoint: self.endpoint.to_string(),
-                    workers: saturated.len(),
-                });
-            }
-            candidates = unsaturated(candidates, &saturated);
+        let saturated: Vec<bool> = saturation.iter().map(|s| s.is_some()).collect();
+        if admit != Admit::Route && !saturated.is_empty() && saturated.iter().all(|s| *s) {
+            return Err(RouteError::Saturated {
+                endpoint: self.endpoint.to_string(),
+                workers: saturated.len(),
+            });
+        }
+        let left_out: Vec<bool> = if admit == Admit::Dispatch {
+            saturated
+        } else {
+            saturation.iter().map(|s| s.avoided).collect()
+        };
+        if left_out.iter().any(|s| *s) {
+            candidates = unsaturated(candidates, &left_out);
         }
         let mut decode_alone = true;
         if candidates.disaggregated() {
@@ -468,36 +500,6 @@ impl KvRouter {
         (candidates, overlaps)
     }
 
-    /// The routable workers now saturated, and why (see [`crate::Saturation`]).
-    pub fn saturated(&self) -> Vec<(InstanceId, &'static str)> {
-        let routable = self.client.routable();
-        let now = Instant::now();
-        let load = self.load.lock();
-        routable
-            .iter()
-            .filter_map(|id| {
-                let why = self.config.saturation.reason(&load.load(*id, now))?;
-                Some((*id, why))
-            })
-            .collect()
-    }
-
-    /// Why `worker` is saturated, if it is.
-    pub fn saturation_of(&self, worker: InstanceId) -> Option<&'static str> {
-        let l = self.load.lock().load(worker, Instant::now());
-        self.config.saturation.reason(&l)
-    }
-
-    /// The longest cached prefix of `hashes` among the workers that are not saturated
-    /// (`None`: every worker is): what a queued request would find where it can go now.
-    pub fn overlap_with_room(&self, hashes: &[BlockHash]) -> Option<u32> {
-        let (candidates, _, saturated) = self.gather(hashes, &[]);
-        (0..candidates.len())
-            .filter(|i| !saturated[*i])
-            .map(|i| candidates.row(i).overlap_blocks)
-            .max()
-    }
-
     /// Woken (one waiter, or the next to wait) whenever a worker's load may have
     /// dropped: a request ended, or a worker reported its load.
     pub fn load_changed(&self) -> &tokio::sync::Notify {
@@ -510,7 +512,7 @@ impl KvRouter {
         &self,
         hashes: &[BlockHash],
         exclude: &[InstanceId],
-    ) -> (Candidates, Vec<(InstanceId, u32)>, Vec<bool>) {
+    ) -> (Candidates, Vec<(InstanceId, u32)>, Vec<Saturated>) {
         let snapshot = self.client.snapshot();
         let available = snapshot.routable.clone();
         let mut overlaps = Vec::new();
@@ -551,7 +553,11 @@ impl KvRouter {
                 .binary_search_by_key(&id, |(w, _)| *w)
                 .map_or(0, |i| overlaps[i].1);
             let overlap = load.extend_overlap(id, hashes, cached);
-            saturated.push(self.config.saturation.reason(&l).is_some());
+            let sat = &self.config.saturation;
+            saturated.push(Saturated {
+                any: sat.reason(&l).is_some(),
+                avoided: sat.avoided(&l).is_some(),
+            });
             candidates.push(CandidateRow {
                 id,
                 overlap_blocks: overlap,
@@ -575,7 +581,8 @@ impl KvRouter {
     /// Saturated workers are shown but, as in [`KvRouter::place`], not offered to the
     /// policy while a worker of their role has room.
     pub fn explain(&self, prompt_tokens: u32, hashes: &[BlockHash]) -> (Candidates, Decision) {
-        let (candidates, _, saturated) = self.gather(hashes, &[]);
+        let (candidates, _, saturation) = self.gather(hashes, &[]);
+        let saturated: Vec<bool> = saturation.iter().map(|s| s.avoided).collect();
         let request = Request {
             decode_alone: !candidates.disaggregated() || self.decode_alone(),
             ..self.request(prompt_tokens, hashes, None)
@@ -616,7 +623,10 @@ impl KvRouter {
 
     /// The request's first token arrived.
     pub fn prefill_done(&self, request: RequestId) {
-        self.load.lock().prefill_done(request);
+        // A worker's expected wait shrinks with each first token: the queue may place.
+        if self.load.lock().prefill_done(request, Instant::now()) {
+            self.load_changed.notify_one();
+        }
     }
 
     /// The request is alive (its response is still relaying): its booking is not a leak.
@@ -629,64 +639,5 @@ impl KvRouter {
         if self.load.lock().finish(request) {
             self.load_changed.notify_one();
         }
-    }
-
-    /// Current load of `worker`.
-    pub fn load_of(&self, worker: InstanceId) -> switchyard_kv::load::WorkerLoad {
-        self.load.lock().load(worker, Instant::now())
-    }
-
-    /// Blocks the index says `worker` holds.
-    pub fn cached_blocks(&self, worker: InstanceId) -> usize {
-        self.index.read().worker_blocks(worker)
-    }
-
-    /// Every block the index says `worker` holds, sorted.
-    pub fn cached_block_list(&self, worker: InstanceId) -> Vec<BlockHash> {
-        self.index.read().worker_block_list(worker)
-    }
-
-    /// Whether the router's view of `worker`'s cache is exact (event-fed, in sync).
-    pub fn is_exact(&self, worker: InstanceId) -> bool {
-        self.views.read().get(&worker).is_some_and(|v| v.complete)
-    }
-
-    /// Where the router's view of `worker`'s cache comes from.
-    pub fn cache_view(&self, worker: InstanceId) -> CacheView {
-        match self.views.read().get(&worker) {
-            Some(v) if v.complete => CacheView::Events,
-            Some(_) => CacheView::Incomplete,
-            None => CacheView::Approximate,
-        }
-    }
-
-    /// The state of `worker`'s event-fed view, if it has one.
-    pub fn view_status(&self, worker: InstanceId) -> Option<ViewStatus> {
-        self.views.read().get(&worker).copied()
-    }
-
-    /// `worker`'s KV cache size in blocks, if its reports said.
-    pub fn known_capacity(&self, worker: InstanceId) -> Option<u64> {
-        self.capacities.lock().get(&worker).copied()
-    }
-
-    /// Whether clients' `Authorization` header goes on to this endpoint's workers.
-    pub fn forwards_authorization(&self) -> bool {
-        self.config.forward_authorization
-    }
-
-    /// The process's budget for engines' KV event input (shared by every endpoint).
-    pub fn event_budget(&self) -> &switchyard_bounded::budget::Budget {
-        &self.config.event_budget
-    }
-
-    /// The bound sockets engines connect to (central mode), if any.
-    pub fn central_events(&self) -> Option<&Arc<central_events::CentralEvents>> {
-        self.config.central_events.as_ref()
-    }
-
-    /// Counters of the engine-metrics scrapes.
-    pub fn scrape_stats(&self) -> &metrics_scraper::ScrapeStats {
-        &self.scrape_stats
     }
 }
