@@ -97,6 +97,30 @@ async fn workers(batches: &[&str]) -> Vec<(Proc, String)> {
     out
 }
 
+/// A request started in the background, once it waits in the router's queue.
+async fn enqueue(
+    c: &HttpClient,
+    url: &str,
+    body: String,
+    headers: Vec<(&'static str, String)>,
+) -> tokio::task::JoinHandle<(hyper::StatusCode, hyper::HeaderMap, Value, Instant)> {
+    let before = queued(c, url).await;
+    let task = spawn_post(url, body, headers);
+    eventually("the request to wait in the queue", || async {
+        queued(c, url).await == before + 1.0
+    })
+    .await;
+    task
+}
+
+/// A configuration file of `toml` (kept while the directory lives).
+fn config_file(toml: &str) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("switchyard.toml");
+    std::fs::write(&path, toml).unwrap();
+    (dir, path.to_str().unwrap().to_string())
+}
+
 async fn router(fleet: &[(Proc, String)], extra: &[&str]) -> (Proc, String) {
     let mut args: Vec<&str> = vec!["--model", "mock", "--admin-token", TOKEN];
     for (_, url) in fleet {
@@ -215,10 +239,18 @@ async fn with_every_worker_saturated_requests_wait_and_go_where_their_prefix_is(
     assert!(on_b.await.unwrap().0.is_success());
 }
 
+/// A tenant allowed `high` overtakes queued requests; a client asking for `high`
+/// without that right is its tenant's class (`normal` for a client of no configured
+/// tenant), behind it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_high_priority_request_overtakes_queued_batch_ones() {
     let fleet = workers(&["1"]).await;
-    let (_r, url) = router(&fleet, &["--saturation-max-in-flight", "1"]).await;
+    let (_dir, config) = config_file("[[tenants]]\nname = \"search\"\nmax_class = \"high\"\n");
+    let (_r, url) = router(
+        &fleet,
+        &["--saturation-max-in-flight", "1", "--config", &config],
+    )
+    .await;
     let c = http::client();
     let busy = spawn_post(&url, body("the running one", 150), vec![]);
     eventually("the worker to run the request", || async {
@@ -227,30 +259,40 @@ async fn a_high_priority_request_overtakes_queued_batch_ones() {
     .await;
     let mut low = Vec::new();
     for i in 0..3 {
-        low.push(spawn_post(
-            &url,
-            body(&format!("batch job {i}"), 30),
-            vec![("x-switchyard-priority", "low".into())],
-        ));
-        let want = f64::from(i + 1);
-        eventually("the request to wait in the queue", || async {
-            queued(&c, &url).await == want
-        })
-        .await;
+        let h = vec![("x-switchyard-priority", "low".into())];
+        low.push(enqueue(&c, &url, body(&format!("batch job {i}"), 30), h).await);
     }
-    let high = spawn_post(
+    let forged = enqueue(
+        &c,
+        &url,
+        body("a client that says it is urgent", 30),
+        vec![("x-switchyard-priority", "high".into())],
+    )
+    .await;
+    let high = enqueue(
+        &c,
         &url,
         body("an interactive user", 30),
-        vec![("x-switchyard-priority", "high".into())],
-    );
+        vec![
+            ("x-switchyard-priority", "high".into()),
+            ("x-switchyard-tenant", "search".into()),
+        ],
+    )
+    .await;
     let (status, _, _, high_done) = high.await.unwrap();
     assert!(status.is_success());
+    let (status, _, _, forged_done) = forged.await.unwrap();
+    assert!(status.is_success());
+    assert!(
+        high_done < forged_done,
+        "a client's own `high` was served as high: before the tenant allowed it"
+    );
     for l in low {
         let (status, _, _, done) = l.await.unwrap();
         assert!(status.is_success());
         assert!(
-            high_done < done,
-            "a batch request finished before the high one"
+            high_done < done && forged_done < done,
+            "a batch request finished before a more urgent one"
         );
     }
     assert!(busy.await.unwrap().0.is_success());
@@ -288,9 +330,17 @@ fn refusal(r: &(hyper::StatusCode, hyper::HeaderMap, Value)) -> (u16, bool, Stri
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_sheds_with_503_and_a_tenant_over_its_share_with_429() {
     let fleet = workers(&["1"]).await;
+    let (_dir, config) = config_file("[[tenants]]\nname = \"a\"\n\n[[tenants]]\nname = \"b\"\n");
     let (_r, url) = router(
         &fleet,
-        &["--saturation-max-in-flight", "1", "--queue-max", "4"],
+        &[
+            "--saturation-max-in-flight",
+            "1",
+            "--queue-max",
+            "4",
+            "--config",
+            &config,
+        ],
     )
     .await;
     let c = http::client();
@@ -427,4 +477,166 @@ async fn a_queued_client_that_leaves_frees_its_place_and_deadlines_are_kept() {
         metric(&c, &url, "switchyard_queued_requests_total", "").await,
         2.0
     );
+}
+
+/// A client inventing a thousand tenants (a tenant header and an API key of its own on
+/// every request) is one tenant, the default one: it takes free places only, and never
+/// sheds a configured tenant's queued request, however far over its share that tenant
+/// is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_inventing_a_thousand_tenants_sheds_no_one() {
+    let fleet = workers(&["1"]).await;
+    // The key is `sk-app`.
+    let (_dir, config) = config_file(
+        "[[tenants]]\nname = \"app\"\napi_key_sha256 = \"72016003589eb0bb8dbcc1fab3b1e74b81a25f06f79801b0b63fcf30be2e06c3\"\n",
+    );
+    let (_r, url) = router(
+        &fleet,
+        &[
+            "--saturation-max-in-flight",
+            "1",
+            "--queue-max",
+            "4",
+            "--config",
+            &config,
+        ],
+    )
+    .await;
+    let c = http::client();
+    let busy = spawn_post(&url, body("the running one", 600), vec![]);
+    eventually("the worker to run the request", || async {
+        stats(&c, &fleet[0].1).await["running"] == 1
+    })
+    .await;
+    let mut app = Vec::new();
+    for i in 0..4 {
+        app.push(spawn_post(
+            &url,
+            body(&format!("app {i}"), 3),
+            vec![("authorization", "Bearer sk-app".into())],
+        ));
+        let want = f64::from(i + 1);
+        eventually("the request to wait in the queue", || async {
+            queued(&c, &url).await == want
+        })
+        .await;
+    }
+    // The app holds the whole queue: over any share but its own alone.
+    let mut refused = 0;
+    for round in 0..125 {
+        let attempts: Vec<_> = (0..8)
+            .map(|i| {
+                let n = round * 8 + i;
+                spawn_post(
+                    &url,
+                    body(&format!("invented {n}"), 1),
+                    vec![
+                        ("x-switchyard-tenant", format!("tenant-{n}")),
+                        ("authorization", format!("Bearer sk-invented-{n}")),
+                    ],
+                )
+            })
+            .collect();
+        for a in attempts {
+            let (status, headers, answer, _) = a.await.unwrap();
+            assert_eq!(
+                refusal(&(status, headers, answer.clone())),
+                (503, true, "fleet_full".into()),
+                "{answer}"
+            );
+            refused += 1;
+        }
+        if round % 25 == 0 {
+            assert_eq!(queued(&c, &url).await, 4.0, "the app's requests stay");
+        }
+    }
+    assert_eq!(refused, 1000);
+    for r in app {
+        let (status, _, answer, _) = r.await.unwrap();
+        assert!(status.is_success(), "the app's request was shed: {answer}");
+    }
+    assert!(busy.await.unwrap().0.is_success());
+    assert_eq!(
+        metric(
+            &c,
+            &url,
+            "switchyard_queue_shed_total",
+            "reason=\"tenant_over_share\""
+        )
+        .await,
+        0.0
+    );
+}
+
+/// Requests waiting in one endpoint's queue hold no in-flight slot: with
+/// `--max-in-flight 2`, a saturated model's queue of five does not refuse requests for
+/// an idle model, and every queued request is served when its worker frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_endpoints_queue_does_not_take_other_endpoints_slots() {
+    let etcd = common::etcd::Etcd::start();
+    // Two models, each its own endpoint (and queue).
+    let worker = |model: &'static str, extra: &'static [&'static str]| {
+        let etcd = etcd.url();
+        async move {
+            let listen = format!("127.0.0.1:{}", common::procs::free_port());
+            let mut args = vec!["mock-worker", "--listen", &listen, "--model", model];
+            args.extend(["--etcd", etcd.as_str()]);
+            args.extend_from_slice(extra);
+            let p = common::procs::switchyard(&args);
+            let url = format!("http://{listen}");
+            common::procs::wait_ok(&format!("{url}/v1/models")).await;
+            (p, url)
+        }
+    };
+    let (_busy_worker, busy_url) = worker("busy", &["--max-num-seqs", "1"]).await;
+    let (_idle_worker, _) = worker("idle", &[]).await;
+    let (_r, url) = serve(&[
+        "--etcd",
+        &etcd.url(),
+        "--admin-token",
+        TOKEN,
+        "--max-in-flight",
+        "2",
+        "--saturation-max-in-flight",
+        "1",
+    ])
+    .await;
+    let c = http::client();
+    let to = |model: &str, prompt: &str, max_tokens: u32| {
+        json!({"model": model, "prompt": prompt, "max_tokens": max_tokens}).to_string()
+    };
+    eventually("both models to be served", || async {
+        let (s1, _, _) = post(&c, &url, to("busy", "hello", 1), &[]).await;
+        let (s2, _, _) = post(&c, &url, to("idle", "hello", 1), &[]).await;
+        s1.is_success() && s2.is_success()
+    })
+    .await;
+    let running = spawn_post(&url, to("busy", "the running one", 300), vec![]);
+    eventually("the worker to run the request", || async {
+        stats(&c, &busy_url).await["running"] == 1
+    })
+    .await;
+    let mut waiting = Vec::new();
+    for i in 0..5 {
+        waiting.push(spawn_post(
+            &url,
+            to("busy", &format!("waits {i}"), 2),
+            vec![],
+        ));
+        let want = f64::from(i + 1);
+        eventually("the request to wait in the queue", || async {
+            queued(&c, &url).await == want
+        })
+        .await;
+    }
+    for i in 0..3 {
+        let (status, _, answer) =
+            post(&c, &url, to("idle", &format!("elsewhere {i}"), 2), &[]).await;
+        assert!(status.is_success(), "{status}: {answer}");
+    }
+    assert!(running.await.unwrap().0.is_success());
+    for w in waiting {
+        let (status, _, answer, _) = w.await.unwrap();
+        assert!(status.is_success(), "{status}: {answer}");
+    }
 }

@@ -19,6 +19,19 @@ impl Slot {
             .ok()
             .map(|_| Slot(count.clone()))
     }
+
+    /// A unit of `count` whatever the bound: for what was already admitted under
+    /// another bound (a request placed from the router's queue, bounded by the queue's
+    /// own limits) and must not be refused at the end of its wait.
+    pub fn force(count: &Arc<AtomicUsize>) -> Slot {
+        count.fetch_add(1, Ordering::AcqRel);
+        Slot(count.clone())
+    }
+
+    /// The count it is a unit of.
+    pub fn count(&self) -> &Arc<AtomicUsize> {
+        &self.0
+    }
 }
 
 impl Drop for Slot {

@@ -365,7 +365,10 @@ impl Gateway {
                 self.config.max_in_flight
             )));
         };
-        let response = proxy::completion(self, api, &parts, bytes, started).await?;
+        // A request waiting in an endpoint's queue gives its slot back meanwhile (the
+        // queue's own limits bound it) and takes one again when placed.
+        let mut slot = Some(slot);
+        let response = proxy::completion(self, api, &parts, bytes, started, &mut slot).await?;
         let (parts, body) = response.into_parts();
         Ok(Response::from_parts(
             parts,
@@ -553,7 +556,7 @@ const REFUSING: usize = 256;
 /// body budget, until it ends or is dropped.
 struct Guarded {
     body: Body,
-    _slot: Slot,
+    _slot: Option<Slot>,
     _body: body::Held,
 }
 

@@ -150,9 +150,10 @@ pub(crate) async fn completion(
     req: &hyper::http::request::Parts,
     body: Bytes,
     request_started: Instant,
+    slot: &mut Option<switchyard_bounded::slot::Slot>,
 ) -> Result<Response<Body>, ApiError> {
     let prepared = prepare::prepare(gw, api, req, &body).await?;
-    let queued = prepare::admit(gw, &req.headers, &prepared, body.len()).await?;
+    let queued = prepare::admit(gw, &req.headers, &prepared, body.len(), slot).await?;
     attempt::attempts(gw, &prepared, body, queued, request_started).await
 }
 

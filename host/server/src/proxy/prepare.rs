@@ -118,12 +118,16 @@ pub(super) async fn prepare(
 }
 
 /// Past the fleet's capacity the request waits in the router's queue (`crate::queue`):
-/// placed when a worker has room (`Some`), routed at once (`None`), or shed.
+/// placed when a worker has room (`Some`), routed at once (`None`), or shed. While it
+/// waits it holds no in-flight slot (`slot` is given back, and taken again when it is
+/// placed, past the bound if need be: the queue's limits bound what waits), so one
+/// saturated endpoint's queue cannot refuse requests to others.
 pub(super) async fn admit(
     gw: &Arc<Gateway>,
     headers: &hyper::HeaderMap,
     p: &Prepared,
     body_len: usize,
+    slot: &mut Option<switchyard_bounded::slot::Slot>,
 ) -> Result<Option<Routed>, ApiError> {
     let Some(queue) = gw.queue_for(&p.router) else {
         return Ok(None);
@@ -146,7 +150,12 @@ pub(super) async fn admit(
     use crate::queue::{Admission, Outcome};
     let outcome = match queue.admit(&who, job, body_len) {
         Admission::Now(outcome) => outcome,
-        Admission::Queued(ticket) => ticket.wait().await,
+        Admission::Queued(ticket) => {
+            let count = slot.take().map(|s| s.count().clone());
+            let outcome = ticket.wait().await;
+            *slot = count.map(|c| switchyard_bounded::slot::Slot::force(&c));
+            outcome
+        }
     };
     match outcome {
         Outcome::Placed(placed) => Ok(Some(placed.take())),

@@ -1,6 +1,11 @@
-//! Who a request is and how urgent: its priority class (`x-switchyard-priority`, or its
-//! tenant's class, or `normal`), its tenant (a header, or its API key) and its queue
-//! deadline (`x-switchyard-deadline-ms`, or its class's).
+//! Who a request is and how urgent, from what the operator trusts: its tenant is the
+//! configured tenant whose API key it carries, or the keyless configured tenant its
+//! tenant header names (a header a trusted gateway sets), else the one shared tenant
+//! [`DEFAULT_TENANT`] — a name no configured tenant has, or a key no tenant holds, makes
+//! no tenant of its own. Its class is what `x-switchyard-priority` asks, never more
+//! urgent than its tenant's cap (`max_class`, else its class; `normal` for the default
+//! tenant): a client may lower its priority, not raise it. Its queue deadline is
+//! `x-switchyard-deadline-ms`, or its class's.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,8 +20,8 @@ pub const PRIORITY_HEADER: &str = "x-switchyard-priority";
 pub const DEADLINE_HEADER: &str = "x-switchyard-deadline-ms";
 /// The header naming a request's tenant, unless the configuration names another.
 pub const TENANT_HEADER: &str = "x-switchyard-tenant";
-/// Longest tenant key taken from a header, bytes.
-const MAX_TENANT_BYTES: usize = 64;
+/// The tenant of every request no configured tenant claims.
+pub const DEFAULT_TENANT: &str = "anonymous";
 
 /// A priority class: every queued request of a lower `rank` is dispatched before any
 /// of a higher one.
@@ -42,6 +47,9 @@ pub struct Tenant {
     pub api_key_sha256: Option<[u8; 32]>,
     /// The class of its requests that name none.
     pub class: Option<String>,
+    /// The most urgent class its requests may ask for (a more urgent one gets this);
+    /// by default its `class`.
+    pub max_class: Option<String>,
 }
 
 /// How the router behaves past its fleet's capacity.
@@ -95,6 +103,9 @@ pub struct Identity {
     pub weight: u32,
     /// Longest wait in the queue.
     pub deadline: Duration,
+    /// A configured tenant (not [`DEFAULT_TENANT`]): only such a request makes room in a
+    /// full queue by taking a place held over its share.
+    pub known: bool,
 }
 
 impl OverloadConfig {
@@ -107,25 +118,32 @@ impl OverloadConfig {
     /// unknown class, a malformed deadline). A deadline is capped at `longest`.
     pub fn identify(&self, headers: &HeaderMap, longest: Duration) -> Result<Identity, String> {
         let tenant = self.tenant_of(headers);
+        let named = |c: Option<&String>| c.and_then(|c| self.class_index(c));
+        let normal = self.class_index("normal").unwrap_or(0);
+        let default = tenant
+            .and_then(|t| named(t.class.as_ref()))
+            .unwrap_or(normal);
+        // Classes are in dispatch order: a larger index is less urgent.
+        let cap = tenant
+            .and_then(|t| named(t.max_class.as_ref()))
+            .unwrap_or(default)
+            .min(default);
         let class = match headers.get(PRIORITY_HEADER) {
             Some(v) => {
                 let name = v
                     .to_str()
                     .map_err(|_| format!("{PRIORITY_HEADER} is not text"))?;
-                self.class_index(name.trim()).ok_or_else(|| {
+                let asked = self.class_index(name.trim()).ok_or_else(|| {
                     let known: Vec<&str> = self.classes.iter().map(|c| c.name.as_str()).collect();
                     format!(
                         "{PRIORITY_HEADER}: no class `{}` (classes: {})",
                         name.chars().take(64).collect::<String>(),
                         known.join(", ")
                     )
-                })?
+                })?;
+                asked.max(cap)
             }
-            None => tenant
-                .and_then(|t| t.class.as_deref())
-                .and_then(|c| self.class_index(c))
-                .or_else(|| self.class_index("normal"))
-                .unwrap_or(0),
+            None => default,
         };
         let deadline = match headers.get(DEADLINE_HEADER) {
             Some(v) => {
@@ -144,13 +162,14 @@ impl OverloadConfig {
         .min(longest);
         let (name, weight) = match tenant {
             Some(t) => (Arc::from(t.name.as_str()), t.weight.max(1)),
-            None => (self.tenant_key(headers), 1),
+            None => (Arc::from(DEFAULT_TENANT), 1),
         };
         Ok(Identity {
             class,
             tenant: name,
             weight,
             deadline,
+            known: tenant.is_some(),
         })
     }
 
@@ -171,36 +190,11 @@ impl OverloadConfig {
         }
         let name = headers
             .get(self.tenant_header.as_str())
-            .and_then(|v| v.to_str().ok())?;
+            .and_then(|v| v.to_str().ok())?
+            .trim();
         self.tenants
             .iter()
             .find(|t| t.name == name && t.api_key_sha256.is_none())
-    }
-
-    /// The tenant key of a request no configured tenant matches: the tenant header's
-    /// value (bounded; not a configured tenant's name), else a digest of the API key
-    /// (never the key itself), else `anonymous`.
-    fn tenant_key(&self, headers: &HeaderMap) -> Arc<str> {
-        // A header naming a configured tenant it is not (one with a key, without that
-        // key) is no tenant of its own either: it must not share the tenant's place.
-        if let Some(v) = headers
-            .get(self.tenant_header.as_str())
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-            .filter(|v| !v.is_empty() && !self.tenants.iter().any(|t| t.name == *v))
-        {
-            let mut end = v.len().min(MAX_TENANT_BYTES);
-            while !v.is_char_boundary(end) {
-                end -= 1;
-            }
-            return Arc::from(&v[..end]);
-        }
-        if let Some(key) = bearer(headers) {
-            let digest = Sha256::digest(key.as_bytes());
-            let hex: String = digest[..6].iter().map(|b| format!("{b:02x}")).collect();
-            return Arc::from(format!("key:{hex}"));
-        }
-        Arc::from("anonymous")
     }
 }
 
@@ -225,49 +219,52 @@ mod tests {
         h
     }
 
+    fn tenant(name: &str, weight: u32, key: Option<&[u8]>, class: Option<&str>) -> Tenant {
+        Tenant {
+            name: name.into(),
+            weight,
+            api_key_sha256: key.map(|k| Sha256::digest(k).into()),
+            class: class.map(Into::into),
+            max_class: None,
+        }
+    }
+
+    fn class_of(config: &OverloadConfig, h: &[(&'static str, &str)]) -> String {
+        let who = config
+            .identify(&headers(h), Duration::from_secs(600))
+            .unwrap();
+        config.classes[who.class].name.clone()
+    }
+
     #[test]
     fn requests_are_identified_by_their_headers_and_keys() {
-        let key_sha: [u8; 32] = Sha256::digest(b"sk-batch").into();
         let config = OverloadConfig {
-            tenants: vec![Tenant {
-                name: "nightly".into(),
-                weight: 3,
-                api_key_sha256: Some(key_sha),
-                class: Some("low".into()),
-            }],
+            tenants: vec![tenant("nightly", 3, Some(b"sk-batch"), Some("low"))],
             ..OverloadConfig::default()
         };
         let long = Duration::from_secs(600);
         let plain = config.identify(&HeaderMap::new(), long).unwrap();
         assert_eq!(config.classes[plain.class].name, "normal");
-        assert_eq!(&*plain.tenant, "anonymous");
+        assert_eq!((&*plain.tenant, plain.known), (DEFAULT_TENANT, false));
         assert_eq!(plain.deadline, Duration::from_secs(60));
 
         let by_key = config
             .identify(&headers(&[("authorization", "Bearer sk-batch")]), long)
             .unwrap();
         assert_eq!(
-            (&*by_key.tenant, by_key.weight, by_key.class),
-            ("nightly", 3, 2)
+            (&*by_key.tenant, by_key.weight, by_key.class, by_key.known),
+            ("nightly", 3, 2, true)
         );
-        let other_key = config
-            .identify(&headers(&[("authorization", "Bearer sk-other")]), long)
-            .unwrap();
-        assert!(other_key.tenant.starts_with("key:"), "{}", other_key.tenant);
-        assert!(!other_key.tenant.contains("sk-other"));
-
-        let urgent = config
+        let lower = config
             .identify(
-                &headers(&[
-                    (PRIORITY_HEADER, "high"),
-                    (TENANT_HEADER, "search"),
-                    (DEADLINE_HEADER, "1500"),
-                ]),
+                &headers(&[(DEADLINE_HEADER, "1500"), (PRIORITY_HEADER, "low")]),
                 long,
             )
             .unwrap();
-        assert_eq!((urgent.class, &*urgent.tenant), (0, "search"));
-        assert_eq!(urgent.deadline, Duration::from_millis(1500));
+        assert_eq!(
+            (lower.class, lower.deadline),
+            (2, Duration::from_millis(1500))
+        );
         let capped = config
             .identify(&headers(&[(DEADLINE_HEADER, "99999999")]), long)
             .unwrap();
@@ -289,27 +286,88 @@ mod tests {
         );
     }
 
+    /// Nothing a client sends makes it more urgent than its tenant may be: `high`
+    /// without the right is its tenant's class; lowering is always allowed; a tenant's
+    /// `max_class` is the most it may ask for.
+    #[test]
+    fn a_client_cannot_raise_its_priority_past_its_tenants_cap() {
+        let mut search = tenant("search", 1, None, None);
+        search.max_class = Some("high".into());
+        let config = OverloadConfig {
+            tenants: vec![tenant("nightly", 1, Some(b"sk-batch"), Some("low")), search],
+            ..OverloadConfig::default()
+        };
+        assert_eq!(class_of(&config, &[(PRIORITY_HEADER, "high")]), "normal");
+        assert_eq!(
+            class_of(
+                &config,
+                &[
+                    (PRIORITY_HEADER, "high"),
+                    ("authorization", "Bearer sk-batch")
+                ]
+            ),
+            "low",
+            "a batch tenant's key cannot ask for more than its class"
+        );
+        assert_eq!(
+            class_of(
+                &config,
+                &[
+                    (PRIORITY_HEADER, "normal"),
+                    ("authorization", "Bearer sk-batch")
+                ]
+            ),
+            "low"
+        );
+        assert_eq!(class_of(&config, &[(PRIORITY_HEADER, "low")]), "low");
+        assert_eq!(class_of(&config, &[(TENANT_HEADER, "search")]), "normal");
+        assert_eq!(
+            class_of(
+                &config,
+                &[(TENANT_HEADER, "search"), (PRIORITY_HEADER, "high")]
+            ),
+            "high",
+            "its max_class allows it"
+        );
+    }
+
+    /// Names and keys no configured tenant has are all the one default tenant: a client
+    /// cannot give itself a share by inventing them.
+    #[test]
+    fn invented_tenants_are_the_one_default_tenant() {
+        let config = OverloadConfig {
+            tenants: vec![tenant("nightly", 3, Some(b"sk-batch"), Some("low"))],
+            ..OverloadConfig::default()
+        };
+        let long = Duration::from_secs(600);
+        for h in [
+            vec![(TENANT_HEADER, "search")],
+            vec![(TENANT_HEADER, "tenant-917")],
+            vec![("authorization", "Bearer sk-random-1")],
+            vec![
+                (TENANT_HEADER, "x"),
+                ("authorization", "Bearer sk-random-2"),
+            ],
+        ] {
+            let who = config.identify(&headers(&h), long).unwrap();
+            assert_eq!(
+                (&*who.tenant, who.weight, who.known),
+                (DEFAULT_TENANT, 1, false),
+                "{h:?}"
+            );
+        }
+    }
+
     /// A tenant with an API key is that key's: a client naming it in the tenant header
     /// without the key is not it (nor shares its place under its name), and the key
     /// wins over a header naming another tenant; a tenant without a key is named by the
     /// header (as a trusted gateway sets it).
     #[test]
     fn a_client_cannot_impersonate_a_tenant_that_has_a_key() {
-        let key_sha: [u8; 32] = Sha256::digest(b"sk-app").into();
         let config = OverloadConfig {
             tenants: vec![
-                Tenant {
-                    name: "app".into(),
-                    weight: 4,
-                    api_key_sha256: Some(key_sha),
-                    class: Some("high".into()),
-                },
-                Tenant {
-                    name: "gateway-team".into(),
-                    weight: 2,
-                    api_key_sha256: None,
-                    class: None,
-                },
+                tenant("app", 4, Some(b"sk-app"), Some("high")),
+                tenant("gateway-team", 2, None, None),
             ],
             ..OverloadConfig::default()
         };
@@ -318,7 +376,7 @@ mod tests {
             .identify(&headers(&[(TENANT_HEADER, "app")]), long)
             .unwrap();
         assert_ne!(&*forged.tenant, "app", "the header alone is not the tenant");
-        assert_eq!((&*forged.tenant, forged.weight), ("anonymous", 1));
+        assert_eq!((&*forged.tenant, forged.weight), (DEFAULT_TENANT, 1));
         assert_eq!(config.classes[forged.class].name, "normal", "nor its class");
         let with_key = config
             .identify(
@@ -345,6 +403,6 @@ mod tests {
                 long,
             )
             .unwrap();
-        assert!(wrong_key.tenant.starts_with("key:"), "{}", wrong_key.tenant);
+        assert_eq!(&*wrong_key.tenant, DEFAULT_TENANT);
     }
 }

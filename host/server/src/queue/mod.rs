@@ -11,22 +11,25 @@
 //! endpoint, and each request's deadline. Shedding says why:
 //! - 429 (`tenant_over_share`): the queue is full and the tenant holds its share of it
 //!   or more (`queue_max` × its weight over the active tenants' weights): its newest
-//!   request gives way to another tenant's;
+//!   request of a class no more urgent than the arrival's gives way to a configured
+//!   tenant's request (never to the default tenant's: it takes free places only);
 //! - 503 (`fleet_full`): the queue is full of requests of tenants within their shares
 //!   and of classes as urgent, or the wait ahead, at the rate requests leave the queue,
 //!   exceeds the request's deadline (refused at arrival rather than at the deadline);
 //! - 503 (`queue_deadline`): it waited its deadline.
 //!
-//! A client that leaves drops its ticket, which takes its place out at once.
+//! No decision is made under the lock: the order is read under it, the router decides
+//! outside it, and the request is taken out after. A client that leaves drops its
+//! ticket, which takes its place out at once.
 
 pub mod classes;
 mod outcome;
+mod state;
 
 pub use outcome::{Admission, Job, Outcome, Placed, QueueStats, Shed, ShedReason};
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -34,57 +37,20 @@ use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::oneshot;
 
 use classes::{Identity, OverloadConfig};
-use switchyard_router::{KvRouter, RouteError};
+use state::{Entry, State, share};
+use switchyard_router::{KvRouter, RouteError, Routed};
 
 /// How many of a tenant's oldest requests a dispatch looks at for one whose prefix a
 /// worker with room holds.
 const LOOK_AHEAD: usize = 8;
-
-struct Entry {
-    id: u64,
-    job: Job,
-    bytes: usize,
-    enqueued: Instant,
-    deadline: Instant,
-    tx: oneshot::Sender<Outcome>,
-}
-
-struct TenantQueue {
-    entries: VecDeque<Entry>,
-    /// Virtual start of its head: the class's virtual time when it became active,
-    /// advanced by each dispatch's tokens over its weight.
-    start: f64,
-    weight: u32,
-}
-
-#[derive(Default)]
-struct ClassQueue {
-    tenants: BTreeMap<Arc<str>, TenantQueue>,
-    /// The start of the last request dispatched.
-    vtime: f64,
-    len: usize,
-}
-
-#[derive(Default)]
-struct State {
-    classes: Vec<ClassQueue>,
-    /// Requests waiting per tenant (all classes) and the tenant's weight.
-    tenants: HashMap<Arc<str>, (usize, u32)>,
-    count: usize,
-    bytes: usize,
-    next_id: u64,
-    /// The earliest deadline of a waiting request (a sweep is due then).
-    next_deadline: Option<Instant>,
-    /// Seconds between dispatches from the queue, smoothed.
-    interval: Option<f64>,
-    last_dispatch: Option<Instant>,
-}
 
 /// The queue of one endpoint.
 pub struct Queue {
     router: Arc<KvRouter>,
     config: Arc<OverloadConfig>,
     state: Mutex<State>,
+    /// Requests waiting, read without the lock (the state's count).
+    waiting: Arc<AtomicUsize>,
     stats: QueueStats,
     /// Time waited, per class.
     waits: Vec<Histogram>,
@@ -113,150 +79,11 @@ impl Drop for Ticket {
     fn drop(&mut self) {
         if self.rx.is_some() {
             let mut st = self.queue.state.lock();
-            if st.remove(self.class, &self.tenant, self.id).is_some() {
+            if st.take(self.class, &self.tenant, self.id, false).is_some() {
                 self.queue.stats.left.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
-}
-
-impl State {
-    /// The next request to dispatch: the first class with requests, its tenant with the
-    /// lowest virtual start.
-    fn peek(&self) -> Option<(usize, Arc<str>)> {
-        let (c, class) = self.classes.iter().enumerate().find(|(_, c)| c.len > 0)?;
-        let (tenant, _) = class
-            .tenants
-            .iter()
-            .filter(|(_, t)| !t.entries.is_empty())
-            .min_by(|a, b| a.1.start.total_cmp(&b.1.start))?;
-        Some((c, tenant.clone()))
-    }
-
-    fn push(&mut self, class: usize, tenant: Arc<str>, weight: u32, entry: Entry) {
-        self.count += 1;
-        self.bytes += entry.bytes;
-        self.next_deadline = Some(
-            self.next_deadline
-                .map_or(entry.deadline, |d| d.min(entry.deadline)),
-        );
-        let t = self.tenants.entry(tenant.clone()).or_insert((0, weight));
-        t.0 += 1;
-        let q = &mut self.classes[class];
-        q.len += 1;
-        let vtime = q.vtime;
-        q.tenants
-            .entry(tenant)
-            .or_insert_with(|| TenantQueue {
-                entries: VecDeque::new(),
-                start: vtime,
-                weight,
-            })
-            .entries
-            .push_back(entry);
-    }
-
-    /// Takes `tenant`'s entry at `at` out of `class`; `dispatch` advances the tenant's
-    /// virtual start by it (a removal does not).
-    fn take(
-        &mut self,
-        class: usize,
-        tenant: &Arc<str>,
-        at: usize,
-        dispatch: bool,
-    ) -> Option<Entry> {
-        let q = &mut self.classes[class];
-        let t = q.tenants.get_mut(tenant)?;
-        let entry = t.entries.remove(at)?;
-        if dispatch {
-            q.vtime = t.start;
-            t.start += f64::from(entry.job.prompt_tokens.max(1)) / f64::from(t.weight.max(1));
-        }
-        if t.entries.is_empty() {
-            q.tenants.remove(tenant);
-        }
-        q.len -= 1;
-        self.count -= 1;
-        self.bytes -= entry.bytes;
-        if let Some(n) = self.tenants.get_mut(tenant) {
-            n.0 -= 1;
-            if n.0 == 0 {
-                self.tenants.remove(tenant);
-            }
-        }
-        Some(entry)
-    }
-
-    fn remove(&mut self, class: usize, tenant: &Arc<str>, id: u64) -> Option<Entry> {
-        let at = self.classes[class]
-            .tenants
-            .get(tenant)?
-            .entries
-            .iter()
-            .position(|e| e.id == id)?;
-        self.take(class, tenant, at, false)
-    }
-
-    /// The weights of the tenants waiting (an arriving one is counted among them by
-    /// [`Queue::admit`] first).
-    fn total_weight(&self) -> u64 {
-        self.tenants
-            .values()
-            .map(|(_, w)| u64::from((*w).max(1)))
-            .sum()
-    }
-
-    /// Requests that would leave the queue before a new one of `who`: every request of a
-    /// more urgent class, and of its own class each tenant's up to its weighted share of
-    /// the new one's position.
-    fn ahead(&self, who: &Identity) -> usize {
-        let mut n: usize = self.classes[..who.class].iter().map(|c| c.len).sum();
-        let class = &self.classes[who.class];
-        let own = class
-            .tenants
-            .get(&who.tenant)
-            .map_or(0, |t| t.entries.len());
-        let w = f64::from(who.weight.max(1));
-        for (name, t) in &class.tenants {
-            n += if *name == who.tenant {
-                own
-            } else {
-                let fair = ((own + 1) as f64 * f64::from(t.weight.max(1)) / w).ceil() as usize;
-                t.entries.len().min(fair)
-            };
-        }
-        n
-    }
-
-    /// The expected wait for `ahead` requests at the recent rate of dispatches.
-    fn expected_wait(&self, ahead: usize) -> Option<Duration> {
-        let interval = self.interval?;
-        Duration::try_from_secs_f64(interval * ahead as f64).ok()
-    }
-
-    /// The newest request of the waiting tenant most over its share, looking at the
-    /// least urgent classes first.
-    fn most_over_share(&self, max: usize) -> Option<(usize, Arc<str>, u64)> {
-        let total = self.total_weight();
-        let (tenant, _) = self
-            .tenants
-            .iter()
-            .map(|(t, (n, w))| (t, *n as i64 - share(max, *w, total) as i64))
-            .filter(|(_, over)| *over > 0)
-            .max_by_key(|(_, over)| *over)?;
-        self.classes
-            .iter()
-            .enumerate()
-            .rev()
-            .find_map(|(c, q)| Some((c, tenant.clone(), q.tenants.get(tenant)?.entries.back()?.id)))
-    }
-}
-
-/// A tenant of `weight`'s share of a queue of `max`, among waiting tenants whose weights
-/// sum to `total` (its own included): at least one request.
-fn share(max: usize, weight: u32, total: u64) -> usize {
-    let w = u64::from(weight.max(1));
-    ((max as u64).saturating_mul(w) / total.max(w)).max(1) as usize
 }
 
 impl Queue {
@@ -266,17 +93,11 @@ impl Queue {
         config: Arc<OverloadConfig>,
         waits: Vec<Histogram>,
     ) -> Arc<Queue> {
-        let state = State {
-            classes: config
-                .classes
-                .iter()
-                .map(|_| ClassQueue::default())
-                .collect(),
-            ..State::default()
-        };
+        let state = State::new(config.classes.len());
         let queue = Arc::new(Queue {
             router: router.clone(),
             config,
+            waiting: state.waiting.clone(),
             state: Mutex::new(state),
             stats: QueueStats::default(),
             waits,
@@ -345,30 +166,21 @@ impl Queue {
         st.count >= self.config.queue_max || st.bytes >= self.config.queue_max_bytes
     }
 
-    /// Takes a request: placed at once when nothing waits and a worker has room, else
-    /// queued (making room by the rules of the module's documentation) or refused.
+    /// Takes a request: placed at once when nothing waits and a worker has room (the
+    /// decision made without the queue's lock), else queued (making room by the rules of
+    /// the module's documentation) or refused.
     pub fn admit(self: &Arc<Self>, who: &Identity, job: Job, bytes: usize) -> Admission {
-        let mut st = self.state.lock();
-        if st.count == 0 {
-            match self.router.try_place(
-                job.prompt_tokens,
-                &job.hashes,
-                job.session_key,
-                Instant::now(),
-            ) {
-                Ok(routed) => {
-                    return Admission::Now(Outcome::Placed(Placed {
-                        router: self.router.clone(),
-                        routed: Some(routed),
-                    }));
-                }
+        if self.waiting.load(Ordering::Acquire) == 0 {
+            match self.place(&job, Instant::now(), false) {
                 Err(RouteError::Saturated { .. }) => {}
-                Err(_) => return Admission::Now(Outcome::Route),
+                placed => return Admission::Now(self.outcome(placed)),
             }
         }
+        let mut st = self.state.lock();
         let deadline = who.deadline;
         let ahead = st.ahead(who);
         if let Some(wait) = st.expected_wait(ahead).filter(|w| *w > deadline) {
+            drop(st);
             return self.shed(Shed {
                 reason: ShedReason::FleetFull,
                 message: format!(
@@ -387,9 +199,14 @@ impl Queue {
         if st.tenants.get(&who.tenant).is_some_and(|t| t.0 == 0) {
             st.tenants.remove(&who.tenant);
         }
-        if let Err(shed) = room {
-            return self.shed(shed);
-        }
+        let given_way = match room {
+            Ok(given_way) => given_way,
+            Err((shed, given_way)) => {
+                drop(st);
+                self.give_way(given_way);
+                return self.shed(shed);
+            }
+        };
         let (tx, rx) = oneshot::channel();
         let id = st.next_id;
         st.next_id += 1;
@@ -400,7 +217,7 @@ impl Queue {
             who.weight,
             Entry {
                 id,
-                job,
+                job: Arc::new(job),
                 bytes,
                 enqueued: now,
                 deadline: now + deadline,
@@ -408,6 +225,7 @@ impl Queue {
             },
         );
         drop(st);
+        self.give_way(given_way);
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
         // The dispatcher may have room already (a request ended as this one arrived).
         self.router.load_changed().notify_one();
@@ -421,23 +239,37 @@ impl Queue {
     }
 
     /// Makes room for a request of `who` with a body of `bytes` in a full queue: the
-    /// newest request of the tenant most over its share gives way (429), else the
-    /// newest of a less urgent class (503); or the arriving request is refused.
-    fn make_room(&self, st: &mut State, who: &Identity, bytes: usize) -> Result<(), Shed> {
+    /// newest request of the tenant most over its share, of a class no more urgent,
+    /// gives way (429) — if `who` is a configured tenant: requests of the default tenant
+    /// take free places only —, else the newest of a less urgent class (503); or the
+    /// arriving request is refused. Returns the requests that gave way, to be told
+    /// outside the lock.
+    #[allow(clippy::type_complexity)]
+    fn make_room(
+        &self,
+        st: &mut State,
+        who: &Identity,
+        bytes: usize,
+    ) -> Result<Vec<(Entry, Shed)>, (Shed, Vec<(Entry, Shed)>)> {
         let max = self.config.queue_max;
+        let mut given_way = Vec::new();
         while st.count >= max || st.bytes.saturating_add(bytes) > self.config.queue_max_bytes {
             let own = st.tenants.get(&who.tenant).map_or(0, |t| t.0);
             let retry_after = st.expected_wait(st.count).unwrap_or(Duration::from_secs(1));
-            if st.count == 0 || own >= share(max, who.weight, st.total_weight()) {
-                let (reason, message) = if st.count == 0 {
-                    (
-                        ShedReason::FleetFull,
-                        format!(
-                            "every worker is saturated and the request's {bytes} bytes exceed the queue's {} bytes",
-                            self.config.queue_max_bytes
-                        ),
-                    )
-                } else if st.tenants.len() > 1 {
+            let refuse = |reason, message| Shed {
+                reason,
+                message,
+                retry_after,
+            };
+            if st.count == 0 {
+                let message = format!(
+                    "every worker is saturated and the request's {bytes} bytes exceed the queue's {} bytes",
+                    self.config.queue_max_bytes
+                );
+                return Err((refuse(ShedReason::FleetFull, message), given_way));
+            }
+            if own >= share(max, who.weight, st.total_weight()) {
+                let (reason, message) = if st.tenants.len() > 1 {
                     (
                         ShedReason::TenantShare,
                         format!(
@@ -454,58 +286,48 @@ impl Queue {
                         ),
                     )
                 };
-                return Err(Shed {
-                    reason,
-                    message,
-                    retry_after,
-                });
+                return Err((refuse(reason, message), given_way));
             }
-            if let Some((c, tenant, id)) = st.most_over_share(max) {
-                let e = st.remove(c, &tenant, id).expect("found");
-                self.stats.count(ShedReason::TenantShare);
-                let _ = e.tx.send(Outcome::Shed(Shed {
-                    reason: ShedReason::TenantShare,
-                    message: format!(
-                        "tenant `{tenant}` held more than its share of the full queue; this request gave way to another tenant's"
-                    ),
-                    retry_after,
-                }));
+            let over = who
+                .known
+                .then(|| st.most_over_share(max, who.class))
+                .flatten();
+            if let Some((c, tenant, id)) = over {
+                let e = st.take(c, &tenant, id, false).expect("found");
+                given_way.push((e, refuse(ShedReason::TenantShare, format!(
+                    "tenant `{tenant}` held more than its share of the full queue; this request gave way to another tenant's"
+                ))));
                 continue;
             }
-            let less_urgent = (who.class + 1..st.classes.len())
-                .rev()
-                .find(|c| st.classes[*c].len > 0);
-            let Some(c) = less_urgent else {
-                return Err(Shed {
-                    reason: ShedReason::FleetFull,
-                    message: format!(
+            let Some((c, tenant, id)) = st.newest_less_urgent(who.class) else {
+                let message = if who.known {
+                    format!(
                         "every worker is saturated and the queue is full ({} requests, {} bytes)",
                         st.count, st.bytes
-                    ),
-                    retry_after,
-                });
+                    )
+                } else {
+                    format!(
+                        "every worker is saturated and the queue is full ({} requests); a request of no configured tenant takes a free place only",
+                        st.count
+                    )
+                };
+                return Err((refuse(ShedReason::FleetFull, message), given_way));
             };
-            // The newest request of the least urgent class gives way.
-            let newest = st.classes[c]
-                .tenants
-                .iter()
-                .filter_map(|(t, q)| q.entries.back().map(|e| (e.enqueued, e.id, t.clone())))
-                .max_by_key(|(at, id, _)| (*at, *id));
-            let Some((_, id, tenant)) = newest else {
-                return Ok(());
-            };
-            let e = st.remove(c, &tenant, id).expect("found");
-            self.stats.count(ShedReason::FleetFull);
-            let _ = e.tx.send(Outcome::Shed(Shed {
-                reason: ShedReason::FleetFull,
-                message: format!(
-                    "the queue is full and a request of a more urgent class than `{}` took this one's place",
-                    self.config.classes[c].name
-                ),
-                retry_after,
-            }));
+            let e = st.take(c, &tenant, id, false).expect("found");
+            given_way.push((e, refuse(ShedReason::FleetFull, format!(
+                "the queue is full and a request of a more urgent class than `{}` took this one's place",
+                self.config.classes[c].name
+            ))));
         }
-        Ok(())
+        Ok(given_way)
+    }
+
+    /// Tells the requests that gave way.
+    fn give_way(&self, given_way: Vec<(Entry, Shed)>) {
+        for (e, shed) in given_way {
+            self.stats.count(shed.reason);
+            let _ = e.tx.send(Outcome::Shed(shed));
+        }
     }
 
     fn shed(&self, shed: Shed) -> Admission {
@@ -513,41 +335,69 @@ impl Queue {
         Admission::Now(Outcome::Shed(shed))
     }
 
-    /// Places waiting requests while a worker has room, and refuses those past their
-    /// deadline. Returns how many still wait.
-    fn pump(&self) -> usize {
-        let mut st = self.state.lock();
-        let now = Instant::now();
-        if st.next_deadline.is_some_and(|d| now >= d) {
-            self.expire(&mut st, now);
+    /// The router's decision for `job` (candidates, the policy, bookings) arriving, or
+    /// leaving the queue (`dispatch`: only to workers below every saturation signal):
+    /// never under the queue's lock.
+    fn place(&self, job: &Job, now: Instant, dispatch: bool) -> Result<Routed, RouteError> {
+        let (tokens, hashes, session) = (job.prompt_tokens, &job.hashes, job.session_key);
+        if dispatch {
+            self.router.dispatch(tokens, hashes, session, now)
+        } else {
+            self.router.try_place(tokens, hashes, session, now)
         }
-        while let Some((c, tenant)) = st.peek() {
-            let at = self.prefix_pick(&st.classes[c].tenants[&tenant].entries);
-            let job = &st.classes[c].tenants[&tenant].entries[at].job;
-            let placed =
-                self.router
-                    .try_place(job.prompt_tokens, &job.hashes, job.session_key, now);
-            let outcome = match placed {
-                Err(RouteError::Saturated { .. }) => break,
-                Ok(routed) => Outcome::Placed(Placed {
-                    router: self.router.clone(),
-                    routed: Some(routed),
-                }),
-                Err(_) => Outcome::Route,
+    }
+
+    fn outcome(&self, placed: Result<Routed, RouteError>) -> Outcome {
+        match placed {
+            Ok(routed) => Outcome::Placed(Placed {
+                router: self.router.clone(),
+                routed: Some(routed),
+            }),
+            Err(_) => Outcome::Route,
+        }
+    }
+
+    /// Places waiting requests while a worker has room, and refuses those past their
+    /// deadline. The order is read under the lock; each decision is made outside it, and
+    /// the request taken out only then (a client that left meanwhile drops its
+    /// placement, which releases its bookings). Returns how many still wait.
+    fn pump(&self) -> usize {
+        let now = Instant::now();
+        let late = {
+            let mut st = self.state.lock();
+            if st.next_deadline.is_some_and(|d| now >= d) {
+                st.expired(now)
+            } else {
+                Vec::new()
+            }
+        };
+        self.refuse_late(late, now);
+        loop {
+            let Some((c, tenant, front)) = self.state.lock().peek(LOOK_AHEAD) else {
+                break;
             };
-            let e = st.take(c, &tenant, at, true).expect("peeked");
+            let (id, job) = self.prefix_pick(front);
+            let placed = self.place(&job, now, true);
+            if let Err(RouteError::Saturated { .. }) = placed {
+                break;
+            }
+            let outcome = self.outcome(placed);
+            let mut st = self.state.lock();
+            let Some(e) = st.take(c, &tenant, id, true) else {
+                // Gone meanwhile (its client left): the placement is dropped, released.
+                continue;
+            };
+            st.dispatched(now);
+            drop(st);
             let waited = now.saturating_duration_since(e.enqueued);
             if let Some(h) = self.waits.get(c) {
                 h.observe(waited.as_secs_f64());
-            }
-            if let Some(last) = st.last_dispatch.replace(now) {
-                let dt = now.saturating_duration_since(last).as_secs_f64();
-                st.interval = Some(st.interval.map_or(dt, |i| 0.9 * i + 0.1 * dt));
             }
             self.stats.dispatched.fetch_add(1, Ordering::Relaxed);
             // A client gone meanwhile drops the placement, which releases its bookings.
             let _ = e.tx.send(outcome);
         }
+        let mut st = self.state.lock();
         if st.count == 0 {
             // The next busy spell measures its own rate.
             st.last_dispatch = None;
@@ -558,39 +408,32 @@ impl Queue {
     /// Which of a tenant's first [`LOOK_AHEAD`] requests goes next: the one whose prefix
     /// the workers with room hold most of (the oldest on a tie, so FCFS when none has
     /// one). A request passed over keeps its place at the front and its deadline.
-    fn prefix_pick(&self, entries: &VecDeque<Entry>) -> usize {
+    fn prefix_pick(&self, front: Vec<(u64, Arc<Job>)>) -> (u64, Arc<Job>) {
         let mut best = (0, 0u32);
-        for (i, e) in entries.iter().take(LOOK_AHEAD).enumerate() {
-            let Some(overlap) = self.router.overlap_with_room(&e.job.hashes) else {
-                return 0;
+        for (i, (_, job)) in front.iter().enumerate() {
+            let Some(overlap) = self.router.overlap_with_room(&job.hashes) else {
+                break;
             };
             if overlap > best.1 {
                 best = (i, overlap);
             }
         }
-        best.0
+        front
+            .into_iter()
+            .nth(best.0)
+            .expect("a front of one at least")
     }
 
-    /// Refuses every request past its deadline.
-    fn expire(&self, st: &mut State, now: Instant) {
-        let mut late = Vec::new();
-        let mut next: Option<Instant> = None;
-        for (c, q) in st.classes.iter().enumerate() {
-            for (t, tq) in &q.tenants {
-                for e in &tq.entries {
-                    if e.deadline <= now {
-                        late.push((c, t.clone(), e.id));
-                    } else {
-                        next = Some(next.map_or(e.deadline, |n| n.min(e.deadline)));
-                    }
-                }
-            }
+    /// Refuses the requests past their deadline.
+    fn refuse_late(&self, late: Vec<Entry>, now: Instant) {
+        if late.is_empty() {
+            return;
         }
-        st.next_deadline = next;
-        for (c, t, id) in late {
-            let Some(e) = st.remove(c, &t, id) else {
-                continue;
-            };
+        let retry_after = {
+            let st = self.state.lock();
+            st.expected_wait(st.count).unwrap_or(Duration::from_secs(1))
+        };
+        for e in late {
             self.stats.count(ShedReason::Deadline);
             let waited = now.saturating_duration_since(e.enqueued);
             let _ = e.tx.send(Outcome::Shed(Shed {
@@ -599,9 +442,7 @@ impl Queue {
                     "every worker stayed saturated for the request's deadline ({:.1} s in the queue)",
                     waited.as_secs_f64()
                 ),
-                retry_after: st
-                    .expected_wait(st.count)
-                    .unwrap_or(Duration::from_secs(1)),
+                retry_after,
             }));
         }
     }

@@ -214,8 +214,8 @@ pub struct ClassSummary {
     pub refused_503: usize,
     /// Failed otherwise.
     pub failed: usize,
-    /// TTFT mean and p99 of those served (seconds).
-    pub ttft: [f64; 2],
+    /// TTFT mean, median and p99 of those served (seconds).
+    pub ttft: [f64; 3],
 }
 
 /// The figures per class, for runs whose requests were marked with one.
@@ -255,6 +255,7 @@ pub fn by_class(run: &PolicyRun, slo: Slo) -> Vec<ClassSummary> {
                     } else {
                         ttft.iter().sum::<f64>() / ttft.len() as f64
                     },
+                    percentile(&ttft, 0.5),
                     percentile(&ttft, 0.99),
                 ],
             }
@@ -303,17 +304,17 @@ pub fn class_table(runs: &[PolicyRun], slo: Slo) -> Option<String> {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| router | class | requests | goodput | refused 429 | refused 503/408 | failed | TTFT mean (served) | TTFT p99 (served) |"
+        "| router | class | requests | goodput | refused 429 | refused 503/408 | failed | TTFT mean (served) | TTFT p50 (served) | TTFT p99 (served) |"
     );
     let _ = writeln!(
         s,
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     for r in runs {
         for c in by_class(r, slo) {
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {:.1} % | {} | {} | {} | {:.3} s | {:.3} s |",
+                "| {} | {} | {} | {:.1} % | {} | {} | {} | {:.3} s | {:.3} s | {:.3} s |",
                 r.policy,
                 c.class,
                 c.requests,
@@ -322,7 +323,8 @@ pub fn class_table(runs: &[PolicyRun], slo: Slo) -> Option<String> {
                 c.refused_503,
                 c.failed,
                 c.ttft[0],
-                c.ttft[1]
+                c.ttft[1],
+                c.ttft[2]
             );
         }
     }
@@ -457,7 +459,7 @@ pub fn json(runs: &[PolicyRun], bound: Bounds, slo: Slo) -> serde_json::Value {
                 "classes": by_class(r, slo).iter().map(|c| json!({
                     "class": c.class, "requests": c.requests, "goodput": c.goodput,
                     "refused_429": c.refused_429, "refused_503": c.refused_503, "failed": c.failed,
-                    "ttft_mean_s": c.ttft[0], "ttft_p99_s": c.ttft[1],
+                    "ttft_mean_s": c.ttft[0], "ttft_p50_s": c.ttft[1], "ttft_p99_s": c.ttft[2],
                 })).collect::<Vec<_>>(),
                 "refusals": refusal_reasons(r).into_iter().map(|(k, v)| (k, json!(v))).collect::<serde_json::Map<_, _>>(),
             })
