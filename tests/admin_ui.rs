@@ -348,6 +348,15 @@ async fn an_operator_tries_a_shadow_reads_its_comparison_and_promotes_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_page_shows_the_queue_when_every_worker_is_saturated() {
     let (_w, u) = mock_worker(&["--max-num-seqs", "1"]).await;
+    // The tenants, named by their header (as a gateway in front sets it); search may
+    // ask for high.
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("switchyard.toml");
+    std::fs::write(
+        &config,
+        "[[tenants]]\nname = \"search\"\nmax_class = \"high\"\n\n[[tenants]]\nname = \"nightly\"\n",
+    )
+    .unwrap();
     let (_router, url) = serve(&[
         "--worker",
         &u,
@@ -357,6 +366,8 @@ async fn the_admin_page_shows_the_queue_when_every_worker_is_saturated() {
         TOKEN,
         "--saturation-max-in-flight",
         "1",
+        "--config",
+        config.to_str().unwrap(),
     ])
     .await;
     let send = |tenant: &'static str, priority: &'static str, max_tokens: u32| {
