@@ -96,6 +96,9 @@ pub async fn read_stream(
     (got, ok)
 }
 
+/// Posts `body` as JSON; the status, the JSON answer and its bytes. The bound is a
+/// hang detector, not a timing: a real engine on a loaded CPU may take a minute to write
+/// a whole context (a chat without `max_tokens` runs to its end).
 pub async fn post_json(
     c: &HttpClient,
     url: &str,
@@ -107,7 +110,7 @@ pub async fn post_json(
         url,
         &[("content-type", "application/json")],
         body.to_string(),
-        Duration::from_secs(30),
+        Duration::from_secs(180),
     )
     .await
     .unwrap();
