@@ -353,12 +353,7 @@ async fn a_full_queue_sheds_with_503_and_a_tenant_over_its_share_with_429() {
     // Tenant A alone fills the queue.
     let mut a = Vec::new();
     for i in 0..4 {
-        a.push(spawn_post(&url, body(&format!("a {i}"), 5), tenant("a")));
-        let want = f64::from(i + 1);
-        eventually("the request to wait in the queue", || async {
-            queued(&c, &url).await == want
-        })
-        .await;
+        a.push(enqueue(&c, &url, body(&format!("a {i}"), 5), tenant("a")).await);
     }
     // Full, and A is the only tenant: the fleet is full (503), and the replica says it
     // is not ready.
@@ -418,11 +413,7 @@ async fn a_queued_client_that_leaves_frees_its_place_and_deadlines_are_kept() {
     })
     .await;
     // A client waits in the queue, then gives up (its connection closes).
-    let leaving = spawn_post(&url, body("impatient", 5), vec![]);
-    eventually("the request to wait in the queue", || async {
-        queued(&c, &url).await == 1.0
-    })
-    .await;
+    let leaving = enqueue(&c, &url, body("impatient", 5), vec![]).await;
     leaving.abort();
     eventually("the client left but its place was kept", || async {
         queued(&c, &url).await == 0.0
@@ -510,16 +501,8 @@ async fn a_client_inventing_a_thousand_tenants_sheds_no_one() {
     .await;
     let mut app = Vec::new();
     for i in 0..4 {
-        app.push(spawn_post(
-            &url,
-            body(&format!("app {i}"), 3),
-            vec![("authorization", "Bearer sk-app".into())],
-        ));
-        let want = f64::from(i + 1);
-        eventually("the request to wait in the queue", || async {
-            queued(&c, &url).await == want
-        })
-        .await;
+        let key = vec![("authorization", "Bearer sk-app".into())];
+        app.push(enqueue(&c, &url, body(&format!("app {i}"), 3), key).await);
     }
     // The app holds the whole queue: over any share but its own alone.
     let mut refused = 0;
@@ -618,16 +601,7 @@ async fn a_saturated_endpoints_queue_does_not_take_other_endpoints_slots() {
     .await;
     let mut waiting = Vec::new();
     for i in 0..5 {
-        waiting.push(spawn_post(
-            &url,
-            to("busy", &format!("waits {i}"), 2),
-            vec![],
-        ));
-        let want = f64::from(i + 1);
-        eventually("the request to wait in the queue", || async {
-            queued(&c, &url).await == want
-        })
-        .await;
+        waiting.push(enqueue(&c, &url, to("busy", &format!("waits {i}"), 2), vec![]).await);
     }
     for i in 0..3 {
         let (status, _, answer) =
