@@ -16,6 +16,7 @@
 pub mod admin;
 pub mod body;
 pub mod config;
+pub mod epp;
 pub mod error;
 pub mod metrics;
 pub mod proxy;

@@ -76,6 +76,10 @@ pub struct ServeArgs {
     /// /metrics and /health; the public listener then has no /admin/ routes.
     #[arg(long, env = "SWITCHYARD_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
+    /// Also serve the endpoint picker (Envoy's ext_proc over gRPC, as Gateway API
+    /// Inference Extension gateways ask it) on this address.
+    #[arg(long, env = "SWITCHYARD_EPP_LISTEN")]
+    pub epp_listen: Option<SocketAddr>,
     /// Hugging Face `tokenizer.json` [default: the built-in tokenizer].
     #[arg(long, env = "SWITCHYARD_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,

@@ -96,6 +96,8 @@ pub struct ServeConfig {
     pub endpoint_grace: Duration,
     /// Where the admin API is served, if not on `listen`.
     pub admin_listen: Option<SocketAddr>,
+    /// Where the endpoint picker is served, if anywhere.
+    pub epp_listen: Option<SocketAddr>,
     /// Keys whose signed etcd pushes are applied (none: every push is).
     pub policy_trusted_keys: Vec<switchyard_discovery::signing::PublicKey>,
     /// When a worker is saturated.

@@ -450,6 +450,7 @@ impl ServeArgs {
             policy_trusted_keys,
             saturation,
             admin_listen: self.admin_listen.or(file.admin_listen),
+            epp_listen: self.epp_listen.or(file.epp_listen),
             endpoint_grace: bounded(
                 "endpoint_grace_secs",
                 self.endpoint_grace_secs.or(file.endpoint_grace_secs),

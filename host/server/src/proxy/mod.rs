@@ -38,6 +38,7 @@ mod chunk;
 mod forward;
 mod handoff;
 mod migrate;
+pub(crate) mod pick;
 mod prepare;
 mod relay;
 mod split;

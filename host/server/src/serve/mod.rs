@@ -310,6 +310,19 @@ pub async fn serve(
     let addr = listener.local_addr()?;
     tracing::info!(%addr, "serving");
     let (stop, stopped) = tokio::sync::watch::channel(false);
+    if let Some(epp) = config.epp_listen {
+        tracing::info!(addr = %epp, "serving the endpoint picker");
+        let mut stopped = stopped.clone();
+        let gw = gateway.clone();
+        background.push(tokio::spawn(async move {
+            let stop = async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            };
+            if let Err(e) = crate::epp::serve(gw, epp, stop).await {
+                tracing::error!(addr = %epp, error = %e, "the endpoint picker stopped");
+            }
+        }));
+    }
     if let Some(admin) = admin {
         tracing::info!(addr = %admin.local_addr()?, "serving the admin API");
         let mut stopped = stopped.clone();
