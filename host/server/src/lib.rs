@@ -394,6 +394,11 @@ impl Gateway {
         json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
     }
 
+    /// Whether `/ready` would answer 200 (the endpoint picker's readiness too).
+    pub fn is_ready(&self) -> bool {
+        self.ready().status().is_success()
+    }
+
     fn ready(&self) -> Response<Body> {
         if self.draining.load(Ordering::Relaxed) {
             return json_response(

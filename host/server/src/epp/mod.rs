@@ -50,10 +50,38 @@ pub async fn serve(
     listen: SocketAddr,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
-    tonic::transport::Server::builder()
+    // gRPC health, as GIE's deployments probe it: `liveness` while the process answers;
+    // `readiness` and the ext_proc service while the front door itself would be ready
+    // (discovery done, not draining), checked every second.
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status("liveness", tonic_health::ServingStatus::Serving)
+        .await;
+    let watch = gw.clone();
+    let ready_task = tokio::spawn(async move {
+        loop {
+            let status = if watch.is_ready() {
+                tonic_health::ServingStatus::Serving
+            } else {
+                tonic_health::ServingStatus::NotServing
+            };
+            for service in [
+                "readiness",
+                "envoy.service.ext_proc.v3.ExternalProcessor",
+                "",
+            ] {
+                reporter.set_service_status(service, status).await;
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
+    });
+    let served = tonic::transport::Server::builder()
+        .add_service(health)
         .add_service(ExternalProcessorServer::new(Picker { gw }))
         .serve_with_shutdown(listen, stop)
-        .await
+        .await;
+    ready_task.abort();
+    served
 }
 
 struct Picker {
