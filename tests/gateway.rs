@@ -14,7 +14,9 @@ use serde_json::{Value, json};
 
 use common::http::{self, HttpClient};
 use common::procs::{Proc, free_port, mock_worker, serve};
+use common::router::{TOKEN, admin_send, instance};
 use common::router::{eventually, metric};
+use common::serve::worker_finished;
 
 /// The Envoy binary `tools/test.sh` installs.
 fn envoy_bin() -> PathBuf {
@@ -31,28 +33,106 @@ fn envoy_bin() -> PathBuf {
     bin
 }
 
-/// Envoy in front of the picker at `epp`, from `tests/envoy/gateway.yaml`; its URL.
-async fn envoy(epp: u16) -> (Proc, String, tempfile::TempDir) {
+/// How a test's Envoy is configured (`tests/envoy/gateway.yaml`).
+struct Spec<'a> {
+    /// `original_destination_cluster` (GIE's reference: one endpoint, from the header)
+    /// or `pool` (these endpoints, with Envoy's override_host policy and retries down the
+    /// picker's list).
+    pool: Option<&'a [&'a str]>,
+    /// A subset hint Envoy sets on every request.
+    subset: Option<&'a [&'a str]>,
+    /// The filter's `failure_mode_allow`: on the picker's failure, go on to the
+    /// cluster's own balancing (true) or answer an error (false).
+    fail_open: bool,
+    /// `FULL_DUPLEX_STREAMED` or `BUFFERED`.
+    body_mode: &'a str,
+}
+
+const REFERENCE: Spec<'static> = Spec {
+    pool: None,
+    subset: None,
+    fail_open: false,
+    body_mode: "FULL_DUPLEX_STREAMED",
+};
+
+/// `host:port` of a URL.
+fn addr(url: &str) -> &str {
+    url.trim_start_matches("http://")
+}
+
+/// Envoy in front of the picker at `epp`, configured as `spec` says; its URL.
+async fn envoy(epp: u16, spec: &Spec<'_>) -> (Proc, String, tempfile::TempDir) {
     let listen = free_port();
     let admin = free_port();
+    let endpoint = |a: &str| {
+        let (host, port) = a.rsplit_once(':').unwrap();
+        format!(
+            "\n        - endpoint: {{ address: {{ socket_address: {{ address: {host}, port_value: {port} }} }} }}"
+        )
+    };
+    let (cluster, pool) = match spec.pool {
+        Some(p) => ("pool", p.iter().map(|a| endpoint(a)).collect::<String>()),
+        None => ("original_destination_cluster", " []".to_string()),
+    };
+    let subset_filter = spec.subset.map_or(String::new(), |s| {
+        let list: Vec<String> = s.iter().map(|a| format!("\"{a}\"")).collect();
+        format!(
+            "\n          - name: envoy.filters.http.set_metadata\n            typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config\n              metadata:\n              - metadata_namespace: envoy.lb.subset_hint\n                value: {{ x-gateway-destination-endpoint-subset: [{}] }}",
+            list.join(", ")
+        )
+    });
     let config = include_str!("envoy/gateway.yaml")
         .replace("{listen}", &listen.to_string())
         .replace("{admin}", &admin.to_string())
-        .replace("{epp}", &epp.to_string());
+        .replace("{epp}", &epp.to_string())
+        .replace("{cluster}", cluster)
+        .replace("{pool}", &pool)
+        .replace("{subset_filter}", &subset_filter)
+        .replace("{fail_open}", &spec.fail_open.to_string())
+        .replace("{body_mode}", spec.body_mode);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("envoy.yaml");
     std::fs::write(&path, config).unwrap();
     let child = Command::new(envoy_bin())
-        .args(["-c", path.to_str().unwrap(), "--log-level", "warn"])
+        .args(["-c", path.to_str().unwrap(), "--log-level", "error"])
         .arg("--disable-hot-restart")
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
-    let proc = Proc(child);
+    let mut proc = Proc(child);
     let ready = format!("http://127.0.0.1:{admin}/ready");
-    common::procs::wait_ok(&ready).await;
-    (proc, format!("http://127.0.0.1:{listen}"), dir)
+    let c = http::client();
+    for _ in 0..600 {
+        if let Some(exit) = proc.0.try_wait().unwrap() {
+            panic!("Envoy exited ({exit}) at start: its configuration is on stderr above");
+        }
+        if http::get_maybe(&c, &ready).await.0 == Some(hyper::StatusCode::OK) {
+            return (proc, format!("http://127.0.0.1:{listen}"), dir);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("Envoy never became ready");
+}
+
+/// A router serving `workers` with the picker on; its process, URL and picker port.
+async fn picker(workers: &[&str], extra: &[&str]) -> (Proc, String, u16) {
+    let epp = free_port();
+    let epp_addr = format!("127.0.0.1:{epp}");
+    let mut args = vec![
+        "--model",
+        "mock",
+        "--epp-listen",
+        &epp_addr,
+        "--admin-token",
+        TOKEN,
+    ];
+    for w in workers {
+        args.extend(["--worker", w]);
+    }
+    args.extend_from_slice(extra);
+    let (p, url) = serve(&args).await;
+    (p, url, epp)
 }
 
 /// A prompt of many blocks, shared by a conversation's turns.
@@ -85,20 +165,8 @@ async fn complete(c: &HttpClient, url: &str, body: Value) -> (hyper::StatusCode,
 async fn through_envoy_a_conversation_reaches_its_cached_worker_and_streams() {
     let (_a, a) = mock_worker(&[]).await;
     let (_b, b) = mock_worker(&[]).await;
-    let epp = free_port();
-    let epp_addr = format!("127.0.0.1:{epp}");
-    let (_router, router) = serve(&[
-        "--worker",
-        &a,
-        "--worker",
-        &b,
-        "--model",
-        "mock",
-        "--epp-listen",
-        &epp_addr,
-    ])
-    .await;
-    let (_envoy, gateway, _dir) = envoy(epp).await;
+    let (_router, router, epp) = picker(&[&a, &b], &[]).await;
+    let (_envoy, gateway, _dir) = envoy(epp, &REFERENCE).await;
     let c = http::client();
     let mut cached = Vec::new();
     for turn in ["first question", "second question", "third question"] {
@@ -152,22 +220,13 @@ async fn through_envoy_a_conversation_reaches_its_cached_worker_and_streams() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shed_request_reaches_the_client_with_retry_after_and_health_is_served() {
     let (_w, w) = mock_worker(&["--max-num-seqs", "1"]).await;
-    let epp = free_port();
-    let epp_addr = format!("127.0.0.1:{epp}");
-    let (_router, _) = serve(&[
-        "--worker",
-        &w,
-        "--model",
-        "mock",
-        "--epp-listen",
-        &epp_addr,
-        "--saturation-max-in-flight",
-        "1",
-        "--queue-max",
-        "1",
-    ])
+    let (_router, _, epp) = picker(
+        &[&w],
+        &["--saturation-max-in-flight", "1", "--queue-max", "1"],
+    )
     .await;
-    let (_envoy, gateway, _dir) = envoy(epp).await;
+    let epp_addr = format!("127.0.0.1:{epp}");
+    let (_envoy, gateway, _dir) = envoy(epp, &REFERENCE).await;
     let c = http::client();
     let send = |prompt: &str, max_tokens: u32| {
         let (c, gateway) = (c.clone(), gateway.clone());
@@ -234,4 +293,246 @@ async fn a_shed_request_reaches_the_client_with_retry_after_and_health_is_served
         assert!(unknown.is_err(), "an unknown service is not healthy");
     }
     drop(health);
+}
+
+/// Sends `n` distinct short completions through `gateway`; each must succeed.
+async fn served(c: &HttpClient, gateway: &str, n: usize, tag: &str) {
+    for i in 0..n {
+        let body = json!({"model": "mock", "prompt": format!("{tag} {i}"), "max_tokens": 2});
+        let (status, answer) = complete(c, gateway, body).await;
+        assert!(status.is_success(), "{tag} {i}: {status} {answer}");
+    }
+}
+
+/// A worker killed under the gateway: the picker names a fallback after its pick
+/// (`--epp-fallbacks 1`), Envoy's override_host policy retries down that list, so the
+/// client never sees the dead worker; the picker hears where the answer came from, and
+/// the dead worker, probed, leaves the picks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_is_retried_on_the_fallback_then_left_out() {
+    let mut workers = [mock_worker(&[]).await, mock_worker(&[]).await];
+    let urls: Vec<String> = workers.iter().map(|(_, u)| u.clone()).collect();
+    let (_router, router, epp) = picker(&[&urls[0], &urls[1]], &["--epp-fallbacks", "1"]).await;
+    let pool = [addr(&urls[0]), addr(&urls[1])];
+    let spec = Spec {
+        pool: Some(&pool),
+        ..REFERENCE
+    };
+    let (_envoy, gateway, _dir) = envoy(epp, &spec).await;
+    let c = http::client();
+    let turn = |t: &str| json!({"model": "mock", "prompt": conversation(t), "max_tokens": 2});
+    let (status, answer) = complete(&c, &gateway, turn("first")).await;
+    assert!(status.is_success(), "{status}: {answer}");
+    let held = usize::from(worker_finished(&c, &urls[0]).await == 0);
+    let other = 1 - held;
+    workers[held].0.kill();
+    // The conversation's worker is gone: its next turns are answered by the other.
+    for t in ["second", "third"] {
+        let (status, answer) = complete(&c, &gateway, turn(t)).await;
+        assert!(status.is_success(), "{t}: {status} {answer}");
+    }
+    assert_eq!(worker_finished(&c, &urls[other]).await, 2);
+    assert!(metric(&c, &router, "switchyard_epp_moved_total", "").await >= 1.0);
+    // Probed and found dead, it leaves the picks; nothing is moved any more.
+    let dead = urls[held].clone();
+    eventually("the dead worker to leave the picks", || async {
+        served(&c, &gateway, 1, "meanwhile").await;
+        instance(&c, &router, &dead).await["available"] == false
+    })
+    .await;
+    let moved = metric(&c, &router, "switchyard_epp_moved_total", "").await;
+    served(&c, &gateway, 4, "after").await;
+    assert_eq!(
+        metric(&c, &router, "switchyard_epp_moved_total", "").await,
+        moved
+    );
+    eventually("the bookings to be released", || async {
+        metric(&c, &router, "switchyard_instance_in_flight", "").await == 0.0
+    })
+    .await;
+}
+
+/// A worker that answers 500 to everything, behind the gateway: the picker reads each
+/// answer's status and the endpoint that served it (Envoy's `upstream.address`), and
+/// outlier detection ejects the worker after its run of failures; then every request
+/// is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_worker_is_ejected_from_what_the_gateway_reports() {
+    let (_bad, bad) = mock_worker(&["--fault", "error"]).await;
+    let (_good, good) = mock_worker(&[]).await;
+    let (_router, router, epp) = picker(&[&bad, &good], &[]).await;
+    let pool = [addr(&bad), addr(&good)];
+    let spec = Spec {
+        pool: Some(&pool),
+        ..REFERENCE
+    };
+    let (_envoy, gateway, _dir) = envoy(epp, &spec).await;
+    let c = http::client();
+    let failed = std::sync::atomic::AtomicUsize::new(0);
+    eventually("the failing worker to be ejected", || async {
+        let body = json!({"model": "mock", "prompt": "try", "max_tokens": 2});
+        if !complete(&c, &gateway, body).await.0.is_success() {
+            failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        instance(&c, &router, &bad).await["available"] == false
+    })
+    .await;
+    assert!(
+        failed.into_inner() >= 1,
+        "the failing worker was never picked"
+    );
+    served(&c, &gateway, 6, "after").await;
+}
+
+/// GIE's subset hint: the gateway allows only some endpoints (Envoy's set_metadata
+/// filter, forwarded to the picker), and every pick is among them; a subset of no
+/// known worker is 503 `no_eligible_worker` at the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateways_subset_hint_bounds_the_pick() {
+    let (_a, a) = mock_worker(&[]).await;
+    let (_b, b) = mock_worker(&[]).await;
+    let (_router, _, epp) = picker(&[&a, &b], &[]).await;
+    let pool = [addr(&a), addr(&b)];
+    let only_b = [addr(&b)];
+    let spec = Spec {
+        pool: Some(&pool),
+        subset: Some(&only_b),
+        ..REFERENCE
+    };
+    let (_envoy, gateway, _dir) = envoy(epp, &spec).await;
+    let c = http::client();
+    served(&c, &gateway, 6, "subset").await;
+    assert_eq!(worker_finished(&c, &a).await, 0);
+    assert_eq!(worker_finished(&c, &b).await, 6);
+
+    let foreign = ["127.0.0.1:9"];
+    let spec = Spec {
+        pool: Some(&pool),
+        subset: Some(&foreign),
+        ..REFERENCE
+    };
+    let (_envoy2, gateway2, _dir2) = envoy(epp, &spec).await;
+    let body = json!({"model": "mock", "prompt": "nowhere to go", "max_tokens": 2});
+    let (status, answer) = complete(&c, &gateway2, body).await;
+    assert_eq!(status, 503, "{answer}");
+    assert_eq!(answer["error"]["code"], "no_eligible_worker", "{answer}");
+}
+
+/// The picker killed: a gateway with `failure_mode_allow: true` fails open to its own
+/// balancing over the pool (requests still served), one with `false` fails closed (an
+/// error, no request sent anywhere unpicked). Envoy keeps a copy of the body to fail
+/// open with only when it buffers it (`BUFFERED`); in full duplex the body is the
+/// picker's once a chunk is sent, so there a dead picker fails closed whatever the
+/// setting (docs/gateway.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_picker_killed_the_gateway_fails_open_or_closed_as_configured() {
+    let (_a, a) = mock_worker(&[]).await;
+    let (_b, b) = mock_worker(&[]).await;
+    let (mut router, _, epp) = picker(&[&a, &b], &[]).await;
+    let pool = [addr(&a), addr(&b)];
+    let open = Spec {
+        pool: Some(&pool),
+        fail_open: true,
+        body_mode: "BUFFERED",
+        ..REFERENCE
+    };
+    let closed = Spec {
+        pool: Some(&pool),
+        ..REFERENCE
+    };
+    let (_e1, open, _d1) = envoy(epp, &open).await;
+    let (_e2, closed, _d2) = envoy(epp, &closed).await;
+    let c = http::client();
+    served(&c, &open, 2, "open").await;
+    served(&c, &closed, 2, "closed").await;
+    router.kill();
+    served(&c, &open, 4, "open, picker gone").await;
+    let before = worker_finished(&c, &a).await + worker_finished(&c, &b).await;
+    let body = json!({"model": "mock", "prompt": "no picker", "max_tokens": 2});
+    let (status, answer) = complete(&c, &closed, body).await;
+    assert!(status.is_server_error(), "{status}: {answer}");
+    let after = worker_finished(&c, &a).await + worker_finished(&c, &b).await;
+    assert_eq!(before, after, "a request went on unpicked");
+}
+
+/// A policy swapped while requests flow through the gateway: none fails, and the picks
+/// change with the policy (kv-cost keeps one prompt on its cached worker; round-robin
+/// alternates).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_hot_swap_under_load_through_the_gateway_loses_nothing() {
+    let (_a, a) = mock_worker(&[]).await;
+    let (_b, b) = mock_worker(&[]).await;
+    let (_router, router, epp) = picker(&[&a, &b], &[]).await;
+    let (_envoy, gateway, _dir) = envoy(epp, &REFERENCE).await;
+    let c = http::client();
+    let same = || json!({"model": "mock", "prompt": conversation("same"), "max_tokens": 2});
+    let finished = || async { (worker_finished(&c, &a).await, worker_finished(&c, &b).await) };
+    for _ in 0..4 {
+        assert!(complete(&c, &gateway, same()).await.0.is_success());
+    }
+    let (a0, b0) = finished().await;
+    assert!(a0 == 0 || b0 == 0, "kv-cost split one prompt: {a0} / {b0}");
+    let load: Vec<_> = (0..3)
+        .map(|i| {
+            let (c, gateway) = (c.clone(), gateway.clone());
+            tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                for j in 0..10 {
+                    let body = json!({"model": "mock", "prompt": format!("load {i} {j}"), "max_tokens": 4});
+                    statuses.push(complete(&c, &gateway, body).await.0);
+                }
+                statuses
+            })
+        })
+        .collect();
+    let policy =
+        format!("{router}/admin/endpoints/default/mock/generate/policy?builtin=round-robin");
+    let (status, body) = admin_send(&c, hyper::Method::PUT, &policy).await;
+    assert!(status.is_success(), "{status}: {body}");
+    for task in load {
+        for status in task.await.unwrap() {
+            assert!(
+                status.is_success(),
+                "a request failed during the swap: {status}"
+            );
+        }
+    }
+    let (a1, b1) = finished().await;
+    for _ in 0..4 {
+        assert!(complete(&c, &gateway, same()).await.0.is_success());
+    }
+    let (a2, b2) = finished().await;
+    assert_eq!(
+        (a2 - a1, b2 - b1),
+        (2, 2),
+        "round-robin did not alternate the one prompt"
+    );
+}
+
+/// A gateway sending bodies whole (`BUFFERED`): the headers are let through at once
+/// and the pick goes with the body's answer; a conversation still reaches its cached
+/// worker and a stream passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_buffered_mode_the_pick_goes_with_the_body() {
+    let (_a, a) = mock_worker(&[]).await;
+    let (_b, b) = mock_worker(&[]).await;
+    let (_router, router, epp) = picker(&[&a, &b], &[]).await;
+    let spec = Spec {
+        body_mode: "BUFFERED",
+        ..REFERENCE
+    };
+    let (_envoy, gateway, _dir) = envoy(epp, &spec).await;
+    let c = http::client();
+    let mut cached = Vec::new();
+    for turn in ["one", "two"] {
+        let body = json!({"model": "mock", "prompt": conversation(turn), "max_tokens": 4, "stream": false});
+        let (status, answer) = complete(&c, &gateway, body).await;
+        assert!(status.is_success(), "{status}: {answer}");
+        cached.push(answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64());
+    }
+    assert!(cached[1].unwrap_or(0) > 0, "{cached:?}");
+    eventually("the bookings to be released", || async {
+        metric(&c, &router, "switchyard_instance_in_flight", "").await == 0.0
+    })
+    .await;
 }

@@ -50,6 +50,9 @@ const ONLY_IN: &[(&str, &str)] = &[
     ("wasmtime-wasi-io", "switchyard-policy"),
     ("wasmparser", "switchyard-policy"),
     ("zeromq", "switchyard-worker"),
+    // gRPC is the endpoint picker's alone.
+    ("tonic", "switchyard-server"),
+    ("envoy-types", "switchyard-server"),
 ];
 
 /// HTTP and TLS crates, which the crates below the network floors must not have.

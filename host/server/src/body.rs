@@ -32,6 +32,14 @@ impl BodyBudget {
     pub fn held(&self) -> usize {
         self.held.load(Ordering::Relaxed)
     }
+
+    /// A share of nothing yet, to [`Held::grow`] as a body comes in.
+    pub fn hold(&self) -> Held {
+        Held {
+            held: self.held.clone(),
+            bytes: 0,
+        }
+    }
 }
 
 /// A share of the [`BodyBudget`], returned when dropped.
@@ -43,7 +51,7 @@ pub struct Held {
 
 impl Held {
     /// Takes `n` more bytes, if the budget has them.
-    fn grow(&mut self, n: usize, total: usize) -> bool {
+    pub fn grow(&mut self, n: usize, total: usize) -> bool {
         let taken = self
             .held
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| {
@@ -81,10 +89,7 @@ pub async fn read(
     budget: &BodyBudget,
     limits: Limits,
 ) -> Result<(Bytes, Held), ApiError> {
-    let mut held = Held {
-        held: budget.held.clone(),
-        bytes: 0,
-    };
+    let mut held = budget.hold();
     // A `content-length` over the limit is not refused before reading: a client still
     // sending its body would see the connection reset instead of the 413. The body is
     // read up to the limit (never more is held), then refused.

@@ -56,6 +56,9 @@ pub enum ApiError {
     /// deadline).
     #[error("{}", .0.message)]
     Shed(crate::queue::Shed),
+    /// A gateway's subset names no worker of the endpoint.
+    #[error("{0}")]
+    NoEligibleWorker(String),
     /// The router's own fault (a task of its own panicked): neither the client's nor a
     /// worker's.
     #[error("the router failed: {0}")]
@@ -73,6 +76,7 @@ impl ApiError {
             ApiError::Route(_)
             | ApiError::ShuttingDown
             | ApiError::ModelUnavailable(_)
+            | ApiError::NoEligibleWorker(_)
             | ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ApiError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -123,6 +127,7 @@ impl ApiError {
                 ("server_error", None, Some("workers_busy"))
             }
             ApiError::Overloaded(_) => ("server_error", None, Some("router_overloaded")),
+            ApiError::NoEligibleWorker(_) => ("server_error", None, Some("no_eligible_worker")),
             ApiError::Route(RouteError::Rejected(_)) => {
                 ("server_error", None, Some("rejected_by_policy"))
             }

@@ -349,6 +349,111 @@ fn overload_headers() {
     });
 }
 
+/// A gateway's ext_proc messages as the endpoint picker reads them (protobuf, as gRPC
+/// delivers them): never a panic; the subset and the served endpoint within their
+/// bounds; the request's parts parsed or refused with a client error.
+#[test]
+fn epp_messages() {
+    use crate::http::epp::protocol;
+    use crate::http::queue::classes::OverloadConfig;
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        HttpHeaders, ProcessingRequest, ProtocolConfiguration, processing_request::Request,
+    };
+    use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
+    use prost::Message;
+    let headers = |pairs: &[(&str, &str)]| HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: pairs
+                .iter()
+                .map(|(k, v)| HeaderValue {
+                    key: (*k).into(),
+                    raw_value: v.as_bytes().to_vec(),
+                    ..Default::default()
+                })
+                .collect(),
+        }),
+        end_of_stream: false,
+        ..Default::default()
+    };
+    let text = |s: &str| Value {
+        kind: Some(Kind::StringValue(s.into())),
+    };
+    let ns = |key: &str, v: Value| Struct {
+        fields: [(key.to_string(), v)].into(),
+    };
+    let first = ProcessingRequest {
+        request: Some(Request::RequestHeaders(headers(&[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("x-gateway-inference-objective", "low"),
+            ("x-gateway-inference-fairness-id", "team"),
+        ]))),
+        metadata_context: Some(Metadata {
+            filter_metadata: [(
+                protocol::SUBSET_NAMESPACE.to_string(),
+                ns(
+                    protocol::SUBSET,
+                    Value {
+                        kind: Some(Kind::ListValue(ListValue {
+                            values: vec![text("10.0.0.1:8000"), text("10.0.0.2:8000")],
+                        })),
+                    },
+                ),
+            )]
+            .into(),
+            ..Default::default()
+        }),
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: 4,
+            response_body_mode: 4,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let response = ProcessingRequest {
+        request: Some(Request::ResponseHeaders(headers(&[
+            (":status", "503"),
+            (protocol::SERVED, "10.0.0.1:8000"),
+        ]))),
+        metadata_context: Some(Metadata {
+            filter_metadata: [(
+                protocol::NAMESPACE.to_string(),
+                ns(protocol::SERVED, text("10.0.0.2:8000")),
+            )]
+            .into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let seeds = vec![first.encode_to_vec(), response.encode_to_vec()];
+    let overload = OverloadConfig::default();
+    fuzz("epp", seeds, false, |input| {
+        let Ok(m) = ProcessingRequest::decode(input) else {
+            return false;
+        };
+        let _ = protocol::Mode::of(&m);
+        if let Some(subset) = protocol::subset_hint(&m) {
+            assert!(subset.len() <= 4096);
+        }
+        match &m.request {
+            Some(Request::RequestHeaders(h)) => {
+                if let Err(e) = protocol::request_parts(h, &overload) {
+                    assert!(e.status().is_client_error(), "{e}");
+                }
+            }
+            Some(Request::ResponseHeaders(h)) => {
+                let _ = protocol::status(h);
+                if let Some(s) = protocol::served(&m, Some(h)) {
+                    assert!(s.len() <= 256);
+                }
+            }
+            _ => {}
+        }
+        true
+    });
+}
+
 /// A worker's event stream as a migratable relay reads it, cut into two chunks
 /// anywhere: never a panic; before a migration exactly a prefix of what the worker
 /// sent (whole events only); the answer kept within its bound.

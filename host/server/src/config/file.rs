@@ -34,6 +34,7 @@ pub struct FileConfig {
     pub(crate) admin_token_file: Option<PathBuf>,
     pub(crate) admin_listen: Option<SocketAddr>,
     pub(crate) epp_listen: Option<SocketAddr>,
+    pub(crate) epp_fallbacks: Option<usize>,
     pub(crate) endpoint_grace_secs: Option<u64>,
     pub(crate) tokenizer: Option<PathBuf>,
     pub(crate) chat_template: Option<PathBuf>,

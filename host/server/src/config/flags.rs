@@ -80,6 +80,11 @@ pub struct ServeArgs {
     /// Inference Extension gateways ask it) on this address.
     #[arg(long, env = "SWITCHYARD_EPP_LISTEN")]
     pub epp_listen: Option<SocketAddr>,
+    /// Other workers the endpoint picker names after each pick, for a gateway to retry
+    /// on (Envoy's override_host policy); 0 for a gateway that reads one endpoint (an
+    /// ORIGINAL_DST cluster) [default: 0, at most 8].
+    #[arg(long, env = "SWITCHYARD_EPP_FALLBACKS")]
+    pub epp_fallbacks: Option<usize>,
     /// Hugging Face `tokenizer.json` [default: the built-in tokenizer].
     #[arg(long, env = "SWITCHYARD_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,

@@ -98,6 +98,8 @@ pub struct ServeConfig {
     pub admin_listen: Option<SocketAddr>,
     /// Where the endpoint picker is served, if anywhere.
     pub epp_listen: Option<SocketAddr>,
+    /// Other workers named after each pick, for the gateway's retries.
+    pub epp_fallbacks: usize,
     /// Keys whose signed etcd pushes are applied (none: every push is).
     pub policy_trusted_keys: Vec<switchyard_discovery::signing::PublicKey>,
     /// When a worker is saturated.

@@ -451,6 +451,15 @@ impl ServeArgs {
             saturation,
             admin_listen: self.admin_listen.or(file.admin_listen),
             epp_listen: self.epp_listen.or(file.epp_listen),
+            epp_fallbacks: match self.epp_fallbacks.or(file.epp_fallbacks).unwrap_or(0) {
+                n if n <= crate::epp::MAX_FALLBACKS => n,
+                n => {
+                    return Err(ConfigError(format!(
+                        "epp_fallbacks {n}: at most {}",
+                        crate::epp::MAX_FALLBACKS
+                    )));
+                }
+            },
             endpoint_grace: bounded(
                 "endpoint_grace_secs",
                 self.endpoint_grace_secs.or(file.endpoint_grace_secs),

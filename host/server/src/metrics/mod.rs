@@ -77,6 +77,10 @@ pub struct Metrics {
     pub splits: AtomicU64,
     /// Prefill legs of split requests that failed.
     pub prefill_failures: AtomicU64,
+    /// Picks answered to a gateway (the endpoint picker).
+    pub epp_picks: AtomicU64,
+    /// Picks a gateway served somewhere else (a fallback, after the pick failed).
+    pub epp_moved: AtomicU64,
     /// Failed upstream attempts per instance.
     pub failures_by_instance:
         parking_lot::Mutex<std::collections::BTreeMap<switchyard_ids::InstanceId, u64>>,
@@ -178,13 +182,15 @@ impl Metrics {
             &self.token_level_migrations,
             &self.splits,
             &self.prefill_failures,
+            &self.epp_picks,
+            &self.epp_moved,
         ]
     }
 }
 
 /// The front door's unlabelled counters: name (without `switchyard_` and `_total`) and
 /// help, in [`Metrics::front_door`] order.
-pub(super) const FRONT_DOOR: [(&str, &str); 17] = [
+pub(super) const FRONT_DOOR: [(&str, &str); 19] = [
     ("retries", "Attempts on another worker after a failure"),
     (
         "upstream_failures",
@@ -240,5 +246,13 @@ pub(super) const FRONT_DOOR: [(&str, &str); 17] = [
     (
         "prefill_leg_failures",
         "Prefill legs of split attempts that failed (the request was placed again)",
+    ),
+    (
+        "epp_picks",
+        "Picks answered to a gateway (the endpoint picker)",
+    ),
+    (
+        "epp_moved",
+        "Picks a gateway served elsewhere (a fallback endpoint, after the pick failed)",
     ),
 ];

@@ -18,9 +18,14 @@ use switchyard_tokens::openai::Api;
 
 /// A request placed for a gateway.
 pub(crate) struct Picked {
+    /// The chosen worker.
+    pub(crate) worker: InstanceId,
     /// The chosen worker's base URL.
     pub(crate) url: String,
-    router: Arc<KvRouter>,
+    /// Where the gateway may go if the chosen worker fails, best first: `host:port` of
+    /// other eligible workers, most prompt cached first, then least loaded.
+    pub(crate) fallbacks: Vec<String>,
+    pub(crate) router: Arc<KvRouter>,
     booking: Option<Booking>,
 }
 
@@ -39,19 +44,19 @@ impl Picked {
 }
 
 /// Prepares, admits and places a request for a gateway, among the workers `allowed`
-/// keeps (all of them when it keeps every one).
+/// keeps (all of them when it keeps every one), with up to `fallbacks` other workers.
+/// None allowed (an empty or foreign subset) is 503 `no_eligible_worker`.
 pub(crate) async fn pick(
     gw: &Arc<Gateway>,
     api: Api,
     req: &hyper::http::request::Parts,
     body: &Bytes,
     allowed: &(dyn Fn(&str) -> bool + Send + Sync),
+    fallbacks: usize,
 ) -> Result<Picked, ApiError> {
     let p = prepare::prepare(gw, api, req, body).await?;
     let router = p.router.clone();
     let client = router.client().clone();
-    let mut slot = None;
-    let queued = prepare::admit(gw, &req.headers, &p, body.len(), &mut slot).await?;
     let exclude: Vec<InstanceId> = client
         .snapshot()
         .instances
@@ -59,6 +64,13 @@ pub(crate) async fn pick(
         .filter(|(_, s)| !allowed(&s.info.url))
         .map(|(id, _)| *id)
         .collect();
+    if exclude.len() == client.snapshot().instances.len() {
+        return Err(ApiError::NoEligibleWorker(
+            "no worker of the gateway's subset serves this model".into(),
+        ));
+    }
+    let mut slot = None;
+    let queued = prepare::admit(gw, &req.headers, &p, body.len(), &mut slot).await?;
     let routed = match queued {
         Some(r) if !exclude.contains(&r.worker) && r.prefill.is_none() => r,
         other => {
@@ -95,9 +107,53 @@ pub(crate) async fn pick(
             "the worker chosen left discovery".into(),
         ));
     };
+    let mut others = exclude;
+    others.push(routed.worker);
+    let fallbacks = fallbacks_of(&router, &p.hashes, &others, fallbacks);
     Ok(Picked {
+        worker: routed.worker,
         url: instance.url.clone(),
+        fallbacks,
         router,
         booking: Some(booking),
     })
+}
+
+/// Up to `n` workers besides those in `exclude` that can serve a whole request, most
+/// prompt cached first, then fewest prompt tokens pending, then fewest in flight: the
+/// next best places without another policy call.
+fn fallbacks_of(
+    router: &KvRouter,
+    hashes: &[switchyard_ids::BlockHash],
+    exclude: &[InstanceId],
+    n: usize,
+) -> Vec<String> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let (candidates, _) = router.candidates(hashes, exclude);
+    let mut rows: Vec<_> = (0..candidates.len())
+        .map(|i| candidates.row(i))
+        .filter(|r| r.role != switchyard_ids::Role::Prefill)
+        .collect();
+    rows.sort_by_key(|r| {
+        (
+            std::cmp::Reverse(r.overlap_blocks),
+            r.pending_prefill_tokens,
+            r.in_flight,
+        )
+    });
+    let client = router.client();
+    rows.iter()
+        .filter_map(|r| client.instance(r.id))
+        .filter_map(|i| host_port(&i.url).map(str::to_string))
+        .take(n)
+        .collect()
+}
+
+/// `host:port` of a worker's base URL.
+pub(crate) fn host_port(url: &str) -> Option<&str> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let hp = rest.split('/').next()?;
+    (!hp.is_empty()).then_some(hp)
 }

@@ -314,11 +314,12 @@ pub async fn serve(
         tracing::info!(addr = %epp, "serving the endpoint picker");
         let mut stopped = stopped.clone();
         let gw = gateway.clone();
+        let fallbacks = config.epp_fallbacks;
         background.push(tokio::spawn(async move {
             let stop = async move {
                 let _ = stopped.wait_for(|s| *s).await;
             };
-            if let Err(e) = crate::epp::serve(gw, epp, stop).await {
+            if let Err(e) = crate::epp::serve(gw, epp, fallbacks, stop).await {
                 tracing::error!(addr = %epp, error = %e, "the endpoint picker stopped");
             }
         }));
