@@ -207,15 +207,42 @@ async fn through_envoy_a_conversation_reaches_its_cached_worker_and_streams() {
         metric(&c, &router, "switchyard_decisions_total", "").await,
         4.0
     );
+    assert_eq!(
+        metric(&c, &router, "switchyard_epp_picks_total", "").await,
+        4.0
+    );
     eventually("the bookings to be released", || async {
+        metric(&c, &router, "switchyard_instance_in_flight", "").await == 0.0
+    })
+    .await;
+    // A client gone mid-stream: Envoy ends the exchange without a response's end, and
+    // the booking goes with it.
+    let started = std::sync::atomic::AtomicUsize::new(0);
+    let long =
+        json!({"model": "mock", "prompt": "a long answer", "max_tokens": 20000, "stream": true});
+    let (got, ended) = http::read_stream(
+        &c,
+        &format!("{gateway}/v1/completions"),
+        long.to_string(),
+        1,
+        &started,
+        Duration::from_secs(2),
+    )
+    .await;
+    assert!(
+        !ended && !got.is_empty(),
+        "the stream did not start, or ended"
+    );
+    eventually("the abandoned stream's booking to be released", || async {
         metric(&c, &router, "switchyard_instance_in_flight", "").await == 0.0
     })
     .await;
 }
 
 /// What the router refuses, the gateway's client hears, with `Retry-After`: with one
-/// request running and one waiting (`--queue-max 1`), a third is shed with 503
-/// `fleet_full` through Envoy. And the picker answers gRPC health as GIE's deployments
+/// request running and one waiting (`--queue-max 1`), a third is shed through Envoy
+/// with 429 `fleet_full` (GIE's status for a request dropped under load; the front door
+/// says 503). And the picker answers gRPC health as GIE's deployments
 /// probe it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shed_request_reaches_the_client_with_retry_after_and_health_is_served() {
@@ -252,7 +279,7 @@ async fn a_shed_request_reaches_the_client_with_retry_after_and_health_is_served
     .await
     .unwrap();
     let answer: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-    assert_eq!(status, 503, "{answer}");
+    assert_eq!(status, 429, "{answer}");
     assert_eq!(answer["error"]["code"], "fleet_full", "{answer}");
     assert!(headers.contains_key("retry-after"), "{headers:?}");
     assert!(running.await.unwrap().0.is_success());

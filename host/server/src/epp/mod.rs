@@ -78,6 +78,7 @@ pub async fn serve(
     let picker = Picker {
         gw,
         fallbacks: fallbacks.min(MAX_FALLBACKS),
+        probes: Arc::default(),
     };
     let served = tonic::transport::Server::builder()
         .add_service(health)
@@ -91,6 +92,7 @@ pub async fn serve(
 struct Picker {
     gw: Arc<Gateway>,
     fallbacks: usize,
+    probes: Arc<outcome::Probes>,
 }
 
 type Answers = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
@@ -105,7 +107,8 @@ impl ExternalProcessor for Picker {
     ) -> Result<tonic::Response<Answers>, Status> {
         let input = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
-        tokio::spawn(exchange(self.gw.clone(), self.fallbacks, input, tx));
+        let probes = self.probes.clone();
+        tokio::spawn(exchange(self.gw.clone(), self.fallbacks, probes, input, tx));
         Ok(tonic::Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -124,6 +127,7 @@ struct Exchange {
     /// The subset the gateway allows, if it sent one.
     subset: Option<Vec<String>>,
     fallbacks: usize,
+    probes: Arc<outcome::Probes>,
     picked: Option<Picked>,
     /// The pick is answered (the request phase is over).
     decided: bool,
@@ -133,6 +137,7 @@ struct Exchange {
 async fn exchange(
     gw: Arc<Gateway>,
     fallbacks: usize,
+    probes: Arc<outcome::Probes>,
     mut input: Streaming<ProcessingRequest>,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
 ) {
@@ -144,6 +149,7 @@ async fn exchange(
         held: gw.bodies.hold(),
         subset: None,
         fallbacks,
+        probes,
         picked: None,
         decided: false,
         answered: false,
@@ -244,7 +250,8 @@ async fn step(
         }
         Some(In::ResponseHeaders(h)) => {
             if let Some(p) = &mut x.picked {
-                outcome::learn(gw, p, protocol::status(&h), served.flatten());
+                let status = protocol::status(&h);
+                outcome::learn(gw, &x.probes, p, status, served.flatten());
                 if h.end_of_stream {
                     p.finish();
                 }

@@ -5,17 +5,51 @@
 //! and counts against the worker only if the probe fails (a bad request is not a bad
 //! worker).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use crate::Gateway;
 use crate::proxy::pick::{Picked, host_port};
 use switchyard_ids::InstanceId;
 
+/// Health probes the answers asked for, at most one per worker per [`Probes::EVERY`]:
+/// a gateway that reports every answer as served elsewhere (misconfigured, or hostile)
+/// costs a worker one probe a second, not one per request.
+#[derive(Default)]
+pub(super) struct Probes {
+    last: parking_lot::Mutex<HashMap<InstanceId, Instant>>,
+}
+
+impl Probes {
+    /// Least time between two probes of one worker.
+    pub(super) const EVERY: Duration = Duration::from_secs(1);
+    /// Most workers remembered (the oldest are forgotten past it).
+    const MAX: usize = 4096;
+
+    /// Whether `worker` may be probed at `now` (and, if so, that it was).
+    fn take(&self, worker: InstanceId, now: Instant) -> bool {
+        let mut last = self.last.lock();
+        if last
+            .get(&worker)
+            .is_some_and(|t| now.saturating_duration_since(*t) < Self::EVERY)
+        {
+            return false;
+        }
+        if last.len() >= Self::MAX {
+            last.retain(|_, t| now.saturating_duration_since(*t) < Self::EVERY);
+        }
+        last.insert(worker, now);
+        true
+    }
+}
+
 /// Learns from the response headers: `status` as the gateway reports it, `served` the
 /// endpoint that answered, if the gateway says.
 pub(super) fn learn(
     gw: &Arc<Gateway>,
+    probes: &Probes,
     p: &mut Picked,
     status: Option<u16>,
     served: Option<String>,
@@ -42,6 +76,7 @@ pub(super) fn learn(
         p.finish();
         probe(
             gw,
+            probes,
             &client,
             p.worker,
             "the gateway could not use it and went elsewhere",
@@ -57,7 +92,13 @@ pub(super) fn learn(
         // Not known to come from the pick (the gateway's own answer when it could not
         // reach it looks the same): only a failed probe counts.
         Some(s) if s >= 500 && !known => {
-            probe(gw, &client, answered, &format!("{s} through the gateway"));
+            probe(
+                gw,
+                probes,
+                &client,
+                answered,
+                &format!("{s} through the gateway"),
+            );
         }
         Some(s) if s >= 500 => count_failure(gw, &client, answered, s),
         Some(_) => client.record_success(answered),
@@ -65,14 +106,19 @@ pub(super) fn learn(
     }
 }
 
-/// Checks `worker` with a health probe now; a failed probe counts against it.
+/// Checks `worker` with a health probe now (unless it was a moment ago); a failed
+/// probe counts against it.
 fn probe(
     gw: &Gateway,
+    probes: &Probes,
     client: &Arc<switchyard_router::client::Client>,
     worker: InstanceId,
     why: &str,
 ) {
     if gw.config.outlier_detection {
+        if !probes.take(worker, Instant::now()) {
+            return;
+        }
         let (c, why) = (client.clone(), why.to_string());
         tokio::spawn(async move { c.check_now(worker, &why).await });
     } else if gw.config.availability {
@@ -96,5 +142,24 @@ fn count_failure(
         client.record_failure(id, &format!("answered {status} through the gateway"));
     } else if gw.config.availability {
         client.report_instance_down(id, &format!("answered {status} through the gateway"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_worker_is_probed_at_most_once_a_second_however_many_answers_ask() {
+        let probes = Probes::default();
+        let (a, b) = (InstanceId(1), InstanceId(2));
+        let t0 = Instant::now();
+        assert!(probes.take(a, t0));
+        let asked = (1..1000)
+            .filter(|i| probes.take(a, t0 + Duration::from_micros(*i)))
+            .count();
+        assert_eq!(asked, 0, "every answer probed the worker");
+        assert!(probes.take(b, t0), "another worker waits for no one");
+        assert!(probes.take(a, t0 + Probes::EVERY));
     }
 }

@@ -300,11 +300,20 @@ pub fn answer(out: Out) -> ProcessingResponse {
     }
 }
 
-/// The front door's answer to `e`, sent by the gateway in place of the request.
+/// The front door's answer to `e`, sent by the gateway in place of the request. A
+/// request shed under load is 429, as GIE's protocol asks (503 is for no ready
+/// endpoint; a gateway may retry that elsewhere, which only adds load here).
 pub async fn immediate(e: &ApiError) -> ProcessingResponse {
     use http_body_util::BodyExt;
+    use switchyard_router::RouteError;
     let response = e.response();
-    let (parts, body) = response.into_parts();
+    let (mut parts, body) = response.into_parts();
+    if matches!(
+        e,
+        ApiError::Shed(_) | ApiError::Route(RouteError::Saturated { .. } | RouteError::Busy { .. })
+    ) {
+        parts.status = hyper::StatusCode::TOO_MANY_REQUESTS;
+    }
     let body = body
         .collect()
         .await
