@@ -89,7 +89,8 @@ async fn envoy(epp: u16, spec: &Spec<'_>) -> (Proc, String, tempfile::TempDir) {
         .replace("{pool}", &pool)
         .replace("{subset_filter}", &subset_filter)
         .replace("{fail_open}", &spec.fail_open.to_string())
-        .replace("{body_mode}", spec.body_mode);
+        .replace("{body_mode}", spec.body_mode)
+        .replace("{response_body_mode}", spec.body_mode);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("envoy.yaml");
     std::fs::write(&path, config).unwrap();

@@ -13,8 +13,9 @@
 # B7_WORKERS, B7_KV_BLOCKS and B7_SPEEDUP change them. B7_CLIENT=aiperf drives every
 # router with aiperf instead of the replay's own client; B7_TOKENIZER (below) puts the
 # stage on a real tokenizer. The comparison includes Switchyard as an endpoint picker
-# behind a real Envoy (tools/envoy-epp.sh; each one's CPU in $B7_LOGS/envoy-epp-cpu.txt);
-# B7_EPP=only runs that row beside Switchyard's own front door alone.
+# behind a real Envoy (tools/envoy-epp.sh; each one's CPU in $B7_LOGS/envoy-epp-cpu-*.txt);
+# B7_EPP=only runs that row beside Switchyard's own front door alone, and one more with
+# Envoy's response bodies kept from the picker (response_body_mode NONE).
 set -euo pipefail
 
 trace=${1:?usage: tools/b7.sh TRACE.jsonl [replay flags]}
@@ -158,6 +159,7 @@ if [ "${B7_EPP:-}" = only ]; then
     exec "$sy" replay "$trace" "${common[@]}" --workers "${B7_WORKERS:-4}" \
         --router "switchyard kv-cost=$serve --policy kv-cost" \
         --router "$epp_row" \
+        --router "switchyard kv-cost behind Envoy (EPP, no response body)=env EPP_RESPONSE_BODY=NONE $root/tools/envoy-epp.sh {port} $logs $serve_epp -- {workers}" \
         --json "${B7_JSON:-b7-epp-results.json}" --chart "${B7_CHART:-b7-epp-ttft.svg}" \
         "${client[@]}" "${tokenizer[@]}" "$@"
 fi

@@ -6,7 +6,9 @@
 # override_host policy, retries down the picker's list); `switchyard serve ARGS...
 # --epp-listen` picks, naming one fallback. Both run in this script's process group, so
 # a replay measures their CPU together; each one's own CPU seconds are written every
-# second to LOGDIR/envoy-epp-cpu.txt.
+# second to LOGDIR/envoy-epp-cpu-MODE.txt. EPP_RESPONSE_BODY sets Envoy's
+# response_body_mode (FULL_DUPLEX_STREAMED, the default: every answer's chunks pass the
+# picker; NONE: they do not, and the picker learns no first-token time).
 #
 #   tools/envoy-epp.sh PORT LOGDIR SERVE_ARGS... -- WORKER_URL...
 set -euo pipefail
@@ -37,7 +39,8 @@ for url in "$@"; do
     pool+=$'\n'"        - endpoint: { address: { socket_address: { address: ${hp%:*}, port_value: ${hp##*:} } } }"
 done
 config=$(mktemp -d)/envoy.yaml
-POOL=$pool python3 - "$root/tests/envoy/gateway.yaml" "$config" "$port" "$admin" "$epp" <<'PY'
+mode=${EPP_RESPONSE_BODY:-FULL_DUPLEX_STREAMED}
+MODE=$mode POOL=$pool python3 - "$root/tests/envoy/gateway.yaml" "$config" "$port" "$admin" "$epp" <<'PY'
 import os, sys
 src, dst, listen, admin, epp = sys.argv[1:]
 text = open(src).read()
@@ -45,6 +48,7 @@ for k, v in {"{listen}": listen, "{admin}": admin, "{epp}": epp, "{cluster}": "p
              "{pool}": os.environ["POOL"], "{subset_filter}": "", "{fail_open}": "false",
              "{body_mode}": "FULL_DUPLEX_STREAMED"}.items():
     text = text.replace(k, v)
+text = text.replace("{response_body_mode}", os.environ["MODE"])
 open(dst, "w").write(text)
 PY
 
@@ -60,6 +64,6 @@ trap 'kill $picker $gateway 2>/dev/null; wait' TERM INT EXIT
 
 cpu() { awk -v t="$(getconf CLK_TCK)" '{ printf "%.2f", ($14 + $15) / t }' "/proc/$1/stat" 2>/dev/null || echo "?"; }
 while kill -0 "$picker" 2>/dev/null && kill -0 "$gateway" 2>/dev/null; do
-    printf 'envoy %s\nswitchyard %s\n' "$(cpu "$gateway")" "$(cpu "$picker")" > "$logs/envoy-epp-cpu.txt"
+    printf 'envoy %s\nswitchyard %s\n' "$(cpu "$gateway")" "$(cpu "$picker")" > "$logs/envoy-epp-cpu-$mode.txt"
     sleep 1
 done
