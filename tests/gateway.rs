@@ -412,6 +412,47 @@ async fn a_failing_worker_is_ejected_from_what_the_gateway_reports() {
     served(&c, &gateway, 6, "after").await;
 }
 
+/// A worker shedding load (503 with `Retry-After`) behind the gateway is busy, not
+/// dead: after its first refusal it is left alone for its `Retry-After`, every request
+/// then goes to the other worker, and it is never ejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_shedding_load_through_the_gateway_is_skipped_not_ejected() {
+    let (_busy, busy) = mock_worker(&[
+        "--fault",
+        "status",
+        "--fault-status",
+        "503",
+        "--fault-retry-after-secs",
+        "60",
+    ])
+    .await;
+    let (_free, free) = mock_worker(&[]).await;
+    let (_router, router, epp) = picker(&[&busy, &free], &["--policy", "round-robin"]).await;
+    let pool = [addr(&busy), addr(&free)];
+    let spec = Spec {
+        pool: Some(&pool),
+        ..REFERENCE
+    };
+    let (_envoy, gateway, _dir) = envoy(epp, &spec).await;
+    let c = http::client();
+    // Round-robin reaches the shedding worker within two requests.
+    let mut refused = 0;
+    for i in 0..2 {
+        let body = json!({"model": "mock", "prompt": format!("first {i}"), "max_tokens": 2});
+        if complete(&c, &gateway, body).await.0 == 503 {
+            refused += 1;
+        }
+    }
+    assert_eq!(refused, 1, "the shedding worker was not picked once");
+    served(&c, &gateway, 8, "then").await;
+    assert_eq!(worker_finished(&c, &free).await, 9);
+    let state = instance(&c, &router, &busy).await;
+    assert_eq!(
+        state["available"], true,
+        "a busy worker was ejected: {state}"
+    );
+}
+
 /// GIE's subset hint: the gateway allows only some endpoints (Envoy's set_metadata
 /// filter, forwarded to the picker), and every pick is among them; a subset of no
 /// known worker is 503 `no_eligible_worker` at the client.

@@ -185,10 +185,17 @@ async fn exchange(
             x.subset = protocol::subset_hint(&m);
         }
         let answers = step(&gw, &mut x, m).await;
+        // An immediate answer ends the request: nothing more is read for it.
+        let refused = answers
+            .iter()
+            .any(|a| matches!(a.response, Some(Out::ImmediateResponse(_))));
         for a in answers {
             if tx.send(Ok(a)).await.is_err() {
                 return;
             }
+        }
+        if refused {
+            break;
         }
     }
     // The stream ended: whatever was booked is released as `x` drops.
@@ -253,7 +260,15 @@ async fn step(
         Some(In::ResponseHeaders(h)) => {
             if let Some(p) = &mut x.picked {
                 let status = protocol::status(&h);
-                outcome::learn(gw, &x.probes, p, status, served.flatten());
+                let retry_after = protocol::header(&h, "retry-after")
+                    .and_then(|v| std::str::from_utf8(v).ok())
+                    .and_then(|v| crate::proxy::parse_retry_after(v.trim()));
+                let answer = outcome::Answer {
+                    status,
+                    retry_after,
+                    served: served.flatten(),
+                };
+                outcome::learn(gw, &x.probes, p, answer);
                 if h.end_of_stream {
                     p.finish();
                 }

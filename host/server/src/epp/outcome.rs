@@ -45,15 +45,23 @@ impl Probes {
     }
 }
 
-/// Learns from the response headers: `status` as the gateway reports it, `served` the
-/// endpoint that answered, if the gateway says.
-pub(super) fn learn(
-    gw: &Arc<Gateway>,
-    probes: &Probes,
-    p: &mut Picked,
-    status: Option<u16>,
-    served: Option<String>,
-) {
+/// What the gateway's response headers say about the answer.
+pub(super) struct Answer {
+    /// Its status.
+    pub(super) status: Option<u16>,
+    /// Its `Retry-After`, if any.
+    pub(super) retry_after: Option<Duration>,
+    /// The endpoint that answered, if the gateway says.
+    pub(super) served: Option<String>,
+}
+
+/// Learns from the response headers.
+pub(super) fn learn(gw: &Arc<Gateway>, probes: &Probes, p: &mut Picked, answer: Answer) {
+    let Answer {
+        status,
+        retry_after,
+        served,
+    } = answer;
     let client = p.router.client().clone();
     let served_id = served.as_deref().and_then(|s| {
         client
@@ -87,7 +95,7 @@ pub(super) fn learn(
     };
     match status {
         Some(429 | 503) => {
-            client.report_busy(answered, None);
+            client.report_busy(answered, retry_after);
         }
         // Not known to come from the pick (the gateway's own answer when it could not
         // reach it looks the same): only a failed probe counts.

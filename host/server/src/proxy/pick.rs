@@ -64,7 +64,7 @@ pub(crate) async fn pick(
         .filter(|(_, s)| !allowed(&s.info.url))
         .map(|(id, _)| *id)
         .collect();
-    if exclude.len() == client.snapshot().instances.len() {
+    if !exclude.is_empty() && exclude.len() == client.snapshot().instances.len() {
         return Err(ApiError::NoEligibleWorker(
             "no worker of the gateway's subset serves this model".into(),
         ));
