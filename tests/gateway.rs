@@ -46,6 +46,8 @@ struct Spec<'a> {
     fail_open: bool,
     /// `FULL_DUPLEX_STREAMED` or `BUFFERED`.
     body_mode: &'a str,
+    /// Reach the picker over TLS.
+    tls: bool,
 }
 
 const REFERENCE: Spec<'static> = Spec {
@@ -53,7 +55,17 @@ const REFERENCE: Spec<'static> = Spec {
     subset: None,
     fail_open: false,
     body_mode: "FULL_DUPLEX_STREAMED",
+    tls: false,
 };
+
+/// The epp cluster's transport socket for a picker serving TLS: HTTP/2 by ALPN, and no
+/// verification of its certificate (as gateways reach GIE's reference picker).
+const EPP_TLS: &str = r#"
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context: { alpn_protocols: [h2] }"#;
 
 /// `host:port` of a URL.
 fn addr(url: &str) -> &str {
@@ -90,7 +102,8 @@ async fn envoy(epp: u16, spec: &Spec<'_>) -> (Proc, String, tempfile::TempDir) {
         .replace("{subset_filter}", &subset_filter)
         .replace("{fail_open}", &spec.fail_open.to_string())
         .replace("{body_mode}", spec.body_mode)
-        .replace("{response_body_mode}", spec.body_mode);
+        .replace("{response_body_mode}", spec.body_mode)
+        .replace("{epp_transport}", if spec.tls { EPP_TLS } else { "" });
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("envoy.yaml");
     std::fs::write(&path, config).unwrap();
@@ -604,4 +617,84 @@ async fn in_buffered_mode_the_pick_goes_with_the_body() {
         metric(&c, &router, "switchyard_instance_in_flight", "").await == 0.0
     })
     .await;
+}
+
+/// The picker over TLS (`--epp-tls-cert`, `--epp-tls-key`), as gateways reach GIE's
+/// reference picker: Envoy's epp cluster speaks TLS to it and a conversation still
+/// reaches its cached worker; the gRPC health is served over TLS too, and a key that is
+/// not PEM stops the router at start, saying which file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_the_picker_serves_a_gateway() {
+    let cert =
+        rcgen::generate_simple_self_signed(vec!["127.0.0.1".into(), "localhost".into()]).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert_path, key_path) = (dir.path().join("epp.pem"), dir.path().join("epp.key"));
+    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
+    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
+    let (_a, a) = mock_worker(&[]).await;
+    let (_b, b) = mock_worker(&[]).await;
+    let tls = [
+        "--epp-tls-cert",
+        cert_path.to_str().unwrap(),
+        "--epp-tls-key",
+        key_path.to_str().unwrap(),
+    ];
+    let (_router, _, epp) = picker(&[&a, &b], &tls).await;
+    let spec = Spec {
+        tls: true,
+        ..REFERENCE
+    };
+    let (_envoy, gateway, _envoy_dir) = envoy(epp, &spec).await;
+    let c = http::client();
+    let mut cached = Vec::new();
+    for turn in ["one", "two"] {
+        let body = json!({"model": "mock", "prompt": conversation(turn), "max_tokens": 4});
+        let (status, answer) = complete(&c, &gateway, body).await;
+        assert!(status.is_success(), "{status}: {answer}");
+        cached.push(answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64());
+    }
+    assert!(cached[1].unwrap_or(0) > 0, "{cached:?}");
+    // Health over TLS, trusting the picker's certificate.
+    let tls_client = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(cert.cert.pem()))
+        .domain_name("localhost");
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://127.0.0.1:{epp}"))
+        .unwrap()
+        .tls_config(tls_client)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let status = tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "liveness".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    assert_eq!(
+        status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+
+    // A key file that is not a key: the router refuses to start, naming it.
+    std::fs::write(&key_path, "not a key").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--worker",
+            &a,
+            "--model",
+            "mock",
+        ])
+        .args(["--epp-listen", "127.0.0.1:0"])
+        .args(tls)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("epp.key"), "{stderr}");
 }

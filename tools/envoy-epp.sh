@@ -46,7 +46,7 @@ src, dst, listen, admin, epp = sys.argv[1:]
 text = open(src).read()
 for k, v in {"{listen}": listen, "{admin}": admin, "{epp}": epp, "{cluster}": "pool",
              "{pool}": os.environ["POOL"], "{subset_filter}": "", "{fail_open}": "false",
-             "{body_mode}": "FULL_DUPLEX_STREAMED"}.items():
+             "{body_mode}": "FULL_DUPLEX_STREAMED", "{epp_transport}": ""}.items():
     text = text.replace(k, v)
 text = text.replace("{response_body_mode}", os.environ["MODE"])
 open(dst, "w").write(text)

@@ -35,6 +35,8 @@ pub struct FileConfig {
     pub(crate) admin_listen: Option<SocketAddr>,
     pub(crate) epp_listen: Option<SocketAddr>,
     pub(crate) epp_fallbacks: Option<usize>,
+    pub(crate) epp_tls_cert: Option<PathBuf>,
+    pub(crate) epp_tls_key: Option<PathBuf>,
     pub(crate) endpoint_grace_secs: Option<u64>,
     pub(crate) tokenizer: Option<PathBuf>,
     pub(crate) chat_template: Option<PathBuf>,

@@ -85,6 +85,13 @@ pub struct ServeArgs {
     /// ORIGINAL_DST cluster) [default: 0, at most 8].
     #[arg(long, env = "SWITCHYARD_EPP_FALLBACKS")]
     pub epp_fallbacks: Option<usize>,
+    /// Serve the endpoint picker over TLS with this certificate chain (PEM), as GIE's
+    /// reference picker does; with `--epp-tls-key`.
+    #[arg(long, env = "SWITCHYARD_EPP_TLS_CERT")]
+    pub epp_tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of `--epp-tls-cert`.
+    #[arg(long, env = "SWITCHYARD_EPP_TLS_KEY")]
+    pub epp_tls_key: Option<PathBuf>,
     /// Hugging Face `tokenizer.json` [default: the built-in tokenizer].
     #[arg(long, env = "SWITCHYARD_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,

@@ -100,6 +100,8 @@ pub struct ServeConfig {
     pub epp_listen: Option<SocketAddr>,
     /// Other workers named after each pick, for the gateway's retries.
     pub epp_fallbacks: usize,
+    /// The picker's TLS certificate and key, if it serves TLS.
+    pub epp_tls: Option<crate::epp::EppTls>,
     /// Keys whose signed etcd pushes are applied (none: every push is).
     pub policy_trusted_keys: Vec<switchyard_discovery::signing::PublicKey>,
     /// When a worker is saturated.

@@ -451,6 +451,20 @@ impl ServeArgs {
             saturation,
             admin_listen: self.admin_listen.or(file.admin_listen),
             epp_listen: self.epp_listen.or(file.epp_listen),
+            epp_tls: match (
+                self.epp_tls_cert.or(file.epp_tls_cert),
+                self.epp_tls_key.or(file.epp_tls_key),
+            ) {
+                (None, None) => None,
+                (Some(cert), Some(key)) => {
+                    Some(crate::epp::EppTls::read(&cert, &key).map_err(ConfigError)?)
+                }
+                _ => {
+                    return Err(ConfigError(
+                        "--epp-tls-cert and --epp-tls-key go together".into(),
+                    ));
+                }
+            },
             epp_fallbacks: match self.epp_fallbacks.or(file.epp_fallbacks).unwrap_or(0) {
                 n if n <= crate::epp::MAX_FALLBACKS => n,
                 n => {

@@ -42,12 +42,59 @@ use protocol::{Mode, answer, bad, immediate, streamed};
 /// Most fallback endpoints a pick may name.
 pub const MAX_FALLBACKS: usize = 8;
 
+/// The picker's TLS identity: a certificate chain and its private key, PEM, checked
+/// when read (at start: a bad file is a configuration error, not a picker that fails
+/// every handshake).
+#[derive(Clone, PartialEq, Eq)]
+pub struct EppTls {
+    cert: Vec<u8>,
+    key: Vec<u8>,
+}
+
+impl std::fmt::Debug for EppTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EppTls { .. }")
+    }
+}
+
+impl EppTls {
+    /// Most bytes of either file.
+    const MAX_FILE: u64 = 1 << 20;
+
+    /// Reads and checks `cert` and `key`.
+    pub fn read(cert: &std::path::Path, key: &std::path::Path) -> Result<EppTls, String> {
+        use rustls_pki_types::pem::PemObject;
+        use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+        let read = |p: &std::path::Path| {
+            switchyard_bounded::files::read(p, Self::MAX_FILE)
+                .map_err(|e| format!("{}: {e}", p.display()))
+        };
+        let (cert_pem, key_pem) = (read(cert)?, read(key)?);
+        let chain = CertificateDer::pem_slice_iter(&cert_pem)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("certificate file {}: {e}", cert.display()))?;
+        if chain.is_empty() {
+            return Err(format!(
+                "certificate file {} holds no certificate",
+                cert.display()
+            ));
+        }
+        PrivateKeyDer::from_pem_slice(&key_pem)
+            .map_err(|e| format!("key file {}: {e}", key.display()))?;
+        Ok(EppTls {
+            cert: cert_pem,
+            key: key_pem,
+        })
+    }
+}
+
 /// Serves the picker on `listen` until `stop` resolves, naming up to `fallbacks` other
-/// workers after each pick.
+/// workers after each pick; over TLS with `tls`.
 pub async fn serve(
     gw: Arc<Gateway>,
     listen: SocketAddr,
     fallbacks: usize,
+    tls: Option<EppTls>,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     // gRPC health, as GIE's deployments probe it: `liveness` while the process answers;
@@ -82,7 +129,12 @@ pub async fn serve(
         fallbacks: fallbacks.min(MAX_FALLBACKS),
         probes: Arc::default(),
     };
-    let served = tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(t) = tls {
+        let identity = tonic::transport::Identity::from_pem(t.cert, t.key);
+        server = server.tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))?;
+    }
+    let served = server
         .add_service(health)
         .add_service(ExternalProcessorServer::new(picker).max_decoding_message_size(largest))
         .serve_with_shutdown(listen, stop)

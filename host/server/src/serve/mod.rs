@@ -315,11 +315,12 @@ pub async fn serve(
         let mut stopped = stopped.clone();
         let gw = gateway.clone();
         let fallbacks = config.epp_fallbacks;
+        let tls = config.epp_tls.clone();
         background.push(tokio::spawn(async move {
             let stop = async move {
                 let _ = stopped.wait_for(|s| *s).await;
             };
-            if let Err(e) = crate::epp::serve(gw, epp, fallbacks, stop).await {
+            if let Err(e) = crate::epp::serve(gw, epp, fallbacks, tls, stop).await {
                 tracing::error!(addr = %epp, error = %e, "the endpoint picker stopped");
             }
         }));
