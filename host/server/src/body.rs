@@ -50,8 +50,23 @@ pub struct Held {
 }
 
 impl Held {
+    /// Takes `more` bytes for a body that holds `have` already: 413 past the
+    /// per-request limit (nothing more is taken), 503 when the budget has no room.
+    pub fn take(&mut self, have: usize, more: usize, limits: &Limits) -> Result<(), ApiError> {
+        if have.saturating_add(more) > limits.max {
+            return Err(ApiError::TooLarge(limits.max));
+        }
+        if !self.grow(more, limits.total) {
+            return Err(ApiError::Overloaded(format!(
+                "{} bytes of request bodies held",
+                limits.total
+            )));
+        }
+        Ok(())
+    }
+
     /// Takes `n` more bytes, if the budget has them.
-    pub fn grow(&mut self, n: usize, total: usize) -> bool {
+    fn grow(&mut self, n: usize, total: usize) -> bool {
         let taken = self
             .held
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| {
@@ -106,18 +121,10 @@ pub async fn read(
             let Ok(data) = frame.into_data() else {
                 continue;
             };
-            if buf.len().saturating_add(data.len()) > limits.max {
-                return Err(ApiError::TooLarge(limits.max));
-            }
-            if !held.grow(data.len(), limits.total) {
-                return Err(ApiError::Overloaded(format!(
-                    "{} bytes of request bodies held",
-                    limits.total
-                )));
-            }
+            held.take(buf.len(), data.len(), &limits)?;
             buf.extend_from_slice(&data);
         }
-        Ok(buf.freeze())
+        Ok::<_, ApiError>(buf.freeze())
     };
     let bytes = tokio::time::timeout(limits.deadline, read)
         .await

@@ -345,12 +345,7 @@ impl Gateway {
     ) -> Result<Response<Body>, ApiError> {
         let started = std::time::Instant::now();
         let (parts, incoming) = req.into_parts();
-        let limits = body::Limits {
-            max: self.config.max_body_bytes,
-            total: self.config.max_body_bytes_total,
-            deadline: self.config.client_idle_timeout,
-        };
-        let (bytes, held) = match body::read(incoming, &self.bodies, limits).await {
+        let (bytes, held) = match body::read(incoming, &self.bodies, self.body_limits()).await {
             Ok(b) => b,
             Err(e) => {
                 if matches!(e, ApiError::BodyTimeout(_) | ApiError::Overloaded(_)) {
@@ -392,6 +387,16 @@ impl Gateway {
             })
             .collect();
         json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
+    }
+
+    /// What a request body is read under: the per-request limit, the budget of bodies
+    /// held, the client timeout (the endpoint picker's request phase too).
+    pub(crate) fn body_limits(&self) -> body::Limits {
+        body::Limits {
+            max: self.config.max_body_bytes,
+            total: self.config.max_body_bytes_total,
+            deadline: self.config.client_idle_timeout,
+        }
     }
 
     /// Whether `/ready` would answer 200 (the endpoint picker's readiness too).

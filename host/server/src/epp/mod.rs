@@ -35,7 +35,7 @@ use tokio_stream::Stream;
 use tonic::{Status, Streaming};
 
 use crate::body::Held;
-use crate::proxy::pick::{Picked, host_port, pick};
+use crate::proxy::pick::{Picked, authority, pick};
 use crate::{ApiError, Gateway};
 use protocol::{Mode, answer, bad, immediate, streamed};
 
@@ -210,7 +210,8 @@ async fn exchange(
     };
     // The request phase must end within the client timeout (as a body must at the front
     // door); after the pick, a gateway silent for a whole request timeout is gone.
-    let request_deadline = tokio::time::Instant::now() + gw.config.client_idle_timeout;
+    let limits = gw.body_limits();
+    let request_deadline = tokio::time::Instant::now() + limits.deadline;
     let mut first = true;
     loop {
         let wait = if x.decided {
@@ -223,7 +224,7 @@ async fn exchange(
             Ok(Ok(None) | Err(_)) => break,
             Err(_) if x.decided => break,
             Err(_) => {
-                let e = ApiError::BodyTimeout(gw.config.client_idle_timeout);
+                let e = ApiError::BodyTimeout(limits.deadline);
                 let _ = tx.send(Ok(immediate(&e).await)).await;
                 break;
             }
@@ -233,7 +234,8 @@ async fn exchange(
             x.mode = Mode::of(&m).unwrap_or(Mode::FullDuplex);
             x.response_full_duplex = Mode::response_full_duplex(&m).unwrap_or(true);
         }
-        if x.subset.is_none() {
+        // The subset matters to the pick alone: not read again for the answer's chunks.
+        if !x.decided && x.subset.is_none() {
             x.subset = protocol::subset_hint(&m);
         }
         let answers = step(&gw, &mut x, m).await;
@@ -284,15 +286,7 @@ async fn step(
             }
         }
         Some(In::RequestBody(b)) if !x.decided => {
-            let limit = gw.config.max_body_bytes;
-            if x.body.len().saturating_add(b.body.len()) > limit {
-                return vec![immediate(&ApiError::TooLarge(limit)).await];
-            }
-            if !x.held.grow(b.body.len(), gw.config.max_body_bytes_total) {
-                let e = ApiError::Overloaded(format!(
-                    "{} bytes of request bodies held",
-                    gw.config.max_body_bytes_total
-                ));
+            if let Err(e) = x.held.take(x.body.len(), b.body.len(), &gw.body_limits()) {
                 return vec![immediate(&e).await];
             }
             x.body.extend_from_slice(&b.body);
@@ -369,13 +363,13 @@ async fn decide(gw: &Arc<Gateway>, x: &mut Exchange) -> Vec<ProcessingResponse> 
     let allowed = move |url: &str| {
         subset
             .as_ref()
-            .is_none_or(|s| s.iter().any(|a| Some(a.as_str()) == host_port(url)))
+            .is_none_or(|s| s.iter().any(|a| Some(a.as_str()) == authority(url)))
     };
     let picked = match pick(gw, api, &parts, &body, &allowed, x.fallbacks).await {
         Ok(p) => p,
         Err(e) => return vec![immediate(&e).await],
     };
-    let Some(primary) = host_port(&picked.url) else {
+    let Some(primary) = authority(&picked.url) else {
         return vec![immediate(&ApiError::Internal("a worker URL without host".into())).await];
     };
     let mut dest = primary.to_string();

@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::Gateway;
-use crate::proxy::pick::{Picked, host_port};
+use crate::proxy::pick::{Picked, authority};
 use switchyard_ids::InstanceId;
 
 /// Health probes the answers asked for, at most one per worker per [`Probes::EVERY`]:
@@ -68,7 +68,7 @@ pub(super) fn learn(gw: &Arc<Gateway>, probes: &Probes, p: &mut Picked, answer: 
             .snapshot()
             .instances
             .iter()
-            .find(|(_, i)| host_port(&i.info.url) == Some(s))
+            .find(|(_, i)| authority(&i.info.url) == Some(s))
             .map(|(id, _)| *id)
     });
     // Who answered, and whether the gateway said so.
@@ -140,12 +140,7 @@ fn count_failure(
     id: InstanceId,
     status: u16,
 ) {
-    gw.metrics.upstream_failures.fetch_add(1, Ordering::Relaxed);
-    *gw.metrics
-        .failures_by_instance
-        .lock()
-        .entry(id)
-        .or_insert(0) += 1;
+    gw.metrics.upstream_failure(id);
     if gw.config.outlier_detection {
         client.record_failure(id, &format!("answered {status} through the gateway"));
     } else if gw.config.availability {

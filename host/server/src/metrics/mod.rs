@@ -87,6 +87,13 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// Counts an upstream attempt that failed on `worker` (a busy answer or the router's
+    /// own exhaustion is not one).
+    pub fn upstream_failure(&self, worker: switchyard_ids::InstanceId) {
+        self.upstream_failures.fetch_add(1, Ordering::Relaxed);
+        *self.failures_by_instance.lock().entry(worker).or_insert(0) += 1;
+    }
+
     /// Counts a broken stream: why it broke, and what became of it.
     pub fn migration(&self, reason: &'static str, outcome: &'static str) {
         *self.migrations.lock().entry((reason, outcome)).or_insert(0) += 1;

@@ -27,13 +27,27 @@ use switchyard_tokens::openai;
 /// A placement with both legs' bookings as guards: whatever path the attempt then takes
 /// (a worker gone from discovery, a failed leg, the client leaving), dropping them
 /// releases the load booked.
-struct Booked {
-    routed: Routed,
-    booking: Booking,
-    prefill: Option<(PrefillLeg, Booking)>,
+pub(super) struct Booked {
+    pub(super) routed: Routed,
+    pub(super) booking: Booking,
+    pub(super) prefill: Option<(PrefillLeg, Booking)>,
 }
 
-fn book(router: &Arc<KvRouter>, routed: Routed) -> Booked {
+/// A decision the router made: counted in the endpoint's decision timings, and booked
+/// as guards.
+pub(super) fn decided(
+    gw: &Gateway,
+    endpoint: &str,
+    router: &Arc<KvRouter>,
+    routed: Routed,
+) -> Booked {
+    gw.metrics
+        .timings
+        .decision(endpoint, routed.decision_time, routed.decision.call_time);
+    book(router, routed)
+}
+
+pub(super) fn book(router: &Arc<KvRouter>, routed: Routed) -> Booked {
     let guard = |request| Booking {
         router: router.clone(),
         request,
@@ -115,12 +129,7 @@ pub(super) async fn attempts(
             booking,
             prefill,
         } = match placed {
-            Ok(r) => {
-                gw.metrics
-                    .timings
-                    .decision(&endpoint, r.decision_time, r.decision.call_time);
-                book(router, r)
-            }
+            Ok(r) => decided(gw, &endpoint, router, r),
             Err(_) if kept.is_some() => {
                 // No decode worker is left for the prefill kept: place it anew.
                 kept = None;

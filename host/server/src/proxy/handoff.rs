@@ -45,11 +45,18 @@ impl Protocol {
     }
 }
 
-/// The host of an `http(s)://host[:port][/...]` URL (brackets kept for IPv6).
-fn host_of(url: &str) -> String {
+/// The `host[:port]` of an `http(s)://[user@]host[:port][/...]` URL (what a gateway
+/// names a worker by), if it has one.
+pub(crate) fn authority(url: &str) -> Option<&str> {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
     let authority = rest.split('/').next().unwrap_or(rest);
     let authority = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
+    (!authority.is_empty()).then_some(authority)
+}
+
+/// The host of an `http(s)://host[:port][/...]` URL (brackets kept for IPv6).
+fn host_of(url: &str) -> String {
+    let authority = authority(url).unwrap_or("");
     if authority.starts_with('[') {
         return authority
             .split_once(']')
@@ -200,5 +207,12 @@ mod tests {
         assert_eq!(host_of("https://p.example/v1"), "p.example");
         assert_eq!(host_of("http://[::1]:8000"), "[::1]");
         assert_eq!(host_of("http://u:pw@h:1"), "h");
+        // What a gateway names a worker by: its host and port, no credentials or path.
+        assert_eq!(
+            authority("http://u:pw@10.0.0.7:8000/v1"),
+            Some("10.0.0.7:8000")
+        );
+        assert_eq!(authority("http://[::1]:8000"), Some("[::1]:8000"));
+        assert_eq!(authority("http:///v1"), None);
     }
 }

@@ -278,12 +278,7 @@ fn count_failed_attempt(
     let reason = failure.reason();
     tracing::warn!(endpoint = %router.endpoint(), instance = %worker, url, reason, attempt, "upstream attempt failed");
     if !matches!(failure, Failure::Busy(..) | Failure::Local(_)) {
-        gw.metrics.upstream_failures.fetch_add(1, Ordering::Relaxed);
-        *gw.metrics
-            .failures_by_instance
-            .lock()
-            .entry(worker)
-            .or_insert(0) += 1;
+        gw.metrics.upstream_failure(worker);
     }
 }
 

@@ -10,6 +10,8 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
+use super::attempt::{Booked, book, decided};
+pub(crate) use super::handoff::authority;
 use super::{Booking, prepare};
 use crate::{ApiError, Gateway};
 use switchyard_ids::InstanceId;
@@ -57,30 +59,26 @@ pub(crate) async fn pick(
     let p = prepare::prepare(gw, api, req, body).await?;
     let router = p.router.clone();
     let client = router.client().clone();
-    let exclude: Vec<InstanceId> = client
-        .snapshot()
+    let snapshot = client.snapshot();
+    let exclude: Vec<InstanceId> = snapshot
         .instances
         .iter()
         .filter(|(_, s)| !allowed(&s.info.url))
         .map(|(id, _)| *id)
         .collect();
-    if !exclude.is_empty() && exclude.len() == client.snapshot().instances.len() {
+    if !exclude.is_empty() && exclude.len() == snapshot.instances.len() {
         return Err(ApiError::NoEligibleWorker(
             "no worker of the gateway's subset serves this model".into(),
         ));
     }
     let mut slot = None;
     let queued = prepare::admit(gw, &req.headers, &p, body.len(), &mut slot).await?;
-    let routed = match queued {
+    let chosen = match queued {
         Some(r) if !exclude.contains(&r.worker) && r.prefill.is_none() => r,
         other => {
-            // Not where the gateway allows, or split: released, and placed again.
-            if let Some(r) = other {
-                router.finish(r.request);
-                if let Some(leg) = r.prefill {
-                    router.finish(leg.request);
-                }
-            }
+            // Not where the gateway allows, or split: released (its guards dropped),
+            // and placed again.
+            drop(other.map(|r| book(&router, r)));
             router.place(
                 p.prompt_tokens,
                 &p.hashes,
@@ -91,17 +89,10 @@ pub(crate) async fn pick(
             )?
         }
     };
-    let endpoint = router.endpoint().to_string();
-    gw.metrics
-        .timings
-        .decision(&endpoint, routed.decision_time, routed.decision.call_time);
-    let booking = Booking {
-        router: router.clone(),
-        request: routed.request,
-    };
-    if let Some(leg) = routed.prefill {
-        router.finish(leg.request);
-    }
+    // A whole request on one worker: no prefill leg to keep (its guard, if any, drops).
+    let Booked {
+        routed, booking, ..
+    } = decided(gw, &router.endpoint().to_string(), &router, chosen);
     let Some(instance) = client.instance(routed.worker) else {
         return Err(ApiError::Overloaded(
             "the worker chosen left discovery".into(),
@@ -146,14 +137,7 @@ fn fallbacks_of(
     let client = router.client();
     rows.iter()
         .filter_map(|r| client.instance(r.id))
-        .filter_map(|i| host_port(&i.url).map(str::to_string))
+        .filter_map(|i| authority(&i.url).map(str::to_string))
         .take(n)
         .collect()
-}
-
-/// `host:port` of a worker's base URL.
-pub(crate) fn host_port(url: &str) -> Option<&str> {
-    let rest = url.split_once("://").map_or(url, |(_, r)| r);
-    let hp = rest.split('/').next()?;
-    (!hp.is_empty()).then_some(hp)
 }

@@ -14,6 +14,7 @@ use switchyard_router::{KvRouter, Placing};
 use switchyard_tokens::ChatMessage;
 use switchyard_tokens::openai::Prompt;
 
+use super::super::attempt::{Booked, decided};
 use super::super::forward::forward;
 use super::super::tokenize::tokenize_prompt;
 use super::super::{Booking, Failure, Forwarded};
@@ -127,13 +128,9 @@ pub(in crate::proxy) async fn continue_stream(
                 None => format!("no worker could take it: {e}"),
                 Some(last) => format!("{last}; and then no worker could take it: {e}"),
             })?;
-        gw.metrics
-            .timings
-            .decision(&endpoint, routed.decision_time, routed.decision.call_time);
-        let booking = Booking {
-            router: router.clone(),
-            request: routed.request,
-        };
+        let Booked {
+            routed, booking, ..
+        } = decided(&gw, &endpoint, &router, routed);
         let worker = routed.worker;
         let Some(instance) = client.instance(worker) else {
             exclude.push(worker);
