@@ -8,6 +8,7 @@ pub mod engine;
 pub mod etcd;
 pub mod events;
 pub mod faults;
+pub mod gateway;
 pub mod health;
 pub mod hostile_zmtp;
 pub mod http;
