@@ -78,11 +78,29 @@ fn declared() -> &'static BTreeMap<String, Vec<String>> {
     DECLARED.get_or_init(read_metadata)
 }
 
-/// `cargo metadata --offline` with `extra` flags, as JSON.
+/// The triple of the machine the tests run on, as rustc names it.
+fn host_triple() -> String {
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let out = Command::new(rustc)
+        .arg("-vV")
+        .output()
+        .expect("rustc -vV runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.strip_prefix("host: "))
+        .expect("rustc -vV names its host")
+        .trim()
+        .to_string()
+}
+
+/// `cargo metadata --offline` with `extra` flags, as JSON, resolved for this machine's
+/// platform only: a registry that only ever built for it lacks other platforms' crates
+/// (`anstyle-wincon`, `windows-sys`), and `--offline` must not need them.
 fn metadata(extra: &[&str]) -> Value {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
         .args(["metadata", "--format-version", "1", "--offline"])
+        .args(["--filter-platform", &host_triple()])
         .args(extra)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
@@ -115,7 +133,7 @@ fn read_metadata() -> BTreeMap<String, Vec<String>> {
 }
 
 /// The resolved graph: package name → the names of what it depends on (normal and build
-/// edges, for the platforms Cargo resolved), read once for all tests.
+/// edges, for this machine's platform), read once for all tests.
 fn graph() -> &'static BTreeMap<String, Vec<String>> {
     static GRAPH: std::sync::OnceLock<BTreeMap<String, Vec<String>>> = std::sync::OnceLock::new();
     GRAPH.get_or_init(|| {
