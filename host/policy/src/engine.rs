@@ -373,7 +373,7 @@ impl PolicyEngine {
         match rx.recv_timeout(budget) {
             Ok(result) => result,
             Err(_) => Err(PolicyError::Busy(format!(
-                "compiling took longer than {budget:?} (waiting for other compiles included)"
+                "compiling took longer than {budget:?} (waiting for other compiles included); it goes on, and loading the same policy again uses it once done"
             ))),
         }
     }

@@ -11,6 +11,21 @@ use switchyard::policy::{BUILTINS, CallOutcome, PolicyEngine, RuntimeConfig};
 
 use super::{EtcdArgs, tokio_runtime};
 
+/// How long a command at a terminal waits for a policy to compile. `serve` gives up after
+/// a minute (an upload must not hold the admin API; the compile goes on and is kept), but
+/// a person checking a component wants the answer: a Python or JavaScript policy carries
+/// its interpreter (tens of MB of Wasm), which a busy 2-core machine can take minutes to
+/// compile the first time (it is cached after). Still a bound: a stuck compile ends.
+const CLI_COMPILE_BUDGET: Duration = Duration::from_secs(30 * 60);
+
+/// The runtime's defaults, as `serve` uses them, but for the compile's patience.
+fn cli_runtime() -> RuntimeConfig {
+    RuntimeConfig {
+        compile_budget: CLI_COMPILE_BUDGET,
+        ..RuntimeConfig::default()
+    }
+}
+
 #[derive(Subcommand)]
 pub enum PolicyCommand {
     /// Load, configure and canary-test a policy; print its identity and a sample decision.
@@ -133,7 +148,7 @@ pub fn run(command: PolicyCommand) -> anyhow::Result<()> {
             policy_budget_ms,
             policy_memory_mb,
         } => {
-            let mut runtime = RuntimeConfig::default();
+            let mut runtime = cli_runtime();
             if cache_dir.is_some() {
                 runtime.cache_dir = cache_dir;
             }
@@ -239,7 +254,7 @@ pub async fn policy_push(
         .map_err(|e| anyhow::anyhow!("cannot read {spec}: {e}"))?,
     };
     // Validate here first, so that an operator sees a broken policy at once.
-    let engine = PolicyEngine::new(RuntimeConfig::default())?;
+    let engine = PolicyEngine::new(cli_runtime())?;
     let loaded = engine.load(
         switchyard::policy::PolicySource::Uploaded("push".into()),
         &bytes,
@@ -273,7 +288,7 @@ pub fn policy_test(spec: &str, cases: &std::path::Path, config: &str) -> anyhow:
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", cases.display()))?;
     let cases = switchyard::policy::cases::parse(&text)
         .map_err(|e| anyhow::anyhow!("{}: {e}", cases.display()))?;
-    let engine = PolicyEngine::new(RuntimeConfig::default())?;
+    let engine = PolicyEngine::new(cli_runtime())?;
     let loaded = engine.load_spec(spec, config)?;
     loaded.canary()?;
     let mut failed = 0;
@@ -302,7 +317,7 @@ pub fn policy_test(spec: &str, cases: &std::path::Path, config: &str) -> anyhow:
 }
 
 pub fn policy_bench(spec: &str, config: &str, calls: usize) -> anyhow::Result<()> {
-    let engine = PolicyEngine::new(RuntimeConfig::default())?;
+    let engine = PolicyEngine::new(cli_runtime())?;
     let loaded = engine.load_spec(spec, config)?;
     loaded.canary()?;
     let reference = engine.load_spec("kv-cost", "{}")?;
