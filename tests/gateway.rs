@@ -373,3 +373,52 @@ async fn over_tls_the_picker_serves_a_gateway() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("epp.key"), "{stderr}");
 }
+
+/// Through the gateway the picker sees the answers as Envoy relays them: a stream's first
+/// chunk is its first token and teaches the worker's latency model, a whole answer's
+/// first byte is not (its first token is inferred from its duration and the engine's
+/// inter-token latency), and the predictions are compared with what happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_envoy_every_kind_of_answer_teaches_the_latency_model() {
+    let (_a, a) = mock_worker(&["--speedup", "10", "--decode-base-us", "20000"]).await;
+    let (_router, router, epp) = picker(&[&a], &["--engine-metrics-ms", "100"]).await;
+    let (_envoy, gateway, _dir) = envoy(epp, &REFERENCE).await;
+    let c = http::client();
+    let model = || async {
+        let v = common::router::instance(&c, &router, &a).await;
+        v["latency_model"].clone()
+    };
+    for i in 0..10 {
+        let body = json!({"model": "mock", "prompt": format!("stream {i} {}", "x ".repeat(40 * i)),
+            "max_tokens": 20, "stream": true, "stream_options": {"include_usage": true}});
+        let (status, answer) = complete(&c, &gateway, body).await;
+        assert!(status.is_success(), "{status}: {answer}");
+    }
+    let m = model().await;
+    assert!(m["samples"]["ttft"].as_u64() >= Some(10), "{m}");
+    assert!(m["error"]["ttft"]["predictions"].as_u64() >= Some(1), "{m}");
+    assert!(
+        m["samples"]["tpot"].as_u64() >= Some(1),
+        "streams' usage teaches TPOT: {m}"
+    );
+    let mut i = 0;
+    eventually(
+        "a whole answer's duration to be predicted and compared",
+        || {
+            i += 1;
+            let body = json!({"model": "mock", "prompt": format!("whole {i}"), "max_tokens": 50});
+            let (c, gateway, model) = (&c, &gateway, &model);
+            async move {
+                let (status, answer) = complete(c, gateway, body).await;
+                assert!(status.is_success(), "{status}: {answer}");
+                model().await["error"]["e2e"]["predictions"].as_u64() > Some(0)
+            }
+        },
+    )
+    .await;
+    // The whole answers' first bytes were not taken for first tokens: the model's time
+    // per request stays the prefill's, not the 100 ms answers'.
+    let m = model().await;
+    let per_request = m["ttft_ms_per_request"].as_f64().unwrap();
+    assert!(per_request < 50.0, "{m}");
+}

@@ -143,6 +143,8 @@ impl EventServer {
             kv_total_blocks: total,
             running: 1,
             waiting: 0,
+            itl_sum_us: None,
+            itl_count: None,
         }
         .to_line();
         Self::broadcast(&mut s, line);

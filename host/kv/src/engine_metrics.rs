@@ -7,10 +7,13 @@
 //! | waiting | `vllm:num_requests_waiting` | `sglang:num_queue_reqs` |
 //! | KV usage (0–1) | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `sglang:token_usage` |
 //! | KV size | `vllm:cache_config_info{num_gpu_blocks="N"}` | `sglang:max_total_num_tokens` ÷ block size |
+//! | inter-token latency (histogram) | `vllm:inter_token_latency_seconds` (older: `vllm:time_per_output_token_seconds`) | `sglang:inter_token_latency_seconds` (older: `sglang:time_per_output_token_seconds`) |
 //!
 //! Series of one name are summed (running, waiting) or averaged (usage) over their
-//! labels (one per engine or rank).
+//! labels (one per engine or rank); a histogram's `_sum` and `_count` are summed (the
+//! current name's where a page has both).
 
+use super::latency::EngineLatency;
 use super::load::ReportedLoad;
 
 /// What a scrape found.
@@ -22,6 +25,8 @@ struct Found {
     usage_n: u32,
     total_blocks: Option<f64>,
     total_tokens: Option<f64>,
+    /// Inter-token latency sum and count, under the current name and the older one.
+    itl: [(Option<f64>, Option<f64>); 2],
 }
 
 /// What a page says about the engine's load.
@@ -74,6 +79,15 @@ pub fn parse(text: &str, block_size: u32) -> Option<EngineLoad> {
                 }
             }
             "sglang:max_total_num_tokens" => add(&mut f.total_tokens),
+            "vllm:inter_token_latency_seconds_sum" | "sglang:inter_token_latency_seconds_sum" => {
+                add(&mut f.itl[0].0)
+            }
+            "vllm:inter_token_latency_seconds_count"
+            | "sglang:inter_token_latency_seconds_count" => add(&mut f.itl[0].1),
+            "vllm:time_per_output_token_seconds_sum"
+            | "sglang:time_per_output_token_seconds_sum" => add(&mut f.itl[1].0),
+            "vllm:time_per_output_token_seconds_count"
+            | "sglang:time_per_output_token_seconds_count" => add(&mut f.itl[1].1),
             _ => {}
         }
     }
@@ -94,12 +108,17 @@ pub fn parse(text: &str, block_size: u32) -> Option<EngineLoad> {
         (None, None) => (0, 0),
     };
     let count = |v: Option<f64>| v.unwrap_or(0.0).clamp(0.0, f64::from(u32::MAX)) as u32;
+    let latency = f.itl.iter().find_map(|(sum, n)| {
+        let (itl_sum, itl_count) = ((*sum)?, (*n)?);
+        (itl_sum >= 0.0 && itl_count >= 0.0).then_some(EngineLatency { itl_sum, itl_count })
+    });
     Some(EngineLoad {
         load: ReportedLoad {
             kv_used_blocks: used,
             kv_total_blocks: total,
             running: count(f.running),
             waiting: count(f.waiting),
+            latency,
         },
         size_known,
     })
@@ -154,6 +173,13 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
 vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
 vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="4000",prefix_caching="True"} 1.0
 vllm:prompt_tokens_total{model_name="m"} 1.2e6
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 100.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 100.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:inter_token_latency_seconds_count{engine="1",model_name="m"} 50.0
+vllm:inter_token_latency_seconds_sum{engine="1",model_name="m"} 0.5
+vllm:time_per_output_token_seconds_count{engine="0",model_name="m"} 9.0
+vllm:time_per_output_token_seconds_sum{engine="0",model_name="m"} 9.0
 "#;
         assert_eq!(
             parse(page, 16),
@@ -162,7 +188,11 @@ vllm:prompt_tokens_total{model_name="m"} 1.2e6
                     kv_used_blocks: 1500,
                     kv_total_blocks: 4000,
                     running: 5,
-                    waiting: 7
+                    waiting: 7,
+                    latency: Some(EngineLatency {
+                        itl_sum: 2.0,
+                        itl_count: 150.0
+                    }),
                 },
                 size_known: true
             })
@@ -179,7 +209,8 @@ vllm:prompt_tokens_total{model_name="m"} 1.2e6
                     kv_used_blocks: 100,
                     kv_total_blocks: 1000,
                     running: 4,
-                    waiting: 1
+                    waiting: 1,
+                    latency: None,
                 },
                 size_known: true
             })
@@ -193,5 +224,15 @@ vllm:prompt_tokens_total{model_name="m"} 1.2e6
         let r = parse("vllm:gpu_cache_usage_perc 0.75\n", 16).unwrap();
         assert_eq!(r.load.kv_usage(), Some(0.75));
         assert!(!r.size_known);
+        // SGLang's older name alone; a sum without its count is no latency.
+        let r = parse("sglang:num_running_reqs 1\nsglang:time_per_output_token_seconds_sum 3\nsglang:time_per_output_token_seconds_count 4\n", 16).unwrap();
+        let l = r.load.latency.unwrap();
+        assert_eq!((l.itl_sum, l.itl_count), (3.0, 4.0));
+        let r = parse(
+            "vllm:num_requests_running 1\nvllm:inter_token_latency_seconds_sum 3\n",
+            16,
+        )
+        .unwrap();
+        assert_eq!(r.load.latency, None);
     }
 }

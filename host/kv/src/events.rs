@@ -7,6 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::latency::EngineLatency;
 use super::load::ReportedLoad;
 
 /// One line of the stream.
@@ -55,6 +56,13 @@ pub enum KvEvent {
         running: u32,
         /// Requests waiting.
         waiting: u32,
+        /// Sum of the engine's inter-token latencies so far, microseconds (cumulative;
+        /// absent from engines that do not measure it).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        itl_sum_us: Option<u64>,
+        /// How many inter-token latencies that sum holds (cumulative).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        itl_count: Option<u64>,
     },
 }
 
@@ -78,11 +86,17 @@ impl KvEvent {
                 kv_total_blocks,
                 running,
                 waiting,
+                itl_sum_us,
+                itl_count,
             } => Some(ReportedLoad {
                 kv_used_blocks,
                 kv_total_blocks,
                 running,
                 waiting,
+                latency: itl_sum_us.zip(itl_count).map(|(sum, n)| EngineLatency {
+                    itl_sum: sum as f64 / 1e6,
+                    itl_count: n as f64,
+                }),
             }),
             _ => None,
         }
@@ -131,7 +145,7 @@ pub fn check_seq(last: Option<u64>, event: &KvEvent) -> SeqCheck {
 }
 
 /// One event of every type: seeds for tests and fuzzers.
-pub fn samples() -> [KvEvent; 5] {
+pub fn samples() -> [KvEvent; 6] {
     [
         KvEvent::Snapshot {
             seq: 4,
@@ -153,6 +167,16 @@ pub fn samples() -> [KvEvent; 5] {
             kv_total_blocks: 10,
             running: 1,
             waiting: 0,
+            itl_sum_us: None,
+            itl_count: None,
+        },
+        KvEvent::Load {
+            kv_used_blocks: 3,
+            kv_total_blocks: 10,
+            running: 1,
+            waiting: 0,
+            itl_sum_us: Some(120_000),
+            itl_count: Some(10),
         },
     ]
 }
@@ -222,7 +246,9 @@ mod tests {
                     kv_used_blocks: 0,
                     kv_total_blocks: 0,
                     running: 0,
-                    waiting: 0
+                    waiting: 0,
+                    itl_sum_us: None,
+                    itl_count: None,
                 }
             ),
             SeqCheck::NotSequenced

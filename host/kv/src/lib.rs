@@ -7,6 +7,8 @@
 //! - [`approx`]: the same answer for workers that publish no KV events, predicted from
 //!   the router's own decisions (TTL and size bound).
 //! - [`load`]: per-worker active blocks, pending prefill tokens and in-flight requests.
+//! - [`latency`]: per-worker predicted time to first token and per output token,
+//!   learned online.
 //! - [`events`]: the wire format of a worker's KV event stream (Switchyard's NDJSON).
 //! - [`engine_events`]: the msgpack batches vLLM and SGLang publish over ZMQ.
 //! - [`engine_metrics`]: load from engines' Prometheus pages (vLLM's, SGLang's names).
@@ -20,6 +22,7 @@ pub mod engine_view;
 pub mod events;
 pub mod hash;
 pub mod index;
+pub mod latency;
 pub mod load;
 
 /// The `BuildHasher` of every map keyed by block hashes, the router's or an engine's:

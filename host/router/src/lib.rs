@@ -32,6 +32,7 @@ use switchyard_ids::{BlockHash, InstanceId, RequestId};
 use switchyard_kv::approx::ApproxIndex;
 use switchyard_kv::engine_view::ViewCounts;
 use switchyard_kv::index::OverlapIndex;
+pub use switchyard_kv::latency::Prediction;
 use switchyard_policy::{Decision, Rejection};
 
 pub use feeds::UNPREDICTED_STREAK;
@@ -229,10 +230,94 @@ pub enum RouteError {
         /// Saturated candidates.
         workers: usize,
     },
+    /// Every candidate is predicted to miss the request's objectives, which one of them
+    /// would meet with nothing ahead: the load is why, and it may pass.
+    #[error("no worker of endpoint {endpoint} is predicted to meet the request's objectives now ({why}); retry after {}s", .retry_after.as_secs().max(1))]
+    Late {
+        /// The endpoint.
+        endpoint: String,
+        /// What the best candidate was predicted to miss, and by how much.
+        why: String,
+        /// How long until the best candidate is predicted to meet them (the time its
+        /// predicted first token is past the objective, at least a second, at most a
+        /// minute).
+        retry_after: Duration,
+    },
 }
 
-/// A routed request. Call [`KvRouter::prefill_done`] at its first token and
-/// [`KvRouter::finish`] when it ends, fails or is cancelled.
+/// A request's latency objectives: the worst time to first token and time per output
+/// token it accepts (see [`Ask::objectives`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Objectives {
+    /// Time to first token.
+    pub ttft: Option<Duration>,
+    /// Time per output token after the first.
+    pub tpot: Option<Duration>,
+}
+
+impl Objectives {
+    /// Whether it sets any.
+    pub fn any(&self) -> bool {
+        self.ttft.is_some() || self.tpot.is_some()
+    }
+
+    /// Whether `p` misses one (an unknown prediction misses nothing).
+    pub fn missed_by(&self, p: &Prediction) -> bool {
+        self.overshoot(p).is_some()
+    }
+
+    /// By how much `p` misses them, the worse of the two as a share of its objective
+    /// (`None`: it meets both, or what it would miss is unknown).
+    pub fn overshoot(&self, p: &Prediction) -> Option<f64> {
+        let over = |objective: Option<Duration>, predicted: Option<Duration>| {
+            let (o, p) = objective.zip(predicted)?;
+            (p > o).then(|| (p.as_secs_f64() - o.as_secs_f64()) / o.as_secs_f64().max(1e-9))
+        };
+        match (over(self.ttft, p.ttft), over(self.tpot, p.tpot)) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+/// A request as the router places it: its prompt, how its answer comes back (which says
+/// what the latency model can learn from it) and its objectives.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    /// Prompt length in tokens (it may exceed the hashed blocks by a partial block).
+    pub prompt_tokens: u32,
+    /// The prompt's block hashes.
+    pub hashes: &'a [BlockHash],
+    /// A hash of its session or affinity key, if it has one.
+    pub session_key: Option<u64>,
+    /// Whether its answer is streamed: the router then sees its first token (else only
+    /// the whole answer).
+    pub stream: bool,
+    /// The most output tokens it asks for, if it says.
+    pub max_tokens: Option<u32>,
+    /// Its latency objectives: a worker predicted to miss one while another is not is
+    /// left out of its placement, and when every worker is (and would not be idle),
+    /// the request waits in the router's queue, where there is one.
+    pub objectives: Objectives,
+}
+
+impl<'a> Ask<'a> {
+    /// A streamed request with this prompt and nothing else said.
+    pub fn new(prompt_tokens: u32, hashes: &'a [BlockHash]) -> Ask<'a> {
+        Ask {
+            prompt_tokens,
+            hashes,
+            session_key: None,
+            stream: true,
+            max_tokens: None,
+            objectives: Objectives::default(),
+        }
+    }
+}
+
+/// A routed request. Call [`KvRouter::prefill_done`] at its first token, and
+/// [`KvRouter::complete`] when it ends complete or [`KvRouter::finish`] when it fails or
+/// is cancelled.
 #[derive(Debug, Clone)]
 pub struct Routed {
     /// The chosen worker.
@@ -250,6 +335,8 @@ pub struct Routed {
     pub decision_time: Duration,
     /// A split request's prefill leg (`worker` then decodes it).
     pub prefill: Option<PrefillLeg>,
+    /// What `worker`'s latency model predicted for it (for a split, the decode leg's).
+    pub predicted: Prediction,
 }
 
 /// The prefill worker of a split request, booked for the prompt's prefill. Call
@@ -343,6 +430,21 @@ pub struct ViewStatus {
     pub replay_failures: u64,
 }
 
+/// Whether a request has somewhere to go below saturation: a `both` worker, or a prefill
+/// and a decode worker, or a decode worker on a fleet without prefill workers. A fleet
+/// that splits prefill from decode is full when either of its pools is: a split needs
+/// both.
+pub(crate) fn has_room(candidates: &switchyard_policy::Candidates, saturated: &[bool]) -> bool {
+    use switchyard_ids::Role;
+    let free = |role: Role| {
+        (0..candidates.len())
+            .zip(saturated)
+            .any(|(i, s)| !*s && candidates.row(i).role == role)
+    };
+    let prefill_pool = (0..candidates.len()).any(|i| candidates.row(i).role == Role::Prefill);
+    free(Role::Both) || (free(Role::Decode) && (free(Role::Prefill) || !prefill_pool))
+}
+
 /// `candidates` without the saturated ones, role by role: a role whose every worker is
 /// saturated keeps them all (the request still needs one of them).
 pub(crate) fn unsaturated(
@@ -369,4 +471,47 @@ pub(crate) fn unsaturated(
         .filter(|(r, s)| !**s || !open_roles.contains(&r.role))
         .map(|(r, _)| r)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use switchyard_ids::Role;
+    use switchyard_policy::{CandidateRow, Candidates};
+
+    fn fleet(roles: &[Role]) -> Candidates {
+        roles
+            .iter()
+            .enumerate()
+            .map(|(i, &role)| CandidateRow {
+                id: InstanceId(i as u64),
+                overlap_blocks: 0,
+                active_blocks: 0,
+                pending_prefill_tokens: 0,
+                in_flight: 0,
+                kv_usage: None,
+                cache_fullness: None,
+                role,
+            })
+            .collect()
+    }
+
+    /// A split fleet is full when either pool is: a request needs a prefill worker and a
+    /// decode worker (a `both` worker alone will do).
+    #[test]
+    fn a_split_fleet_has_room_only_with_room_in_both_pools() {
+        use Role::{Both, Decode, Prefill};
+        let split = fleet(&[Prefill, Prefill, Decode]);
+        assert!(has_room(&split, &[true, false, false]));
+        assert!(!has_room(&split, &[true, true, false]), "prefill pool full");
+        assert!(!has_room(&split, &[false, false, true]), "decode pool full");
+        let mixed = fleet(&[Prefill, Decode, Both]);
+        assert!(has_room(&mixed, &[true, true, false]), "a both worker");
+        assert!(!has_room(&mixed, &[true, false, true]));
+        let decode_only = fleet(&[Decode, Decode]);
+        assert!(has_room(&decode_only, &[true, false]));
+        assert!(!has_room(&decode_only, &[true, true]));
+        let whole = fleet(&[Both, Both]);
+        assert!(has_room(&whole, &[false, true]) && !has_room(&whole, &[true, true]));
+    }
 }

@@ -12,7 +12,18 @@ use switchyard_ids::InstanceId;
 use switchyard_policy::RejectionKind;
 
 /// The kinds of requests not routed, in [`DecisionQuality::unrouted`] order.
-pub const UNROUTED: [&str; 5] = ["no_instances", "busy", "all_busy", "no_fit", "refused"];
+pub const UNROUTED: [&str; 6] = [
+    "no_instances",
+    "busy",
+    "all_busy",
+    "no_fit",
+    "refused",
+    "objectives",
+];
+
+/// The index in [`UNROUTED`] of a request no worker was predicted to meet the
+/// objectives of.
+pub const UNROUTED_OBJECTIVES: usize = 5;
 
 /// The index in [`UNROUTED`] of a policy's rejection.
 pub fn rejection_index(kind: RejectionKind) -> usize {

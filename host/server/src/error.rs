@@ -71,6 +71,8 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) | ApiError::Refused(_) => StatusCode::BAD_REQUEST,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            // Past its objectives, not the fleet's capacity: the client's own bound.
+            ApiError::Route(RouteError::Late { .. }) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::UnknownModel(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Route(_)
@@ -97,7 +99,9 @@ impl ApiError {
             Duration::from_secs(d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0)))
         };
         match self {
-            ApiError::Route(RouteError::Busy { retry_after, .. }) => Some(up(retry_after)),
+            ApiError::Route(
+                RouteError::Busy { retry_after, .. } | RouteError::Late { retry_after, .. },
+            ) => Some(up(retry_after)),
             // At most a minute: an estimate from the recent dispatch rate.
             ApiError::Shed(s) => Some(up(&s.retry_after).min(Duration::from_secs(60))),
             ApiError::Route(RouteError::NoInstances { .. })
@@ -140,6 +144,9 @@ impl ApiError {
             ApiError::ShuttingDown => ("server_error", None, Some("shutting_down")),
             ApiError::Route(RouteError::Saturated { .. }) => {
                 ("server_error", None, Some("fleet_full"))
+            }
+            ApiError::Route(RouteError::Late { .. }) => {
+                ("server_error", None, Some("objectives_unmet"))
             }
             ApiError::Shed(s) => ("server_error", None, Some(s.reason.code())),
         };

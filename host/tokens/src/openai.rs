@@ -334,23 +334,36 @@ pub fn error_body(message: &str, kind: &str, param: Option<&str>, code: Option<&
 /// Finds `"prompt_tokens":N` and `"cached_tokens":M` (0 if absent) in the last `usage`
 /// object of a response body or its tail (JSON or SSE).
 pub fn scan_usage(tail: &[u8]) -> Option<(u64, u64)> {
+    let usage = last_usage(tail)?;
+    Some((
+        usage_number(usage, "\"prompt_tokens\"")?,
+        usage_number(usage, "\"cached_tokens\"").unwrap_or(0),
+    ))
+}
+
+/// The answer's output tokens, from the `usage` in the last bytes of a response (JSON or
+/// SSE), if it has one.
+pub fn scan_completion_tokens(tail: &[u8]) -> Option<u64> {
+    usage_number(last_usage(tail)?, "\"completion_tokens\"")
+}
+
+/// The text from the last `"usage"` of a response's tail on.
+fn last_usage(tail: &[u8]) -> Option<&str> {
     let text = std::str::from_utf8(tail).ok().or_else(|| {
         // A multi-byte character cut at the start of the window: skip to a boundary.
         (1..4).find_map(|i| std::str::from_utf8(tail.get(i..)?).ok())
     })?;
-    let usage = &text[text.rfind("\"usage\"")?..];
-    let number = |key: &str| -> Option<u64> {
-        let at = usage.find(key)? + key.len();
-        let rest = usage[at..].trim_start_matches([' ', ':']);
-        let end = rest
-            .find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(rest.len());
-        rest[..end].parse().ok()
-    };
-    Some((
-        number("\"prompt_tokens\"")?,
-        number("\"cached_tokens\"").unwrap_or(0),
-    ))
+    Some(&text[text.rfind("\"usage\"")?..])
+}
+
+/// The number after `key` in a `usage` object's text.
+fn usage_number(usage: &str, key: &str) -> Option<u64> {
+    let at = usage.find(key)? + key.len();
+    let rest = usage[at..].trim_start_matches([' ', ':']);
+    let end = rest
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
 }
 
 #[cfg(test)]
@@ -364,6 +377,9 @@ mod tests {
         let sse = b"data: {\"usage\":{\"prompt_tokens\": 10}}\n\ndata: [DONE]\n\n";
         assert_eq!(scan_usage(sse), Some((10, 0)));
         assert_eq!(scan_usage(b"data: [DONE]\n\n"), None);
+        assert_eq!(scan_completion_tokens(body), Some(5));
+        assert_eq!(scan_completion_tokens(sse), None);
+        assert_eq!(scan_completion_tokens(b"{\"usage\":null}"), None);
     }
 
     #[test]

@@ -160,6 +160,11 @@ pub struct EngineStats {
     pub cached_tokens: u64,
     /// Tokens generated.
     pub generated_tokens: u64,
+    /// Sum of the gaps between a request's consecutive tokens, microseconds of real time
+    /// (vLLM's `inter_token_latency_seconds` histogram's sum).
+    pub itl_sum_us: u64,
+    /// How many such gaps (the histogram's count).
+    pub itl_count: u64,
     /// Engine steps run.
     pub steps: u64,
     /// Requests running now.
@@ -223,6 +228,8 @@ struct Running {
     generated: u32,
     max_tokens: u32,
     out: mpsc::UnboundedSender<Output>,
+    /// When its last token was produced.
+    last_token: Option<tokio::time::Instant>,
 }
 
 struct State {
@@ -405,6 +412,7 @@ impl Engine {
                         generated: 0,
                         max_tokens: w.max_tokens,
                         out: w.out,
+                        last_token: None,
                     });
                 }
                 Err(full) if full.needed > s.cache.capacity() => {
@@ -428,6 +436,7 @@ impl Engine {
     /// Ends the step: a token from each request that decoded or computed its prompt's
     /// last chunk; retires the finished and cancelled.
     fn emit(&self, s: &mut State) {
+        let now = tokio::time::Instant::now();
         let mut i = 0;
         while i < s.running.len() {
             let r = &mut s.running[i];
@@ -436,6 +445,11 @@ impl Engine {
             // A token from a decode step, or at the end of the step that computed the
             // prompt's last chunk; without one, a caller gone meanwhile is cancelled.
             let (alive, done) = if ran > 0 && r.prefill_left == 0 {
+                if let Some(last) = r.last_token.replace(now) {
+                    let gap = now.saturating_duration_since(last).as_micros();
+                    s.stats.itl_sum_us += u64::try_from(gap).unwrap_or(u64::MAX);
+                    s.stats.itl_count += 1;
+                }
                 r.generated += 1;
                 let alive = r.out.send(Output::Token(r.generated - 1)).is_ok();
                 let done = r.generated >= r.max_tokens;

@@ -1,5 +1,11 @@
 //! [`KvRouter`]: one per endpoint — candidates from the shared `Client`, the index and
 //! the load tracker, decided by the endpoint's policy, booked on the chosen worker.
+//!
+//! - this module: the router, its shadows, and what answers tell its load tracker
+//!   (first tokens, completions, releases);
+//! - `place`: one decision (candidates, saturation and predicted latency, the request's
+//!   objectives, the policy, the booking);
+//! - `views`: what the admin API, the queue and the metrics read.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,14 +25,14 @@ use switchyard_kv::hash::BlockHasher;
 use switchyard_kv::index::OverlapIndex;
 use switchyard_kv::load::LoadTracker;
 use switchyard_policy::{
-    CandidateRow, Candidates, Decider, Decision, DecisionOutcome, LoadedPolicy, PolicyError,
-    PolicyHandle, PolicyStatus, Request, policy_label,
+    Candidates, Decision, LoadedPolicy, PolicyError, PolicyHandle, PolicyStatus, Request,
+    policy_label,
 };
 
 use crate::feeds::CacheReports;
 use crate::{
-    Index, KvRouterConfig, Placing, PrefillLeg, RouteError, Routed, ViewStatus, metrics_scraper,
-    quality, shadow, subscriber, unsaturated,
+    Ask, Index, KvRouterConfig, Prediction, ViewStatus, metrics_scraper, quality, shadow,
+    subscriber, unsaturated,
 };
 
 /// The KV-aware router of one endpoint.
@@ -66,9 +72,19 @@ pub struct KvRouter {
     pub(crate) load_changed: tokio::sync::Notify,
 }
 
+mod place;
 mod views;
 
-use views::{Admit, Saturated};
+use views::Saturated;
+
+/// What a decision starts from: the candidates, each one's overlap (sorted by worker),
+/// saturation and predicted latency.
+struct Gathered {
+    candidates: Candidates,
+    overlaps: Vec<(InstanceId, u32)>,
+    saturation: Vec<Saturated>,
+    predictions: Vec<(InstanceId, Prediction)>,
+}
 
 impl KvRouter {
     /// A router for `client`'s endpoint deciding with `policy`.
@@ -213,268 +229,6 @@ impl KvRouter {
         &self.event_stats
     }
 
-    /// Routes a request given its token IDs, avoiding `exclude` (workers that already
-    /// failed this request).
-    pub fn route(
-        &self,
-        tokens: &[u32],
-        session_key: Option<u64>,
-        exclude: &[InstanceId],
-    ) -> Result<Routed, RouteError> {
-        let hashes = self.hasher.hashes(tokens);
-        self.route_blocks(
-            tokens.len() as u32,
-            &hashes,
-            session_key,
-            exclude,
-            Instant::now(),
-        )
-    }
-
-    /// Routes a request given its block hashes (`prompt_tokens` may exceed the hashed
-    /// blocks by a partial block).
-    pub fn route_blocks(
-        &self,
-        prompt_tokens: u32,
-        hashes: &[BlockHash],
-        session_key: Option<u64>,
-        exclude: &[InstanceId],
-        now: Instant,
-    ) -> Result<Routed, RouteError> {
-        self.place(
-            prompt_tokens,
-            hashes,
-            session_key,
-            exclude,
-            now,
-            Placing::Any,
-        )
-    }
-
-    /// [`KvRouter::route_blocks`] on the workers `placing` allows. Saturated workers are
-    /// left out while a worker of their role is not; when every one is, the request is
-    /// placed among them all.
-    pub fn place(
-        &self,
-        prompt_tokens: u32,
-        hashes: &[BlockHash],
-        session_key: Option<u64>,
-        exclude: &[InstanceId],
-        now: Instant,
-        placing: Placing,
-    ) -> Result<Routed, RouteError> {
-        self.place_as(
-            prompt_tokens,
-            hashes,
-            session_key,
-            exclude,
-            now,
-            placing,
-            Admit::Route,
-        )
-    }
-
-    /// [`KvRouter::place`] for a request arriving, but [`RouteError::Saturated`] when
-    /// every candidate is saturated: the caller queues the request and places it with
-    /// [`KvRouter::dispatch`] when [`KvRouter::load_changed`] says so.
-    pub fn try_place(
-        &self,
-        prompt_tokens: u32,
-        hashes: &[BlockHash],
-        session_key: Option<u64>,
-        now: Instant,
-    ) -> Result<Routed, RouteError> {
-        self.place_as(
-            prompt_tokens,
-            hashes,
-            session_key,
-            &[],
-            now,
-            Placing::Any,
-            Admit::Arrive,
-        )
-    }
-
-    /// [`KvRouter::try_place`] for a request leaving the router's queue: only workers
-    /// below every saturation signal, the expected wait included, are offered to the
-    /// policy (the queue would otherwise empty itself onto saturated workers while one
-    /// had room).
-    pub fn dispatch(
-        &self,
-        prompt_tokens: u32,
-        hashes: &[BlockHash],
-        session_key: Option<u64>,
-        now: Instant,
-    ) -> Result<Routed, RouteError> {
-        self.place_as(
-            prompt_tokens,
-            hashes,
-            session_key,
-            &[],
-            now,
-            Placing::Any,
-            Admit::Dispatch,
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn place_as(
-        &self,
-        prompt_tokens: u32,
-        hashes: &[BlockHash],
-        session_key: Option<u64>,
-        exclude: &[InstanceId],
-        now: Instant,
-        placing: Placing,
-        admit: Admit,
-    ) -> Result<Routed, RouteError> {
-        let started = Instant::now();
-        let busy = self.client.busy(now);
-        let (mut candidates, _, saturation) = if busy.is_empty() {
-            self.gather(hashes, exclude)
-        } else {
-            let mut skip = exclude.to_vec();
-            skip.extend(busy.iter().map(|(id, _)| *id));
-            self.gather(hashes, &skip)
-        };
-        let saturated: Vec<bool> = saturation.iter().map(|s| s.is_some()).collect();
-        if admit != Admit::Route && !saturated.is_empty() && saturated.iter().all(|s| *s) {
-            return Err(RouteError::Saturated {
-                endpoint: self.endpoint.to_string(),
-                workers: saturated.len(),
-            });
-        }
-        let left_out: Vec<bool> = if admit == Admit::Dispatch {
-            saturated
-        } else {
-            saturation.iter().map(|s| s.avoided).collect()
-        };
-        if left_out.iter().any(|s| *s) {
-            candidates = unsaturated(candidates, &left_out);
-        }
-        let mut decode_alone = true;
-        if candidates.disaggregated() {
-            decode_alone = self.decode_alone();
-            let keep = |role: Role| match placing {
-                Placing::Any => true,
-                Placing::Alone => role == Role::Both || (decode_alone && role == Role::Decode),
-                Placing::Decode => role == Role::Decode,
-            };
-            if placing != Placing::Any {
-                candidates = (0..candidates.len())
-                    .map(|i| candidates.row(i))
-                    .filter(|r| keep(r.role))
-                    .collect();
-            }
-            if placing == Placing::Decode {
-                decode_alone = true;
-            }
-        }
-        if candidates.is_empty() {
-            let routable = self.client.routable();
-            if let Some(retry_after) = busy
-                .iter()
-                .filter(|(id, _)| routable.contains(id) && !exclude.contains(id))
-                .map(|(_, left)| *left)
-                .min()
-            {
-                self.quality.unrouted(1);
-                return Err(RouteError::Busy {
-                    endpoint: self.endpoint.to_string(),
-                    retry_after,
-                });
-            }
-            self.quality.unrouted(0);
-            return Err(RouteError::NoInstances {
-                endpoint: self.endpoint.to_string(),
-                excluded: exclude.len(),
-            });
-        }
-        let prompt_blocks = hashes.len() as u32;
-        let request = Request {
-            decode_alone,
-            ..self.request(prompt_tokens, hashes, session_key)
-        };
-        let decision = self.policy.decide(request, &candidates);
-        if let Some(shadow) = &*self.shadow.load() {
-            let live = match &decision.outcome {
-                DecisionOutcome::Chosen(id) => Some(*id),
-                _ => None,
-            };
-            let seen = Request {
-                sequence: decision.sequence,
-                seed: decision.seed,
-                ..request
-            };
-            shadow.offer(decision.sequence, &seen, &candidates, live);
-        }
-        let worker = match &decision.outcome {
-            DecisionOutcome::Chosen(id) => *id,
-            DecisionOutcome::Rejected(r) => {
-                self.quality.unrouted(quality::rejection_index(r.kind));
-                return Err(RouteError::Rejected(r.clone()));
-            }
-            DecisionOutcome::NoCandidates => {
-                self.quality.unrouted(0);
-                return Err(RouteError::NoInstances {
-                    endpoint: self.endpoint.to_string(),
-                    excluded: exclude.len(),
-                });
-            }
-        };
-        debug_assert!(decision.decider == Decider::Fallback || candidates.contains(worker));
-        let overlap_blocks = candidates.overlap_of(worker).unwrap_or(0);
-        let block_size = u64::from(self.config.block_size);
-        let prefill = decision.prefill.map(|p| PrefillLeg {
-            worker: p,
-            request: RequestId(self.next_request.fetch_add(1, Ordering::Relaxed)),
-            overlap_blocks: candidates.overlap_of(p).unwrap_or(0),
-        });
-        // The prompt's blocks are computed where its prefill runs.
-        let (computes, computed_overlap) =
-            prefill.map_or((worker, overlap_blocks), |p| (p.worker, p.overlap_blocks));
-        self.quality
-            .routed(computes, computed_overlap, candidates.best_overlap());
-        let request = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
-        let uncached =
-            |overlap: u32| u64::from(prompt_tokens).saturating_sub(u64::from(overlap) * block_size);
-        let expired = {
-            let mut load = self.load.lock();
-            let expired = load.maybe_expire(now, self.config.load_expiry);
-            match prefill {
-                None => load.book(request, worker, hashes, uncached(overlap_blocks), now),
-                Some(p) => {
-                    load.book(p.request, p.worker, hashes, uncached(p.overlap_blocks), now);
-                    // The decode worker receives the full blocks: it computes the rest.
-                    load.book(request, worker, hashes, uncached(prompt_blocks), now);
-                }
-            }
-            expired
-        };
-        if expired > 0 {
-            self.expired_bookings
-                .fetch_add(expired as u64, Ordering::Relaxed);
-            tracing::warn!(endpoint = %self.endpoint, expired, "load bookings leaked and were released by the hard expiry");
-        }
-        // Both workers of a split hold the prompt's blocks after it.
-        for w in std::iter::once(worker).chain(prefill.map(|p| p.worker)) {
-            if !self.is_exact(w) {
-                self.index.write().predicted.record(w, hashes, now);
-            }
-        }
-        let decision_time = started.elapsed();
-        self.quality.record_latency(decision_time);
-        Ok(Routed {
-            worker,
-            request,
-            overlap_blocks,
-            prompt_blocks,
-            decision,
-            decision_time,
-            prefill,
-        })
-    }
-
     /// Whether this endpoint's `decode` workers may serve a request alone: true unless
     /// a prefill worker hands over SGLang's way (a bootstrap port), whose decode
     /// workers always need one.
@@ -496,8 +250,8 @@ impl KvRouter {
         hashes: &[BlockHash],
         exclude: &[InstanceId],
     ) -> (Candidates, Vec<(InstanceId, u32)>) {
-        let (candidates, overlaps, _) = self.gather(hashes, exclude);
-        (candidates, overlaps)
+        let g = self.gather(&Ask::new(0, hashes), exclude);
+        (g.candidates, g.overlaps)
     }
 
     /// Woken (one waiter, or the next to wait) whenever a worker's load may have
@@ -506,82 +260,24 @@ impl KvRouter {
         &self.load_changed
     }
 
-    /// [`KvRouter::candidates`], and whether each candidate is saturated.
-    #[allow(clippy::type_complexity)]
-    fn gather(
-        &self,
-        hashes: &[BlockHash],
-        exclude: &[InstanceId],
-    ) -> (Candidates, Vec<(InstanceId, u32)>, Vec<Saturated>) {
-        let snapshot = self.client.snapshot();
-        let available = snapshot.routable.clone();
-        let mut overlaps = Vec::new();
-        // Each candidate's cache fullness: the blocks the index holds for it over its
-        // cache size, where its reports gave one.
-        let fullness: Vec<Option<f32>> = {
-            let index = self.index.read();
-            index.overlaps(hashes, |w, n| overlaps.push((w, n)));
-            let capacities = self.capacities.lock();
-            available
-                .iter()
-                .map(|id| {
-                    let capacity = *capacities.get(id).filter(|c| **c > 0)?;
-                    Some((index.worker_blocks(*id) as f64 / capacity as f64).min(1.0) as f32)
-                })
-                .collect()
-        };
-        overlaps.sort_unstable();
-        // A worker whose event view is incomplete may have predictions too: the longer wins.
-        overlaps.dedup_by(|later, kept| {
-            if later.0 == kept.0 {
-                kept.1 = kept.1.max(later.1);
-                true
-            } else {
-                false
-            }
-        });
-        let mut candidates = Candidates::with_capacity(available.len());
-        let mut saturated = Vec::with_capacity(available.len());
-        let now = Instant::now();
-        let load = self.load.lock();
-        for (&id, &cache_fullness) in available.iter().zip(&fullness) {
-            if exclude.contains(&id) {
-                continue;
-            }
-            let l = load.load(id, now);
-            let cached = overlaps
-                .binary_search_by_key(&id, |(w, _)| *w)
-                .map_or(0, |i| overlaps[i].1);
-            let overlap = load.extend_overlap(id, hashes, cached);
-            let sat = &self.config.saturation;
-            saturated.push(Saturated {
-                any: sat.reason(&l).is_some(),
-                avoided: sat.avoided(&l).is_some(),
-            });
-            candidates.push(CandidateRow {
-                id,
-                overlap_blocks: overlap,
-                active_blocks: l.active_blocks,
-                pending_prefill_tokens: l.pending_prefill_tokens.min(u64::from(u32::MAX)) as u32,
-                in_flight: l.in_flight,
-                kv_usage: l.reported.and_then(|r| r.kv_usage()),
-                cache_fullness,
-                role: snapshot
-                    .instances
-                    .get(&id)
-                    .map_or(Role::Both, |s| s.info.role),
-            });
-        }
-        (candidates, overlaps, saturated)
-    }
-
     /// What the router would do with a request, without routing it: the candidates as
-    /// the policy would see them and the policy's decision (nothing is booked or
-    /// predicted, and it is not counted among the decisions made).
-    /// Saturated workers are shown but, as in [`KvRouter::place`], not offered to the
-    /// policy while a worker of their role has room.
-    pub fn explain(&self, prompt_tokens: u32, hashes: &[BlockHash]) -> (Candidates, Decision) {
-        let (candidates, _, saturation) = self.gather(hashes, &[]);
+    /// the policy would see them, what each worker's latency model predicts for it, and
+    /// the policy's decision (nothing is booked or predicted, and it is not counted
+    /// among the decisions made). Saturated workers are shown but, as in
+    /// [`KvRouter::place`], not offered to the policy while a worker of their role has
+    /// room.
+    pub fn explain(
+        &self,
+        prompt_tokens: u32,
+        hashes: &[BlockHash],
+    ) -> (Candidates, Vec<(InstanceId, Prediction)>, Decision) {
+        let ask = Ask::new(prompt_tokens, hashes);
+        let Gathered {
+            candidates,
+            saturation,
+            predictions,
+            ..
+        } = self.gather(&ask, &[]);
         let saturated: Vec<bool> = saturation.iter().map(|s| s.avoided).collect();
         let request = Request {
             decode_alone: !candidates.disaggregated() || self.decode_alone(),
@@ -593,7 +289,7 @@ impl KvRouter {
         } else {
             self.policy.dry_run(request, &candidates)
         };
-        (candidates, decision)
+        (candidates, predictions, decision)
     }
 
     /// The policy's view of a request with these block hashes.
@@ -632,6 +328,19 @@ impl KvRouter {
     /// The request is alive (its response is still relaying): its booking is not a leak.
     pub fn touch(&self, request: RequestId) {
         self.load.lock().touch(request, Instant::now());
+    }
+
+    /// The request's answer ended complete, with `output_tokens` tokens when its usage
+    /// or its stream said: the worker's latency model learns from it, then its booking
+    /// is released.
+    pub fn complete(&self, request: RequestId, output_tokens: Option<u32>) {
+        if self
+            .load
+            .lock()
+            .complete(request, Instant::now(), output_tokens)
+        {
+            self.load_changed.notify_one();
+        }
     }
 
     /// The request ended, failed or was cancelled.

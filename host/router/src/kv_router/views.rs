@@ -28,6 +28,9 @@ pub(super) enum Admit {
 pub(super) struct Saturated {
     pub(super) any: bool,
     pub(super) avoided: bool,
+    /// Predicted to miss the request's objectives, which it would meet with nothing
+    /// ahead: avoided while a candidate is not, refused when every one is.
+    pub(super) late: bool,
 }
 
 impl Saturated {
@@ -64,10 +67,10 @@ impl KvRouter {
     /// The longest cached prefix of `hashes` among the workers that are not saturated
     /// (`None`: every worker is): what a queued request would find where it can go now.
     pub fn overlap_with_room(&self, hashes: &[BlockHash]) -> Option<u32> {
-        let (candidates, _, saturation) = self.gather(hashes, &[]);
-        (0..candidates.len())
-            .filter(|i| saturation[*i].is_none())
-            .map(|i| candidates.row(i).overlap_blocks)
+        let g = self.gather(&crate::Ask::new(0, hashes), &[]);
+        (0..g.candidates.len())
+            .filter(|i| g.saturation[*i].is_none())
+            .map(|i| g.candidates.row(i).overlap_blocks)
             .max()
     }
 

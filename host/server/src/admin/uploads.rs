@@ -172,7 +172,8 @@ pub(super) async fn explain(
         .hasher()
         .salted_hashes(&tokens, parsed.cache_salt.as_deref());
     let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
-    let (candidates, decision) = router.explain(prompt_tokens, &hashes);
+    let (candidates, predictions, decision) = router.explain(prompt_tokens, &hashes);
+    let ms = |d: Option<std::time::Duration>| d.map(|d| (d.as_secs_f64() * 1e4).round() / 10.0);
     let snap = router.client().snapshot();
     let rows: Vec<Value> = (0..candidates.len())
         .map(|i| {
@@ -189,6 +190,8 @@ pub(super) async fn explain(
                 "cache_fullness": c.cache_fullness,
                 "cache_view": router.cache_view(c.id),
                 "saturated": router.saturation_of(c.id),
+                "predicted_ttft_ms": predictions.get(i).map(|(_, p)| ms(p.ttft)),
+                "predicted_tpot_ms": predictions.get(i).map(|(_, p)| ms(p.tpot)),
             })
         })
         .collect();

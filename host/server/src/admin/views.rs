@@ -103,8 +103,10 @@ pub(super) fn instances_json(r: &KvRouter) -> Value {
                 "reported_waiting": load.reported.map(|l| l.waiting),
                 "active_blocks": load.active_blocks,
                 "pending_prefill_tokens": load.pending_prefill_tokens,
-                "prefill_rate_tokens_per_s": load.prefill_rate.map(|r| r.round()),
+                "prefill_rate_tokens_per_s": load.prefill_rate().map(|r| r.round()),
                 "expected_wait_ms": load.prefill_wait().map(|w| w.as_millis() as u64),
+                "awaiting_first_token": load.awaiting_first,
+                "latency_model": latency_json(&load.latency),
                 "kv_usage": load.reported.and_then(|l| l.kv_usage()),
                 "cached_blocks": r.cached_blocks(*id),
                 "cache_blocks": r.known_capacity(*id),
@@ -112,6 +114,26 @@ pub(super) fn instances_json(r: &KvRouter) -> Value {
         })
         .collect();
     json!({"endpoint": r.endpoint().to_string(), "panic": snap.panic, "instances": list})
+}
+
+/// A worker's latency model: its coefficients, samples and prediction errors (mean
+/// absolute percentage, with how many predictions each was over).
+fn latency_json(l: &switchyard_kv::load::LatencySummary) -> Value {
+    let ms = |s: f64| (s * 1e6).round() / 1e3;
+    let error = |e: &switchyard_kv::latency::ErrorSum| json!({"mean_abs_pct": e.mean().map(|m| (m * 1e3).round() / 10.0), "predictions": e.count});
+    json!({
+        "ttft_ms_per_request": l.ttft.map(|(a, _)| ms(a)),
+        "ttft_ms_per_1k_tokens": l.ttft.map(|(_, s)| ms(s * 1e3)),
+        "tpot_ms_base": l.tpot.map(|(a, _)| ms(a)),
+        "tpot_ms_per_request": l.tpot.map(|(_, b)| ms(b)),
+        "samples": {"ttft": l.samples.0, "tpot": l.samples.1},
+        "output_tokens": l.output_tokens.map(|n| n.round()),
+        "error": {
+            "ttft": error(&l.errors.ttft),
+            "tpot": error(&l.errors.tpot),
+            "e2e": error(&l.errors.e2e),
+        },
+    })
 }
 
 pub(super) fn endpoint_json(r: &KvRouter, queue: Option<&crate::queue::Queue>) -> Value {

@@ -6,8 +6,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::{ConfigError, bounded};
-use crate::queue::classes::{Class, OverloadConfig, Tenant, builtin_classes};
-use switchyard_router::Saturation;
+use crate::queue::classes::{Class, MAX_OBJECTIVE_MS, OverloadConfig, Tenant, builtin_classes};
+use switchyard_router::{Objectives, Saturation};
 
 /// A `[[classes]]` table: a priority class added to (or replacing one of) `high`,
 /// `normal` and `low`.
@@ -17,6 +17,12 @@ pub(crate) struct ClassTable {
     name: String,
     rank: u32,
     deadline_ms: u64,
+    /// Its requests' time-to-first-token objective, unless their header sets one.
+    #[serde(default)]
+    ttft_ms: Option<u64>,
+    /// Its requests' time-per-output-token objective, unless their header sets one.
+    #[serde(default)]
+    tpot_ms: Option<u64>,
 }
 
 /// A `[[tenants]]` table.
@@ -89,6 +95,22 @@ pub(crate) fn resolve(raw: Raw) -> Result<(OverloadConfig, Saturation), ConfigEr
                 c.name
             )));
         }
+        let objective = |what: &str, ms: Option<u64>| -> Result<Option<Duration>, ConfigError> {
+            match ms {
+                None => Ok(None),
+                Some(ms) if (1..=MAX_OBJECTIVE_MS).contains(&ms) => {
+                    Ok(Some(Duration::from_millis(ms)))
+                }
+                Some(ms) => Err(ConfigError(format!(
+                    "class `{}` {what} = {ms}: 1 to {MAX_OBJECTIVE_MS} milliseconds",
+                    c.name
+                ))),
+            }
+        };
+        let objectives = Objectives {
+            ttft: objective("ttft_ms", c.ttft_ms)?,
+            tpot: objective("tpot_ms", c.tpot_ms)?,
+        };
         let class = Class {
             deadline: bounded(
                 &format!("class `{}` deadline_ms", c.name),
@@ -98,6 +120,7 @@ pub(crate) fn resolve(raw: Raw) -> Result<(OverloadConfig, Saturation), ConfigEr
             )?,
             name: c.name,
             rank: c.rank,
+            objectives,
         };
         match classes.iter_mut().find(|k| k.name == class.name) {
             Some(k) => *k = class,

@@ -314,9 +314,10 @@ async fn step(
                     retry_after,
                     served: served.flatten(),
                 };
+                p.status(status);
                 outcome::learn(gw, &x.probes, p, answer);
                 if h.end_of_stream {
-                    p.finish();
+                    p.end();
                 }
             }
             vec![answer(Out::ResponseHeaders(HeadersResponse::default()))]
@@ -327,8 +328,9 @@ async fn step(
                     x.answered = true;
                     p.first_token();
                 }
+                p.body(&b.body);
                 if b.end_of_stream {
-                    p.finish();
+                    p.end();
                 }
             }
             let response = x
@@ -338,7 +340,7 @@ async fn step(
         }
         Some(In::ResponseTrailers(_)) => {
             if let Some(p) = &mut x.picked {
-                p.finish();
+                p.end();
             }
             vec![answer(Out::ResponseTrailers(Default::default()))]
         }

@@ -8,6 +8,7 @@
 //! - `trends`: one point a second per endpoint for the admin page ([`Trends`]).
 
 mod decisions;
+mod predictions;
 mod scrape;
 mod timings;
 mod trends;

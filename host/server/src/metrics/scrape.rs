@@ -409,6 +409,7 @@ impl Collector for Scrape {
             "Requests this router has in flight on the instance (the policy sees the worker's own report plus these)",
             instances(|r, id, _| i64::from(r.load_of(id).booked)),
         )?;
+        self.prediction_errors(e)?;
         self.quality(e)?;
         self.shadows(e)?;
         let p = &self.prefix;

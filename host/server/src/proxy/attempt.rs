@@ -115,14 +115,7 @@ pub(super) async fn attempts(
         };
         let placed = match queued.take() {
             Some(r) => Ok(r),
-            None => router.place(
-                p.prompt_tokens,
-                &p.hashes,
-                p.session_key,
-                &a.exclude,
-                Instant::now(),
-                placing,
-            ),
+            None => router.place(&p.ask(), &a.exclude, Instant::now(), placing),
         };
         let Booked {
             routed,
@@ -272,6 +265,9 @@ async fn prefill_leg(
             let both = p.headers.with_fresh_id();
             match split::vllm_prefill(gw, &instance.url, &p.path, &both, body).await {
                 Ok(decode_body) => {
+                    // Its answer (one token) is its prefill: the worker's latency model
+                    // learns from it.
+                    p.router.prefill_done(leg.request);
                     client.record_success(leg.worker);
                     *kept = Some((decode_body.clone(), both.clone()));
                     Leg::Send(decode_body, both, None)
@@ -417,8 +413,8 @@ mod tests {
     use std::time::Duration;
     use switchyard_discovery::{DiscoveryUpdate, EndpointPath, InstanceInfo};
     use switchyard_policy::{PolicyEngine, PolicyHandle, RuntimeConfig};
-    use switchyard_router::KvRouterConfig;
     use switchyard_router::client::{Client, ClientConfig, HttpHealthCheck};
+    use switchyard_router::{Ask, KvRouterConfig};
 
     /// A placement dropped on any path (here: before anything was sent, as when its
     /// decode worker leaves discovery between the decision and the lookup) releases both
@@ -449,7 +445,7 @@ mod tests {
         let router = Arc::new(KvRouter::new(client, policy, KvRouterConfig::new(16)));
         let place = || {
             router
-                .place(64, &[], None, &[], Instant::now(), Placing::Any)
+                .place(&Ask::new(64, &[]), &[], Instant::now(), Placing::Any)
                 .unwrap()
         };
         // A decode placement and a prefill leg booked on the other worker, as a split

@@ -154,7 +154,7 @@ pub(crate) async fn completion(
     slot: &mut Option<switchyard_bounded::slot::Slot>,
 ) -> Result<Response<Body>, ApiError> {
     let prepared = prepare::prepare(gw, api, req, &body).await?;
-    let queued = prepare::admit(gw, &req.headers, &prepared, body.len(), slot).await?;
+    let queued = prepare::admit(gw, &prepared, body.len(), slot).await?;
     attempt::attempts(gw, &prepared, body, queued, request_started).await
 }
 

@@ -29,6 +29,10 @@ pub(crate) struct Picked {
     pub(crate) fallbacks: Vec<String>,
     pub(crate) router: Arc<KvRouter>,
     booking: Option<Booking>,
+    /// The answer's status, once the gateway reported it.
+    status: Option<u16>,
+    /// The answer's last bytes (its `usage` comes at its end).
+    tail: Vec<u8>,
 }
 
 impl Picked {
@@ -39,7 +43,29 @@ impl Picked {
         }
     }
 
-    /// The answer ended: its load is released.
+    /// The answer's status came.
+    pub(crate) fn status(&mut self, status: Option<u16>) {
+        self.status = status;
+    }
+
+    /// A chunk of the answer passed.
+    pub(crate) fn body(&mut self, bytes: &[u8]) {
+        super::relay::note_usage_tail(&mut self.tail, bytes);
+    }
+
+    /// The answer ended: a successful one teaches the worker's latency model (its
+    /// output tokens from its usage, where it has one); its load is released.
+    pub(crate) fn end(&mut self) {
+        if let Some(b) = self.booking.take()
+            && self.status.is_some_and(|s| (200..300).contains(&s))
+        {
+            let output = switchyard_tokens::openai::scan_completion_tokens(&self.tail)
+                .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+            b.router.complete(b.request, output);
+        }
+    }
+
+    /// The answer ended or was left: its load is released.
     pub(crate) fn finish(&mut self) {
         self.booking = None;
     }
@@ -72,21 +98,14 @@ pub(crate) async fn pick(
         ));
     }
     let mut slot = None;
-    let queued = prepare::admit(gw, &req.headers, &p, body.len(), &mut slot).await?;
+    let queued = prepare::admit(gw, &p, body.len(), &mut slot).await?;
     let chosen = match queued {
         Some(r) if !exclude.contains(&r.worker) && r.prefill.is_none() => r,
         other => {
             // Not where the gateway allows, or split: released (its guards dropped),
             // and placed again.
             drop(other.map(|r| book(&router, r)));
-            router.place(
-                p.prompt_tokens,
-                &p.hashes,
-                p.session_key,
-                &exclude,
-                Instant::now(),
-                Placing::Alone,
-            )?
+            router.place(&p.ask(), &exclude, Instant::now(), Placing::Alone)?
         }
     };
     // A whole request on one worker: no prefill leg to keep (its guard, if any, drops).
@@ -107,6 +126,8 @@ pub(crate) async fn pick(
         fallbacks,
         router,
         booking: Some(booking),
+        status: None,
+        tail: Vec::new(),
     })
 }
 

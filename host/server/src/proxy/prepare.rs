@@ -10,9 +10,10 @@ use hyper::header::{ACCEPT, AUTHORIZATION};
 
 use super::forward;
 use super::tokenize::{BLOCKING_TOKENIZE_BYTES, tokenize};
+use crate::queue::classes::Identity;
 use crate::{ApiError, Gateway};
 use switchyard_ids::BlockHash;
-use switchyard_router::{KvRouter, Routed};
+use switchyard_router::{Ask, KvRouter, Routed};
 use switchyard_tokens::openai::{self, Api, CompletionRequest};
 
 /// A request ready to place: parsed, on its model's router, tokenized and hashed.
@@ -32,6 +33,22 @@ pub(super) struct Prepared {
     /// How long a worker has for its first byte: a stream's first token, a plain
     /// answer's end.
     pub(super) limit: Duration,
+    /// Who it is (class, tenant, deadline) and its latency objectives.
+    pub(super) who: Identity,
+}
+
+impl Prepared {
+    /// The request as the router places it.
+    pub(super) fn ask(&self) -> Ask<'_> {
+        Ask {
+            prompt_tokens: self.prompt_tokens,
+            hashes: &self.hashes,
+            session_key: self.session_key,
+            stream: self.parsed.stream,
+            max_tokens: self.parsed.limit(self.api),
+            objectives: self.who.objectives,
+        }
+    }
 }
 
 /// Parses the body (off the async workers when large), finds its model's router,
@@ -67,6 +84,16 @@ pub(super) async fn prepare(
             .filter(|_| router.forwards_authorization()),
         request_id: None,
     };
+    let who = gw
+        .config
+        .overload
+        .identify(&req.headers, gw.config.request_timeout)
+        .map_err(|message| {
+            ApiError::BadRequest(openai::BadRequest {
+                message,
+                param: None,
+            })
+        })?;
     let tokens = tokenize(gw, &parsed.prompt, parsed.continue_final_message).await?;
     let context = router
         .context_len()
@@ -114,6 +141,7 @@ pub(super) async fn prepare(
         hashes,
         session_key,
         limit,
+        who,
     })
 }
 
@@ -124,7 +152,6 @@ pub(super) async fn prepare(
 /// saturated endpoint's queue cannot refuse requests to others.
 pub(super) async fn admit(
     gw: &Arc<Gateway>,
-    headers: &hyper::HeaderMap,
     p: &Prepared,
     body_len: usize,
     slot: &mut Option<switchyard_bounded::slot::Slot>,
@@ -132,23 +159,9 @@ pub(super) async fn admit(
     let Some(queue) = gw.queue_for(&p.router) else {
         return Ok(None);
     };
-    let who = gw
-        .config
-        .overload
-        .identify(headers, gw.config.request_timeout)
-        .map_err(|message| {
-            ApiError::BadRequest(openai::BadRequest {
-                message,
-                param: None,
-            })
-        })?;
-    let job = crate::queue::Job {
-        prompt_tokens: p.prompt_tokens,
-        hashes: p.hashes.clone(),
-        session_key: p.session_key,
-    };
+    let job = crate::queue::Job::of(&p.ask());
     use crate::queue::{Admission, Outcome};
-    let outcome = match queue.admit(&who, job, body_len) {
+    let outcome = match queue.admit(&p.who, job, body_len) {
         Admission::Now(outcome) => outcome,
         Admission::Queued(ticket) => {
             let count = slot.take().map(|s| s.count().clone());
@@ -160,6 +173,7 @@ pub(super) async fn admit(
     match outcome {
         Outcome::Placed(placed) => Ok(Some(placed.take())),
         Outcome::Route => Ok(None),
+        Outcome::Refused(e) => Err(e.into()),
         Outcome::Shed(s) => Err(ApiError::Shed(s)),
     }
 }

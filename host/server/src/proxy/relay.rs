@@ -218,6 +218,16 @@ impl RelayBody {
             m.cached_tokens.fetch_add(cached, Ordering::Relaxed);
             r.router.note_cache_report(r.predicted_blocks, cached);
         }
+        // The current worker's tokens teach its latency model: counted on the stream
+        // where it is watched, else its usage's (the whole answer's, unless migrated).
+        let output = match &r.migration {
+            Some(m) => Some(m.segment_tokens()),
+            None => openai::scan_completion_tokens(&self.tail)
+                .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
+        };
+        if let Some(b) = r.booking.take() {
+            b.router.complete(b.request, output);
+        }
         r.gw.metrics
             .timings
             .request_duration(&r.endpoint, r.started.elapsed());

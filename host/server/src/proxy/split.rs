@@ -109,6 +109,8 @@ pub(super) async fn prefill_beside(
     let started = Instant::now();
     match forward(&gw, &base, &path, &headers.without_accept(), body, limit).await {
         Ok(Forwarded::Ok(_, _, rest)) => {
+            // Its answer is its prefill: the worker's latency model learns from it.
+            booking.router.prefill_done(booking.request);
             let left = limit.saturating_sub(started.elapsed());
             tokio::spawn(async move {
                 let _ =

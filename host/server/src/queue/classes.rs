@@ -5,7 +5,10 @@
 //! no tenant of its own. Its class is what `x-switchyard-priority` asks, never more
 //! urgent than its tenant's cap (`max_class`, else its class; `normal` for the default
 //! tenant): a client may lower its priority, not raise it. Its queue deadline is
-//! `x-switchyard-deadline-ms`, or its class's.
+//! `x-switchyard-deadline-ms`, or its class's; its latency objectives are
+//! `x-slo-ttft-ms` and `x-slo-tpot-ms` (llm-d's names), or its class's. An objective
+//! constrains only the request that carries it (it is placed where it would be met, or
+//! refused when it would be met nowhere), so a client may set any.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,6 +16,7 @@ use std::time::Duration;
 use hyper::HeaderMap;
 use hyper::header::AUTHORIZATION;
 use sha2::{Digest, Sha256};
+use switchyard_router::Objectives;
 
 /// The header naming a request's priority class.
 pub const PRIORITY_HEADER: &str = "x-switchyard-priority";
@@ -22,6 +26,12 @@ pub const DEADLINE_HEADER: &str = "x-switchyard-deadline-ms";
 pub const TENANT_HEADER: &str = "x-switchyard-tenant";
 /// The tenant of every request no configured tenant claims.
 pub const DEFAULT_TENANT: &str = "anonymous";
+/// The header giving a request's time-to-first-token objective, ms.
+pub const TTFT_OBJECTIVE_HEADER: &str = "x-slo-ttft-ms";
+/// The header giving a request's time-per-output-token objective, ms.
+pub const TPOT_OBJECTIVE_HEADER: &str = "x-slo-tpot-ms";
+/// The longest objective a header may set, ms (an hour).
+pub const MAX_OBJECTIVE_MS: u64 = 3_600_000;
 
 /// A priority class: every queued request of a lower `rank` is dispatched before any
 /// of a higher one.
@@ -33,6 +43,8 @@ pub struct Class {
     pub rank: u32,
     /// The longest its requests wait in the queue unless their header says otherwise.
     pub deadline: Duration,
+    /// Its requests' latency objectives unless their headers say otherwise.
+    pub objectives: Objectives,
 }
 
 /// A tenant the configuration knows: its weight in the fair share, how its API key is
@@ -88,6 +100,7 @@ pub fn builtin_classes() -> Vec<Class> {
             name: name.into(),
             rank,
             deadline: Duration::from_secs(secs),
+            objectives: Objectives::default(),
         })
         .collect()
 }
@@ -103,6 +116,8 @@ pub struct Identity {
     pub weight: u32,
     /// Longest wait in the queue.
     pub deadline: Duration,
+    /// Its latency objectives.
+    pub objectives: Objectives,
     /// A configured tenant (not [`DEFAULT_TENANT`]): only such a request makes room in a
     /// full queue by taking a place held over its share.
     pub known: bool,
@@ -145,21 +160,31 @@ impl OverloadConfig {
             }
             None => default,
         };
-        let deadline = match headers.get(DEADLINE_HEADER) {
-            Some(v) => {
-                let ms: u64 = v
-                    .to_str()
-                    .ok()
-                    .filter(|s| s.len() <= 12)
-                    .and_then(|s| s.trim().parse().ok())
-                    .ok_or_else(|| {
-                        format!("{DEADLINE_HEADER} must be a whole number of milliseconds")
-                    })?;
-                Duration::from_millis(ms)
-            }
+        let deadline = match header_ms(headers, DEADLINE_HEADER)? {
+            Some(ms) => Duration::from_millis(ms),
             None => self.classes.get(class).map_or(longest, |c| c.deadline),
         }
         .min(longest);
+        let objective = |name: &str| -> Result<Option<Duration>, String> {
+            match header_ms(headers, name)? {
+                Some(ms) if (1..=MAX_OBJECTIVE_MS).contains(&ms) => {
+                    Ok(Some(Duration::from_millis(ms)))
+                }
+                Some(_) => Err(format!(
+                    "{name} must be 1 to {MAX_OBJECTIVE_MS} milliseconds"
+                )),
+                None => Ok(None),
+            }
+        };
+        let class_objectives = self
+            .classes
+            .get(class)
+            .map(|c| c.objectives)
+            .unwrap_or_default();
+        let objectives = Objectives {
+            ttft: objective(TTFT_OBJECTIVE_HEADER)?.or(class_objectives.ttft),
+            tpot: objective(TPOT_OBJECTIVE_HEADER)?.or(class_objectives.tpot),
+        };
         let (name, weight) = match tenant {
             Some(t) => (Arc::from(t.name.as_str()), t.weight.max(1)),
             None => (Arc::from(DEFAULT_TENANT), 1),
@@ -169,6 +194,7 @@ impl OverloadConfig {
             tenant: name,
             weight,
             deadline,
+            objectives,
             known: tenant.is_some(),
         })
     }
@@ -196,6 +222,19 @@ impl OverloadConfig {
             .iter()
             .find(|t| t.name == name && t.api_key_sha256.is_none())
     }
+}
+
+/// A header's whole number of milliseconds, if the request has it.
+fn header_ms(headers: &HeaderMap, name: &str) -> Result<Option<u64>, String> {
+    let Some(v) = headers.get(name) else {
+        return Ok(None);
+    };
+    v.to_str()
+        .ok()
+        .filter(|s| s.len() <= 12)
+        .and_then(|s| s.trim().parse().ok())
+        .map(Some)
+        .ok_or_else(|| format!("{name} must be a whole number of milliseconds"))
 }
 
 /// The bearer token of `Authorization`, if any.

@@ -339,11 +339,10 @@ impl Queue {
     /// leaving the queue (`dispatch`: only to workers below every saturation signal):
     /// never under the queue's lock.
     fn place(&self, job: &Job, now: Instant, dispatch: bool) -> Result<Routed, RouteError> {
-        let (tokens, hashes, session) = (job.prompt_tokens, &job.hashes, job.session_key);
         if dispatch {
-            self.router.dispatch(tokens, hashes, session, now)
+            self.router.dispatch(&job.ask(), now)
         } else {
-            self.router.try_place(tokens, hashes, session, now)
+            self.router.try_place(&job.ask(), now)
         }
     }
 
@@ -353,6 +352,8 @@ impl Queue {
                 router: self.router.clone(),
                 routed: Some(routed),
             }),
+            // Its own objectives, met by no worker now: the router's answer, decided.
+            Err(e @ RouteError::Late { .. }) => Outcome::Refused(e),
             Err(_) => Outcome::Route,
         }
     }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use switchyard_ids::BlockHash;
-use switchyard_router::{KvRouter, Routed};
+use switchyard_router::{Ask, KvRouter, Objectives, RouteError, Routed};
 
 use super::Ticket;
 
@@ -19,6 +19,38 @@ pub struct Job {
     pub hashes: Vec<BlockHash>,
     /// The session key, if the request has one.
     pub session_key: Option<u64>,
+    /// Whether its answer is streamed.
+    pub stream: bool,
+    /// The most output tokens it asks for, if it says.
+    pub max_tokens: Option<u32>,
+    /// Its latency objectives.
+    pub objectives: Objectives,
+}
+
+impl Job {
+    /// What `ask` needs to be placed later.
+    pub fn of(ask: &Ask<'_>) -> Job {
+        Job {
+            prompt_tokens: ask.prompt_tokens,
+            hashes: ask.hashes.to_vec(),
+            session_key: ask.session_key,
+            stream: ask.stream,
+            max_tokens: ask.max_tokens,
+            objectives: ask.objectives,
+        }
+    }
+
+    /// The request as the router places it.
+    pub fn ask(&self) -> Ask<'_> {
+        Ask {
+            prompt_tokens: self.prompt_tokens,
+            hashes: &self.hashes,
+            session_key: self.session_key,
+            stream: self.stream,
+            max_tokens: self.max_tokens,
+            objectives: self.objectives,
+        }
+    }
 }
 
 /// A request placed (booked) by the queue; the bookings are released if it is dropped
@@ -95,6 +127,8 @@ pub enum Outcome {
     Route,
     /// Refused.
     Shed(Shed),
+    /// Refused by the router's decision (the request's objectives met nowhere).
+    Refused(RouteError),
 }
 
 /// What [`Queue::admit`] did with a request.

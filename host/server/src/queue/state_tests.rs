@@ -9,6 +9,7 @@ fn who(class: usize, tenant: &str, weight: u32) -> Identity {
         tenant: Arc::from(tenant),
         weight,
         deadline: Duration::from_secs(60),
+        objectives: switchyard_router::Objectives::default(),
         known: true,
     }
 }
@@ -25,11 +26,7 @@ fn push(st: &mut State, w: &Identity, tokens: u32) -> u64 {
         w.weight,
         Entry {
             id,
-            job: Arc::new(Job {
-                prompt_tokens: tokens,
-                hashes: Vec::new(),
-                session_key: None,
-            }),
+            job: Arc::new(Job::of(&switchyard_router::Ask::new(tokens, &[]))),
             bytes: 100,
             enqueued: now,
             deadline: now + w.deadline,

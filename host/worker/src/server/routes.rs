@@ -322,11 +322,13 @@ fn round4(x: f64) -> f64 {
 /// as a router scrapes them from a vLLM server. `kv_cache_usage_perc` is the share of
 /// blocks held by running requests (vLLM's block pool: `1 - free / total`, where cached
 /// blocks no request uses are in the free queue); the prefix-cache counters are in
-/// tokens, queried and hit, as vLLM counts them.
+/// tokens, queried and hit, as vLLM counts them. The inter-token latency is a histogram
+/// with its `+Inf` bucket alone (its sum and count are what routers read).
 pub(super) fn engine_metrics(shared: &Shared) -> Response<Body> {
     let s = shared.engine.stats();
     let m = &shared.model;
     let usage = s.kv_usage();
+    let (itl_count, itl_sum) = (s.itl_count, s.itl_sum_us as f64 / 1e6);
     let page = format!(
         "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
          # TYPE vllm:num_requests_running gauge\n\
@@ -348,7 +350,12 @@ pub(super) fn engine_metrics(shared: &Shared) -> Response<Body> {
          vllm:request_success_total{{engine=\"0\",model_name=\"{m}\"}} {}\n\
          # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
          # TYPE vllm:cache_config_info gauge\n\
-         vllm:cache_config_info{{block_size=\"{}\",engine=\"0\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"True\"}} 1.0\n",
+         vllm:cache_config_info{{block_size=\"{}\",engine=\"0\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"True\"}} 1.0\n\
+         # HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.\n\
+         # TYPE vllm:inter_token_latency_seconds histogram\n\
+         vllm:inter_token_latency_seconds_bucket{{engine=\"0\",le=\"+Inf\",model_name=\"{m}\"}} {itl_count}\n\
+         vllm:inter_token_latency_seconds_count{{engine=\"0\",model_name=\"{m}\"}} {itl_count}\n\
+         vllm:inter_token_latency_seconds_sum{{engine=\"0\",model_name=\"{m}\"}} {itl_sum}\n",
         s.running,
         s.waiting,
         s.prefill_tokens.saturating_add(s.cached_tokens),
@@ -401,6 +408,8 @@ pub(super) fn kv_events(shared: &Arc<Shared>) -> Response<Body> {
                         kv_total_blocks: s.kv_total_blocks,
                         running: s.running as u32,
                         waiting: s.waiting as u32,
+                        itl_sum_us: Some(s.itl_sum_us),
+                        itl_count: Some(s.itl_count),
                     }
                     .to_line()
                 }

@@ -477,6 +477,11 @@ impl Migration {
     }
 
     /// Prompt tokens the continuations' workers prefilled, once the stream has ended.
+    /// Tokens the current worker's stream has sent (its segment of the answer).
+    pub(super) fn segment_tokens(&self) -> u32 {
+        self.sent.saturating_sub(self.base)
+    }
+
     pub(super) fn prefill_spent(&mut self) -> u64 {
         self.extra_prefill
             .saturating_add(std::mem::take(&mut self.segment_prefill))

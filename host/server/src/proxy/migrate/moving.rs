@@ -10,7 +10,7 @@ use hyper::body::Incoming;
 
 use crate::Gateway;
 use switchyard_ids::InstanceId;
-use switchyard_router::{KvRouter, Placing};
+use switchyard_router::{Ask, KvRouter, Placing};
 use switchyard_tokens::ChatMessage;
 use switchyard_tokens::openai::Prompt;
 
@@ -115,15 +115,12 @@ pub(in crate::proxy) async fn continue_stream(
     for _ in 0..gw.config.max_attempts.max(1) {
         // A continuation runs on one worker: on a fleet that splits prefill from
         // decode, a decode worker computes its prompt itself (where the handoff allows).
+        let ask = Ask {
+            session_key: to.session_key,
+            ..Ask::new(prompt_tokens, &hashes)
+        };
         let routed = router
-            .place(
-                prompt_tokens,
-                &hashes,
-                to.session_key,
-                &exclude,
-                Instant::now(),
-                Placing::Alone,
-            )
+            .place(&ask, &exclude, Instant::now(), Placing::Alone)
             .map_err(|e| match &last {
                 None => format!("no worker could take it: {e}"),
                 Some(last) => format!("{last}; and then no worker could take it: {e}"),
