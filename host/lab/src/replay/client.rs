@@ -185,6 +185,7 @@ pub async fn run(
         worker_requests: Vec::new(),
         fleet_hit_rate: None,
         telemetry: None,
+        floors: Default::default(),
     })
 }
 

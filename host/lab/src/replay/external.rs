@@ -129,6 +129,10 @@ pub struct LiveTimings {
     pub policy_call: [f64; 2],
     /// Tokenizing a text prompt: p50, p99.
     pub tokenize: [f64; 2],
+    /// The routers' latency models against what happened: the mean absolute percentage
+    /// error of the time to first token, per output token, and whole answers' duration
+    /// (`None`: nothing of that kind compared).
+    pub prediction_error: [Option<f64>; 3],
 }
 
 impl LiveTimings {
@@ -137,12 +141,32 @@ impl LiveTimings {
         let decision = Histogram::parse(metrics, "switchyard_decision_seconds")?;
         let policy_call = Histogram::parse(metrics, "switchyard_policy_call_seconds")?;
         let tokenize = Histogram::parse(metrics, "switchyard_tokenize_seconds").unwrap_or_default();
+        let sum = |name: &str, of: &str| -> f64 {
+            let label = format!("of=\"{of}\"");
+            metrics
+                .lines()
+                .filter(|l| l.starts_with(name) && l.contains(&label))
+                .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+                .sum()
+        };
+        let mape = |of: &str| {
+            let n = sum("switchyard_predictions_compared_total{", of);
+            (n > 0.0).then(|| sum("switchyard_prediction_error_total{", of) / n)
+        };
         Some(LiveTimings {
             decisions: decision.count(),
             decision: [decision.quantile(0.5), decision.quantile(0.99)],
             policy_call: [policy_call.quantile(0.5), policy_call.quantile(0.99)],
             tokenize: [tokenize.quantile(0.5), tokenize.quantile(0.99)],
+            prediction_error: [mape("ttft"), mape("tpot"), mape("e2e")],
         })
+    }
+
+    /// The prediction errors as a table cell: `TTFT %, TPOT %, E2E %` (`-` where none).
+    pub fn prediction_errors(&self) -> String {
+        let cell = |e: Option<f64>| e.map_or("-".to_string(), |e| format!("{:.0} %", e * 100.0));
+        let [ttft, tpot, e2e] = self.prediction_error;
+        format!("{}, {}, {}", cell(ttft), cell(tpot), cell(e2e))
     }
 }
 

@@ -6,6 +6,7 @@
 pub mod client;
 pub mod engines;
 pub mod external;
+pub mod floor;
 pub mod report;
 pub mod synth;
 pub mod telemetry;
@@ -266,6 +267,10 @@ pub struct PolicyRun {
     /// What Switchyard's routers said about their decisions (in-process runs).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub telemetry: Option<telemetry::Telemetry>,
+    /// Each request's oracle floor of TTFT (simulated seconds), in trace order, where the
+    /// lab knows the engines' timing (its mock workers); empty otherwise.
+    #[serde(skip)]
+    pub floors: Arc<Vec<f64>>,
 }
 
 /// How prompts are sent.
@@ -336,6 +341,15 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
         infinite: trace::infinite_cache_bound(&views),
         capacity: trace::lru_cache_bound(&views, capacity),
     };
+    // The floor on the lab's own workers (real engines' timing is theirs to measure).
+    let floors: Arc<Vec<f64>> = Arc::new(if config.engines.specs.is_empty() {
+        trace::never_seen_tokens(&views)
+            .into_iter()
+            .map(|n| floor::oracle_ttft(n, &config.engine))
+            .collect()
+    } else {
+        Vec::new()
+    });
     let count = reqs.len();
     let reqs = Arc::new(reqs);
     let mut runs = Vec::new();
@@ -416,6 +430,9 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
             let router = &config.routers[(round + k) % n];
             runs.push(replay_external(config, router, reqs.clone()).await?);
         }
+    }
+    for r in &mut runs {
+        r.floors = floors.clone();
     }
     Ok((runs, bound, count))
 }
@@ -565,6 +582,7 @@ async fn replay_once(
         worker_requests: Vec::new(),
         fleet_hit_rate: None,
         telemetry: None,
+        floors: Default::default(),
     }
 }
 

@@ -170,6 +170,20 @@ impl BlockView {
     }
 }
 
+/// Each request's prompt tokens that no earlier request of the trace had (past its
+/// leading blocks some earlier request already had): what it must prefill on a worker
+/// holding everything the trace left before it.
+pub fn never_seen_tokens(reqs: &[BlockView]) -> Vec<u64> {
+    let mut seen: HashSet<u64> = HashSet::new();
+    reqs.iter()
+        .map(|r| {
+            let run = r.keys.iter().take_while(|id| seen.contains(id)).count();
+            seen.extend(&r.keys);
+            r.len as u64 - r.hit(run)
+        })
+        .collect()
+}
+
 /// The share of prompt tokens an infinite cache could serve: each request's leading blocks
 /// that some earlier request already had.
 pub fn infinite_cache_bound(reqs: &[BlockView]) -> f64 {

@@ -6,7 +6,7 @@ use serde_json::json;
 
 use super::{Bounds, PolicyRun, Slo};
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
@@ -36,6 +36,9 @@ pub struct Summary {
     pub refused: usize,
     /// The busiest worker's requests over the mean worker's (1: even; NaN: unknown).
     pub skew: f64,
+    /// TTFT over the oracle floor of the requests served: mean over mean, p99 over p99
+    /// (`None`: the run has no floors).
+    pub floor: Option<[f64; 2]>,
 }
 
 /// The busiest worker's requests over the mean worker's.
@@ -97,6 +100,18 @@ pub fn summarise(run: &PolicyRun, slo: Slo) -> Summary {
         skew: skew(&run.worker_requests),
         goodput: good as f64 / run.outcomes.len().max(1) as f64,
         refused,
+        floor: (run.floors.len() == run.outcomes.len())
+            .then(|| {
+                let served: Vec<(f64, f64)> = run
+                    .outcomes
+                    .iter()
+                    .zip(run.floors.iter())
+                    .filter(|(o, _)| o.ok)
+                    .map(|(o, f)| (o.ttft, *f))
+                    .collect();
+                super::floor::ratios(&served)
+            })
+            .flatten(),
     }
 }
 
@@ -105,18 +120,18 @@ pub fn table(runs: &[PolicyRun], bound: Bounds, slo: Slo) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| policy | requests | failed | refused | goodput (TTFT ≤ {} s, E2E ≤ {} s) | TTFT mean | p50 | p90 | p99 | ITL mean | ITL p99 | E2E mean | p90 | throughput | hit rate | bound: fleet capacity | bound: infinite | load skew | router CPU: start + serving (per request) | router peak RSS |",
+        "| policy | requests | failed | refused | goodput (TTFT ≤ {} s, E2E ≤ {} s) | TTFT mean | p50 | p90 | p99 | TTFT / floor: mean, p99 | ITL mean | ITL p99 | E2E mean | p90 | throughput | hit rate | bound: fleet capacity | bound: infinite | load skew | prediction error: TTFT, TPOT, E2E | router CPU: start + serving (per request) | router peak RSS |",
         slo.ttft, slo.e2e
     );
     let _ = writeln!(
         s,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     for r in runs {
         let m = summarise(r, slo);
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {:.1} % | {:.3} s | {:.3} s | {:.3} s | {:.3} s | {:.1} ms | {:.1} ms | {:.2} s | {:.2} s | {:.2} req/s | {:.1} % | {:.1} % | {:.1} % | {:.2} | {} | {} |",
+            "| {} | {} | {} | {} | {:.1} % | {:.3} s | {:.3} s | {:.3} s | {:.3} s | {} | {:.1} ms | {:.1} ms | {:.2} s | {:.2} s | {:.2} req/s | {:.1} % | {:.1} % | {:.1} % | {:.2} | {} | {} | {} |",
             r.policy,
             m.requests,
             m.failed,
@@ -126,6 +141,9 @@ pub fn table(runs: &[PolicyRun], bound: Bounds, slo: Slo) -> String {
             m.ttft[1],
             m.ttft[2],
             m.ttft[3],
+            m.floor.map_or("-".to_string(), |[mean, p99]| format!(
+                "{mean:.2}×, {p99:.2}×"
+            )),
             m.itl[0] * 1e3,
             m.itl[1] * 1e3,
             m.e2e[0],
@@ -135,6 +153,9 @@ pub fn table(runs: &[PolicyRun], bound: Bounds, slo: Slo) -> String {
             bound.capacity * 100.0,
             bound.infinite * 100.0,
             m.skew,
+            r.live
+                .as_ref()
+                .map_or("-".to_string(), |l| l.prediction_errors()),
             r.router.map_or("in process".to_string(), |c| {
                 let serving = (c.cpu_secs - c.start_cpu_secs).max(0.0);
                 format!(

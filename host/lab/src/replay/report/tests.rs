@@ -32,6 +32,7 @@ fn goodput_counts_the_answers_within_both_objectives_and_refusals_are_counted_ap
         worker_requests: vec![1, 2],
         fleet_hit_rate: None,
         telemetry: None,
+        floors: Default::default(),
     };
     let m = summarise(&run, Slo::default());
     assert_eq!((m.requests, m.failed, m.refused), (5, 2, 1));
@@ -55,6 +56,7 @@ fn repeated_runs_give_each_figure_as_median_and_range() {
         worker_requests: vec![1],
         fleet_hit_rate: Some(hit),
         telemetry: None,
+        floors: Default::default(),
     };
     assert!(spread_table(&[run("a", 0.1, 0.2), run("b", 0.1, 0.2)], Slo::default()).is_none());
     let t = spread_table(
@@ -97,6 +99,7 @@ fn classes_are_summarised_apart_with_refusals_by_status() {
         worker_requests: vec![],
         fleet_hit_rate: None,
         telemetry: None,
+        floors: Default::default(),
     };
     let c = by_class(&run, Slo::default());
     assert_eq!(c.len(), 2);

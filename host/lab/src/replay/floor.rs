@@ -1,0 +1,90 @@
+//! The oracle floor of a run's time to first token: each request alone on a worker that
+//! holds every block any earlier request of the trace left there, so that only its
+//! never-seen tokens are prefilled, with no queue ahead of it — what no router can beat
+//! on this fleet. Routers are read as a ratio to it: how close to the limit, not only how
+//! far ahead of one another (peers at the same hit-rate bound can all be far from it).
+
+use switchyard_worker::EngineConfig;
+
+/// The floor of one request whose prompt has `never_seen` tokens no earlier request had,
+/// on a mock engine of `engine`'s timing, in simulated seconds: its prefill chunks, each
+/// a step of the engine alone (the step's fixed cost and one sequence), as the mock times
+/// them (a prompt found whole still computes its last token).
+pub fn oracle_ttft(never_seen: u64, engine: &EngineConfig) -> f64 {
+    let t = &engine.timing;
+    let tokens = never_seen.max(1);
+    let steps = match engine.max_batched_tokens {
+        0 => 1,
+        budget => tokens.div_ceil(budget),
+    };
+    let us = t.prefill_us_per_token * tokens as f64
+        + steps as f64 * (t.decode_base_us + t.decode_us_per_seq);
+    us / 1e6
+}
+
+/// A run's time to first token over its floor: the mean of the requests served over the
+/// mean of their floors, and the same for the 99th percentiles; `None` without floors
+/// (engines whose timing the lab does not know).
+pub fn ratios(served: &[(f64, f64)]) -> Option<[f64; 2]> {
+    if served.is_empty() {
+        return None;
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (mut ttft, mut floor): (Vec<f64>, Vec<f64>) = served.iter().copied().unzip();
+    ttft.sort_by(f64::total_cmp);
+    floor.sort_by(f64::total_cmp);
+    let p99 = |v: &[f64]| super::report::percentile(v, 0.99);
+    let ratio = |a: f64, b: f64| (b > 0.0).then_some(a / b);
+    Some([
+        ratio(mean(&ttft), mean(&floor))?,
+        ratio(p99(&ttft), p99(&floor))?,
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use switchyard_worker::TimingModel;
+
+    fn engine(budget: u64) -> EngineConfig {
+        EngineConfig {
+            block_size: 64,
+            kv_blocks: 1024,
+            max_batch: 8,
+            speedup: 10.0,
+            max_batched_tokens: budget,
+            timing: TimingModel {
+                prefill_us_per_token: 60.0,
+                decode_base_us: 10_000.0,
+                decode_us_per_seq: 150.0,
+            },
+            max_model_len: None,
+            eos_period: 0,
+            stream_interval: 1,
+        }
+    }
+
+    #[test]
+    fn the_floor_is_the_never_seen_prefill_in_the_engines_own_steps() {
+        // 20,000 tokens in three chunks of 8,192: 1.2 s of prefill and three steps.
+        let f = oracle_ttft(20_000, &engine(8192));
+        assert!((f - (1.2 + 3.0 * 0.01015)).abs() < 1e-9, "{f}");
+        // A prompt found whole computes its last token, in one step.
+        assert!((oracle_ttft(0, &engine(8192)) - (60e-6 + 0.01015)).abs() < 1e-9);
+        assert!((oracle_ttft(20_000, &engine(0)) - (1.2 + 0.01015)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_run_is_read_as_a_ratio_to_its_floor() {
+        let served: Vec<(f64, f64)> = (1..=100)
+            .map(|i| (2.0 * f64::from(i), f64::from(i)))
+            .collect();
+        let r = ratios(&served).unwrap();
+        assert!(
+            (r[0] - 2.0).abs() < 1e-9 && (r[1] - 2.0).abs() < 1e-9,
+            "{r:?}"
+        );
+        assert_eq!(ratios(&[]), None);
+        assert_eq!(ratios(&[(1.0, 0.0)]), None);
+    }
+}
