@@ -34,6 +34,7 @@ fn main() {
             "picks_first",
             "built_for_0_1",
             "built_for_0_2",
+            "built_for_0_3",
         ],
     );
 }

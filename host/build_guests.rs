@@ -19,7 +19,9 @@ pub fn build(root: &Path, dir: &str, artifacts: &[&str]) {
     let target_dir = guest_target_dir(root);
     let ws = root.join(dir);
     rerun_if_changed_tree(&ws);
+    let built = clean_if_built_for_another_wit(root, dir, &ws, &target_dir, artifacts);
     build_guests(&ws, &target_dir);
+    built();
     for artifact in artifacts {
         let path = target_dir
             .join(TARGET)
@@ -74,12 +76,78 @@ fn ensure_target() {
     );
 }
 
-fn build_guests(workspace: &Path, target_dir: &Path) {
-    ensure_target();
+/// A guest's bindings come from `wit/` through a macro, which Cargo does not track: a
+/// guest built against another WIT than today's would be taken as fresh and keep its
+/// contract. Each workspace's build records a digest of the WIT it was built against
+/// (`target/guests/wit-of-DIR`); when the WIT differs (it changed, or another checkout
+/// shared the target directory), the guests (each artifact `a_b` is package `a-b`) are
+/// cleaned first.
+fn clean_if_built_for_another_wit(
+    root: &Path,
+    dir: &str,
+    workspace: &Path,
+    target_dir: &Path,
+    artifacts: &[&str],
+) -> impl FnOnce() {
+    use std::hash::{Hash, Hasher};
+    let mut files = Vec::new();
+    let mut stack = vec![root.join("wit")];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    // SipHash with fixed keys: the same digest for the same files, build after build.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for f in &files {
+        f.strip_prefix(root).unwrap_or(f).hash(&mut h);
+        std::fs::read(f).unwrap_or_default().hash(&mut h);
+    }
+    let digest = format!("{:016x}", h.finish());
+    let stamp = target_dir.join(format!("wit-of-{}", dir.replace('/', "-")));
+    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(digest.as_str()) {
+        let built: Vec<String> = artifacts
+            .iter()
+            .filter(|a| {
+                let wasm = target_dir
+                    .join(TARGET)
+                    .join("release")
+                    .join(format!("{a}.wasm"));
+                wasm.exists()
+            })
+            .map(|a| a.replace('_', "-"))
+            .collect();
+        if !built.is_empty() {
+            let mut cmd = cargo(workspace, "clean", target_dir);
+            for p in &built {
+                cmd.args(["-p", p]);
+            }
+            let cleaned = cmd.status().is_ok_and(|s| s.success());
+            assert!(
+                cleaned,
+                "cleaning the guests built against another WIT ({built:?}) failed"
+            );
+        }
+    }
+    move || {
+        let _ = std::fs::create_dir_all(stamp.parent().unwrap_or(Path::new(".")));
+        let _ = std::fs::write(&stamp, digest);
+    }
+}
+
+/// `cargo SUBCOMMAND --release --target wasm32-wasip2 --target-dir TARGET_DIR` in
+/// `workspace`, without the outer build's flags.
+fn cargo(workspace: &Path, subcommand: &str, target_dir: &Path) -> Command {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(workspace)
-        .args(["build", "--release", "--target", TARGET, "--target-dir"])
+        .args([subcommand, "--release", "--target", TARGET, "--target-dir"])
         .arg(target_dir);
     // The outer build's flags are for the host target; never leak them into the guests.
     for var in [
@@ -92,7 +160,12 @@ fn build_guests(workspace: &Path, target_dir: &Path) {
     ] {
         cmd.env_remove(var);
     }
-    let status = cmd
+    cmd
+}
+
+fn build_guests(workspace: &Path, target_dir: &Path) {
+    ensure_target();
+    let status = cargo(workspace, "build", target_dir)
         .status()
         .unwrap_or_else(|e| panic!("cannot run cargo for {}: {e}", workspace.display()));
     assert!(

@@ -88,7 +88,7 @@ async fn a_snapshot_then_deltas_land_in_the_index() {
     // The policy sees both signals, each from where it is true: the usage the engine
     // reported (its running requests hold 30 of 100 blocks) and the fullness of its
     // cache, which the router's index knows (4 blocks held of 100).
-    let (candidates, _, _) = router.explain(64, &hashes(&[2, 3]));
+    let (candidates, _) = router.explain(64, &hashes(&[2, 3]));
     let row = candidates.row(0);
     assert_eq!(row.kv_usage, Some(0.3));
     assert_eq!(row.cache_fullness, Some(0.04));
@@ -213,7 +213,7 @@ async fn an_explained_request_is_not_a_decision_made() {
     let (router, _client) = router((1..=2).map(|i| instance(i, None)).collect());
     let tokens: Vec<u32> = (0..4 * 16).collect();
     for _ in 0..3 {
-        let (candidates, _, decision) = router.explain(64, &hashes(&[1, 2, 3, 4]));
+        let (candidates, decision) = router.explain(64, &hashes(&[1, 2, 3, 4]));
         assert_eq!(candidates.len(), 2);
         assert!(matches!(
             decision.outcome,

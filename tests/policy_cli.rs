@@ -29,7 +29,7 @@ fn policy_check_prints_identity_and_a_sample_decision() {
     assert!(ok, "{out}");
     assert!(out.contains("policy:   session-affinity 0.1.0"), "{out}");
     assert!(out.contains("sha256:   "), "{out}");
-    assert!(out.contains("world:    switchyard:policy@0.3.0"), "{out}");
+    assert!(out.contains("world:    switchyard:policy@0.4.0"), "{out}");
     assert!(out.contains("canary:   chose worker"), "{out}");
     // And timed as a serving router would call it, within the call budget.
     assert!(out.contains("(budget 10ms)"), "{out}");
@@ -40,7 +40,7 @@ fn policy_check_explains_what_is_wrong() {
     let cases = [
         (
             common::guest("wrong_world"),
-            "does not implement the switchyard:policy@0.3.0 world `policy` (nor 0.2.0 or 0.1.0)",
+            "does not implement the switchyard:policy@0.4.0 world `policy` (nor 0.3.0, 0.2.0 or 0.1.0)",
         ),
         (common::guest("spin_forever"), "time budget"),
         // Waiting on a clock is refused as blocking, not by a panic.

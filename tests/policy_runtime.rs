@@ -188,7 +188,7 @@ fn a_policy_built_against_the_previous_contract_still_loads_and_decides() {
     assert_eq!(old.info().world, "switchyard:policy@0.1.0");
     assert_eq!(
         handle(&engine, "kv-cost", "{}").current().info().world,
-        "switchyard:policy@0.3.0"
+        "switchyard:policy@0.4.0"
     );
     let h = PolicyHandle::new(engine.clone(), old).unwrap();
     // It reads the fields 0.1.0 has: the lowest reported usage wins.
@@ -257,6 +257,51 @@ fn a_policy_built_before_disaggregation_is_asked_once_per_role() {
     }
 }
 
+/// A 0.3.0 component knows neither predictions nor objectives: the host hands it the
+/// request and candidates it knows, whatever the router predicted, and its placements
+/// (one worker, or a pair) come back as decisions.
+#[test]
+fn a_policy_built_before_predicted_latency_loads_and_decides() {
+    use switchyard::ids::Role;
+    let engine = engine();
+    let old = engine.load_file(&guest("built_for_0_3"), "{}").unwrap();
+    assert_eq!(old.info().world, "switchyard:policy@0.3.0");
+    old.canary().unwrap();
+    let h = PolicyHandle::new(engine.clone(), old).unwrap();
+    let with = |id, overlap, role, ttft| CandidateRow {
+        role,
+        predicted_ttft_ms: Some(ttft),
+        predicted_tpot_ms: Some(12.0),
+        ..row(id, overlap, 0, 0)
+    };
+    let both: Candidates = [with(1, 3, Role::Both, 5.0), with(2, 9, Role::Both, 900.0)]
+        .into_iter()
+        .collect();
+    let req = Request {
+        max_tokens: Some(64),
+        ttft_objective_ms: Some(100),
+        ..request(16, 1)
+    };
+    let d = h.decide(req, &both);
+    assert_eq!(d.decider, Decider::Policy);
+    assert_eq!(
+        chosen(&d.outcome),
+        InstanceId(2),
+        "the most cached, predictions unseen"
+    );
+    let split: Candidates = [
+        with(3, 0, Role::Prefill, 1.0),
+        with(4, 0, Role::Decode, 1.0),
+    ]
+    .into_iter()
+    .collect();
+    let d = h.decide(req, &split);
+    assert_eq!(
+        (d.prefill, chosen(&d.outcome)),
+        (Some(InstanceId(3)), InstanceId(4))
+    );
+}
+
 /// A current policy whose placement the fleet cannot take (a pair of two decode workers,
 /// a lone prefill worker under SGLang's handoff) is decided for by the fallback.
 #[test]
@@ -316,6 +361,8 @@ fn wasm_and_native_kv_cost_agree_on_random_candidate_sets() {
         for case in 0..1000 {
             let n = 1 + rng.below(64) as usize;
             let blocks = rng.below(80) as u32;
+            // Predicted latency on every candidate or none, as a router's models give it.
+            let predicted = rng.below(2) == 0;
             // Small value ranges so that ties are common.
             let candidates: Candidates = (0..n)
                 .map(|i| CandidateRow {
@@ -327,6 +374,8 @@ fn wasm_and_native_kv_cost_agree_on_random_candidate_sets() {
                     kv_usage: (rng.below(3) > 0).then(|| rng.below(5) as f32 / 4.0),
                     cache_fullness: (rng.below(3) > 0).then(|| rng.below(5) as f32 / 4.0),
                     role: switchyard::ids::Role::Both,
+                    predicted_ttft_ms: predicted.then(|| rng.below(8) as f32 * 25.0),
+                    predicted_tpot_ms: predicted.then(|| rng.below(4) as f32 * 5.0),
                 })
                 .collect();
             let req = Request {

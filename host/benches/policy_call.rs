@@ -26,6 +26,8 @@ fn candidates(n: u64) -> Candidates {
             kv_usage: Some(0.4),
             cache_fullness: Some(0.9),
             role: switchyard::ids::Role::Both,
+            predicted_ttft_ms: Some(40.0 + (i % 4) as f32 * 50.0),
+            predicted_tpot_ms: Some(10.0 + (i % 9) as f32),
         })
         .collect()
 }
@@ -40,6 +42,9 @@ fn request() -> Request {
         seed: 1,
         sequence: 0,
         decode_alone: false,
+        max_tokens: Some(256),
+        ttft_objective_ms: None,
+        tpot_objective_ms: None,
     }
 }
 

@@ -42,6 +42,7 @@ pub fn guest(name: &str) -> PathBuf {
         "flaky" => env!("SWITCHYARD_FLAKY_WASM"),
         "built_for_0_1" => env!("SWITCHYARD_BUILT_FOR_0_1_WASM"),
         "built_for_0_2" => env!("SWITCHYARD_BUILT_FOR_0_2_WASM"),
+        "built_for_0_3" => env!("SWITCHYARD_BUILT_FOR_0_3_WASM"),
         other => panic!("no test guest named {other}"),
     };
     PathBuf::from(path)

@@ -24,6 +24,8 @@ pub fn row(id: u64, overlap: u32, active: u32, in_flight: u32) -> CandidateRow {
         kv_usage: None,
         cache_fullness: None,
         role: switchyard::ids::Role::Both,
+        predicted_ttft_ms: None,
+        predicted_tpot_ms: None,
     }
 }
 

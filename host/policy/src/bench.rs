@@ -44,6 +44,9 @@ pub fn call_cost(policy: &LoadedPolicy, candidates: usize, calls: usize) -> Call
                 seed: next() | 1,
                 sequence: 1,
                 decode_alone: false,
+                max_tokens: Some(256),
+                ttft_objective_ms: None,
+                tpot_objective_ms: None,
             };
             let mut rows: Vec<CandidateRow> = (0..candidates)
                 .map(|_| CandidateRow {
@@ -55,6 +58,8 @@ pub fn call_cost(policy: &LoadedPolicy, candidates: usize, calls: usize) -> Call
                     kv_usage: Some((next() % 1000) as f32 / 1000.0),
                     cache_fullness: Some((next() % 1000) as f32 / 1000.0),
                     role: switchyard_ids::Role::Both,
+                    predicted_ttft_ms: Some((next() % 10_000) as f32 / 10.0),
+                    predicted_tpot_ms: Some((next() % 500) as f32 / 10.0),
                 })
                 .collect();
             rows.sort_by_key(|r| r.id);

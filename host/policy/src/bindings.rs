@@ -1,10 +1,11 @@
 //! Bindings generated from the WIT, kept private to the policy module: the current world
-//! (`wit/policy.wit`, `switchyard:policy@0.3.0`) and the two before it
-//! (`wit/v0.2.0/policy.wit`, `wit/v0.1.0/policy.wit`), so that components built against
-//! any of them load. The rest of the crate sees one [`PolicyPre`] and one [`Policy`] and
-//! speaks the current types; an older component is handed the same candidates without
-//! the columns it does not know, and on a fleet that splits prefill from decode it is
-//! asked twice: once among the prefill workers, once among the decode workers.
+//! (`wit/policy.wit`, `switchyard:policy@0.4.0`) and the three before it
+//! (`wit/v0.3.0/policy.wit`, `wit/v0.2.0/policy.wit`, `wit/v0.1.0/policy.wit`), so that
+//! components built against any of them load. The rest of the crate sees one
+//! [`PolicyPre`] and one [`Policy`] and speaks the current types; an older component is
+//! handed the same request and candidates without the fields it does not know, and one
+//! older than 0.3.0, on a fleet that splits prefill from decode, is asked twice: once
+//! among the prefill workers, once among the decode workers.
 
 use wasmtime::Store;
 use wasmtime::component::InstancePre;
@@ -14,6 +15,13 @@ use super::sandbox::HostState;
 mod current {
     wasmtime::component::bindgen!({
         path: "../../wit",
+        world: "policy",
+    });
+}
+
+mod v0_3 {
+    wasmtime::component::bindgen!({
+        path: "../../wit/v0.3.0",
         world: "policy",
     });
 }
@@ -41,10 +49,12 @@ pub(crate) mod wit {
 
 use v0_1::switchyard::policy::types as old1;
 use v0_2::switchyard::policy::types as old2;
+use v0_3::switchyard::policy::types as old3;
 
 /// The world version a component implements.
-pub(crate) const CURRENT_WORLD: &str = "switchyard:policy@0.3.0";
+pub(crate) const CURRENT_WORLD: &str = "switchyard:policy@0.4.0";
 /// The versions before it, still loaded.
+pub(crate) const WORLD_0_3: &str = "switchyard:policy@0.3.0";
 pub(crate) const WORLD_0_2: &str = "switchyard:policy@0.2.0";
 pub(crate) const WORLD_0_1: &str = "switchyard:policy@0.1.0";
 
@@ -52,6 +62,7 @@ pub(crate) const WORLD_0_1: &str = "switchyard:policy@0.1.0";
 #[derive(Clone)]
 pub(crate) enum PolicyPre {
     Current(current::PolicyPre<HostState>),
+    V0_3(v0_3::PolicyPre<HostState>),
     V0_2(v0_2::PolicyPre<HostState>),
     V0_1(v0_1::PolicyPre<HostState>),
 }
@@ -59,6 +70,7 @@ pub(crate) enum PolicyPre {
 /// One instance of a policy component.
 pub(crate) enum Policy {
     Current(current::Policy),
+    V0_3(v0_3::Policy),
     V0_2(v0_2::Policy),
     V0_1(v0_1::Policy),
 }
@@ -70,6 +82,9 @@ impl PolicyPre {
         match current::PolicyPre::new(pre.clone()) {
             Ok(p) => Ok(PolicyPre::Current(p)),
             Err(e) => {
+                if let Ok(p) = v0_3::PolicyPre::new(pre.clone()) {
+                    return Ok(PolicyPre::V0_3(p));
+                }
                 if let Ok(p) = v0_2::PolicyPre::new(pre.clone()) {
                     return Ok(PolicyPre::V0_2(p));
                 }
@@ -85,6 +100,7 @@ impl PolicyPre {
     pub(crate) fn world(&self) -> &'static str {
         match self {
             PolicyPre::Current(_) => CURRENT_WORLD,
+            PolicyPre::V0_3(_) => WORLD_0_3,
             PolicyPre::V0_2(_) => WORLD_0_2,
             PolicyPre::V0_1(_) => WORLD_0_1,
         }
@@ -93,6 +109,7 @@ impl PolicyPre {
     pub(crate) fn instantiate(&self, store: &mut Store<HostState>) -> wasmtime::Result<Policy> {
         Ok(match self {
             PolicyPre::Current(p) => Policy::Current(p.instantiate(store)?),
+            PolicyPre::V0_3(p) => Policy::V0_3(p.instantiate(store)?),
             PolicyPre::V0_2(p) => Policy::V0_2(p.instantiate(store)?),
             PolicyPre::V0_1(p) => Policy::V0_1(p.instantiate(store)?),
         })
@@ -107,6 +124,7 @@ impl Policy {
     ) -> wasmtime::Result<Result<(), String>> {
         match self {
             Policy::Current(p) => p.call_configure(store, config),
+            Policy::V0_3(p) => p.call_configure(store, config),
             Policy::V0_2(p) => p.call_configure(store, config),
             Policy::V0_1(p) => p.call_configure(store, config),
         }
@@ -118,6 +136,10 @@ impl Policy {
     ) -> wasmtime::Result<wit::Info> {
         let (name, version) = match self {
             Policy::Current(p) => return p.call_describe(store),
+            Policy::V0_3(p) => {
+                let i = p.call_describe(store)?;
+                (i.name, i.version)
+            }
             Policy::V0_2(p) => {
                 let i = p.call_describe(store)?;
                 (i.name, i.version)
@@ -141,8 +163,10 @@ impl Policy {
         req: wit::Request,
         candidates: &wit::Candidates,
     ) -> wasmtime::Result<Result<wit::Placement, wit::Rejection>> {
-        if let Policy::Current(p) = self {
-            return p.call_choose(store, req, candidates);
+        match self {
+            Policy::Current(p) => return p.call_choose(store, req, candidates),
+            Policy::V0_3(p) => return v03_choose(p, store, req, candidates),
+            _ => {}
         }
         let roles = &candidates.roles;
         let has = |r: wit::Role| roles.contains(&r);
@@ -222,7 +246,9 @@ impl Policy {
             }};
         }
         match self {
-            Policy::Current(_) => unreachable!("a current component is called directly"),
+            Policy::Current(_) | Policy::V0_3(_) => {
+                unreachable!("a component that knows roles is called directly")
+            }
             Policy::V0_2(p) => call!(
                 p,
                 old2,
@@ -250,4 +276,54 @@ impl Policy {
             ),
         }
     }
+}
+
+/// `choose` of a 0.3.0 component: the request and candidates without what 0.4.0 added
+/// (predictions, `max-tokens`, objectives), its placement read back.
+fn v03_choose(
+    p: &v0_3::Policy,
+    store: &mut Store<HostState>,
+    req: wit::Request,
+    c: &wit::Candidates,
+) -> wasmtime::Result<Result<wit::Placement, wit::Rejection>> {
+    let req = old3::Request {
+        prompt_tokens: req.prompt_tokens,
+        prompt_blocks: req.prompt_blocks,
+        block_size: req.block_size,
+        session_key: req.session_key,
+        seed: req.seed,
+        sequence: req.sequence,
+        decode_alone: req.decode_alone,
+    };
+    let role = |r: &wit::Role| match r {
+        wit::Role::Both => old3::Role::Both,
+        wit::Role::Prefill => old3::Role::Prefill,
+        wit::Role::Decode => old3::Role::Decode,
+    };
+    let cols = old3::Candidates {
+        worker_ids: c.worker_ids.clone(),
+        overlap_blocks: c.overlap_blocks.clone(),
+        active_blocks: c.active_blocks.clone(),
+        pending_prefill_tokens: c.pending_prefill_tokens.clone(),
+        in_flight: c.in_flight.clone(),
+        kv_usage: c.kv_usage.clone(),
+        cache_fullness: c.cache_fullness.clone(),
+        roles: c.roles.iter().map(role).collect(),
+    };
+    Ok(p.call_choose(store, req, &cols)?
+        .map(|placement| match placement {
+            old3::Placement::Worker(id) => wit::Placement::Worker(id),
+            old3::Placement::Pair(pair) => wit::Placement::Pair(wit::Pair {
+                prefill: pair.prefill,
+                decode: pair.decode,
+            }),
+        })
+        .map_err(|r| wit::Rejection {
+            kind: match r.kind {
+                old3::RejectionKind::AllBusy => wit::RejectionKind::AllBusy,
+                old3::RejectionKind::NoFit => wit::RejectionKind::NoFit,
+                old3::RejectionKind::Refused => wit::RejectionKind::Refused,
+            },
+            reason: r.reason,
+        }))
 }

@@ -51,8 +51,13 @@ pub(super) fn random_canary(rng: &mut CanaryRng, size: usize) -> (Request, Candi
         seed: rng.next() | 1,
         sequence: 0,
         decode_alone: false,
+        max_tokens: (rng.below(2) == 0).then(|| 1 + rng.below(4096) as u32),
+        ttft_objective_ms: (rng.below(4) == 0).then(|| 1 + rng.below(10_000) as u32),
+        tpot_objective_ms: (rng.below(4) == 0).then(|| 1 + rng.below(500) as u32),
     };
     let idle = rng.below(size as u64) as usize;
+    // Predictions known on every candidate or on none, as a router's models give them.
+    let predicted = rng.below(2) == 0;
     let candidates = (0..size)
         .map(|i| {
             let busy = i != idle;
@@ -65,6 +70,8 @@ pub(super) fn random_canary(rng: &mut CanaryRng, size: usize) -> (Request, Candi
                 kv_usage: (rng.below(4) != 0).then(|| rng.below(1001) as f32 / 1000.0),
                 cache_fullness: (rng.below(4) != 0).then(|| rng.below(1001) as f32 / 1000.0),
                 role: switchyard_ids::Role::Both,
+                predicted_ttft_ms: predicted.then(|| rng.below(60_000) as f32 / 10.0),
+                predicted_tpot_ms: predicted.then(|| rng.below(2_000) as f32 / 10.0),
             }
         })
         .collect();
@@ -80,6 +87,9 @@ pub(super) fn canary_request() -> Request {
         seed: 0x00c0_ffee,
         sequence: 0,
         decode_alone: false,
+        max_tokens: Some(256),
+        ttft_objective_ms: None,
+        tpot_objective_ms: None,
     }
 }
 
@@ -103,6 +113,8 @@ pub(crate) fn canary_candidates() -> Candidates {
         kv_usage: Some(0.5),
         cache_fullness: Some(0.9),
         role: switchyard_ids::Role::Both,
+        predicted_ttft_ms: Some(40.0 + 0.5 * pending as f32),
+        predicted_tpot_ms: Some(10.0 + in_flight as f32),
     })
     .collect()
 }

@@ -20,10 +20,11 @@
 //!
 //! Request fields (all optional): `prompt_tokens` (default `prompt_blocks × block_size`),
 //! `prompt_blocks`, `block_size` (16), `session_key`, `seed` (1), `sequence` (the case's
-//! number, from 1: 0 is the canary's), `decode_alone` (true). Candidate fields: `id`
+//! number, from 1: 0 is the canary's), `decode_alone` (true), `max_tokens`,
+//! `ttft_objective_ms`, `tpot_objective_ms` (omitted: none). Candidate fields: `id`
 //! (required), `overlap_blocks`, `active_blocks`, `pending_prefill_tokens`, `in_flight`,
-//! `kv_usage` and `cache_fullness` (omitted: unknown), `role` (`both`, `prefill` or
-//! `decode`; default `both`).
+//! `kv_usage`, `cache_fullness`, `predicted_ttft_ms` and `predicted_tpot_ms` (omitted:
+//! unknown), `role` (`both`, `prefill` or `decode`; default `both`).
 //! `expect`: `{"worker": ID}`, `{"worker_in": [IDs]}`, `{"pair": [PREFILL, DECODE]}` (a
 //! split request), `{"reject": KIND}` (`all-busy`, `no-fit`, `refused`, or `any`), or
 //! `{"answer": true}` (any valid answer).
@@ -62,6 +63,9 @@ pub struct CaseRequest {
     seed: Option<u64>,
     sequence: Option<u64>,
     decode_alone: Option<bool>,
+    max_tokens: Option<u32>,
+    ttft_objective_ms: Option<u32>,
+    tpot_objective_ms: Option<u32>,
 }
 
 /// A case's candidate worker.
@@ -79,6 +83,8 @@ pub struct CaseCandidate {
     in_flight: u32,
     kv_usage: Option<f32>,
     cache_fullness: Option<f32>,
+    predicted_ttft_ms: Option<f32>,
+    predicted_tpot_ms: Option<f32>,
     #[serde(default)]
     role: CaseRole,
 }
@@ -151,6 +157,9 @@ impl Case {
             seed: r.seed.unwrap_or(1),
             sequence: r.sequence.unwrap_or(index as u64 + 1),
             decode_alone: r.decode_alone.unwrap_or(true),
+            max_tokens: r.max_tokens,
+            ttft_objective_ms: r.ttft_objective_ms,
+            tpot_objective_ms: r.tpot_objective_ms,
         };
         let mut rows: Vec<CandidateRow> = self
             .candidates
@@ -168,6 +177,8 @@ impl Case {
                     CaseRole::Prefill => Role::Prefill,
                     CaseRole::Decode => Role::Decode,
                 },
+                predicted_ttft_ms: c.predicted_ttft_ms,
+                predicted_tpot_ms: c.predicted_tpot_ms,
             })
             .collect();
         // The router hands candidates sorted by ID.

@@ -57,9 +57,9 @@ pub enum PolicyError {
     /// The bytes are not a WebAssembly component (e.g. a core module or garbage).
     #[error("not a WebAssembly component: {0}")]
     NotAComponent(String),
-    /// A component, but not one implementing `switchyard:policy@0.3.0` (or 0.2.0, 0.1.0).
+    /// A component, but not one implementing `switchyard:policy@0.4.0` (or 0.3.0, 0.2.0, 0.1.0).
     #[error(
-        "the component does not implement the switchyard:policy@0.3.0 world `policy` (nor 0.2.0 or 0.1.0): {0}"
+        "the component does not implement the switchyard:policy@0.4.0 world `policy` (nor 0.3.0, 0.2.0 or 0.1.0): {0}"
     )]
     WrongWorld(String),
     /// The component imports something the sandbox does not grant.

@@ -61,7 +61,7 @@ pub struct PolicyInfo {
     pub load_time: Duration,
     /// Whether the compiled code came from a cache.
     pub cache: CacheOutcome,
-    /// The world version it implements (`switchyard:policy@0.3.0`, or `@0.2.0` or
+    /// The world version it implements (`switchyard:policy@0.4.0`, or `@0.3.0`, `@0.2.0` or
     /// `@0.1.0` for a component built against an earlier WIT).
     pub world: &'static str,
 }

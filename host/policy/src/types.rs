@@ -21,6 +21,12 @@ pub struct Request {
     pub sequence: u64,
     /// A `decode` worker may serve the request alone (vLLM's handoff; not SGLang's).
     pub decode_alone: bool,
+    /// The most output tokens it asks for, if it says.
+    pub max_tokens: Option<u32>,
+    /// Its time-to-first-token objective, ms, if any.
+    pub ttft_objective_ms: Option<u32>,
+    /// Its time-per-output-token objective, ms, if any.
+    pub tpot_objective_ms: Option<u32>,
 }
 
 impl Request {
@@ -33,6 +39,9 @@ impl Request {
             seed: self.seed,
             sequence: self.sequence,
             decode_alone: self.decode_alone,
+            max_tokens: self.max_tokens,
+            ttft_objective_ms: self.ttft_objective_ms,
+            tpot_objective_ms: self.tpot_objective_ms,
         }
     }
 }
@@ -51,6 +60,11 @@ fn role_from_wit(r: wit::Role) -> Role {
         wit::Role::Prefill => Role::Prefill,
         wit::Role::Decode => Role::Decode,
     }
+}
+
+/// A column's value, where it is one (negative and non-finite mean unknown).
+fn known(v: f32) -> Option<f32> {
+    (v >= 0.0 && v.is_finite()).then_some(v)
 }
 
 /// One candidate worker, as pushed into [`Candidates`].
@@ -74,6 +88,10 @@ pub struct CandidateRow {
     pub cache_fullness: Option<f32>,
     /// What it does in a fleet that splits prefill from decode.
     pub role: Role,
+    /// Its latency model's predicted time to first token for this request, ms, if known.
+    pub predicted_ttft_ms: Option<f32>,
+    /// ... and time per output token, ms, if known.
+    pub predicted_tpot_ms: Option<f32>,
 }
 
 /// The candidate workers of one decision, as parallel columns (struct of arrays).
@@ -106,6 +124,8 @@ impl Candidates {
                 kv_usage: Vec::with_capacity(n),
                 cache_fullness: Vec::with_capacity(n),
                 roles: Vec::with_capacity(n),
+                predicted_ttft_ms: Vec::with_capacity(n),
+                predicted_tpot_ms: Vec::with_capacity(n),
             },
             ascending: true,
         }
@@ -123,6 +143,10 @@ impl Candidates {
         c.kv_usage.push(row.kv_usage.unwrap_or(-1.0));
         c.cache_fullness.push(row.cache_fullness.unwrap_or(-1.0));
         c.roles.push(role_to_wit(row.role));
+        c.predicted_ttft_ms
+            .push(row.predicted_ttft_ms.unwrap_or(-1.0));
+        c.predicted_tpot_ms
+            .push(row.predicted_tpot_ms.unwrap_or(-1.0));
     }
 
     /// Removes every candidate, keeping the allocations.
@@ -136,6 +160,8 @@ impl Candidates {
         c.kv_usage.clear();
         c.cache_fullness.clear();
         c.roles.clear();
+        c.predicted_ttft_ms.clear();
+        c.predicted_tpot_ms.clear();
         self.ascending = true;
     }
 
@@ -151,6 +177,8 @@ impl Candidates {
         c.kv_usage.clone_from(&o.kv_usage);
         c.cache_fullness.clone_from(&o.cache_fullness);
         c.roles.clone_from(&o.roles);
+        c.predicted_ttft_ms.clone_from(&o.predicted_ttft_ms);
+        c.predicted_tpot_ms.clone_from(&o.predicted_tpot_ms);
         self.ascending = other.ascending;
     }
 
@@ -176,6 +204,8 @@ impl Candidates {
             kv_usage: (c.kv_usage[i] >= 0.0).then_some(c.kv_usage[i]),
             cache_fullness: (c.cache_fullness[i] >= 0.0).then_some(c.cache_fullness[i]),
             role: role_from_wit(c.roles[i]),
+            predicted_ttft_ms: known(c.predicted_ttft_ms[i]),
+            predicted_tpot_ms: known(c.predicted_tpot_ms[i]),
         }
     }
 
@@ -233,6 +263,7 @@ impl Candidates {
             in_flight: &self.cols.in_flight,
             kv_usage: &self.cols.kv_usage,
             cache_fullness: &self.cols.cache_fullness,
+            predicted_ttft_ms: &self.cols.predicted_ttft_ms,
         }
     }
 }

@@ -485,13 +485,8 @@ mod tests {
             .enumerate()
             .map(|(i, &role)| CandidateRow {
                 id: InstanceId(i as u64),
-                overlap_blocks: 0,
-                active_blocks: 0,
-                pending_prefill_tokens: 0,
-                in_flight: 0,
-                kv_usage: None,
-                cache_fullness: None,
                 role,
+                ..CandidateRow::default()
             })
             .collect()
     }

@@ -16,11 +16,22 @@
 //! prefill[i] = pending_prefill_tokens[i] / B
 //!            + u[i] * (1 + overload_weight * q + stall_weight * s[i]
 //!                        + eviction_weight * f[i])
+//! wait[i]    = pending_prefill_tokens[i] / B + u[i]            (the request's own wait)
+//!            = predicted_ttft_ms[i] / tau     when every candidate's is known and
+//!                                             latency_weight is 1 (see below)
 //! cost[i]    = overlap_weight * prefill[i]
 //!            + in_flight_weight * n[i]
 //!            + active_weight * (active_blocks[i] + P)
 //!            + pressure_weight * k[i] * P
 //! ```
+//!
+//! With the workers' latency models (`predicted_ttft_ms`, known for every candidate), the
+//! request's own wait is the predicted time to its first token on each, in blocks of the
+//! fleet's average wait per block (`tau`: the candidates' predicted waits over their
+//! `wait[i] + 1`, summed): the same order of magnitude as the blocks it replaces, but
+//! each worker at its own measured speed, with what its queue of *requests* costs besides
+//! their tokens (a full batch's turnover; `latency_weight` between 0 and 1 blends the
+//! two, 0 is the blocks alone).
 //!
 //! Everything is in blocks of prefill work. The first line is the request's own wait for
 //! its first token (the prefill queued ahead of it, then its own). An uncached block
@@ -99,6 +110,11 @@ pub struct KvCostConfig {
     /// hold it longer than its prefill stalls the lone worker's decoding requests, all
     /// together, as Dynamo bounds its prefill queue. `0` leaves only that rule.
     pub max_local_prefill_tokens: f64,
+    /// How much of the request's own wait is the workers' predicted time to first token
+    /// (in blocks of the fleet's average time per block) rather than its blocks queued and
+    /// uncached: 1 (the default) uses the predictions whenever every candidate has one,
+    /// 0 never.
+    pub latency_weight: f64,
     /// Disaggregated fleets: what a block moved to a decode worker costs, relative to
     /// one computed (it is copied, not computed: ~1/20 with a fast interconnect). Prices
     /// the decode worker's overlap when choosing it.
@@ -119,6 +135,7 @@ impl Default for KvCostConfig {
             overload_weight: 4.0,
             max_local_prefill_tokens: 1000.0,
             transfer_weight: 0.05,
+            latency_weight: 1.0,
         }
     }
 }
@@ -132,6 +149,12 @@ impl KvCostConfig {
         } else {
             serde_json::from_str(text).map_err(|e| format!("invalid kv-cost config: {e}"))?
         };
+        if config.latency_weight > 1.0 {
+            return Err(format!(
+                "invalid kv-cost config: latency_weight is a share from 0 to 1, got {}",
+                config.latency_weight
+            ));
+        }
         for (name, value) in [
             ("overlap_weight", config.overlap_weight),
             ("temperature", config.temperature),
@@ -144,6 +167,7 @@ impl KvCostConfig {
             ("overload_weight", config.overload_weight),
             ("max_local_prefill_tokens", config.max_local_prefill_tokens),
             ("transfer_weight", config.transfer_weight),
+            ("latency_weight", config.latency_weight),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(format!(
@@ -182,6 +206,9 @@ pub struct CandidateView<'a> {
     pub kv_usage: &'a [f32],
     /// How full each candidate's prefix cache is, in [0, 1] (negative: unknown).
     pub cache_fullness: &'a [f32],
+    /// Each candidate's predicted time to first token for the request, ms (negative:
+    /// unknown).
+    pub predicted_ttft_ms: &'a [f32],
 }
 
 impl CandidateView<'_> {
@@ -195,6 +222,7 @@ impl CandidateView<'_> {
             .min(self.in_flight.len())
             .min(self.kv_usage.len())
             .min(self.cache_fullness.len())
+            .min(self.predicted_ttft_ms.len())
     }
 
     /// True when there is no candidate.
@@ -221,6 +249,9 @@ struct Costs {
     least_in_flight: f64,
     /// The stall's price per request in flight above `least_in_flight`.
     local_stall: f64,
+    /// The fleet's average predicted wait per block of wait, ms, when every candidate's
+    /// time to first token is predicted (and `latency_weight` uses it).
+    tau: Option<f64>,
 }
 
 impl Costs {
@@ -245,39 +276,59 @@ impl Costs {
         // candidate, scaled down as the whole fleet queues.
         let least = c.in_flight[..c.len()].iter().copied().min().unwrap_or(0);
         let stall = config.stall_weight * f64::from(least);
+        let per_token = 1.0 / f64::from(req.block_size.max(1));
+        let blocks = f64::from(req.prompt_blocks);
+        let tau = (config.latency_weight > 0.0)
+            .then(|| {
+                let (mut ms, mut waits) = (0.0, 0.0);
+                for i in 0..c.len() {
+                    let t = c.predicted_ttft_ms[i];
+                    if !(t >= 0.0 && t.is_finite()) {
+                        return None;
+                    }
+                    let uncached = blocks - f64::from(c.overlap_blocks[i].min(req.prompt_blocks));
+                    ms += f64::from(t);
+                    waits += f64::from(c.pending_prefill_tokens[i]) * per_token + uncached + 1.0;
+                }
+                (ms > 0.0 && waits > 0.0).then(|| ms / waits)
+            })
+            .flatten();
         Costs {
             config: *config,
-            blocks: f64::from(req.prompt_blocks),
-            per_token: 1.0 / f64::from(req.block_size.max(1)),
+            blocks,
+            per_token,
             prompt_blocks: req.prompt_blocks,
             base: 1.0 + config.overload_weight * floor + stall,
             least_in_flight: f64::from(least),
             local_stall: config.stall_weight * config.stall_local / (1.0 + floor),
+            tau,
         }
     }
 
     #[inline]
     fn of(&self, c: &CandidateView<'_>, i: usize) -> f64 {
-        self.cost(
-            c.overlap_blocks[i],
-            c.active_blocks[i],
-            c.pending_prefill_tokens[i],
-            c.in_flight[i],
-            c.kv_usage[i],
-            c.cache_fullness[i],
-        )
+        self.cost(Row {
+            overlap: c.overlap_blocks[i],
+            active: c.active_blocks[i],
+            pending: c.pending_prefill_tokens[i],
+            in_flight: c.in_flight[i],
+            usage: c.kv_usage[i],
+            fullness: c.cache_fullness[i],
+            ttft_ms: c.predicted_ttft_ms[i],
+        })
     }
 
     #[inline(always)]
-    fn cost(
-        &self,
-        overlap: u32,
-        active: u32,
-        pending: u32,
-        in_flight: u32,
-        usage: f32,
-        fullness: f32,
-    ) -> f64 {
+    fn cost(&self, row: Row) -> f64 {
+        let Row {
+            overlap,
+            active,
+            pending,
+            in_flight,
+            usage,
+            fullness,
+            ttft_ms,
+        } = row;
         let k = &self.config;
         let uncached = self.blocks - f64::from(overlap.min(self.prompt_blocks));
         let n = f64::from(in_flight);
@@ -285,13 +336,31 @@ impl Costs {
         let usage = f64::from(usage.clamp(0.0, 1.0));
         let fullness = f64::from(fullness.clamp(0.0, 1.0));
         let stall = self.local_stall * (n - self.least_in_flight);
-        let prefill = f64::from(pending) * self.per_token
-            + uncached * (self.base + stall + k.eviction_weight * fullness);
+        // The request's own wait: its blocks queued and uncached, or its predicted time to
+        // first token in blocks of the fleet's average.
+        let mut wait = f64::from(pending) * self.per_token + uncached;
+        if let Some(tau) = self.tau {
+            let w = k.latency_weight;
+            wait = (1.0 - w) * wait + w * f64::from(ttft_ms) / tau;
+        }
+        let prefill = wait + uncached * (self.base - 1.0 + stall + k.eviction_weight * fullness);
         k.overlap_weight * prefill
             + k.in_flight_weight * n
             + k.active_weight * (f64::from(active) + self.blocks)
             + k.pressure_weight * usage * self.blocks
     }
+}
+
+/// One candidate's columns.
+#[derive(Clone, Copy)]
+struct Row {
+    overlap: u32,
+    active: u32,
+    pending: u32,
+    in_flight: u32,
+    usage: f32,
+    fullness: f32,
+    ttft_ms: f32,
 }
 
 /// Picks a candidate index, or `None` when there are no candidates.
@@ -318,11 +387,20 @@ pub fn choose(config: &KvCostConfig, req: &RequestShape, c: &CandidateView<'_>) 
         .zip(&c.pending_prefill_tokens[..n])
         .zip(&c.in_flight[..n])
         .zip(&c.kv_usage[..n])
-        .zip(&c.cache_fullness[..n]);
-    for (i, (((((&overlap, &active), &pending), &in_flight), &usage), &fullness)) in
+        .zip(&c.cache_fullness[..n])
+        .zip(&c.predicted_ttft_ms[..n]);
+    for (i, ((((((&overlap, &active), &pending), &in_flight), &usage), &fullness), &ttft_ms)) in
         rows.enumerate()
     {
-        let x = costs.cost(overlap, active, pending, in_flight, usage, fullness);
+        let x = costs.cost(Row {
+            overlap,
+            active,
+            pending,
+            in_flight,
+            usage,
+            fullness,
+            ttft_ms,
+        });
         if x < best {
             best = x;
             pick = i;
@@ -484,13 +562,14 @@ fn choose_among(
     fn pick<T: Copy>(col: &[T], rows: &[usize]) -> Vec<T> {
         rows.iter().map(|&i| col[i]).collect()
     }
-    let (o, a, p, f, u, k) = (
+    let (o, a, p, f, u, k, t) = (
         pick(c.overlap_blocks, rows),
         pick(c.active_blocks, rows),
         pick(c.pending_prefill_tokens, rows),
         pick(c.in_flight, rows),
         pick(c.kv_usage, rows),
         pick(c.cache_fullness, rows),
+        pick(c.predicted_ttft_ms, rows),
     );
     let sub = CandidateView {
         overlap_blocks: &o,
@@ -499,6 +578,7 @@ fn choose_among(
         in_flight: &f,
         kv_usage: &u,
         cache_fullness: &k,
+        predicted_ttft_ms: &t,
     };
     choose(config, req, &sub).map(|j| rows[j])
 }

@@ -12,6 +12,7 @@ fn view<'a>(o: &'a [u32], a: &'a [u32], p: &'a [u32]) -> CandidateView<'a> {
         in_flight: &ZEROS[..o.len()],
         kv_usage: &UNKNOWN[..o.len()],
         cache_fullness: &UNKNOWN[..o.len()],
+        predicted_ttft_ms: &UNKNOWN[..o.len()],
     }
 }
 
@@ -379,4 +380,40 @@ fn empty_candidates_give_none() {
         choose(&KvCostConfig::default(), &req, &view(&[], &[], &[])),
         None
     );
+}
+
+/// With every candidate's time to first token predicted, the request's own wait is the
+/// prediction (in blocks of the fleet's average): a worker whose queue of requests costs
+/// more than its blocks say (a full batch turning over slowly) loses to one that costs
+/// less, where the blocks alone call them even; with `latency_weight` 0, or a prediction
+/// missing, the blocks decide as before.
+#[test]
+fn the_predicted_time_to_first_token_is_the_requests_own_wait() {
+    let req = RequestShape {
+        prompt_blocks: 4,
+        block_size: 16,
+        seed: 3,
+    };
+    // Equal blocks queued and cached; worker 0 predicted 900 ms, worker 1 90 ms.
+    let predicted = [900.0, 90.0];
+    let mut c = view(&[2, 2], &[0, 0], &[64, 64]);
+    c.predicted_ttft_ms = &predicted;
+    let k = KvCostConfig::default();
+    assert_eq!(choose(&k, &req, &c), Some(1));
+    let (c0, c1) = (cost(&k, &req, &c, 0), cost(&k, &req, &c, 1));
+    // tau = 990 ms over (4 + 2 + 1) * 2 blocks: 70.7 ms a block; 12.7 against 1.3 blocks.
+    assert!((c0 - c1 - 810.0 / (990.0 / 14.0)).abs() < 1e-9, "{c0} {c1}");
+    let off = KvCostConfig {
+        latency_weight: 0.0,
+        ..k
+    };
+    assert_eq!(cost(&off, &req, &c, 0), cost(&off, &req, &c, 1));
+    let partial = [900.0, -1.0];
+    c.predicted_ttft_ms = &partial;
+    assert_eq!(
+        cost(&k, &req, &c, 0),
+        cost(&k, &req, &c, 1),
+        "one unknown: blocks"
+    );
+    assert!(KvCostConfig::from_json(r#"{"latency_weight": 1.5}"#).is_err());
 }

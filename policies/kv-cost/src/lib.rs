@@ -2,8 +2,9 @@
 //! decode cost is lowest, so requests go to the worker that already caches their prefix
 //! unless that worker is much busier; on a fleet that splits prefill from decode, to the
 //! prefill and decode pair that does so (or one worker, for a prompt whose uncached
-//! part is short). The decision itself lives in `switchyard-cost-model`, shared with
-//! the host's native fallback.
+//! part is short). A request's own wait is each worker's predicted time to its first
+//! token where the router predicts it. The decision itself lives in
+//! `switchyard-cost-model`, shared with the host's native fallback.
 
 use std::cell::Cell;
 use switchyard::policy::types::{Pair, RejectionKind, Role};
@@ -45,6 +46,7 @@ impl Guest for KvCost {
             in_flight: &candidates.in_flight,
             kv_usage: &candidates.kv_usage,
             cache_fullness: &candidates.cache_fullness,
+            predicted_ttft_ms: &candidates.predicted_ttft_ms,
         };
         let role = |i: usize| match candidates.roles.get(i) {
             Some(Role::Prefill) => cost::Role::Prefill,

@@ -261,27 +261,22 @@ impl KvRouter {
     }
 
     /// What the router would do with a request, without routing it: the candidates as
-    /// the policy would see them, what each worker's latency model predicts for it, and
+    /// the policy would see them (each worker's predicted latency for it among them), and
     /// the policy's decision (nothing is booked or predicted, and it is not counted
     /// among the decisions made). Saturated workers are shown but, as in
     /// [`KvRouter::place`], not offered to the policy while a worker of their role has
     /// room.
-    pub fn explain(
-        &self,
-        prompt_tokens: u32,
-        hashes: &[BlockHash],
-    ) -> (Candidates, Vec<(InstanceId, Prediction)>, Decision) {
+    pub fn explain(&self, prompt_tokens: u32, hashes: &[BlockHash]) -> (Candidates, Decision) {
         let ask = Ask::new(prompt_tokens, hashes);
         let Gathered {
             candidates,
             saturation,
-            predictions,
             ..
         } = self.gather(&ask, &[]);
         let saturated: Vec<bool> = saturation.iter().map(|s| s.avoided).collect();
         let request = Request {
             decode_alone: !candidates.disaggregated() || self.decode_alone(),
-            ..self.request(prompt_tokens, hashes, None)
+            ..self.request(&ask)
         };
         let decision = if saturated.iter().any(|s| *s) {
             self.policy
@@ -289,24 +284,23 @@ impl KvRouter {
         } else {
             self.policy.dry_run(request, &candidates)
         };
-        (candidates, predictions, decision)
+        (candidates, decision)
     }
 
-    /// The policy's view of a request with these block hashes.
-    fn request(
-        &self,
-        prompt_tokens: u32,
-        hashes: &[BlockHash],
-        session_key: Option<u64>,
-    ) -> Request {
+    /// The policy's view of a request.
+    fn request(&self, ask: &Ask<'_>) -> Request {
+        let ms = |d: std::time::Duration| u32::try_from(d.as_millis()).unwrap_or(u32::MAX);
         Request {
-            prompt_tokens,
-            prompt_blocks: hashes.len() as u32,
+            prompt_tokens: ask.prompt_tokens,
+            prompt_blocks: ask.hashes.len() as u32,
             block_size: self.config.block_size,
-            session_key,
+            session_key: ask.session_key,
             seed: 0,
             sequence: 0,
             decode_alone: true,
+            max_tokens: ask.max_tokens,
+            ttft_objective_ms: ask.objectives.ttft.map(ms),
+            tpot_objective_ms: ask.objectives.tpot.map(ms),
         }
     }
 

@@ -10,6 +10,11 @@ use switchyard_kv::load::Watch;
 use switchyard_policy::{CandidateRow, Candidates, Decider, DecisionOutcome, Request};
 
 use super::views::{Admit, Saturated};
+
+/// A duration in milliseconds, as the policy sees it.
+fn ms(d: Duration) -> f32 {
+    (d.as_secs_f64() * 1e3) as f32
+}
 use super::{Gathered, KvRouter};
 use crate::{
     Ask, Placing, Prediction, PrefillLeg, RouteError, Routed, has_room, quality, unsaturated,
@@ -146,7 +151,7 @@ impl KvRouter {
         let prompt_blocks = ask.hashes.len() as u32;
         let request = Request {
             decode_alone,
-            ..self.request(ask.prompt_tokens, ask.hashes, ask.session_key)
+            ..self.request(ask)
         };
         let decision = self.policy.decide(request, &candidates);
         if let Some(shadow) = &*self.shadow.load() {
@@ -404,6 +409,8 @@ impl KvRouter {
                     .instances
                     .get(&id)
                     .map_or(Role::Both, |s| s.info.role),
+                predicted_ttft_ms: predicted.ttft.map(ms),
+                predicted_tpot_ms: predicted.tpot.map(ms),
             });
         }
         Gathered {

@@ -172,8 +172,7 @@ pub(super) async fn explain(
         .hasher()
         .salted_hashes(&tokens, parsed.cache_salt.as_deref());
     let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
-    let (candidates, predictions, decision) = router.explain(prompt_tokens, &hashes);
-    let ms = |d: Option<std::time::Duration>| d.map(|d| (d.as_secs_f64() * 1e4).round() / 10.0);
+    let (candidates, decision) = router.explain(prompt_tokens, &hashes);
     let snap = router.client().snapshot();
     let rows: Vec<Value> = (0..candidates.len())
         .map(|i| {
@@ -190,8 +189,8 @@ pub(super) async fn explain(
                 "cache_fullness": c.cache_fullness,
                 "cache_view": router.cache_view(c.id),
                 "saturated": router.saturation_of(c.id),
-                "predicted_ttft_ms": predictions.get(i).map(|(_, p)| ms(p.ttft)),
-                "predicted_tpot_ms": predictions.get(i).map(|(_, p)| ms(p.tpot)),
+                "predicted_ttft_ms": c.predicted_ttft_ms,
+                "predicted_tpot_ms": c.predicted_tpot_ms,
             })
         })
         .collect();
