@@ -194,6 +194,10 @@ pub struct ReplayArgs {
     /// unchanged (1.5: half again the load).
     #[arg(long, default_value_t = 1.0)]
     pub load: f64,
+    /// Ask for whole (non-streamed) answers: the client's first byte is the answer's
+    /// end, so TTFT is the whole answer's time, and goodput counts the E2E SLO alone.
+    #[arg(long)]
+    pub whole: bool,
     /// Mark this share of the requests interactive (`x-switchyard-priority: high`) and
     /// the rest batch (`low`), each with a deadline (`--queue-deadline-secs`);
     /// the table then gives goodput, refusals and TTFT per class.
@@ -289,6 +293,7 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         "--load must be positive"
     );
     config.load = args.load;
+    config.whole = args.whole;
     if let Some(share) = args.interactive_share {
         anyhow::ensure!(
             (0.0..=1.0).contains(&share),

@@ -92,6 +92,7 @@ pub fn read_records(text: &str, speedup: f64) -> Result<(Vec<Outcome>, f64), Str
                     status: None,
                     error: None,
                     class: None,
+                    whole: false,
                 },
                 (_, _, error) => Outcome {
                     ok: false,
@@ -104,6 +105,7 @@ pub fn read_records(text: &str, speedup: f64) -> Result<(Vec<Outcome>, f64), Str
                     status: error.as_deref().and_then(http_status),
                     error: Some(error.unwrap_or_else(|| "no time to first token".into())),
                     class: None,
+                    whole: false,
                 },
             },
         );

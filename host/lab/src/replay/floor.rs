@@ -33,7 +33,7 @@ pub fn ratios(served: &[(f64, f64)]) -> Option<[f64; 2]> {
     let (mut ttft, mut floor): (Vec<f64>, Vec<f64>) = served.iter().copied().unzip();
     ttft.sort_by(f64::total_cmp);
     floor.sort_by(f64::total_cmp);
-    let p99 = |v: &[f64]| super::report::percentile(v, 0.99);
+    let p99 = |v: &[f64]| super::stats::percentile(v, 0.99);
     let ratio = |a: f64, b: f64| (b > 0.0).then_some(a / b);
     Some([
         ratio(mean(&ttft), mean(&floor))?,

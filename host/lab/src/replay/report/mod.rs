@@ -6,12 +6,7 @@ use serde_json::json;
 
 use super::{Bounds, PolicyRun, Slo};
 
-pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
+use super::stats::percentile;
 
 /// Summary figures of one run.
 #[derive(Debug, Clone, PartialEq)]
@@ -69,10 +64,7 @@ pub fn summarise(run: &PolicyRun, slo: Slo) -> Summary {
         .flat_map(|o| o.itl.iter().map(|&g| f64::from(g)))
         .collect();
     itl.sort_by(f64::total_cmp);
-    let good = ok
-        .iter()
-        .filter(|o| o.ttft <= slo.ttft && o.e2e <= slo.e2e)
-        .count();
+    let good = ok.iter().filter(|o| slo.met(o)).count();
     let refused = run.outcomes.iter().filter(|o| refused(o.status)).count();
     let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
     let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
@@ -254,10 +246,7 @@ pub fn by_class(run: &PolicyRun, slo: Slo) -> Vec<ClassSummary> {
                 .collect();
             let mut ttft: Vec<f64> = all.iter().filter(|o| o.ok).map(|o| o.ttft).collect();
             ttft.sort_by(f64::total_cmp);
-            let good = all
-                .iter()
-                .filter(|o| o.ok && o.ttft <= slo.ttft && o.e2e <= slo.e2e)
-                .count();
+            let good = all.iter().filter(|o| o.ok && slo.met(o)).count();
             let status = |s: &[u16]| {
                 all.iter()
                     .filter(|o| o.status.is_some_and(|x| s.contains(&x)))

@@ -12,6 +12,7 @@ fn outcome(ttft: f64, e2e: f64, status: Option<u16>) -> Outcome {
         status,
         error: status.map(|s| format!("{s}")),
         class: None,
+        whole: false,
     }
 }
 
