@@ -1,27 +1,30 @@
 //! Predicted latency, per worker, learned online: for a request sent to a worker now,
 //! how long until its first token (TTFT) and how long each token after it takes (TPOT).
 //!
-//! Both are two-feature linear fits through the origin with non-negative coefficients,
-//! over samples discounted by 1/32 each (recent traffic weighs most):
+//! Both are linear fits through the origin with non-negative coefficients, over samples
+//! discounted by 1/32 each (recent traffic weighs most):
 //!
 //! - **TTFT** `= a × (requests ahead + 1) + s × (uncached tokens ahead + its own)`: the
 //!   requests ahead are this router's requests on the worker still awaiting their first
 //!   token, the tokens ahead their uncached prompt tokens. `s` is the worker's time per
 //!   prefilled token; `a` what each request costs besides its tokens: a scheduler step,
-//!   the HTTP round trip, and, on a worker whose batch is full, the wait for a slot (a
+//!   the round trip, and, on a worker whose batch is full, the wait for a slot (a
 //!   request's turn comes when one ends, whatever its prompt). Learned from every first
-//!   token the router sees (a stream's first chunk, a prefill leg's answer) and from the
-//!   ones it infers (a whole answer's duration less its tokens at the predicted TPOT).
-//! - **TPOT** `= α + β × requests in flight`: a decode step grows with the batch it
-//!   runs. Learned from streams (their time from first to last token over their tokens
-//!   after the first) and from what engines report (the mean inter-token latency
-//!   between two scrapes of their `/metrics`, at the load they reported).
+//!   token the router sees (a stream's first chunk, a prefill leg's answer), with what
+//!   was ahead of its request when it was booked, and from the ones it infers (a whole
+//!   answer's duration less its tokens at the predicted TPOT).
+//! - **TPOT** `= α + β × requests in flight + γ × uncached tokens pending`: a decode step
+//!   grows with the batch it runs, and with the prefill chunks the engine schedules beside
+//!   it (vLLM V1 and SGLang compute prompts in chunks within each step's token budget, so
+//!   a worker with prefill to do decodes slower). Learned from streams (their time from
+//!   first to last token over their tokens after the first) and from what engines report
+//!   (the mean inter-token latency between two reads of their `/metrics`).
 //!
 //! A fit predicts only after [`MIN_SAMPLES`] samples: unknown stays unknown (never
 //! zero, never infinite), and a fit, once known, stays known. With too little spread in
-//! one feature to tell the two apart (every request alone on the worker, or every
-//! prompt the same size) the fit falls back to the one feature that explains the samples
-//! best, which predicts right for requests like them.
+//! a feature to tell it apart from another (every request alone on the worker, or every
+//! prompt the same size) the fit is the best one over fewer features, which predicts
+//! right for requests like the ones seen.
 //!
 //! Pure: time is passed in as durations, and nothing here reads a clock.
 
@@ -30,73 +33,130 @@ use std::time::Duration;
 /// Weight left to the past by each sample.
 const DECAY: f64 = 1.0 - 1.0 / 32.0;
 /// Samples a fit needs before it predicts.
-pub const MIN_SAMPLES: u64 = 8;
+pub const MIN_SAMPLES: u64 = 2;
 /// Longest a latency sample may be: anything longer is not a latency (a stuck request
 /// released by the hard expiry, a clock jump) and is not learned from.
 const MAX_SAMPLE_SECS: f64 = 3600.0;
 /// How much less spread than magnitude a feature may have before the two features are
 /// taken to be one (the determinant relative to the product of the diagonal).
-const COLLINEAR: f64 = 1e-4;
+const COLLINEAR: f64 = 1e-3;
 
-/// `y ≈ c1 × x1 + c2 × x2` with `c1, c2 ≥ 0`, least squares over discounted samples.
+/// Features a fit can take.
+const N: usize = 3;
+
+/// `y ≈ c · x` over up to three features with every `c ≥ 0`, least squares over
+/// discounted samples. Where the samples cannot tell features apart, or the best fit of
+/// all of them has a negative coefficient, the fit is the best over fewer of them: of
+/// the subsets whose solution is non-negative, the one leaving the smallest residual
+/// (the smaller subset on a tie).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Fit {
-    s11: f64,
-    s12: f64,
-    s22: f64,
-    s1y: f64,
-    s2y: f64,
+    /// `Σ x xᵀ`, `Σ x y` and `Σ y²`, discounted.
+    sxx: [[f64; N]; N],
+    sxy: [f64; N],
     syy: f64,
     /// Samples taken, undiscounted.
     seen: u64,
-    /// The coefficients, solved at each sample (so that a prediction is two products).
-    coef: Option<(f64, f64)>,
+    /// The coefficients, solved at each sample (so that a prediction is three products).
+    coef: Option<[f64; N]>,
 }
 
 impl Fit {
     /// Learns one sample; one with a negative or non-finite value is ignored.
-    pub fn add(&mut self, x1: f64, x2: f64, y: f64) {
+    pub fn add(&mut self, x: [f64; N], y: f64) {
         let ok = |v: f64| v.is_finite() && v >= 0.0;
-        if !(ok(x1) && ok(x2) && ok(y)) || x1 + x2 == 0.0 {
+        if !(x.iter().all(|v| ok(*v)) && ok(y)) || x.iter().sum::<f64>() == 0.0 {
             return;
         }
-        self.s11 = self.s11 * DECAY + x1 * x1;
-        self.s12 = self.s12 * DECAY + x1 * x2;
-        self.s22 = self.s22 * DECAY + x2 * x2;
-        self.s1y = self.s1y * DECAY + x1 * y;
-        self.s2y = self.s2y * DECAY + x2 * y;
+        for i in 0..N {
+            for j in 0..N {
+                self.sxx[i][j] = self.sxx[i][j] * DECAY + x[i] * x[j];
+            }
+            self.sxy[i] = self.sxy[i] * DECAY + x[i] * y;
+        }
         self.syy = self.syy * DECAY + y * y;
         self.seen = self.seen.saturating_add(1);
         self.coef = self.solve();
     }
 
-    fn solve(&self) -> Option<(f64, f64)> {
-        let det = self.s11 * self.s22 - self.s12 * self.s12;
-        if self.s11 > 0.0 && self.s22 > 0.0 && det > COLLINEAR * self.s11 * self.s22 {
-            let c1 = (self.s1y * self.s22 - self.s2y * self.s12) / det;
-            let c2 = (self.s2y * self.s11 - self.s1y * self.s12) / det;
-            if c1 >= 0.0 && c2 >= 0.0 && c1.is_finite() && c2.is_finite() {
-                return Some((c1, c2));
+    fn solve(&self) -> Option<[f64; N]> {
+        let mut best: Option<([f64; N], f64, u32)> = None;
+        for mask in 1u32..(1 << N) {
+            let idx: Vec<usize> = (0..N).filter(|i| mask & (1 << i) != 0).collect();
+            if idx.iter().any(|&i| self.sxx[i][i] <= 0.0) {
+                continue;
+            }
+            let Some(c) = self.solve_subset(&idx) else {
+                continue;
+            };
+            let mut full = [0.0; N];
+            for (k, &i) in idx.iter().enumerate() {
+                full[i] = c[k];
+            }
+            let rss = (self.syy - (0..N).map(|i| full[i] * self.sxy[i]).sum::<f64>()).max(0.0);
+            let size = mask.count_ones();
+            let better = match best {
+                None => true,
+                Some((_, r, n)) => {
+                    let tol = 1e-9 * self.syy.abs().max(1e-30);
+                    rss < r - tol || (rss <= r + tol && size < n)
+                }
+            };
+            if better {
+                best = Some((full, rss, size));
             }
         }
-        // One feature alone: the one whose fit leaves the smaller residual.
-        let one = |sxx: f64, sxy: f64| (sxx > 0.0).then(|| (sxy / sxx, self.syy - sxy * sxy / sxx));
-        match (one(self.s11, self.s1y), one(self.s22, self.s2y)) {
-            (Some((c1, r1)), Some((c2, r2))) => Some(if r1 <= r2 { (c1, 0.0) } else { (0.0, c2) }),
-            (Some((c1, _)), None) => Some((c1, 0.0)),
-            (None, Some((c2, _))) => Some((0.0, c2)),
-            (None, None) => None,
-        }
+        best.map(|(c, _, _)| c)
     }
 
-    /// `c1 × x1 + c2 × x2`, once the fit has seen [`MIN_SAMPLES`] samples.
-    pub fn eval(&self, x1: f64, x2: f64) -> Option<f64> {
-        let (c1, c2) = self.coefficients()?;
-        Some(c1 * x1 + c2 * x2)
+    /// The least-squares coefficients over the features `idx`, if the system is well
+    /// conditioned and every coefficient is non-negative.
+    fn solve_subset(&self, idx: &[usize]) -> Option<Vec<f64>> {
+        let n = idx.len();
+        // Normalised so that the diagonal is 1: the conditioning test is then scale-free.
+        let d: Vec<f64> = idx.iter().map(|&i| self.sxx[i][i].sqrt()).collect();
+        let mut a = vec![vec![0.0; n + 1]; n];
+        for r in 0..n {
+            for c in 0..n {
+                a[r][c] = self.sxx[idx[r]][idx[c]] / (d[r] * d[c]);
+            }
+            a[r][n] = self.sxy[idx[r]] / d[r];
+        }
+        // Gaussian elimination with partial pivoting.
+        let mut det = 1.0;
+        for col in 0..n {
+            let pivot = (col..n).max_by(|x, y| a[*x][col].abs().total_cmp(&a[*y][col].abs()))?;
+            a.swap(col, pivot);
+            let p = a[col][col];
+            det *= p.abs();
+            if p.abs() < 1e-12 {
+                return None;
+            }
+            for r in 0..n {
+                if r != col {
+                    let f = a[r][col] / p;
+                    let pivot_row = a[col].clone();
+                    for (v, pv) in a[r].iter_mut().zip(pivot_row).skip(col) {
+                        *v -= f * pv;
+                    }
+                }
+            }
+        }
+        if det < COLLINEAR {
+            return None;
+        }
+        let c: Vec<f64> = (0..n).map(|r| a[r][n] / a[r][r] / d[r]).collect();
+        c.iter().all(|v| v.is_finite() && *v >= 0.0).then_some(c)
+    }
+
+    /// `c · x`, once the fit has seen [`MIN_SAMPLES`] samples.
+    pub fn eval(&self, x: [f64; N]) -> Option<f64> {
+        let c = self.coefficients()?;
+        Some((0..N).map(|i| c[i] * x[i]).sum())
     }
 
     /// The coefficients, once the fit has seen [`MIN_SAMPLES`] samples.
-    pub fn coefficients(&self) -> Option<(f64, f64)> {
+    pub fn coefficients(&self) -> Option<[f64; N]> {
         self.coef.filter(|_| self.seen >= MIN_SAMPLES)
     }
 
@@ -207,6 +267,35 @@ fn duration(s: f64) -> Option<Duration> {
     Duration::try_from_secs_f64(s).ok()
 }
 
+/// What a decode ran beside: the requests in flight on its worker and the uncached
+/// prompt tokens pending there.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Beside {
+    /// Requests in flight.
+    pub in_flight: f64,
+    /// Uncached prompt tokens pending.
+    pub pending_tokens: f64,
+}
+
+impl Beside {
+    fn ok(&self) -> bool {
+        let ok = |v: f64| v.is_finite() && v >= 0.0;
+        ok(self.in_flight) && ok(self.pending_tokens)
+    }
+
+    fn tpot_x(&self) -> [f64; 3] {
+        [1.0, self.in_flight.max(1.0), self.pending_tokens]
+    }
+
+    /// The mean of two (a decode's start and end).
+    pub fn mean(a: Beside, b: Beside) -> Beside {
+        Beside {
+            in_flight: (a.in_flight + b.in_flight) / 2.0,
+            pending_tokens: (a.pending_tokens + b.pending_tokens) / 2.0,
+        }
+    }
+}
+
 /// One worker's latency model (see the module's documentation).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LatencyModel {
@@ -223,25 +312,27 @@ impl LatencyModel {
     /// What a request with `f` would see on this worker.
     pub fn predict(&self, f: Features) -> Prediction {
         let (x1, x2) = f.ttft_x();
+        let beside = Beside {
+            in_flight: f64::from(f.in_flight),
+            pending_tokens: f.ahead_tokens as f64,
+        };
         Prediction {
-            ttft: self.ttft.eval(x1, x2).and_then(duration),
-            tpot: self
-                .tpot
-                .eval(1.0, f64::from(f.in_flight.max(1)))
-                .and_then(duration),
+            ttft: self.ttft.eval([x1, x2, 0.0]).and_then(duration),
+            tpot: self.tpot.eval(beside.tpot_x()).and_then(duration),
         }
     }
 
     /// How long the requests ahead keep a new request from its own prefill: the TTFT
     /// model over what is ahead alone (zero on a worker with nothing pending).
-    pub fn wait(&self, ahead_requests: u32, ahead_tokens: u64) -> Option<Duration> {
+    pub fn wait(&self, f: Features) -> Option<Duration> {
         self.ttft
-            .eval(f64::from(ahead_requests), ahead_tokens as f64)
+            .eval([f64::from(f.ahead_requests), f.ahead_tokens as f64, 0.0])
             .and_then(duration)
     }
 
-    /// A request predicted with `f` got its first token after `ttft`; `predicted`, what
-    /// was predicted for it then, counts towards the error.
+    /// A request booked with `f` ahead of it got its first token after `ttft`;
+    /// `predicted`, what was predicted for it then, counts towards the error (`None` for
+    /// a first token inferred, not seen).
     pub fn learn_ttft(&mut self, f: Features, ttft: Duration, predicted: Option<Duration>) {
         if secs(ttft) > MAX_SAMPLE_SECS {
             return;
@@ -250,19 +341,19 @@ impl LatencyModel {
             self.errors.ttft.add(p, ttft);
         }
         let (x1, x2) = f.ttft_x();
-        self.ttft.add(x1, x2, secs(ttft));
+        self.ttft.add([x1, x2, 0.0], secs(ttft));
     }
 
-    /// A stream's tokens after its first came `tpot` apart, at `in_flight` requests on
-    /// the worker (the mean over its decode).
-    pub fn learn_tpot(&mut self, in_flight: f64, tpot: Duration, predicted: Option<Duration>) {
-        if secs(tpot) > MAX_SAMPLE_SECS || !(in_flight.is_finite() && in_flight >= 0.0) {
+    /// A stream's tokens after its first came `tpot` apart, beside `beside` (the mean
+    /// over its decode).
+    pub fn learn_tpot(&mut self, beside: Beside, tpot: Duration, predicted: Option<Duration>) {
+        if secs(tpot) > MAX_SAMPLE_SECS || !beside.ok() {
             return;
         }
         if let Some(p) = predicted {
             self.errors.tpot.add(p, tpot);
         }
-        self.tpot.add(1.0, in_flight.max(1.0), secs(tpot));
+        self.tpot.add(beside.tpot_x(), secs(tpot));
     }
 
     /// A whole answer took `e2e`, `predicted` was its prediction.
@@ -283,15 +374,15 @@ impl LatencyModel {
         (self.output.1 > 0.0).then(|| self.output.0 / self.output.1)
     }
 
-    /// The engine's page at `in_flight` requests on the worker: the inter-token latency
-    /// since its last page is a TPOT sample (a counter that went back is a restarted
-    /// engine: a new start, nothing learned).
-    pub fn engine_report(&mut self, now: EngineLatency, in_flight: u32) {
+    /// The engine's page, read beside `beside`: the inter-token latency since its last
+    /// page is a TPOT sample (a counter that went back is a restarted engine: a new
+    /// start, nothing learned).
+    pub fn engine_report(&mut self, now: EngineLatency, beside: Beside) {
         if let Some(before) = self.engine.replace(now) {
             let n = now.itl_count - before.itl_count;
             let sum = now.itl_sum - before.itl_sum;
-            if n >= 1.0 && sum >= 0.0 && n.is_finite() && sum.is_finite() {
-                self.tpot.add(1.0, f64::from(in_flight.max(1)), sum / n);
+            if n >= 1.0 && sum >= 0.0 && n.is_finite() && sum.is_finite() && beside.ok() {
+                self.tpot.add(beside.tpot_x(), sum / n);
             }
         }
     }
@@ -303,12 +394,13 @@ impl LatencyModel {
 
     /// The TTFT fit's coefficients: seconds per request, seconds per uncached token.
     pub fn ttft_coefficients(&self) -> Option<(f64, f64)> {
-        self.ttft.coefficients()
+        self.ttft.coefficients().map(|c| (c[0], c[1]))
     }
 
-    /// The TPOT fit's coefficients: seconds per step, seconds per request in flight.
-    pub fn tpot_coefficients(&self) -> Option<(f64, f64)> {
-        self.tpot.coefficients()
+    /// The TPOT fit's coefficients: seconds per step, seconds per request in flight,
+    /// seconds per uncached token pending.
+    pub fn tpot_coefficients(&self) -> Option<(f64, f64, f64)> {
+        self.tpot.coefficients().map(|c| (c[0], c[1], c[2]))
     }
 
     /// Samples each fit has taken: TTFT, TPOT.
@@ -325,14 +417,10 @@ mod tests {
         Duration::from_secs_f64(v / 1e3)
     }
 
-    /// A worker prefilling 10,000 tokens a second with 20 ms per request on top: requests
-    /// alone and behind others, long prompts and fully cached ones.
+    /// A worker prefilling 10,000 tokens a second with 20 ms per request on top:
+    /// requests alone and behind others, long prompts and fully cached ones.
     fn worker_at_10k_tokens_a_second() -> LatencyModel {
         let mut m = LatencyModel::default();
-        let truth = |f: Features| {
-            let (x1, x2) = f.ttft_x();
-            ms(20.0 * x1 + 0.1 * x2)
-        };
         for i in 0..40u32 {
             let f = Features {
                 ahead_requests: i % 4,
@@ -340,7 +428,8 @@ mod tests {
                 uncached: [0, 300, 2000, 8000][(i % 3) as usize],
                 in_flight: 1 + i % 4,
             };
-            m.learn_ttft(f, truth(f), None);
+            let (x1, x2) = f.ttft_x();
+            m.learn_ttft(f, ms(20.0 * x1 + 0.1 * x2), None);
         }
         m
     }
@@ -360,7 +449,11 @@ mod tests {
         let p = m.predict(f).ttft.expect("known after MIN_SAMPLES");
         assert!((p.as_secs_f64() - 0.12).abs() < 1e-9, "{p:?}");
         assert_eq!(m.predict(f).tpot, None, "no stream seen: TPOT unknown");
-        assert_eq!(m.wait(0, 0), Some(Duration::ZERO), "nothing ahead: no wait");
+        assert_eq!(
+            m.wait(Features::default()),
+            Some(Duration::ZERO),
+            "nothing ahead: no wait"
+        );
     }
 
     /// Concurrent requests (others ahead) and cached ones (no uncached tokens): both
@@ -386,7 +479,7 @@ mod tests {
         };
         let p = m.predict(behind).ttft.unwrap().as_secs_f64();
         assert!((p - (0.080 + 2.1)).abs() < 1e-6, "{p}");
-        let w = m.wait(3, 20_000).unwrap().as_secs_f64();
+        let w = m.wait(behind).unwrap().as_secs_f64();
         assert!((w - 2.06).abs() < 1e-6, "the queue ahead alone: {w}");
     }
 
@@ -424,40 +517,55 @@ mod tests {
             };
             m.learn_ttft(f, ms(300.0 * f64::from(ahead + 1)), None);
         }
-        let w = m.wait(5, 100).unwrap().as_secs_f64();
+        let five = Features {
+            ahead_requests: 5,
+            ahead_tokens: 100,
+            ..Features::default()
+        };
+        let w = m.wait(five).unwrap().as_secs_f64();
         assert!((w - 1.5).abs() < 0.01, "five ahead at 300 ms each: {w}");
     }
 
     #[test]
-    fn tpot_grows_with_the_batch_and_engines_teach_it_too() {
+    fn tpot_grows_with_the_batch_and_the_prefill_beside_it() {
         let mut m = LatencyModel::default();
         for b in [1.0, 4.0, 8.0, 16.0] {
-            for _ in 0..3 {
-                m.learn_tpot(b, ms(10.0 + 0.5 * b), None);
+            for p in [0.0, 4000.0, 16000.0] {
+                let beside = Beside {
+                    in_flight: b,
+                    pending_tokens: p,
+                };
+                m.learn_tpot(beside, ms(10.0 + 0.5 * b + 0.002 * p), None);
             }
         }
-        let at = |n| {
+        let at = |n, p| {
             m.predict(Features {
                 in_flight: n,
+                ahead_tokens: p,
                 ..Features::default()
             })
             .tpot
             .unwrap()
             .as_secs_f64()
         };
-        assert!((at(1) - 0.0105).abs() < 1e-9 && (at(32) - 0.026).abs() < 1e-9);
+        assert!((at(1, 0) - 0.0105).abs() < 1e-9, "{}", at(1, 0));
+        assert!((at(32, 10_000) - 0.046).abs() < 1e-9, "{}", at(32, 10_000));
         // From an engine's counters alone: the first page is a start, each later one a
         // sample; a counter going back (a restarted engine) teaches nothing.
         let mut e = LatencyModel::default();
         let mut page = EngineLatency::default();
+        let beside = Beside {
+            in_flight: 2.0,
+            pending_tokens: 0.0,
+        };
         for i in 0..=MIN_SAMPLES {
             page.itl_sum += 0.012 * 100.0;
             page.itl_count += 100.0;
-            e.engine_report(page, 2);
+            e.engine_report(page, beside);
             let known = e.predict(Features::default()).tpot.is_some();
             assert_eq!(known, i == MIN_SAMPLES, "after {i} pages");
         }
-        e.engine_report(EngineLatency::default(), 2);
+        e.engine_report(EngineLatency::default(), beside);
         assert_eq!(e.samples().1, MIN_SAMPLES);
         let t = e.predict(Features::default()).tpot.unwrap().as_secs_f64();
         assert!((t - 0.012).abs() < 1e-9, "{t}");
@@ -470,14 +578,19 @@ mod tests {
         let mut m = worker_at_10k_tokens_a_second();
         let before = m.clone();
         m.learn_ttft(Features::default(), Duration::from_secs(7200), None);
-        m.learn_tpot(f64::NAN, ms(10.0), None);
-        m.learn_tpot(-3.0, ms(10.0), None);
+        let bad = |in_flight, pending_tokens| Beside {
+            in_flight,
+            pending_tokens,
+        };
+        m.learn_tpot(bad(f64::NAN, 0.0), ms(10.0), None);
+        m.learn_tpot(bad(-3.0, 0.0), ms(10.0), None);
+        m.learn_tpot(bad(1.0, f64::INFINITY), ms(10.0), None);
         m.engine_report(
             EngineLatency {
                 itl_sum: f64::INFINITY,
                 itl_count: 1e9,
             },
-            1,
+            bad(1.0, 0.0),
         );
         assert_eq!(m.ttft_coefficients(), before.ttft_coefficients());
         assert_eq!(m.samples().1, 0);
@@ -498,6 +611,7 @@ mod tests {
         m.learn_ttft(f, ms(100.0), Some(ms(150.0)));
         m.learn_ttft(f, ms(200.0), Some(ms(180.0)));
         m.learn_ttft(f, ms(1.0), Some(ms(2.0)));
+        m.learn_ttft(f, ms(1.0), None);
         let e = m.errors().ttft;
         assert_eq!(e.count, 3);
         // 50 %, 10 %, and 1 ms against the 5 ms floor: 20 %.

@@ -26,7 +26,7 @@ use std::collections::{BinaryHeap, HashMap};
 use std::time::{Duration, Instant};
 
 use super::Keyed;
-use super::latency::{EngineLatency, Errors, Features, LatencyModel, Prediction};
+use super::latency::{Beside, EngineLatency, Errors, Features, LatencyModel, Prediction};
 use switchyard_ids::{BlockHash, InstanceId, RequestId};
 
 /// What a worker last reported about itself.
@@ -103,7 +103,7 @@ pub struct LatencySummary {
     /// uncached token ahead (its own included).
     pub ttft: Option<(f64, f64)>,
     /// Time per output token: seconds per step, seconds per request in flight.
-    pub tpot: Option<(f64, f64)>,
+    pub tpot: Option<(f64, f64, f64)>,
     /// Samples each fit has taken (TTFT, TPOT).
     pub samples: (u64, u64),
     /// Output tokens per answer, recently.
@@ -169,6 +169,14 @@ struct Worker {
 }
 
 impl Worker {
+    /// What a decode on the worker runs beside now.
+    fn beside(&self, now: Instant, report_ttl: Duration) -> Beside {
+        Beside {
+            in_flight: f64::from(self.in_flight(now, report_ttl)),
+            pending_tokens: self.pending_prefill_tokens as f64,
+        }
+    }
+
     /// What a request with `uncached` prompt tokens sent now would find ahead of it.
     fn features(&self, uncached: u64, now: Instant, report_ttl: Duration) -> Features {
         Features {
@@ -226,8 +234,8 @@ struct Booking {
     predicted: Prediction,
     /// Whether its first token is still to come (see [`Worker::awaiting`]).
     awaiting: bool,
-    /// Its first token, seen, and the requests in flight on its worker then.
-    first: Option<(Instant, u32)>,
+    /// Its first token, seen, and what its decode began beside.
+    first: Option<(Instant, Beside)>,
     handoff: Handoff,
 }
 
@@ -432,7 +440,7 @@ impl LoadTracker {
         }
         Self::first_token_came(&mut self.workers, b);
         if let Some(w) = self.workers.get_mut(&b.worker) {
-            b.first = Some((now, w.in_flight(now, report_ttl)));
+            b.first = Some((now, w.beside(now, report_ttl)));
             if b.handoff != Handoff::Awaits {
                 let ttft = now.saturating_duration_since(b.booked_at);
                 w.model.learn_ttft(b.features, ttft, b.predicted.ttft);
@@ -453,20 +461,21 @@ impl LoadTracker {
             && let Some(w) = self.workers.get_mut(&b.worker)
         {
             w.model.learn_output(n);
-            let in_flight = w.in_flight(now, report_ttl);
+            let beside = w.beside(now, report_ttl);
             match (b.watch, b.first) {
                 (Watch::FirstToken, Some((first, then))) if n >= 2 => {
                     let tpot = now.saturating_duration_since(first) / (n - 1);
-                    let batch = (f64::from(then) + f64::from(in_flight)) / 2.0;
-                    w.model.learn_tpot(batch, tpot, b.predicted.tpot);
+                    w.model
+                        .learn_tpot(Beside::mean(then, beside), tpot, b.predicted.tpot);
                 }
                 (Watch::WholeAnswer, _) if b.handoff != Handoff::Awaits => {
                     let e2e = now.saturating_duration_since(b.booked_at);
                     w.model.learn_e2e(e2e, b.predicted.e2e(n));
                     let at = w.model.predict(Features {
-                        in_flight,
+                        in_flight: beside.in_flight as u32,
                         ..b.features
                     });
+                    // Its first token, inferred: its end less its later tokens.
                     if let Some(rest) = at.tpot.and_then(|t| t.checked_mul(n.saturating_sub(1)))
                         && let Some(ttft) = e2e.checked_sub(rest)
                     {
@@ -540,8 +549,8 @@ impl LoadTracker {
         w.reported = Some((load, now));
         w.since_report = 0;
         if let Some(latency) = load.latency {
-            let in_flight = w.in_flight(now, self.report_ttl);
-            w.model.engine_report(latency, in_flight);
+            let beside = w.beside(now, self.report_ttl);
+            w.model.engine_report(latency, beside);
         }
         // A queue beside a running batch shows the batch's limit; a larger batch later
         // (more memory free, shorter requests) raises it.
@@ -573,7 +582,7 @@ impl LoadTracker {
                 reported: w.reported.map(|(r, _)| r),
                 queued: w.queued(now, self.report_ttl),
                 awaiting_first: w.awaiting,
-                expected_wait: w.model.wait(w.awaiting, w.pending_prefill_tokens),
+                expected_wait: w.model.wait(w.features(0, now, self.report_ttl)),
                 latency: LatencySummary::of(&w.model),
             })
     }

@@ -171,9 +171,11 @@ fn the_schedule_of_predicted_first_tokens_stays_bounded() {
     let t0 = Instant::now();
     let mut t = LoadTracker::default();
     let w = InstanceId(1);
+    // A worker taking ten minutes a prompt.
+    let minutes = |n: u64| t0 + Duration::from_secs(600 * n);
     for i in 0..10u64 {
-        t.book(RequestId(i), w, &[], 100, t0, Watch::FirstToken);
-        t.prefill_done(RequestId(i), t0 + Duration::from_secs(600));
+        t.book(RequestId(i), w, &[], 100, minutes(i), Watch::FirstToken);
+        t.prefill_done(RequestId(i), minutes(i + 1));
         t.finish(RequestId(i));
     }
     for i in 0..10_000u64 {

@@ -124,8 +124,9 @@ fn latency_json(l: &switchyard_kv::load::LatencySummary) -> Value {
     json!({
         "ttft_ms_per_request": l.ttft.map(|(a, _)| ms(a)),
         "ttft_ms_per_1k_tokens": l.ttft.map(|(_, s)| ms(s * 1e3)),
-        "tpot_ms_base": l.tpot.map(|(a, _)| ms(a)),
-        "tpot_ms_per_request": l.tpot.map(|(_, b)| ms(b)),
+        "tpot_ms_base": l.tpot.map(|(a, _, _)| ms(a)),
+        "tpot_ms_per_request": l.tpot.map(|(_, b, _)| ms(b)),
+        "tpot_ms_per_1k_pending_tokens": l.tpot.map(|(_, _, c)| ms(c * 1e3)),
         "samples": {"ttft": l.samples.0, "tpot": l.samples.1},
         "output_tokens": l.output_tokens.map(|n| n.round()),
         "error": {
