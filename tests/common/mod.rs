@@ -16,6 +16,7 @@ pub mod kv;
 pub mod policy;
 pub mod procs;
 pub mod prom;
+pub mod queue;
 pub mod router;
 pub mod serve;
 pub mod tls;

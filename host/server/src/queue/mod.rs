@@ -251,8 +251,31 @@ impl Queue {
         who: &Identity,
         bytes: usize,
     ) -> Result<Vec<(Entry, Shed)>, (Shed, Vec<(Entry, Shed)>)> {
+        let mut taken = Vec::new();
+        match self.evict_for(st, who, bytes, &mut taken) {
+            Ok(()) => Ok(taken.into_iter().map(|(_, _, _, e, s)| (e, s)).collect()),
+            Err(shed) => {
+                // The newcomer does not fit after all: the requests taken out for it go
+                // back where they were (each was its tenant's newest), and none is lost.
+                for (class, tenant, weight, entry, _) in taken.into_iter().rev() {
+                    st.push(class, tenant, weight, entry);
+                }
+                Err((shed, Vec::new()))
+            }
+        }
+    }
+
+    /// Takes out, into `taken` (with each one's class, tenant and weight), the requests
+    /// that give way to a newcomer of `who` with `bytes`, by the module's rules, until it
+    /// fits; or says why it does not.
+    fn evict_for(
+        &self,
+        st: &mut State,
+        who: &Identity,
+        bytes: usize,
+        taken: &mut Vec<(usize, Arc<str>, u32, Entry, Shed)>,
+    ) -> Result<(), Shed> {
         let max = self.config.queue_max;
-        let mut given_way = Vec::new();
         while st.count >= max || st.bytes.saturating_add(bytes) > self.config.queue_max_bytes {
             let own = st.tenants.get(&who.tenant).map_or(0, |t| t.0);
             let retry_after = st.expected_wait(st.count).unwrap_or(Duration::from_secs(1));
@@ -266,7 +289,7 @@ impl Queue {
                     "every worker is saturated and the request's {bytes} bytes exceed the queue's {} bytes",
                     self.config.queue_max_bytes
                 );
-                return Err((refuse(ShedReason::FleetFull, message), given_way));
+                return Err(refuse(ShedReason::FleetFull, message));
             }
             if own >= share(max, who.weight, st.total_weight()) {
                 let (reason, message) = if st.tenants.len() > 1 {
@@ -286,20 +309,30 @@ impl Queue {
                         ),
                     )
                 };
-                return Err((refuse(reason, message), given_way));
+                return Err(refuse(reason, message));
             }
             let over = who
                 .known
                 .then(|| st.most_over_share(max, who.class))
                 .flatten();
             if let Some((c, tenant, id)) = over {
+                let weight = st.tenants.get(&tenant).map_or(1, |t| t.1);
                 let e = st.take(c, &tenant, id, false).expect("found");
-                given_way.push((e, refuse(ShedReason::TenantShare, format!(
-                    "tenant `{tenant}` held more than its share of the full queue; this request gave way to another tenant's"
-                ))));
+                let shed = refuse(
+                    ShedReason::TenantShare,
+                    format!(
+                        "tenant `{tenant}` held more than its share of the full queue; this request gave way to another tenant's"
+                    ),
+                );
+                taken.push((c, tenant, weight, e, shed));
                 continue;
             }
-            let Some((c, tenant, id)) = st.newest_less_urgent(who.class) else {
+            // A request of no configured tenant takes a free place only: it never sheds.
+            let less_urgent = who
+                .known
+                .then(|| st.newest_less_urgent(who.class))
+                .flatten();
+            let Some((c, tenant, id)) = less_urgent else {
                 let message = if who.known {
                     format!(
                         "every worker is saturated and the queue is full ({} requests, {} bytes)",
@@ -311,15 +344,20 @@ impl Queue {
                         st.count
                     )
                 };
-                return Err((refuse(ShedReason::FleetFull, message), given_way));
+                return Err(refuse(ShedReason::FleetFull, message));
             };
+            let weight = st.tenants.get(&tenant).map_or(1, |t| t.1);
             let e = st.take(c, &tenant, id, false).expect("found");
-            given_way.push((e, refuse(ShedReason::FleetFull, format!(
-                "the queue is full and a request of a more urgent class than `{}` took this one's place",
-                self.config.classes[c].name
-            ))));
+            let shed = refuse(
+                ShedReason::FleetFull,
+                format!(
+                    "the queue is full and a request of a more urgent class than `{}` took this one's place",
+                    self.config.classes[c].name
+                ),
+            );
+            taken.push((c, tenant, weight, e, shed));
         }
-        Ok(given_way)
+        Ok(())
     }
 
     /// Tells the requests that gave way.
@@ -388,7 +426,9 @@ impl Queue {
                 // Gone meanwhile (its client left): the placement is dropped, released.
                 continue;
             };
-            st.dispatched(now);
+            // Each dispatch at its own time: the interval between dispatches is what the
+            // expected waits (arrival sheds, Retry-After) are estimated from.
+            st.dispatched(Instant::now());
             drop(st);
             let waited = now.saturating_duration_since(e.enqueued);
             if let Some(h) = self.waits.get(c) {
