@@ -18,6 +18,7 @@ pub mod body;
 pub mod config;
 pub mod epp;
 pub mod error;
+pub mod listen;
 pub mod metrics;
 pub mod proxy;
 pub mod queue;
@@ -399,23 +400,36 @@ impl Gateway {
         }
     }
 
-    /// Whether `/ready` would answer 200 (the endpoint picker's readiness too).
+    /// Whether `/ready` would answer 200.
     pub fn is_ready(&self) -> bool {
-        self.ready().status().is_success()
+        self.readiness(true).is_ok()
+    }
+
+    /// The endpoint picker's readiness: `/ready`'s but for full queues. A gateway asks one
+    /// picker for every model, and a full queue is one model's: the picker sheds that
+    /// model's requests itself (429), where a picker reported unready would fail every
+    /// model closed, or open to the gateway's own balancing, past overload protection.
+    pub fn is_serving(&self) -> bool {
+        self.readiness(false).is_ok()
     }
 
     fn ready(&self) -> Response<Body> {
-        if self.draining.load(Ordering::Relaxed) {
-            return json_response(
+        match self.readiness(true) {
+            Ok(v) => json_response(StatusCode::OK, &v),
+            Err(why) => json_response(
                 StatusCode::SERVICE_UNAVAILABLE,
-                &json!({"ready": false, "why": "shutting down"}),
-            );
+                &json!({"ready": false, "why": why}),
+            ),
+        }
+    }
+
+    /// Ready (and what it serves), or why not; a full queue counts with `queues`.
+    fn readiness(&self, queues: bool) -> Result<serde_json::Value, String> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err("shutting down".into());
         }
         if !self.fleet.discovered() {
-            return json_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &json!({"ready": false, "why": "discovery (instances and pushed policies) has not answered yet"}),
-            );
+            return Err("discovery (instances and pushed policies) has not answered yet".into());
         }
         let models = self.fleet.models();
         let available = models
@@ -427,23 +441,17 @@ impl Gateway {
             })
             .count();
         if available == 0 {
-            return json_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &json!({"ready": false, "why": "no available worker"}),
-            );
+            return Err("no available worker".into());
         }
         // A replica whose queue is full refuses what it is sent: let the balancer in
         // front send elsewhere.
-        if let Some((endpoint, _)) = self.queues().into_iter().find(|(_, q)| q.is_full()) {
-            return json_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &json!({"ready": false, "why": format!("the queue of {endpoint} is full: every worker is saturated")}),
-            );
+        if queues && let Some((endpoint, _)) = self.queues().into_iter().find(|(_, q)| q.is_full())
+        {
+            return Err(format!(
+                "the queue of {endpoint} is full: every worker is saturated"
+            ));
         }
-        json_response(
-            StatusCode::OK,
-            &json!({"ready": true, "models": models.len(), "models_with_workers": available}),
-        )
+        Ok(json!({"ready": true, "models": models.len(), "models_with_workers": available}))
     }
 }
 
@@ -511,25 +519,22 @@ pub async fn run(
                     }
                 };
                 accept_backoff = Duration::from_millis(5);
-                let _ = stream.set_nodelay(true);
-                let Some(slot) = Slot::take(&connections, gateway.config.max_connections) else {
-                    gateway.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);
-                    // Answered 503 by at most REFUSING tasks at once; past them the
-                    // connection is closed unanswered (each task holds a descriptor).
-                    if let Some(refusing) = Slot::take(&refusing, REFUSING) {
-                        tokio::spawn(async move {
-                            refuse_connection(stream).await;
-                            drop(refusing);
-                        });
+                let limits = (gateway.config.max_connections, gateway.config.client_idle_timeout);
+                let stream = match listen::harden(stream, &connections, limits.0, limits.1) {
+                    Ok(s) => s,
+                    Err(stream) => {
+                        gateway.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);
+                        // Answered 503 by at most REFUSING tasks at once; past them the
+                        // connection is closed unanswered (each task holds a descriptor).
+                        if let Some(refusing) = Slot::take(&refusing, REFUSING) {
+                            tokio::spawn(async move {
+                                refuse_connection(stream).await;
+                                drop(refusing);
+                            });
+                        }
+                        continue;
                     }
-                    continue;
                 };
-                // A client that vanished without a reset is found by the kernel.
-                let keepalive = socket2::TcpKeepalive::new()
-                    .with_time(Duration::from_secs(30))
-                    .with_interval(Duration::from_secs(10));
-                let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
-                let stream = write_deadline::WriteDeadline::new(stream, gateway.config.client_idle_timeout);
                 let gw = gateway.clone();
                 let service = service_fn(move |req| {
                     let gw = gw.clone();
@@ -542,7 +547,6 @@ pub async fn run(
                     .serve_connection(TokioIo::new(stream), service);
                 let conn = graceful.watch(conn);
                 tokio::spawn(async move {
-                    let _slot = slot;
                     let _ = conn.await;
                 });
             }

@@ -34,6 +34,11 @@ impl<S> WriteDeadline<S> {
         }
     }
 
+    /// The wrapped stream.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
     fn pending<T>(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<T>> {
         let limit = self.limit;
         let timer = self

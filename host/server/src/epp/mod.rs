@@ -17,7 +17,6 @@
 mod outcome;
 pub mod protocol;
 
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,7 +30,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request as In, processing_response::Response as Out,
 };
 use tokio::sync::mpsc;
-use tokio_stream::Stream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::{Status, Streaming};
 
 use crate::body::Held;
@@ -88,18 +87,34 @@ impl EppTls {
     }
 }
 
-/// Serves the picker on `listen` until `stop` resolves, naming up to `fallbacks` other
-/// workers after each pick; over TLS with `tls`.
+/// Most gRPC streams (exchanges) open at once on one connection: a gateway multiplexes
+/// its requests over a few connections; a peer opening thousands on one is refused them.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
+/// HTTP/2 flow-control windows: what a peer may send before the picker reads it, per
+/// stream and per connection (a message is read whole, up to the body limit, only once
+/// the picker asks for it).
+const STREAM_WINDOW: u32 = 1 << 20;
+const CONNECTION_WINDOW: u32 = 4 << 20;
+/// HTTP/2 pings: a gateway that answers none within the timeout is gone.
+const KEEPALIVE: Duration = Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves the picker on `listener` until `stop` resolves, naming up to `fallbacks` other
+/// workers after each pick; over TLS with `tls`. Its connections are held to the front
+/// door's bounds (`crate::listen`: `--max-connections` of their own, keepalive, the write
+/// deadline); its exchanges to the streams per connection above and, each, to the front
+/// door's `--max-in-flight` once picked.
 pub async fn serve(
     gw: Arc<Gateway>,
-    listen: SocketAddr,
+    listener: tokio::net::TcpListener,
     fallbacks: usize,
     tls: Option<EppTls>,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     // gRPC health, as GIE's deployments probe it: `liveness` while the process answers;
     // `readiness` and the ext_proc service while the front door itself would be ready
-    // (discovery done, not draining), checked every second.
+    // (discovery done, a worker available, not draining; a full queue is one model's,
+    // shed per request), checked every second.
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
         .set_service_status("liveness", tonic_health::ServingStatus::Serving)
@@ -107,7 +122,7 @@ pub async fn serve(
     let watch = gw.clone();
     let ready_task = tokio::spawn(async move {
         loop {
-            let status = if watch.is_ready() {
+            let status = if watch.is_serving() {
                 tonic_health::ServingStatus::Serving
             } else {
                 tonic_health::ServingStatus::NotServing
@@ -125,19 +140,41 @@ pub async fn serve(
     // One message holds at most a whole buffered body, and its headers.
     let largest = gw.config.max_body_bytes.saturating_add(64 << 10);
     let picker = Picker {
-        gw,
+        gw: gw.clone(),
         fallbacks: fallbacks.min(MAX_FALLBACKS),
         probes: Arc::default(),
     };
-    let mut server = tonic::transport::Server::builder();
+    let mut server = tonic::transport::Server::builder()
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .concurrency_limit_per_connection(MAX_STREAMS_PER_CONNECTION as usize)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .http2_keepalive_interval(Some(KEEPALIVE))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
     if let Some(t) = tls {
         let identity = tonic::transport::Identity::from_pem(t.cert, t.key);
         server = server.tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))?;
     }
+    let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (max, write_limit) = (gw.config.max_connections, gw.config.client_idle_timeout);
+    let metrics = gw.clone();
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).filter_map(move |r| {
+        let stream = r.ok()?;
+        match crate::listen::harden(stream, &connections, max, write_limit) {
+            Ok(accepted) => Some(Ok::<_, std::io::Error>(accepted)),
+            Err(_refused) => {
+                metrics
+                    .metrics
+                    .refused_connections
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                None
+            }
+        }
+    });
     let served = server
         .add_service(health)
         .add_service(ExternalProcessorServer::new(picker).max_decoding_message_size(largest))
-        .serve_with_shutdown(listen, stop)
+        .serve_with_incoming_shutdown(incoming, stop)
         .await;
     ready_task.abort();
     served
@@ -214,10 +251,14 @@ async fn exchange(
     let request_deadline = tokio::time::Instant::now() + limits.deadline;
     let mut first = true;
     loop {
-        let wait = if x.decided {
-            tokio::time::Instant::now() + gw.config.request_timeout
-        } else {
-            request_deadline
+        // After the pick, the gateway has the worker's first byte's time to start the
+        // answer (a stream's first-byte timeout, a whole answer's request timeout): a
+        // pick nobody forwards holds its booking no longer. Once the answer runs, a
+        // gateway silent for a whole request timeout is gone.
+        let wait = match &x.picked {
+            Some(p) if !p.answered() => tokio::time::Instant::now() + p.first_byte_limit,
+            _ if x.decided => tokio::time::Instant::now() + gw.config.request_timeout,
+            _ => request_deadline,
         };
         let m = match tokio::time::timeout_at(wait, input.message()).await {
             Ok(Ok(Some(m))) => m,
@@ -225,7 +266,7 @@ async fn exchange(
             Err(_) if x.decided => break,
             Err(_) => {
                 let e = ApiError::BodyTimeout(limits.deadline);
-                let _ = tx.send(Ok(immediate(&e).await)).await;
+                send(&gw, &tx, immediate(&e).await).await;
                 break;
             }
         };
@@ -238,13 +279,18 @@ async fn exchange(
         if !x.decided && x.subset.is_none() {
             x.subset = protocol::subset_hint(&m);
         }
-        let answers = step(&gw, &mut x, m).await;
+        // A gateway gone while the pick is made (the request waiting in the queue, say)
+        // ends it: its place in the queue and any booking go with it.
+        let answers = tokio::select! {
+            a = step(&gw, &mut x, m) => a,
+            _ = tx.closed() => return,
+        };
         // An immediate answer ends the request: nothing more is read for it.
         let refused = answers
             .iter()
             .any(|a| matches!(a.response, Some(Out::ImmediateResponse(_))));
         for a in answers {
-            if tx.send(Ok(a)).await.is_err() {
+            if !send(&gw, &tx, a).await {
                 return;
             }
         }
@@ -253,6 +299,21 @@ async fn exchange(
         }
     }
     // The stream ended: whatever was booked is released as `x` drops.
+}
+
+/// Sends one answer to the gateway within the write deadline the front door gives its
+/// clients (`--client-idle-timeout-secs`): a gateway that stops reading its stream ends
+/// the exchange instead of holding its answers (and its booking) forever. False when
+/// the answer could not be sent.
+async fn send(
+    gw: &Gateway,
+    tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
+    a: ProcessingResponse,
+) -> bool {
+    matches!(
+        tokio::time::timeout(gw.config.client_idle_timeout, tx.send(Ok(a))).await,
+        Ok(Ok(()))
+    )
 }
 
 /// The answers to one message of the exchange.
@@ -301,7 +362,20 @@ async fn step(
             response: Some(streamed(b.body, b.end_of_stream)),
         }))],
         Some(In::RequestTrailers(_)) => {
-            vec![answer(Out::RequestTrailers(Default::default()))]
+            // Trailers end the request: a pick not made yet is made now, and its
+            // answers (headers, body) go before the trailers'.
+            let mut out = if x.decided {
+                Vec::new()
+            } else {
+                decide(gw, x).await
+            };
+            let refused = out
+                .iter()
+                .any(|a| matches!(a.response, Some(Out::ImmediateResponse(_))));
+            if !refused {
+                out.push(answer(Out::RequestTrailers(Default::default())));
+            }
+            out
         }
         Some(In::ResponseHeaders(h)) => {
             if let Some(p) = &mut x.picked {

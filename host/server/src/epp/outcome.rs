@@ -55,8 +55,13 @@ pub(super) struct Answer {
     pub(super) served: Option<String>,
 }
 
-/// Learns from the response headers.
+/// Learns from the response headers: once per exchange (a gateway that sends headers
+/// again, or a peer replaying them, cannot count one answer's 5xx twice towards a
+/// worker's ejection, nor reset its run with repeated successes).
 pub(super) fn learn(gw: &Arc<Gateway>, probes: &Probes, p: &mut Picked, answer: Answer) {
+    if !p.first_answer() {
+        return;
+    }
     let Answer {
         status,
         retry_after,
@@ -94,6 +99,20 @@ pub(super) fn learn(gw: &Arc<Gateway>, probes: &Probes, p: &mut Picked, answer: 
         return;
     };
     match status {
+        // A 503 that gives no `Retry-After` may be the gateway's own answer when it
+        // could not reach the pick (Envoy's local reply to a connection failure, with no
+        // fallback to go to): busy for the default pause, and checked by a probe, which
+        // reports it down if it is.
+        Some(503) if retry_after.is_none() => {
+            client.report_busy(answered, None);
+            probe(
+                gw,
+                probes,
+                &client,
+                answered,
+                "503 without Retry-After through the gateway",
+            );
+        }
         Some(429 | 503) => {
             client.report_busy(answered, retry_after);
         }

@@ -13,7 +13,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
-use hyper::header::{HeaderName, HeaderValue as HttpValue};
+use hyper::header::HeaderValue as HttpValue;
 
 use crate::ApiError;
 use crate::queue::classes::{OverloadConfig, PRIORITY_HEADER};
@@ -32,8 +32,10 @@ pub const SUBSET: &str = "x-gateway-destination-endpoint-subset";
 /// GIE's header naming a request's objective: read as its priority class when it names
 /// one (capped as any priority a request asks for).
 pub const OBJECTIVE: &str = "x-gateway-inference-objective";
-/// GIE's header naming a request's fairness ID: read as its tenant header (a configured
-/// keyless tenant, else the default tenant).
+/// GIE's header naming a request's fairness ID. It names a configured tenant only when
+/// the operator makes it the tenant header (`tenant_header`), saying the gateway sets it
+/// and clients cannot: otherwise anyone could name a keyless tenant (and its
+/// `max_class`) through it.
 pub const FAIRNESS: &str = "x-gateway-inference-fairness-id";
 /// Where Envoy puts the attributes an ext_proc filter asks for.
 const ATTRIBUTES: &str = "envoy.filters.http.ext_proc";
@@ -66,7 +68,9 @@ impl Mode {
         let mode = m.protocol_config.as_ref()?.request_body_mode;
         Some(match BodySendMode::try_from(mode) {
             Ok(BodySendMode::FullDuplexStreamed) => Mode::FullDuplex,
-            Ok(BodySendMode::Buffered | BodySendMode::BufferedPartial) => Mode::Buffered,
+            Ok(BodySendMode::Buffered) => Mode::Buffered,
+            // A partial body (cut at Envoy's buffer limit, the rest never sent here)
+            // cannot be parsed: refused, with the mode named, rather than read truncated.
             _ => Mode::Unusable(mode),
         })
     }
@@ -107,8 +111,9 @@ pub(crate) fn bad(message: &str) -> BadRequest {
 }
 
 /// The request's method, path and headers as the front door reads them, and its API.
-/// GIE's objective and fairness headers stand in for the priority and tenant headers
-/// when those are absent (and the objective names a class).
+/// GIE's objective header stands in for the priority header when that is absent (and
+/// the objective names a class); its fairness ID is a tenant only when it is the
+/// configured tenant header ([`FAIRNESS`]).
 pub fn request_parts(
     h: &HttpHeaders,
     overload: &OverloadConfig,
@@ -155,12 +160,6 @@ pub fn request_parts(
         && let Ok(v) = HttpValue::try_from(class)
     {
         headers.insert(PRIORITY_HEADER, v);
-    }
-    if let Ok(tenant) = HeaderName::from_bytes(overload.tenant_header.as_bytes())
-        && !headers.contains_key(&tenant)
-        && let Some(fairness) = headers.get(FAIRNESS).cloned()
-    {
-        headers.insert(tenant, fairness);
     }
     Ok((parts, api))
 }
@@ -310,7 +309,9 @@ pub async fn immediate(e: &ApiError) -> ProcessingResponse {
     let (mut parts, body) = response.into_parts();
     if matches!(
         e,
-        ApiError::Shed(_) | ApiError::Route(RouteError::Saturated { .. } | RouteError::Busy { .. })
+        ApiError::Shed(_)
+            | ApiError::Overloaded(_)
+            | ApiError::Route(RouteError::Saturated { .. } | RouteError::Busy { .. })
     ) {
         parts.status = hyper::StatusCode::TOO_MANY_REQUESTS;
     }
@@ -349,6 +350,7 @@ pub async fn immediate(e: &ApiError) -> ProcessingResponse {
 mod tests {
     use super::*;
     use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
+    use std::time::Duration;
 
     fn headers(pairs: &[(&str, &str)]) -> HttpHeaders {
         HttpHeaders {
@@ -367,7 +369,7 @@ mod tests {
     }
 
     #[test]
-    fn gie_objective_and_fairness_stand_in_for_class_and_tenant() {
+    fn gie_objective_stands_in_for_the_class_and_fairness_only_where_configured() {
         let overload = OverloadConfig::default();
         let h = headers(&[
             (":method", "POST"),
@@ -378,7 +380,29 @@ mod tests {
         let (parts, api) = request_parts(&h, &overload).unwrap();
         assert_eq!(api, Api::Chat);
         assert_eq!(parts.headers[PRIORITY_HEADER], "low");
-        assert_eq!(parts.headers[overload.tenant_header.as_str()], "team-a");
+        // A fairness ID is not the tenant header unless the operator made it so: a
+        // keyless tenant is not anyone's who sets it.
+        assert!(!parts.headers.contains_key(overload.tenant_header.as_str()));
+        let trusting = OverloadConfig {
+            tenants: vec![crate::queue::classes::Tenant {
+                name: "team-a".into(),
+                weight: 1,
+                api_key_sha256: None,
+                class: None,
+                max_class: Some("high".into()),
+            }],
+            tenant_header: FAIRNESS.into(),
+            ..OverloadConfig::default()
+        };
+        let (parts, _) = request_parts(&h, &trusting).unwrap();
+        let who = trusting
+            .identify(&parts.headers, Duration::from_secs(60))
+            .unwrap();
+        assert_eq!(&*who.tenant, "team-a");
+        let who = overload
+            .identify(&parts.headers, Duration::from_secs(60))
+            .unwrap();
+        assert_eq!(&*who.tenant, crate::queue::classes::DEFAULT_TENANT);
         // An objective that names no class is not a priority (and not an error).
         let h = headers(&[(":path", "/v1/completions"), (OBJECTIVE, "summaries")]);
         let (parts, _) = request_parts(&h, &overload).unwrap();

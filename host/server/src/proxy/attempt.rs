@@ -163,7 +163,8 @@ pub(super) async fn attempts(
                 p.limit,
             )
         };
-        // The prefill leg beside has answered (its task is done and not polled again).
+        // The prefill leg beside has ended (answered, or its task failed): its task is
+        // done and must not be polled again.
         let mut prefill_answered = false;
         let mut sent = match &mut beside {
             None => send().await,
@@ -188,7 +189,11 @@ pub(super) async fn attempts(
                                 None => continue,
                             }
                         }
-                        Err(e) => Err(Failure::Local(format!("the prefill leg ended: {e}"))),
+                        Err(e) => {
+                            // Panicked or cancelled: done too, never to be polled again.
+                            prefill_answered = true;
+                            Err(Failure::Local(format!("the prefill leg ended: {e}")))
+                        }
                     },
                 }
             }

@@ -31,6 +31,16 @@ pub(crate) struct Picked {
     booking: Option<Booking>,
     /// The answer's status, once the gateway reported it.
     status: Option<u16>,
+    /// The answer's headers were learned from (once per exchange).
+    learned: bool,
+    /// How long the gateway has, once the pick is answered, to start the answer: a
+    /// stream's first-byte timeout, a whole answer's request timeout.
+    pub(crate) first_byte_limit: std::time::Duration,
+    /// When the booking was last told the answer is alive.
+    touched: std::time::Instant,
+    /// The request's `--max-in-flight` slot, held until its answer ends, as at the front
+    /// door: a gateway's requests count against the same bound.
+    slot: Option<switchyard_bounded::slot::Slot>,
     /// The answer's last bytes (its `usage` comes at its end).
     tail: Vec<u8>,
 }
@@ -43,14 +53,31 @@ impl Picked {
         }
     }
 
-    /// The answer's status came.
+    /// The answer's status came (the first time it is reported: a later report does not
+    /// change what the answer was).
     pub(crate) fn status(&mut self, status: Option<u16>) {
-        self.status = status;
+        if self.status.is_none() {
+            self.status = status;
+        }
     }
 
-    /// A chunk of the answer passed.
+    /// Whether this is the first time the answer's headers are learned from.
+    pub(crate) fn first_answer(&mut self) -> bool {
+        !std::mem::replace(&mut self.learned, true)
+    }
+
+    /// A chunk of the answer passed: kept for its usage, and the booking told it is
+    /// alive (at most every [`super::relay::TOUCH_EVERY`]: a long stream is not taken for
+    /// a leak by the hard expiry).
     pub(crate) fn body(&mut self, bytes: &[u8]) {
         super::relay::note_usage_tail(&mut self.tail, bytes);
+        let now = std::time::Instant::now();
+        if let Some(b) = &self.booking
+            && now.saturating_duration_since(self.touched) >= super::relay::TOUCH_EVERY
+        {
+            self.touched = now;
+            b.router.touch(b.request);
+        }
     }
 
     /// The answer ended: a successful one teaches the worker's latency model (its
@@ -63,11 +90,18 @@ impl Picked {
                 .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
             b.router.complete(b.request, output);
         }
+        self.slot = None;
     }
 
     /// The answer ended or was left: its load is released.
     pub(crate) fn finish(&mut self) {
         self.booking = None;
+        self.slot = None;
+    }
+
+    /// Whether the gateway's answer has begun (its headers came).
+    pub(crate) fn answered(&self) -> bool {
+        self.status.is_some()
     }
 }
 
@@ -97,7 +131,19 @@ pub(crate) async fn pick(
             "no worker of the gateway's subset serves this model".into(),
         ));
     }
-    let mut slot = None;
+    // A slot of the front door's `--max-in-flight`, given back while the request waits
+    // in the queue and taken again when it is placed.
+    let Some(taken) = switchyard_bounded::slot::Slot::take(&gw.in_flight, gw.config.max_in_flight)
+    else {
+        gw.metrics
+            .shed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return Err(ApiError::Overloaded(format!(
+            "{} requests in flight",
+            gw.config.max_in_flight
+        )));
+    };
+    let mut slot = Some(taken);
     let queued = prepare::admit(gw, &p, body.len(), &mut slot).await?;
     let chosen = match queued {
         Some(r) if !exclude.contains(&r.worker) && r.prefill.is_none() => r,
@@ -127,6 +173,10 @@ pub(crate) async fn pick(
         router,
         booking: Some(booking),
         status: None,
+        learned: false,
+        first_byte_limit: p.limit,
+        touched: std::time::Instant::now(),
+        slot,
         tail: Vec::new(),
     })
 }

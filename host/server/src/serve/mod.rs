@@ -311,6 +311,12 @@ pub async fn serve(
     tracing::info!(%addr, "serving");
     let (stop, stopped) = tokio::sync::watch::channel(false);
     if let Some(epp) = config.epp_listen {
+        // Bound before serving: a picker that cannot listen is a router that cannot
+        // start, not one whose /ready says 200 while its gateway finds nothing there.
+        let epp_listener = TcpListener::bind(epp).await.map_err(|e| {
+            std::io::Error::new(e.kind(), format!("endpoint picker listener {epp}: {e}"))
+        })?;
+        let epp = epp_listener.local_addr()?;
         tracing::info!(addr = %epp, "serving the endpoint picker");
         let mut stopped = stopped.clone();
         let gw = gateway.clone();
@@ -320,7 +326,7 @@ pub async fn serve(
             let stop = async move {
                 let _ = stopped.wait_for(|s| *s).await;
             };
-            if let Err(e) = crate::epp::serve(gw, epp, fallbacks, tls, stop).await {
+            if let Err(e) = crate::epp::serve(gw, epp_listener, fallbacks, tls, stop).await {
                 tracing::error!(addr = %epp, error = %e, "the endpoint picker stopped");
             }
         }));

@@ -1,0 +1,299 @@
+//! The endpoint picker against a gateway that does not behave: a raw ext_proc client
+//! (gRPC, as Envoy speaks it) that picks and never forwards, never reads its answers,
+//! reports one answer's status again and again, or reports Envoy's own 503 for a pick
+//! it could not reach. The picker's port holds as the front door does: bookings live only
+//! while a real exchange does, a peer that stops reading is cut off, one answer counts
+//! once, and a dead pick is probed out.
+
+mod common;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+    processing_request::Request, processing_response::Response,
+};
+use serde_json::json;
+use switchyard::http::epp::protocol::{DESTINATION, SERVED};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use common::gateway::picker;
+use common::procs::mock_worker;
+use common::router::{eventually, instance, metric};
+
+/// `FULL_DUPLEX_STREAMED`, both ways.
+const FULL_DUPLEX: i32 = 4;
+
+fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: pairs
+                    .iter()
+                    .map(|(k, v)| HeaderValue {
+                        key: (*k).into(),
+                        raw_value: v.as_bytes().to_vec(),
+                        ..Default::default()
+                    })
+                    .collect(),
+            }),
+            end_of_stream,
+            ..Default::default()
+        })),
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: FULL_DUPLEX,
+            response_body_mode: FULL_DUPLEX,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn request_body(body: Vec<u8>) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Request::RequestBody(HttpBody {
+            body,
+            end_of_stream: true,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+/// The answer's headers as the gateway reports them: its status, and the endpoint that
+/// served it when `served` names one.
+fn response_headers(status: &str, served: Option<&str>) -> ProcessingRequest {
+    let mut pairs = vec![(":status", status)];
+    if let Some(s) = served {
+        pairs.push((SERVED, s));
+    }
+    let mut m = headers(&pairs, false);
+    m.protocol_config = None;
+    if let Some(Request::RequestHeaders(h)) = m.request.take() {
+        m.request = Some(Request::ResponseHeaders(h));
+    }
+    m
+}
+
+/// An exchange opened as a gateway opens one: what it sends, what it is answered.
+struct Exchange {
+    send: mpsc::Sender<ProcessingRequest>,
+    answers: tonic::Streaming<ProcessingResponse>,
+}
+
+async fn open(epp: u16) -> Exchange {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{epp}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = ExternalProcessorClient::new(channel);
+    let (send, rx) = mpsc::channel(64);
+    let answers = client
+        .process(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    Exchange { send, answers }
+}
+
+/// A completion's headers and body, sent for a pick; the pick's answers read. The
+/// picked endpoint (`host:port`).
+async fn pick(x: &mut Exchange, prompt: &str) -> String {
+    pick_as(x, prompt, false).await
+}
+
+/// [`pick`], for a streamed answer when `stream`.
+async fn pick_as(x: &mut Exchange, prompt: &str, stream: bool) -> String {
+    let body =
+        json!({"model": "mock", "prompt": prompt, "max_tokens": 4, "stream": stream}).to_string();
+    let h = [
+        (":method", "POST"),
+        (":path", "/v1/completions"),
+        ("content-type", "application/json"),
+    ];
+    x.send.send(headers(&h, false)).await.unwrap();
+    x.send.send(request_body(body.into_bytes())).await.unwrap();
+    // The headers' answer (with the destination) and the body's.
+    let first = x.answers.message().await.unwrap().expect("an answer");
+    x.answers.message().await.unwrap().expect("an answer");
+    let Some(Response::RequestHeaders(h)) = first.response else {
+        panic!("not the headers' answer: {first:?}");
+    };
+    let set = h
+        .response
+        .and_then(|r| r.header_mutation)
+        .map(|m| m.set_headers);
+    set.into_iter()
+        .flatten()
+        .filter_map(|o| o.header)
+        .find(|h| h.key == DESTINATION)
+        .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
+        .expect("a destination")
+}
+
+/// A pick the gateway never forwards (it sends nothing more, and keeps its stream open)
+/// holds its booking for a stream's first-byte timeout, not the request timeout: one stalled
+/// stream per worker does not leave the fleet saturated for ten minutes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pick_never_forwarded_releases_its_booking_at_the_first_byte_timeout() {
+    let (_a, a) = mock_worker(&[]).await;
+    let (_b, b) = mock_worker(&[]).await;
+    let (_r, router, epp) = picker(&[&a, &b], &["--first-byte-timeout-secs", "2"]).await;
+    let c = common::http::client();
+    let mut stalled = Vec::new();
+    for i in 0..2 {
+        let mut x = open(epp).await;
+        pick_as(&mut x, &format!("stalled {i}"), true).await;
+        stalled.push(x);
+    }
+    let in_flight = "switchyard_instance_in_flight";
+    assert_eq!(
+        metric(&c, &router, in_flight, "").await,
+        2.0,
+        "both picks booked"
+    );
+    eventually("the unforwarded picks' bookings to be released", || async {
+        metric(&c, &router, in_flight, "").await == 0.0
+    })
+    .await;
+    assert_eq!(stalled.len(), 2, "the streams are still open");
+}
+
+/// A gateway that stops reading its stream: the picker's answers (the body handed back
+/// in chunks) fill the stream and wait; past the write deadline the exchange ends and
+/// its booking goes with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_that_never_reads_its_answers_is_cut_off() {
+    // A model whose context holds the long prompt below (1.6M tokens).
+    let (_a, a) = mock_worker(&["--kv-blocks", "262144"]).await;
+    let extra = [
+        "--client-idle-timeout-secs",
+        "2",
+        "--max-body-bytes",
+        "16777216",
+        "--max-prompt-tokens",
+        "4194304",
+    ];
+    let (_r, router, epp) = picker(&[&a], &extra).await;
+    let c = common::http::client();
+    let x = open(epp).await;
+    // 4 MiB of prompt: 64 chunks handed back, never read.
+    let prompt = "word ".repeat(800_000);
+    let body = json!({"model": "mock", "prompt": prompt, "max_tokens": 4}).to_string();
+    let h = [(":method", "POST"), (":path", "/v1/completions")];
+    x.send.send(headers(&h, false)).await.unwrap();
+    x.send.send(request_body(body.into_bytes())).await.unwrap();
+    let in_flight = "switchyard_instance_in_flight";
+    eventually("the pick to be booked", || async {
+        metric(&c, &router, in_flight, "").await == 1.0
+    })
+    .await;
+    eventually(
+        "the unread exchange to end and release its booking",
+        || async { metric(&c, &router, in_flight, "").await == 0.0 },
+    )
+    .await;
+    drop(x);
+}
+
+/// One answer's status reported again and again in one exchange (a buggy or hostile
+/// gateway) counts once: five 500s do not eject the worker at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_answer_reported_five_times_counts_once() {
+    let (_a, a) = mock_worker(&[]).await;
+    let (_b, b) = mock_worker(&[]).await;
+    let (_r, router, epp) = picker(&[&a, &b], &[]).await;
+    let c = common::http::client();
+    let mut x = open(epp).await;
+    let picked = pick(&mut x, "replayed").await;
+    for _ in 0..5 {
+        x.send
+            .send(response_headers("500", Some(&picked)))
+            .await
+            .unwrap();
+        x.answers.message().await.unwrap().expect("an answer");
+    }
+    let mut failures = 0;
+    for w in [&a, &b] {
+        failures += instance(&c, &router, w).await["consecutive_failures"]
+            .as_u64()
+            .unwrap();
+    }
+    assert_eq!(failures, 1, "one answer counted more than once");
+    for w in [&a, &b] {
+        assert_eq!(instance(&c, &router, w).await["available"], true);
+    }
+}
+
+/// GIE's reference gateway (one endpoint, no fallback) answers a pick it cannot reach
+/// with its own 503, no `Retry-After`: the pick is probed, found dead, and leaves the
+/// picks, rather than taken for busy and picked again after its pause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_pick_reported_as_the_gateways_503_is_probed_out() {
+    let (mut dead, a) = mock_worker(&[]).await;
+    let (_b, b) = mock_worker(&[]).await;
+    let (_r, router, epp) = picker(&[&a, &b], &["--policy", "round-robin"]).await;
+    let c = common::http::client();
+    dead.kill();
+    // Round-robin: within two picks, one is the dead worker's.
+    for i in 0..2 {
+        let mut x = open(epp).await;
+        pick(&mut x, &format!("to a dead worker {i}")).await;
+        // Envoy's local reply: no endpoint served it, no Retry-After.
+        x.send.send(response_headers("503", None)).await.unwrap();
+        x.answers.message().await.unwrap().expect("an answer");
+    }
+    eventually("the dead worker to be reported down", || async {
+        instance(&c, &router, &a).await["available"] == false
+    })
+    .await;
+    assert_eq!(instance(&c, &router, &b).await["available"], true);
+}
+
+/// Picks hold the front door's `--max-in-flight` slots until their answers end: past it
+/// a gateway's request is shed with 429 (GIE's "dropped under load") and a front-door
+/// request with 503, and a slot freed by a finished exchange is taken again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn picks_hold_the_front_doors_in_flight_bound() {
+    let (_a, a) = mock_worker(&[]).await;
+    let (_r, router, epp) = picker(&[&a], &["--max-in-flight", "1"]).await;
+    let c = common::http::client();
+    let mut held = open(epp).await;
+    pick(&mut held, "holds the slot").await;
+    // A second pick: refused at once.
+    let mut x = open(epp).await;
+    let body = json!({"model": "mock", "prompt": "no slot", "max_tokens": 4}).to_string();
+    let h = [(":method", "POST"), (":path", "/v1/completions")];
+    x.send.send(headers(&h, false)).await.unwrap();
+    x.send.send(request_body(body.into_bytes())).await.unwrap();
+    let refused = x.answers.message().await.unwrap().expect("an answer");
+    let Some(Response::ImmediateResponse(r)) = refused.response else {
+        panic!("not refused: {refused:?}");
+    };
+    assert_eq!(r.status.map(|s| s.code), Some(429), "{}", r.details);
+    // The front door shares the bound.
+    let (status, _, _) = common::http::send(
+        &c,
+        hyper::Method::POST,
+        &format!("{router}/v1/completions"),
+        &[("content-type", "application/json")],
+        json!({"model": "mock", "prompt": "front door", "max_tokens": 4}).to_string(),
+        common::router::PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 503);
+    // The held exchange ends: its slot is free for the next pick.
+    drop(held);
+    eventually("a pick once the slot is freed", || async {
+        let mut x = open(epp).await;
+        let body = json!({"model": "mock", "prompt": "again", "max_tokens": 4}).to_string();
+        x.send.send(headers(&h, false)).await.unwrap();
+        x.send.send(request_body(body.into_bytes())).await.unwrap();
+        let first = x.answers.message().await.unwrap().expect("an answer");
+        matches!(first.response, Some(Response::RequestHeaders(_)))
+    })
+    .await;
+}
