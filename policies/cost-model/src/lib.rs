@@ -17,7 +17,7 @@
 //!            + u[i] * (1 + overload_weight * q + stall_weight * s[i]
 //!                        + eviction_weight * f[i])
 //! wait[i]    = pending_prefill_tokens[i] / B + u[i]            (the request's own wait)
-//!            = predicted_ttft_ms[i] / tau     when every candidate's is known and
+//!            = predicted_ttft_ms[i] / tau + u[i]   when every candidate's is known and
 //!                                             latency_weight is 1 (see below)
 //! cost[i]    = overlap_weight * prefill[i]
 //!            + in_flight_weight * n[i]
@@ -31,7 +31,14 @@
 //! `wait[i] + 1`, summed): the same order of magnitude as the blocks it replaces, but
 //! each worker at its own measured speed, with what its queue of *requests* costs besides
 //! their tokens (a full batch's turnover; `latency_weight` between 0 and 1 blends the
-//! two, 0 is the blocks alone).
+//! two, 0 is the blocks alone). The uncached blocks stay in it as the prefill the
+//! request adds to the fleet: in a prediction they count at the worker's time per token
+//! over the fleet's time per block *and request*, which on a fleet whose requests cost
+//! more than their tokens priced a hit at almost nothing: ten three-turn conversations
+//! on three idle workers found 47 % of prompt tokens cached where 59 % could be, each
+//! turn's cached blocks outweighed by the workers' small differences in prediction.
+//! `tau` is at least `MIN_MS_PER_BLOCK`: a model fitted on sub-millisecond answers (an
+//! in-process fleet) predicts differences that are the clock's jitter, not waits.
 //!
 //! Everything is in blocks of prefill work. The first line is the request's own wait for
 //! its first token (the prefill queued ahead of it, then its own). An uncached block
@@ -290,7 +297,9 @@ impl Costs {
                     ms += f64::from(t);
                     waits += f64::from(c.pending_prefill_tokens[i]) * per_token + uncached + 1.0;
                 }
-                (ms > 0.0 && waits > 0.0).then(|| ms / waits)
+                // At least a millisecond a block: differences below that are the timing's
+                // jitter (a model fitted on sub-millisecond answers), not a wait.
+                (ms > 0.0 && waits > 0.0).then(|| (ms / waits).max(MIN_MS_PER_BLOCK))
             })
             .flatten();
         Costs {
@@ -337,11 +346,16 @@ impl Costs {
         let fullness = f64::from(fullness.clamp(0.0, 1.0));
         let stall = self.local_stall * (n - self.least_in_flight);
         // The request's own wait: its blocks queued and uncached, or its predicted time to
-        // first token in blocks of the fleet's average.
+        // first token in blocks of the fleet's average; and the prefill it adds there, its
+        // uncached blocks, either way. A prediction prices the cache only as this
+        // request's wait, at the worker's time per token against its time per request: on
+        // a fleet whose requests cost more than their tokens (full batches turning over)
+        // a hit would be worth almost nothing, though every block not recomputed is
+        // capacity the fleet keeps.
         let mut wait = f64::from(pending) * self.per_token + uncached;
         if let Some(tau) = self.tau {
             let w = k.latency_weight;
-            wait = (1.0 - w) * wait + w * f64::from(ttft_ms) / tau;
+            wait = (1.0 - w) * wait + w * (f64::from(ttft_ms) / tau + uncached);
         }
         let prefill = wait + uncached * (self.base - 1.0 + stall + k.eviction_weight * fullness);
         k.overlap_weight * prefill
@@ -362,6 +376,9 @@ struct Row {
     fullness: f32,
     ttft_ms: f32,
 }
+
+/// The least time a block of wait stands for when predictions price the wait, ms.
+pub const MIN_MS_PER_BLOCK: f64 = 1.0;
 
 /// Picks a candidate index, or `None` when there are no candidates.
 ///

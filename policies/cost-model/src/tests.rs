@@ -401,7 +401,8 @@ fn the_predicted_time_to_first_token_is_the_requests_own_wait() {
     let k = KvCostConfig::default();
     assert_eq!(choose(&k, &req, &c), Some(1));
     let (c0, c1) = (cost(&k, &req, &c, 0), cost(&k, &req, &c, 1));
-    // tau = 990 ms over (4 + 2 + 1) * 2 blocks: 70.7 ms a block; 12.7 against 1.3 blocks.
+    // tau = 990 ms over (4 + 2 + 1) * 2 blocks: 70.7 ms a block; 12.7 against 1.3 blocks
+    // (and the same 2 uncached blocks each).
     assert!((c0 - c1 - 810.0 / (990.0 / 14.0)).abs() < 1e-9, "{c0} {c1}");
     let off = KvCostConfig {
         latency_weight: 0.0,
@@ -416,4 +417,27 @@ fn the_predicted_time_to_first_token_is_the_requests_own_wait() {
         "one unknown: blocks"
     );
     assert!(KvCostConfig::from_json(r#"{"latency_weight": 1.5}"#).is_err());
+}
+
+/// A prediction that sees no worth in the cache (a fleet whose requests cost more than
+/// their tokens: every candidate predicted alike) still leaves each uncached block its
+/// price as the prefill the request adds: the worker holding the prompt wins by its
+/// blocks, as without predictions.
+#[test]
+fn a_prediction_blind_to_the_cache_keeps_the_cache_s_price() {
+    let req = RequestShape {
+        prompt_blocks: 8,
+        block_size: 16,
+        seed: 3,
+    };
+    let predicted = [500.0, 500.0];
+    let mut c = view(&[8, 0], &[0, 0], &[0, 0]);
+    c.predicted_ttft_ms = &predicted;
+    let k = KvCostConfig::default();
+    for seed in 0..16 {
+        let req = RequestShape { seed, ..req };
+        assert_eq!(choose(&k, &req, &c), Some(0), "seed {seed}");
+    }
+    let (c0, c1) = (cost(&k, &req, &c, 0), cost(&k, &req, &c, 1));
+    assert!((c1 - c0 - 8.0).abs() < 1e-9, "{c0} {c1}");
 }
