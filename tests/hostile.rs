@@ -280,8 +280,8 @@ async fn many_peers_at_their_bound_together_are_held_to_the_event_memory() {
         }
     })
     .await;
-    let held = metric(&c, &url, "switchyard_kv_events_memory_bytes", "").await;
-    assert!(held <= f64::from(32u32 << 20), "{held} bytes held");
+    // The budget's own gauge cannot exceed the budget by construction: the process's
+    // resident memory is the measure.
     let rss = switchyard::replay::external::proc_status_kb(router.0.id(), "VmRSS").unwrap() * 1024;
     assert!(
         rss < 160 << 20,

@@ -107,8 +107,24 @@ pub async fn instance_of(c: &HttpClient, router: &str, model: &str, url: &str) -
 /// `kind="failing"`), from `/metrics`.
 pub async fn metric(c: &HttpClient, router: &str, name: &str, labels: &str) -> f64 {
     let (_, body) = http::get(c, &format!("{router}/metrics")).await;
-    String::from_utf8_lossy(&body)
-        .lines()
+    series_sum(&String::from_utf8_lossy(&body), name, labels)
+}
+
+/// The sum of the samples of `name` in Prometheus `text` whose labels contain `labels`.
+/// A series not yet counted is 0, but a name not exported at all (renamed, never
+/// registered) fails the test rather than reading as 0.
+pub fn series_sum(text: &str, name: &str, labels: &str) -> f64 {
+    let family = ["_total", "_bucket", "_sum", "_count"]
+        .iter()
+        .find_map(|s| name.strip_suffix(s))
+        .unwrap_or(name);
+    let exported = text.lines().any(|l| {
+        let declared = l.strip_prefix("# TYPE ").and_then(|r| r.split(' ').next());
+        declared.is_some_and(|d| d == name || d == family)
+            || l.split(['{', ' ']).next() == Some(name)
+    });
+    assert!(exported, "/metrics exports no `{name}`");
+    text.lines()
         .filter(|l| !l.starts_with('#'))
         .filter_map(|l| {
             let (series, value) = l.rsplit_once(' ')?;

@@ -24,14 +24,29 @@ pub const BLOCK: u32 = 32;
 /// that a test fills it.
 pub const KV_BLOCKS: u32 = 64;
 
-/// Where `tools/vllm.sh` installed the engine and the model.
-pub fn home() -> PathBuf {
-    let home = std::env::var_os("SWITCHYARD_VLLM_HOME")
+/// Where `tools/vllm.sh` installs the engine and the model.
+fn home_path() -> PathBuf {
+    std::env::var_os("SWITCHYARD_VLLM_HOME")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
             PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
                 .join(".cache/switchyard/vllm")
-        });
+        })
+}
+
+/// Whether this test goes without vLLM (see `goes_without`): the first line of every
+/// test that starts an engine.
+pub fn no_vllm() -> bool {
+    let home = home_path();
+    let model = home.join("tiny-llama/model.safetensors");
+    let engine = home.join("bin/python");
+    let missing = if engine.exists() { model } else { engine };
+    super::goes_without("a vLLM engine and its test model (tools/vllm.sh)", &missing)
+}
+
+/// Where `tools/vllm.sh` installed the engine and the model.
+pub fn home() -> PathBuf {
+    let home = home_path();
     assert!(
         home.join("bin/python").exists() && home.join("tiny-llama/model.safetensors").exists(),
         "no vLLM engine in {}: run tools/vllm.sh (tools/test.sh does)",
@@ -204,15 +219,7 @@ impl Vllm {
     /// A Prometheus gauge or counter of its `/metrics` (summed over its labels).
     pub async fn metric(&self, c: &HttpClient, name: &str) -> f64 {
         let (_, body) = http::get(c, &format!("{}/metrics", self.url())).await;
-        std::str::from_utf8(&body)
-            .unwrap()
-            .lines()
-            .filter(|l| {
-                l.strip_prefix(name)
-                    .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        super::router::series_sum(&String::from_utf8_lossy(&body), name, "")
     }
 }
 

@@ -45,10 +45,12 @@ pub(super) fn family<M: EncodeMetric>(
     kind: MetricType,
     samples: &[(Labels, M)],
 ) -> std::fmt::Result {
+    // Declared even with no series yet: a dashboard or an alert on `absent()` tells a
+    // metric nothing has counted from one the router does not export.
+    let mut m = enc.encode_descriptor(name, help, None, kind)?;
     if samples.is_empty() {
         return Ok(());
     }
-    let mut m = enc.encode_descriptor(name, help, None, kind)?;
     if let [(labels, metric)] = samples
         && labels.is_empty()
     {
