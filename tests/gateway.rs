@@ -19,6 +19,9 @@ use common::serve::worker_finished;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_envoy_a_conversation_reaches_its_cached_worker_and_streams() {
+    if common::gateway::no_envoy() {
+        return;
+    }
     let (_a, a) = mock_worker(&[]).await;
     let (_b, b) = mock_worker(&[]).await;
     let (_router, router, epp) = picker(&[&a, &b], &[]).await;
@@ -102,6 +105,9 @@ async fn through_envoy_a_conversation_reaches_its_cached_worker_and_streams() {
 /// probe it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shed_request_reaches_the_client_with_retry_after_and_health_is_served() {
+    if common::gateway::no_envoy() {
+        return;
+    }
     let (_w, w) = mock_worker(&["--max-num-seqs", "1"]).await;
     let (_router, _, epp) = picker(
         &[&w],
@@ -183,6 +189,9 @@ async fn a_shed_request_reaches_the_client_with_retry_after_and_health_is_served
 /// known worker is 503 `no_eligible_worker` at the client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateways_subset_hint_bounds_the_pick() {
+    if common::gateway::no_envoy() {
+        return;
+    }
     let (_a, a) = mock_worker(&[]).await;
     let (_b, b) = mock_worker(&[]).await;
     let (_router, _, epp) = picker(&[&a, &b], &[]).await;
@@ -217,6 +226,9 @@ async fn the_gateways_subset_hint_bounds_the_pick() {
 /// alternates).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_policy_hot_swap_under_load_through_the_gateway_loses_nothing() {
+    if common::gateway::no_envoy() {
+        return;
+    }
     let (_a, a) = mock_worker(&[]).await;
     let (_b, b) = mock_worker(&[]).await;
     let (_router, router, epp) = picker(&[&a, &b], &[]).await;
@@ -271,6 +283,9 @@ async fn a_policy_hot_swap_under_load_through_the_gateway_loses_nothing() {
 /// worker and a stream passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_buffered_mode_the_pick_goes_with_the_body() {
+    if common::gateway::no_envoy() {
+        return;
+    }
     let (_a, a) = mock_worker(&[]).await;
     let (_b, b) = mock_worker(&[]).await;
     let (_router, router, epp) = picker(&[&a, &b], &[]).await;
@@ -300,6 +315,9 @@ async fn in_buffered_mode_the_pick_goes_with_the_body() {
 /// not PEM stops the router at start, saying which file.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_tls_the_picker_serves_a_gateway() {
+    if common::gateway::no_envoy() {
+        return;
+    }
     let cert =
         rcgen::generate_simple_self_signed(vec!["127.0.0.1".into(), "localhost".into()]).unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -380,6 +398,9 @@ async fn over_tls_the_picker_serves_a_gateway() {
 /// inter-token latency), and the predictions are compared with what happened.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_envoy_every_kind_of_answer_teaches_the_latency_model() {
+    if common::gateway::no_envoy() {
+        return;
+    }
     let (_a, a) = mock_worker(&["--speedup", "10", "--decode-base-us", "20000"]).await;
     let (_router, router, epp) = picker(&[&a], &["--engine-metrics-ms", "100"]).await;
     let (_envoy, gateway, _dir) = envoy(epp, &REFERENCE).await;

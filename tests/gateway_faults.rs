@@ -19,6 +19,9 @@ use common::serve::worker_finished;
 /// the dead worker, probed, leaves the picks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_worker_is_retried_on_the_fallback_then_left_out() {
+    if common::gateway::no_envoy() {
+        return;
+    }
     let mut workers = [mock_worker(&[]).await, mock_worker(&[]).await];
     let urls: Vec<String> = workers.iter().map(|(_, u)| u.clone()).collect();
     let (_router, router, epp) = picker(&[&urls[0], &urls[1]], &["--epp-fallbacks", "1"]).await;
@@ -67,6 +70,9 @@ async fn a_killed_worker_is_retried_on_the_fallback_then_left_out() {
 /// is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_worker_is_ejected_from_what_the_gateway_reports() {
+    if common::gateway::no_envoy() {
+        return;
+    }
     let (_bad, bad) = mock_worker(&["--fault", "error"]).await;
     let (_good, good) = mock_worker(&[]).await;
     let (_router, router, epp) = picker(&[&bad, &good], &[]).await;
@@ -99,6 +105,9 @@ async fn a_failing_worker_is_ejected_from_what_the_gateway_reports() {
 /// share (half of two workers: one), so the fleet is never emptied by it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_on_every_worker_never_eject_past_the_share() {
+    if common::gateway::no_envoy() {
+        return;
+    }
     let (_a, a) = mock_worker(&["--fault", "error"]).await;
     let (_b, b) = mock_worker(&["--fault", "error"]).await;
     let (_router, router, epp) = picker(&[&a, &b], &[]).await;
@@ -130,6 +139,9 @@ async fn failures_on_every_worker_never_eject_past_the_share() {
 /// then goes to the other worker, and it is never ejected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_shedding_load_through_the_gateway_is_skipped_not_ejected() {
+    if common::gateway::no_envoy() {
+        return;
+    }
     let (_busy, busy) = mock_worker(&[
         "--fault",
         "status",
@@ -174,6 +186,9 @@ async fn a_worker_shedding_load_through_the_gateway_is_skipped_not_ejected() {
 /// setting (docs/gateway.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_picker_killed_the_gateway_fails_open_or_closed_as_configured() {
+    if common::gateway::no_envoy() {
+        return;
+    }
     let (_a, a) = mock_worker(&[]).await;
     let (_b, b) = mock_worker(&[]).await;
     let (mut router, _, epp) = picker(&[&a, &b], &[]).await;

@@ -109,6 +109,9 @@ tools/envoy.sh "$SWITCHYARD_ENVOY_HOME"
 installed_targets="$(rustup target list --installed)"
 grep -qx wasm32-wasip2 <<<"$installed_targets" || rustup target add wasm32-wasip2
 
+# Every tool is installed now: a test that finds one missing fails rather than skips
+# (plain `cargo test` skips the vLLM and Envoy tests on a machine without them).
+export SWITCHYARD_REQUIRE_TOOLS=1
 cargo test --workspace "$@"
 # With no arguments, every benchmark too, in its quick mode (without `--bench` each runs
 # a small bounded load): a benchmark that no longer runs is caught here, not when

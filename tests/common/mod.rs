@@ -22,6 +22,33 @@ pub mod serve;
 pub mod tls;
 pub mod vllm;
 
+/// Whether a test that needs `tool` (installed by `tools/test.sh` at `path`) goes
+/// without it: plain `cargo test` on a machine that never ran `tools/test.sh` runs what it
+/// can and says which tests it left. Under `tools/test.sh` (and so CI), which sets
+/// `SWITCHYARD_REQUIRE_TOOLS`, a missing tool fails the test instead: a run that left a
+/// test out is not a pass.
+pub fn goes_without(tool: &str, path: &std::path::Path) -> bool {
+    if path.exists() {
+        return false;
+    }
+    let why = format!(
+        "needs {tool} at {} (run tools/test.sh, which installs it)",
+        path.display()
+    );
+    assert!(
+        std::env::var_os("SWITCHYARD_REQUIRE_TOOLS").is_none(),
+        "{why}"
+    );
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("a test")
+        .to_string();
+    // Straight to stderr: the harness hides what a passing test prints.
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+    true
+}
+
 /// The `.wasm` of a guest built by the host's build script, by artifact name.
 pub fn guest(name: &str) -> PathBuf {
     let path = match name {
