@@ -7,14 +7,13 @@
 
 mod common;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
     processing_request::Request, processing_response::Response,
 };
 use serde_json::json;
-use switchyard::http::epp::protocol::{DESTINATION, SERVED};
+use switchyard::http::epp::protocol::{DESTINATION, SERVED, header_map};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -28,16 +27,7 @@ const FULL_DUPLEX: i32 = 4;
 fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> ProcessingRequest {
     ProcessingRequest {
         request: Some(Request::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: pairs
-                    .iter()
-                    .map(|(k, v)| HeaderValue {
-                        key: (*k).into(),
-                        raw_value: v.as_bytes().to_vec(),
-                        ..Default::default()
-                    })
-                    .collect(),
-            }),
+            headers: Some(header_map(pairs)),
             end_of_stream,
             ..Default::default()
         })),

@@ -7,22 +7,12 @@
 
 mod common;
 
-use std::time::Duration;
-
 use serde_json::{Value, json};
 
 use common::http::{self, HttpClient};
 use common::procs::{Proc, mock_worker, serve};
+use common::queue::{post, sized_prompt};
 use common::router::{TOKEN, eventually, instance, metric};
-
-/// A prompt of about `chars` / 4 tokens, unique per `tag`.
-fn prompt(tag: &str, chars: usize) -> String {
-    let mut s = format!("{tag}: ");
-    while s.len() < chars {
-        s.push_str(&format!("line {} about {tag}. ", s.len()));
-    }
-    s
-}
 
 /// A completion of a prompt of a few hundred tokens.
 fn completion(tag: &str, max_tokens: u32, stream: bool) -> Value {
@@ -30,29 +20,7 @@ fn completion(tag: &str, max_tokens: u32, stream: bool) -> Value {
 }
 
 fn sized(tag: &str, chars: usize, max_tokens: u32, stream: bool) -> Value {
-    json!({"model": "mock", "prompt": prompt(tag, chars), "max_tokens": max_tokens, "stream": stream})
-}
-
-/// Posts `body` to `/v1/completions` with `headers`: status, headers, body.
-async fn post(
-    c: &HttpClient,
-    url: &str,
-    body: &Value,
-    headers: &[(&str, &str)],
-) -> (hyper::StatusCode, hyper::HeaderMap, String) {
-    let mut all = vec![("content-type", "application/json")];
-    all.extend_from_slice(headers);
-    let (status, h, bytes) = http::send(
-        c,
-        hyper::Method::POST,
-        &format!("{url}/v1/completions"),
-        &all,
-        body.to_string(),
-        Duration::from_secs(120),
-    )
-    .await
-    .unwrap();
-    (status, h, String::from_utf8_lossy(&bytes).into_owned())
+    json!({"model": "mock", "prompt": sized_prompt(tag, chars), "max_tokens": max_tokens, "stream": stream})
 }
 
 /// Sends `each` requests from each of `clients` concurrent clients; every status.
@@ -65,7 +33,7 @@ async fn load(url: &str, clients: usize, each: usize, body: impl Fn(usize) -> Va
             let c = http::client();
             let mut statuses = Vec::new();
             for b in bodies {
-                statuses.push(post(&c, &url, &b, &[]).await.0.as_u16());
+                statuses.push(post(&c, &url, b.to_string(), &[]).await.0.as_u16());
             }
             statuses
         }));
@@ -183,7 +151,7 @@ async fn a_split_fleet_learns_from_both_legs_and_holds_a_burst_past_capacity() {
     let c = http::client();
     for i in 0..10 {
         let body = completion(&format!("warm {i}"), 8, i % 2 == 0);
-        let (status, _, text) = post(&c, &url, &body, &[]).await;
+        let (status, _, text) = post(&c, &url, body.to_string(), &[]).await;
         assert!(status.is_success(), "{status}: {text}");
     }
     let (prefill, decode) = (
@@ -273,7 +241,7 @@ async fn a_request_no_worker_would_serve_within_its_objective_is_refused_with_re
     let (status, _, text) = post(
         &c,
         &url,
-        &sized("idle", 200, 4, false),
+        sized("idle", 200, 4, false).to_string(),
         &[("x-slo-ttft-ms", "500")],
     )
     .await;
@@ -288,7 +256,7 @@ async fn a_request_no_worker_would_serve_within_its_objective_is_refused_with_re
             let url = url.clone();
             tokio::spawn(async move {
                 let body = sized(&format!("long {i}"), 12_000, 4, true);
-                post(&http::client(), &url, &body, &[]).await.0
+                post(&http::client(), &url, body.to_string(), &[]).await.0
             })
         })
         .collect();
@@ -304,14 +272,16 @@ async fn a_request_no_worker_would_serve_within_its_objective_is_refused_with_re
         &[("x-slo-ttft-ms", "150")][..],
         &[("x-switchyard-priority", "interactive")][..],
     ] {
-        let (status, h, text) = post(&c, &url, &sized("hurry", 200, 4, false), headers).await;
+        let (status, h, text) =
+            post(&c, &url, sized("hurry", 200, 4, false).to_string(), headers).await;
         assert_eq!(
             status,
             hyper::StatusCode::TOO_MANY_REQUESTS,
             "{headers:?}: {text}"
         );
         assert!(
-            text.contains("objectives_unmet") && text.contains("time to first token"),
+            text.to_string().contains("objectives_unmet")
+                && text.to_string().contains("time to first token"),
             "{text}"
         );
         let after: u64 = h["retry-after"].to_str().unwrap().parse().unwrap();
@@ -331,7 +301,7 @@ async fn a_request_no_worker_would_serve_within_its_objective_is_refused_with_re
     let (status, _, text) = post(
         &c,
         &url,
-        &completion("hopeless", 4, false),
+        completion("hopeless", 4, false).to_string(),
         &[("x-slo-ttft-ms", "1")],
     )
     .await;
@@ -342,12 +312,12 @@ async fn a_request_no_worker_would_serve_within_its_objective_is_refused_with_re
     let (status, _, text) = post(
         &c,
         &url,
-        &completion("bad", 4, false),
+        completion("bad", 4, false).to_string(),
         &[("x-slo-ttft-ms", "soon")],
     )
     .await;
     assert_eq!(status, hyper::StatusCode::BAD_REQUEST, "{text}");
-    assert!(text.contains("x-slo-ttft-ms"), "{text}");
+    assert!(text.to_string().contains("x-slo-ttft-ms"), "{text}");
     for b in busy {
         assert!(b.await.unwrap().is_success());
     }

@@ -16,8 +16,13 @@ pub fn body(prompt: &str, max_tokens: u32) -> String {
 
 /// A prompt of several blocks, unique per `tag`.
 pub fn prompt(tag: &str) -> String {
+    sized_prompt(tag, 1500)
+}
+
+/// A prompt of at least `chars` characters, unique per `tag`.
+pub fn sized_prompt(tag: &str, chars: usize) -> String {
     let mut s = format!("{tag}: ");
-    while s.len() < 1500 {
+    while s.len() < chars {
         s.push_str(&format!("line {} about {tag}. ", s.len()));
     }
     s

@@ -356,23 +356,14 @@ fn overload_headers() {
 fn epp_messages() {
     use crate::http::epp::protocol;
     use crate::http::queue::classes::OverloadConfig;
-    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
     use envoy_types::pb::envoy::service::ext_proc::v3::{
         HttpHeaders, ProcessingRequest, ProtocolConfiguration, processing_request::Request,
     };
     use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
     use prost::Message;
     let headers = |pairs: &[(&str, &str)]| HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: pairs
-                .iter()
-                .map(|(k, v)| HeaderValue {
-                    key: (*k).into(),
-                    raw_value: v.as_bytes().to_vec(),
-                    ..Default::default()
-                })
-                .collect(),
-        }),
+        headers: Some(protocol::header_map(pairs)),
         end_of_stream: false,
         ..Default::default()
     };

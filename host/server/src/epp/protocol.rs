@@ -4,7 +4,7 @@
 //! body passed back, an immediate answer). Pure functions of their input, fuzzed
 //! (`switchyard fuzz epp`).
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, CommonResponse, HeaderMutation, HttpHeaders, ImmediateResponse,
@@ -232,6 +232,21 @@ pub fn status(h: &HttpHeaders) -> Option<u16> {
     std::str::from_utf8(v).ok()?.trim().parse().ok()
 }
 
+/// Headers as a gateway's ext_proc message carries them (raw values), from name and
+/// value pairs: how a client of the picker (the tests, the fuzzer) writes a request.
+pub fn header_map(pairs: &[(&str, &str)]) -> HeaderMap {
+    HeaderMap {
+        headers: pairs
+            .iter()
+            .map(|(k, v)| HeaderValue {
+                key: (*k).into(),
+                raw_value: v.as_bytes().to_vec(),
+                ..Default::default()
+            })
+            .collect(),
+    }
+}
+
 /// The pick's answer to the request headers: the destination header set, the route
 /// cache cleared (the route is chosen again with it), and the same value in the
 /// `envoy.lb` dynamic metadata.
@@ -349,21 +364,12 @@ pub async fn immediate(e: &ApiError) -> ProcessingResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
     use std::time::Duration;
 
     fn headers(pairs: &[(&str, &str)]) -> HttpHeaders {
         HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: pairs
-                    .iter()
-                    .map(|(k, v)| HeaderValue {
-                        key: (*k).into(),
-                        raw_value: v.as_bytes().to_vec(),
-                        ..Default::default()
-                    })
-                    .collect(),
-            }),
+            headers: Some(header_map(pairs)),
             ..Default::default()
         }
     }
