@@ -82,18 +82,10 @@ impl Fit {
     fn solve(&self) -> Option<[f64; N]> {
         let mut best: Option<([f64; N], f64, u32)> = None;
         for mask in 1u32..(1 << N) {
-            let idx: Vec<usize> = (0..N).filter(|i| mask & (1 << i) != 0).collect();
-            if idx.iter().any(|&i| self.sxx[i][i] <= 0.0) {
-                continue;
-            }
-            let Some(c) = self.solve_subset(&idx) else {
+            let Some(c) = self.solve_subset(mask) else {
                 continue;
             };
-            let mut full = [0.0; N];
-            for (k, &i) in idx.iter().enumerate() {
-                full[i] = c[k];
-            }
-            let rss = (self.syy - (0..N).map(|i| full[i] * self.sxy[i]).sum::<f64>()).max(0.0);
+            let rss = (self.syy - (0..N).map(|i| c[i] * self.sxy[i]).sum::<f64>()).max(0.0);
             let size = mask.count_ones();
             let better = match best {
                 None => true,
@@ -103,24 +95,33 @@ impl Fit {
                 }
             };
             if better {
-                best = Some((full, rss, size));
+                best = Some((c, rss, size));
             }
         }
         best.map(|(c, _, _)| c)
     }
 
-    /// The least-squares coefficients over the features `idx`, if the system is well
-    /// conditioned and every coefficient is non-negative.
-    fn solve_subset(&self, idx: &[usize]) -> Option<Vec<f64>> {
-        let n = idx.len();
+    /// The least-squares coefficients over the features in `mask` (the others 0), if
+    /// each has been seen, the system is well conditioned and every coefficient is
+    /// non-negative.
+    fn solve_subset(&self, mask: u32) -> Option<[f64; N]> {
+        let (mut idx, mut n) = ([0usize; N], 0);
+        for i in (0..N).filter(|i| mask & (1 << i) != 0) {
+            if self.sxx[i][i] <= 0.0 {
+                return None;
+            }
+            idx[n] = i;
+            n += 1;
+        }
         // Normalised so that the diagonal is 1: the conditioning test is then scale-free.
-        let d: Vec<f64> = idx.iter().map(|&i| self.sxx[i][i].sqrt()).collect();
-        let mut a = vec![vec![0.0; n + 1]; n];
+        // The right-hand side is the last column.
+        let d = idx.map(|i| self.sxx[i][i].sqrt());
+        let mut a = [[0.0; N + 1]; N];
         for r in 0..n {
             for c in 0..n {
                 a[r][c] = self.sxx[idx[r]][idx[c]] / (d[r] * d[c]);
             }
-            a[r][n] = self.sxy[idx[r]] / d[r];
+            a[r][N] = self.sxy[idx[r]] / d[r];
         }
         // Gaussian elimination with partial pivoting.
         let mut det = 1.0;
@@ -132,11 +133,11 @@ impl Fit {
             if p.abs() < 1e-12 {
                 return None;
             }
-            for r in 0..n {
+            let pivot_row = a[col];
+            for (r, row) in a.iter_mut().enumerate().take(n) {
                 if r != col {
-                    let f = a[r][col] / p;
-                    let pivot_row = a[col].clone();
-                    for (v, pv) in a[r].iter_mut().zip(pivot_row).skip(col) {
+                    let f = row[col] / p;
+                    for (v, pv) in row.iter_mut().zip(pivot_row).skip(col) {
                         *v -= f * pv;
                     }
                 }
@@ -145,8 +146,15 @@ impl Fit {
         if det < COLLINEAR {
             return None;
         }
-        let c: Vec<f64> = (0..n).map(|r| a[r][n] / a[r][r] / d[r]).collect();
-        c.iter().all(|v| v.is_finite() && *v >= 0.0).then_some(c)
+        let mut full = [0.0; N];
+        for r in 0..n {
+            let c = a[r][N] / a[r][r] / d[r];
+            if !(c.is_finite() && c >= 0.0) {
+                return None;
+            }
+            full[idx[r]] = c;
+        }
+        Some(full)
     }
 
     /// `c · x`, once the fit has seen [`MIN_SAMPLES`] samples.
@@ -222,11 +230,13 @@ pub struct Features {
 }
 
 impl Features {
-    fn ttft_x(&self) -> (f64, f64) {
-        (
+    /// The TTFT fit's features: requests (its own included), then tokens.
+    fn ttft_x(&self) -> [f64; N] {
+        [
             f64::from(self.ahead_requests) + 1.0,
             self.ahead_tokens.saturating_add(self.uncached) as f64,
-        )
+            0.0,
+        ]
     }
 }
 
@@ -311,13 +321,12 @@ pub struct LatencyModel {
 impl LatencyModel {
     /// What a request with `f` would see on this worker.
     pub fn predict(&self, f: Features) -> Prediction {
-        let (x1, x2) = f.ttft_x();
         let beside = Beside {
             in_flight: f64::from(f.in_flight),
             pending_tokens: f.ahead_tokens as f64,
         };
         Prediction {
-            ttft: self.ttft.eval([x1, x2, 0.0]).and_then(duration),
+            ttft: self.ttft.eval(f.ttft_x()).and_then(duration),
             tpot: self.tpot.eval(beside.tpot_x()).and_then(duration),
         }
     }
@@ -340,8 +349,7 @@ impl LatencyModel {
         if let Some(p) = predicted {
             self.errors.ttft.add(p, ttft);
         }
-        let (x1, x2) = f.ttft_x();
-        self.ttft.add([x1, x2, 0.0], secs(ttft));
+        self.ttft.add(f.ttft_x(), secs(ttft));
     }
 
     /// A stream's tokens after its first came `tpot` apart, beside `beside` (the mean
@@ -428,7 +436,7 @@ mod tests {
                 uncached: [0, 300, 2000, 8000][(i % 3) as usize],
                 in_flight: 1 + i % 4,
             };
-            let (x1, x2) = f.ttft_x();
+            let [x1, x2, _] = f.ttft_x();
             m.learn_ttft(f, ms(20.0 * x1 + 0.1 * x2), None);
         }
         m
