@@ -75,8 +75,8 @@ pub struct Saturation {
     /// saturated: a request sent there would wait that long for its first token; 0:
     /// no such limit.
     pub prefill_tokens: u64,
-    /// The expected wait for the prefill already routed to a worker (its pending prefill
-    /// at its measured rate, [`switchyard_kv::load::WorkerLoad::prefill_wait`]) at which
+    /// The expected wait for the requests already routed to a worker (its latency model
+    /// over what is ahead, [`switchyard_kv::load::WorkerLoad::expected_wait`]) at which
     /// it is saturated: a request sent there would wait at least this long for its
     /// first token; zero: none.
     pub wait: Duration,
@@ -117,7 +117,7 @@ impl Saturation {
     /// Whether a worker with load `l` is saturated, and by what.
     pub fn reason(&self, l: &switchyard_kv::load::WorkerLoad) -> Option<&'static str> {
         self.avoided(l).or_else(|| {
-            (!self.wait.is_zero() && l.prefill_wait().is_some_and(|w| w >= self.wait))
+            (!self.wait.is_zero() && l.expected_wait.is_some_and(|w| w >= self.wait))
                 .then_some("expected wait")
         })
     }
@@ -297,7 +297,7 @@ pub struct Ask<'a> {
     pub max_tokens: Option<u32>,
     /// Its latency objectives: a worker predicted to miss one while another is not is
     /// left out of its placement, and when every worker is (and would not be idle),
-    /// the request waits in the router's queue, where there is one.
+    /// the request is refused ([`RouteError::Late`]) rather than queued.
     pub objectives: Objectives,
 }
 

@@ -83,12 +83,6 @@ pub struct WorkerLoad {
 }
 
 impl WorkerLoad {
-    /// How long a request sent now would wait for the requests routed ahead of it:
-    /// [`WorkerLoad::expected_wait`].
-    pub fn prefill_wait(&self) -> Option<Duration> {
-        self.expected_wait
-    }
-
     /// The worker's prefill rate, uncached prompt tokens a second, once measured.
     pub fn prefill_rate(&self) -> Option<f64> {
         let (_, per_token) = self.latency.ttft?;
@@ -102,7 +96,8 @@ pub struct LatencySummary {
     /// Time to first token: seconds per request ahead (its own included), seconds per
     /// uncached token ahead (its own included).
     pub ttft: Option<(f64, f64)>,
-    /// Time per output token: seconds per step, seconds per request in flight.
+    /// Time per output token: seconds per step, seconds per request in flight, seconds
+    /// per uncached prompt token pending.
     pub tpot: Option<(f64, f64, f64)>,
     /// Samples each fit has taken (TTFT, TPOT).
     pub samples: (u64, u64),
@@ -304,11 +299,7 @@ impl LoadTracker {
         w.in_flight += 1;
         w.since_report += 1;
         w.awaiting += 1;
-        if watch == Watch::WholeAnswer
-            && let Some(ttft) = predicted.ttft
-        {
-            self.due.push(Reverse((now + ttft.min(MAX_DUE), req)));
-        }
+        self.schedule(req, watch, predicted, now);
         self.requests.insert(
             req,
             Booking {
@@ -364,10 +355,17 @@ impl LoadTracker {
         d.features = features;
         d.predicted = w.model.predict(features);
         d.booked_at = now;
-        if d.watch == Watch::WholeAnswer
-            && let Some(ttft) = d.predicted.ttft
+        let (watch, predicted) = (d.watch, d.predicted);
+        self.schedule(decode, watch, predicted, now);
+    }
+
+    /// A whole answer's prompt stops counting as pending at its predicted first token
+    /// (from `now`, within [`MAX_DUE`]); see [`LoadTracker::settle`].
+    fn schedule(&mut self, req: RequestId, watch: Watch, predicted: Prediction, now: Instant) {
+        if watch == Watch::WholeAnswer
+            && let Some(ttft) = predicted.ttft
         {
-            self.due.push(Reverse((now + ttft.min(MAX_DUE), decode)));
+            self.due.push(Reverse((now + ttft.min(MAX_DUE), req)));
         }
     }
 
@@ -416,7 +414,8 @@ impl LoadTracker {
         }
     }
 
-    /// The booking's prompt is prefilled: no longer pending nor awaited.
+    /// The booking's prompt is prefilled (or its request gone): no longer pending nor
+    /// awaited.
     fn first_token_came(workers: &mut HashMap<InstanceId, Worker>, b: &mut Booking) {
         let pending = std::mem::take(&mut b.pending);
         let awaiting = std::mem::take(&mut b.awaiting);
@@ -491,9 +490,10 @@ impl LoadTracker {
     /// The request ended, failed or was cancelled: release everything it holds.
     /// Returns false if it was not booked (already released).
     pub fn finish(&mut self, req: RequestId) -> bool {
-        let Some(b) = self.requests.remove(&req) else {
+        let Some(mut b) = self.requests.remove(&req) else {
             return false;
         };
+        Self::first_token_came(&mut self.workers, &mut b);
         if let Some(w) = self.workers.get_mut(&b.worker) {
             for block in &b.blocks {
                 if let Some(n) = w.blocks.get_mut(block) {
@@ -503,8 +503,6 @@ impl LoadTracker {
                     }
                 }
             }
-            w.pending_prefill_tokens -= b.pending;
-            w.awaiting -= u32::from(b.awaiting);
             w.in_flight -= 1;
             w.since_report -= 1;
         }

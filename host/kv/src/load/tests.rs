@@ -36,7 +36,7 @@ fn the_time_to_first_token_is_learned_from_streams_queued_together() {
             );
         }
         if round == 0 {
-            assert_eq!(t.load(w, now).prefill_wait(), None, "not measured yet");
+            assert_eq!(t.load(w, now).expected_wait, None, "not measured yet");
         }
         let mut at = now;
         for (r, size) in (1..=3).zip(sizes) {
@@ -55,7 +55,7 @@ fn the_time_to_first_token_is_learned_from_streams_queued_together() {
     assert!((per_request - 0.05).abs() < 1e-6, "{per_request}");
     assert!((rate - 1000.0).abs() < 0.01, "{rate}");
     t.book(RequestId(100), w, &b(&[9]), 2000, now, Watch::FirstToken);
-    let wait = t.load(w, now).prefill_wait().unwrap();
+    let wait = t.load(w, now).expected_wait.unwrap();
     assert_eq!(wait.as_millis(), 2050, "one request of 2,000 tokens ahead");
     let p = t.predict(w, 500, now).ttft.unwrap();
     assert_eq!(

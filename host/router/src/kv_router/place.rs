@@ -10,15 +10,15 @@ use switchyard_kv::load::Watch;
 use switchyard_policy::{CandidateRow, Candidates, Decider, DecisionOutcome, Request};
 
 use super::views::{Admit, Saturated};
+use super::{Gathered, KvRouter};
+use crate::{
+    Ask, Placing, Prediction, PrefillLeg, RouteError, Routed, has_room, quality, unsaturated,
+};
 
 /// A duration in milliseconds, as the policy sees it.
 fn ms(d: Duration) -> f32 {
     (d.as_secs_f64() * 1e3) as f32
 }
-use super::{Gathered, KvRouter};
-use crate::{
-    Ask, Placing, Prediction, PrefillLeg, RouteError, Routed, has_room, quality, unsaturated,
-};
 
 impl KvRouter {
     /// Routes a request given its token IDs, avoiding `exclude` (workers that already
@@ -71,17 +71,16 @@ impl KvRouter {
     }
 
     /// [`KvRouter::place`] for a request arriving, but [`RouteError::Saturated`] when
-    /// every candidate is saturated (or predicted to miss its objectives): the caller
-    /// queues the request and places it with [`KvRouter::dispatch`] when
-    /// [`KvRouter::load_changed`] says so.
+    /// every candidate is saturated: the caller queues the request and places it with
+    /// [`KvRouter::dispatch`] when [`KvRouter::load_changed`] says so.
     pub fn try_place(&self, ask: &Ask<'_>, now: Instant) -> Result<Routed, RouteError> {
         self.place_as(ask, &[], now, Placing::Any, Admit::Arrive)
     }
 
     /// [`KvRouter::try_place`] for a request leaving the router's queue: only workers
-    /// below every saturation signal, the expected wait included, and predicted to meet
-    /// its objectives are offered to the policy (the queue would otherwise empty itself
-    /// onto saturated workers while one had room).
+    /// below every saturation signal, the expected wait included, are offered to the
+    /// policy (the queue would otherwise empty itself onto saturated workers while one
+    /// had room).
     pub fn dispatch(&self, ask: &Ask<'_>, now: Instant) -> Result<Routed, RouteError> {
         self.place_as(ask, &[], now, Placing::Any, Admit::Dispatch)
     }
@@ -224,22 +223,22 @@ impl KvRouter {
             .min_by(|a, b| a.0.total_cmp(&b.0))
             .map(|(_, p)| *p)
             .unwrap_or_default();
-        let ms = |d: Duration| format!("{} ms", d.as_millis());
+        let shown = |d: Duration| format!("{} ms", d.as_millis());
         let mut why = Vec::new();
         let mut retry_after = Duration::from_secs(1);
         if let Some((objective, predicted)) = o.ttft.zip(best.ttft).filter(|(o, p)| p > o) {
             why.push(format!(
                 "time to first token {} against {}",
-                ms(predicted),
-                ms(objective)
+                shown(predicted),
+                shown(objective)
             ));
             retry_after = retry_after.max(predicted - objective);
         }
         if let Some((objective, predicted)) = o.tpot.zip(best.tpot).filter(|(o, p)| p > o) {
             why.push(format!(
                 "time per output token {} against {}",
-                ms(predicted),
-                ms(objective)
+                shown(predicted),
+                shown(objective)
             ));
         }
         RouteError::Late {
@@ -288,10 +287,7 @@ impl KvRouter {
         prefill: Option<PrefillLeg>,
         now: Instant,
     ) -> Prediction {
-        let block_size = u64::from(self.config.block_size);
-        let uncached = |overlap: u32| {
-            u64::from(ask.prompt_tokens).saturating_sub(u64::from(overlap) * block_size)
-        };
+        let uncached = |overlap: u32| self.uncached(ask, overlap);
         let (predicted, expired) = {
             let mut load = self.load.lock();
             let expired = load.maybe_expire(now, self.config.load_expiry);
@@ -337,6 +333,13 @@ impl KvRouter {
         predicted
     }
 
+    /// `ask`'s prompt tokens past `overlap` cached blocks: what a worker holding them
+    /// would prefill.
+    fn uncached(&self, ask: &Ask<'_>, overlap: u32) -> u64 {
+        let cached = u64::from(overlap) * u64::from(self.config.block_size);
+        u64::from(ask.prompt_tokens).saturating_sub(cached)
+    }
+
     /// [`KvRouter::candidates`], and whether each candidate is saturated.
     pub(super) fn gather(&self, ask: &Ask<'_>, exclude: &[InstanceId]) -> Gathered {
         let hashes = ask.hashes;
@@ -371,7 +374,6 @@ impl KvRouter {
         let mut saturation = Vec::with_capacity(available.len());
         let mut predictions = Vec::with_capacity(available.len());
         let now = Instant::now();
-        let block_size = u64::from(self.config.block_size);
         let mut load = self.load.lock();
         load.settle(now);
         for (&id, &cache_fullness) in available.iter().zip(&fullness) {
@@ -383,8 +385,7 @@ impl KvRouter {
                 .binary_search_by_key(&id, |(w, _)| *w)
                 .map_or(0, |i| overlaps[i].1);
             let overlap = load.extend_overlap(id, hashes, cached);
-            let uncached =
-                u64::from(ask.prompt_tokens).saturating_sub(u64::from(overlap) * block_size);
+            let uncached = self.uncached(ask, overlap);
             let predicted = load.predict(id, uncached, now);
             // Late: predicted to miss an objective it would meet with nothing ahead
             // (an objective no worker could meet is not held against the load).

@@ -104,7 +104,7 @@ pub(super) fn instances_json(r: &KvRouter) -> Value {
                 "active_blocks": load.active_blocks,
                 "pending_prefill_tokens": load.pending_prefill_tokens,
                 "prefill_rate_tokens_per_s": load.prefill_rate().map(|r| r.round()),
-                "expected_wait_ms": load.prefill_wait().map(|w| w.as_millis() as u64),
+                "expected_wait_ms": load.expected_wait.map(|w| w.as_millis() as u64),
                 "awaiting_first_token": load.awaiting_first,
                 "latency_model": latency_json(&load.latency),
                 "kv_usage": load.reported.and_then(|l| l.kv_usage()),
