@@ -355,13 +355,7 @@ impl Gateway {
                 return Err(e);
             }
         };
-        let Some(slot) = Slot::take(&self.in_flight, self.config.max_in_flight) else {
-            self.metrics.shed.fetch_add(1, Ordering::Relaxed);
-            return Err(ApiError::Overloaded(format!(
-                "{} requests in flight",
-                self.config.max_in_flight
-            )));
-        };
+        let slot = self.in_flight_slot()?;
         // A request waiting in an endpoint's queue gives its slot back meanwhile (the
         // queue's own limits bound it) and takes one again when placed.
         let mut slot = Some(slot);
@@ -398,6 +392,16 @@ impl Gateway {
             total: self.config.max_body_bytes_total,
             deadline: self.config.client_idle_timeout,
         }
+    }
+
+    /// A slot of `--max-in-flight`, for a request the front door or the endpoint picker
+    /// takes on; past the bound the request is shed (503 at the front door, 429 to a
+    /// gateway).
+    pub(crate) fn in_flight_slot(&self) -> Result<Slot, ApiError> {
+        Slot::take(&self.in_flight, self.config.max_in_flight).ok_or_else(|| {
+            self.metrics.shed.fetch_add(1, Ordering::Relaxed);
+            ApiError::Overloaded(format!("{} requests in flight", self.config.max_in_flight))
+        })
     }
 
     /// Whether `/ready` would answer 200.

@@ -157,13 +157,13 @@ pub async fn serve(
     }
     let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let (max, write_limit) = (gw.config.max_connections, gw.config.client_idle_timeout);
-    let metrics = gw.clone();
+    let counts = gw.clone();
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).filter_map(move |r| {
         let stream = r.ok()?;
         match crate::listen::harden(stream, &connections, max, write_limit) {
             Ok(accepted) => Some(Ok::<_, std::io::Error>(accepted)),
             Err(_refused) => {
-                metrics
+                counts
                     .metrics
                     .refused_connections
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -286,9 +286,7 @@ async fn exchange(
             _ = tx.closed() => return,
         };
         // An immediate answer ends the request: nothing more is read for it.
-        let refused = answers
-            .iter()
-            .any(|a| matches!(a.response, Some(Out::ImmediateResponse(_))));
+        let refused = ends_the_request(&answers);
         for a in answers {
             if !send(&gw, &tx, a).await {
                 return;
@@ -299,6 +297,13 @@ async fn exchange(
         }
     }
     // The stream ended: whatever was booked is released as `x` drops.
+}
+
+/// Whether `answers` hold an immediate answer, which ends the request.
+fn ends_the_request(answers: &[ProcessingResponse]) -> bool {
+    answers
+        .iter()
+        .any(|a| matches!(a.response, Some(Out::ImmediateResponse(_))))
 }
 
 /// Sends one answer to the gateway within the write deadline the front door gives its
@@ -369,10 +374,7 @@ async fn step(
             } else {
                 decide(gw, x).await
             };
-            let refused = out
-                .iter()
-                .any(|a| matches!(a.response, Some(Out::ImmediateResponse(_))));
-            if !refused {
+            if !ends_the_request(&out) {
                 out.push(answer(Out::RequestTrailers(Default::default())));
             }
             out

@@ -133,17 +133,7 @@ pub(crate) async fn pick(
     }
     // A slot of the front door's `--max-in-flight`, given back while the request waits
     // in the queue and taken again when it is placed.
-    let Some(taken) = switchyard_bounded::slot::Slot::take(&gw.in_flight, gw.config.max_in_flight)
-    else {
-        gw.metrics
-            .shed
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        return Err(ApiError::Overloaded(format!(
-            "{} requests in flight",
-            gw.config.max_in_flight
-        )));
-    };
-    let mut slot = Some(taken);
+    let mut slot = Some(gw.in_flight_slot()?);
     let queued = prepare::admit(gw, &p, body.len(), &mut slot).await?;
     let chosen = match queued {
         Some(r) if !exclude.contains(&r.worker) && r.prefill.is_none() => r,
