@@ -6,7 +6,9 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::{ConfigError, bounded};
-use crate::queue::classes::{Class, MAX_OBJECTIVE_MS, OverloadConfig, Tenant, builtin_classes};
+use crate::queue::classes::{
+    Class, MAX_OBJECTIVE_MS, OverloadConfig, Tenant, builtin_classes, objective_ms,
+};
 use switchyard_router::{Objectives, Saturation};
 
 /// A `[[classes]]` table: a priority class added to (or replacing one of) `high`,
@@ -96,16 +98,15 @@ pub(crate) fn resolve(raw: Raw) -> Result<(OverloadConfig, Saturation), ConfigEr
             )));
         }
         let objective = |what: &str, ms: Option<u64>| -> Result<Option<Duration>, ConfigError> {
-            match ms {
-                None => Ok(None),
-                Some(ms) if (1..=MAX_OBJECTIVE_MS).contains(&ms) => {
-                    Ok(Some(Duration::from_millis(ms)))
-                }
-                Some(ms) => Err(ConfigError(format!(
-                    "class `{}` {what} = {ms}: 1 to {MAX_OBJECTIVE_MS} milliseconds",
-                    c.name
-                ))),
-            }
+            ms.map(|ms| {
+                objective_ms(ms).ok_or_else(|| {
+                    ConfigError(format!(
+                        "class `{}` {what} = {ms}: 1 to {MAX_OBJECTIVE_MS} milliseconds",
+                        c.name
+                    ))
+                })
+            })
+            .transpose()
         };
         let objectives = Objectives {
             ttft: objective("ttft_ms", c.ttft_ms)?,

@@ -416,3 +416,31 @@ fn the_overload_pages_file_is_read_as_it_says() {
     .unwrap_err();
     assert!(err.to_string().contains("tenant `anonymous`"), "{err}");
 }
+
+/// A class's objectives are read from its table, and one outside 1 ms to an hour stops
+/// the router at start, naming the class and the key.
+#[test]
+fn a_class_s_objectives_are_bounded() {
+    let resolve = |table: &str| {
+        let f = file(&format!(
+            "workers = [\"http://x:1\"]\n[[classes]]\nname = \"chat\"\nrank = 1\ndeadline_ms = 1000\n{table}"
+        ));
+        ServeArgs {
+            config: Some(f.path().into()),
+            ..Default::default()
+        }
+        .resolve()
+    };
+    let c = resolve("ttft_ms = 300\ntpot_ms = 50\n").unwrap();
+    let o = &c.gateway.overload;
+    let chat = &o.classes[o.class_index("chat").unwrap()];
+    assert_eq!(chat.objectives.ttft, Some(Duration::from_millis(300)));
+    assert_eq!(chat.objectives.tpot, Some(Duration::from_millis(50)));
+    for (bad, key) in [
+        ("ttft_ms = 0\n", "ttft_ms"),
+        ("tpot_ms = 3600001\n", "tpot_ms"),
+    ] {
+        let err = resolve(bad).unwrap_err().to_string();
+        assert!(err.contains("class `chat`") && err.contains(key), "{err}");
+    }
+}

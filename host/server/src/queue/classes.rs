@@ -166,15 +166,13 @@ impl OverloadConfig {
         }
         .min(longest);
         let objective = |name: &str| -> Result<Option<Duration>, String> {
-            match header_ms(headers, name)? {
-                Some(ms) if (1..=MAX_OBJECTIVE_MS).contains(&ms) => {
-                    Ok(Some(Duration::from_millis(ms)))
-                }
-                Some(_) => Err(format!(
-                    "{name} must be 1 to {MAX_OBJECTIVE_MS} milliseconds"
-                )),
-                None => Ok(None),
-            }
+            header_ms(headers, name)?
+                .map(|ms| {
+                    objective_ms(ms).ok_or_else(|| {
+                        format!("{name} must be 1 to {MAX_OBJECTIVE_MS} milliseconds")
+                    })
+                })
+                .transpose()
         };
         let class_objectives = self
             .classes
@@ -222,6 +220,13 @@ impl OverloadConfig {
             .iter()
             .find(|t| t.name == name && t.api_key_sha256.is_none())
     }
+}
+
+/// A latency objective of `ms` milliseconds, if it is one: 1 ms to an hour.
+pub fn objective_ms(ms: u64) -> Option<Duration> {
+    (1..=MAX_OBJECTIVE_MS)
+        .contains(&ms)
+        .then(|| Duration::from_millis(ms))
 }
 
 /// A header's whole number of milliseconds, if the request has it.
@@ -323,6 +328,40 @@ mod tests {
                 .identify(&headers(&[(DEADLINE_HEADER, "1e400")]), long)
                 .is_err()
         );
+    }
+
+    /// A request's objectives are its headers', else its class's; an objective outside
+    /// 1 ms to an hour, or not a number, is the client's error, said plainly.
+    #[test]
+    fn objectives_come_from_headers_else_the_class() {
+        let mut config = OverloadConfig::default();
+        let low = config.class_index("low").unwrap();
+        config.classes[low].objectives = Objectives {
+            ttft: Some(Duration::from_millis(900)),
+            tpot: None,
+        };
+        let long = Duration::from_secs(600);
+        let of = |h: &[(&'static str, &str)]| config.identify(&headers(h), long);
+        assert_eq!(of(&[]).unwrap().objectives, Objectives::default());
+        let own = of(&[
+            (TTFT_OBJECTIVE_HEADER, "150"),
+            (TPOT_OBJECTIVE_HEADER, "40"),
+        ])
+        .unwrap();
+        assert_eq!(
+            own.objectives,
+            Objectives {
+                ttft: Some(Duration::from_millis(150)),
+                tpot: Some(Duration::from_millis(40)),
+            }
+        );
+        let class = of(&[(PRIORITY_HEADER, "low"), (TPOT_OBJECTIVE_HEADER, "40")]).unwrap();
+        assert_eq!(class.objectives.ttft, Some(Duration::from_millis(900)));
+        assert_eq!(class.objectives.tpot, Some(Duration::from_millis(40)));
+        for bad in ["0", "3600001", "soon", "-1"] {
+            let err = of(&[(TTFT_OBJECTIVE_HEADER, bad)]).unwrap_err();
+            assert!(err.contains(TTFT_OBJECTIVE_HEADER), "{bad}: {err}");
+        }
     }
 
     /// Nothing a client sends makes it more urgent than its tenant may be: `high`
