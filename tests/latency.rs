@@ -112,6 +112,11 @@ async fn whole_answers_below_capacity_wait_in_no_queue_and_teach_the_model() {
         )
         .await
             > 0.0,
+        "the predictions compared are exported"
+    );
+    let error = metric(&c, &url, "switchyard_prediction_error_total", "of=\"e2e\"").await;
+    assert!(
+        error.is_finite() && error >= 0.0,
         "the prediction error is exported"
     );
 }

@@ -13,23 +13,30 @@ impl Scrape {
     /// compared, by what was predicted (their ratio is the mean absolute percentage
     /// error).
     pub(super) fn prediction_errors(&self, e: &mut DescriptorEncoder) -> std::fmt::Result {
-        let rows = |f: fn(&ErrorSum) -> f64| -> Vec<(Labels, ConstCounter<f64>)> {
-            per_router(&self.routers, move |r| {
-                let mut out = Vec::new();
-                for id in r.client().snapshot().instances.keys() {
-                    let errors = r.load_of(*id).latency.errors;
-                    let each = [
-                        ("ttft", errors.ttft),
-                        ("tpot", errors.tpot),
-                        ("e2e", errors.e2e),
-                    ];
-                    for (of, err) in each.into_iter().filter(|(_, e)| e.count > 0) {
-                        let labels = vec![("instance", id.to_string()), ("of", of.to_string())];
-                        out.push((labels, ConstCounter::new(f(&err))));
-                    }
+        // One pass over the workers' models; both families are read from it.
+        let errors = per_router(&self.routers, |r| {
+            let mut out = Vec::new();
+            for id in r.client().snapshot().instances.keys() {
+                let errors = r.load_of(*id).latency.errors;
+                let each = [
+                    ("ttft", errors.ttft),
+                    ("tpot", errors.tpot),
+                    ("e2e", errors.e2e),
+                ];
+                for (of, err) in each.into_iter().filter(|(_, e)| e.count > 0) {
+                    out.push((
+                        vec![("instance", id.to_string()), ("of", of.to_string())],
+                        err,
+                    ));
                 }
-                out
-            })
+            }
+            out
+        });
+        let rows = |f: fn(&ErrorSum) -> f64| -> Vec<(Labels, ConstCounter<f64>)> {
+            errors
+                .iter()
+                .map(|(labels, err)| (labels.clone(), ConstCounter::new(f(err))))
+                .collect()
         };
         family(
             e,
