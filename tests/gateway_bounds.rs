@@ -1,11 +1,14 @@
 //! The endpoint picker against a gateway that does not behave: a raw ext_proc client
 //! (gRPC, as Envoy speaks it) that picks and never forwards, never reads its answers,
 //! reports one answer's status again and again, or reports Envoy's own 503 for a pick
-//! it could not reach. The picker's port holds as the front door does: bookings live only
-//! while a real exchange does, a peer that stops reading is cut off, one answer counts
-//! once, and a dead pick is probed out.
+//! it could not reach, or opens more connections and streams than it may. The picker's
+//! port holds as the front door does: bookings live only while a real exchange does, a
+//! peer that stops reading is cut off, one answer counts once, a dead pick is probed
+//! out, and connections and streams are bounded.
 
 mod common;
+
+use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -73,19 +76,24 @@ struct Exchange {
 }
 
 async fn open(epp: u16) -> Exchange {
+    try_open(epp).await.unwrap()
+}
+
+/// [`open`], or why the picker would not take the exchange.
+async fn try_open(epp: u16) -> Result<Exchange, String> {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{epp}"))
         .unwrap()
         .connect()
         .await
-        .unwrap();
+        .map_err(|e| format!("connect: {e}"))?;
     let mut client = ExternalProcessorClient::new(channel);
     let (send, rx) = mpsc::channel(64);
     let answers = client
         .process(ReceiverStream::new(rx))
         .await
-        .unwrap()
+        .map_err(|e| format!("process: {e}"))?
         .into_inner();
-    Exchange { send, answers }
+    Ok(Exchange { send, answers })
 }
 
 /// A completion's headers and body, sent for a pick; the pick's answers read. The
@@ -286,4 +294,69 @@ async fn picks_hold_the_front_doors_in_flight_bound() {
         matches!(first.response, Some(Response::RequestHeaders(_)))
     })
     .await;
+}
+
+/// The picker's port has `--max-connections` of its own, as the front door does: a
+/// connection past them is refused (and counted), and a freed slot takes the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_bound_are_refused_on_the_pickers_port() {
+    let (_a, a) = mock_worker(&[]).await;
+    let (_r, router, epp) = picker(&[&a], &["--max-connections", "1"]).await;
+    let mut held = open(epp).await;
+    pick(&mut held, "the one connection").await;
+    let refused = try_open(epp).await;
+    assert!(refused.is_err(), "a second connection was served");
+    let c = common::http::client();
+    assert!(metric(&c, &router, "switchyard_refused_connections_total", "").await >= 1.0);
+    drop(held);
+    eventually("a freed slot to take the next connection", || async {
+        match try_open(epp).await {
+            Ok(mut x) => {
+                pick(&mut x, "the next connection").await;
+                true
+            }
+            Err(_) => false,
+        }
+    })
+    .await;
+}
+
+/// One connection carries at most `MAX_STREAMS_PER_CONNECTION` exchanges at once: a
+/// peer opening more waits for one to end (HTTP/2's own limit, which clients honour)
+/// instead of the picker taking on thousands of tasks for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_connection_carries_a_bounded_number_of_exchanges() {
+    use switchyard::http::epp::MAX_STREAMS_PER_CONNECTION;
+    let (_a, a) = mock_worker(&[]).await;
+    let (_r, _router, epp) = picker(&[&a], &[]).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{epp}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let exchange = |channel: tonic::transport::Channel| async move {
+        let (send, rx) = mpsc::channel(1);
+        let answers = ExternalProcessorClient::new(channel)
+            .process(ReceiverStream::new(rx))
+            .await
+            .map(tonic::Response::into_inner);
+        (send, answers)
+    };
+    let mut open = Vec::new();
+    for _ in 0..MAX_STREAMS_PER_CONNECTION {
+        let (send, answers) = exchange(channel.clone()).await;
+        open.push((send, answers.expect("an exchange within the bound")));
+    }
+    let past = tokio::spawn(exchange(channel.clone()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!past.is_finished(), "an exchange past the bound was taken");
+    // One ends (its request stream closed): the waiting one is taken.
+    let (send, answers) = open.pop().unwrap();
+    drop(send);
+    drop(answers);
+    let (_send, answers) = tokio::time::timeout(Duration::from_secs(30), past)
+        .await
+        .expect("taken once a stream ended")
+        .unwrap();
+    answers.expect("an exchange");
 }
