@@ -9,7 +9,8 @@
 //!    replay sockets; it learns the engines' context from `/v1/models`, treats their 400s as
 //!    the requests' own, routes a conversation's turns to the engine that caches it (the
 //!    engines' own `cached_tokens`), mirrors their KV events (stored, and removed when
-//!    the engine evicts) and reads their load from `/metrics`;
+//!    the engine evicts) and reads their load from `/metrics`, and learns their latency
+//!    from it and from whole answers;
 //! 3. the two engines as a prefill and a decode worker (vLLM's `NixlConnector`): split
 //!    requests answer as whole ones, `min_tokens` included;
 //! 4. a greedy streaming chat with no `max_tokens` whose engine is killed -9 mid-answer
@@ -103,6 +104,7 @@ async fn real_vllm_engines_behind_the_router() {
     context_and_errors(&c, &url).await;
     prefix_routing(&c, &url, &a, &b).await;
     eviction_and_load(&c, &url, &a, &b).await;
+    whole_answers_teach_the_model(&c, &url).await;
 
     stage("disaggregated");
     disaggregated(&c, &a, &b, tokenizer).await;
@@ -110,6 +112,33 @@ async fn real_vllm_engines_behind_the_router() {
     stage("migration");
     migration_without_max_tokens(&c, &url, &mut a, &mut b).await;
     drop(dir);
+}
+
+/// Whole (non-streamed) answers teach an engine's latency model from what vLLM reports:
+/// the time per token from its `/metrics` (`vllm:inter_token_latency_seconds`) and each
+/// answer's first token inferred from its duration, so that whole answers are predicted
+/// and compared (the router never sees their first token).
+async fn whole_answers_teach_the_model(c: &HttpClient, url: &str) {
+    let mut round = 0;
+    eventually("whole answers predicted and compared on an engine", || {
+        round += 1;
+        async move {
+            for i in 0..4 {
+                let prompt = format!("a whole answer, round {round}, request {i}");
+                let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8});
+                let (status, v, _) = post_json(c, &format!("{url}/v1/completions"), &body).await;
+                assert_eq!(status, StatusCode::OK, "{v}");
+            }
+            let v = instances_of(c, url, MODEL).await;
+            v["instances"].as_array().unwrap().iter().any(|i| {
+                let m = &i["latency_model"];
+                m["samples"]["tpot"].as_u64() > Some(0)
+                    && m["tpot_ms_base"].as_f64().is_some_and(|t| t > 0.0)
+                    && m["error"]["e2e"]["predictions"].as_u64() > Some(0)
+            })
+        }
+    })
+    .await;
 }
 
 /// A router for the engines' model (their block size and tokenizer) with `extra` flags.
