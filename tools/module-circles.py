@@ -2,10 +2,12 @@
 """Import circles between the modules of each crate under host/ (Cargo refuses circles
 between crates; inside a crate they are kept out by review, with this as the check).
 
-A module's imports are the `crate::...` and `super::...` paths its non-test code names,
-resolved to the longest module path that exists. A parent and its own children may name
-each other (a module declares and re-exports its children); siblings and cousins may
-not form a circle. Prints each circle found and exits 1, or exits 0.
+A module's imports are the `crate::...` and `super::...` paths (`super::super::...`
+too) its non-test code names, resolved to the longest module path that exists. A parent
+and its own children may name each other (a module declares and re-exports its
+children); siblings and cousins may not form a circle. A cousin's import counts for its
+ancestors: `a::x` naming `b` is `a` naming `b` as far as `a`'s siblings can see, so a
+ring through a child module is found. Prints each circle found and exits 1, or exits 0.
 
     tools/module-circles.py
 """
@@ -39,18 +41,31 @@ for crate in sorted(glob.glob(os.path.join(root, "host", "*", "src"))) + [os.pat
         if cut >= 0:
             src = src[:cut]
         src = re.sub(r"(?m)//.*$", "", src)
-        parent = "::".join(m.split("::")[:-1])
+        # `super` of a `mod.rs` file is its module's parent, as of any other file.
+        here = m.split("::") if m else []
+
+        def up(count):
+            return "::".join(here[: max(len(here) - count, 0)])
+
         paths = [x.group(1) for x in re.finditer(r"crate::((?:[a-z_0-9]+::)*[a-z_0-9]+)", src)]
-        for x in re.finditer(r"super::((?:[a-z_0-9]+::)*[a-z_0-9]+)", src):
-            paths.append((parent + "::" if parent else "") + x.group(1))
-        for x in re.finditer(r"use super::\{([^}]*)\}", src):
-            for name in re.findall(r"\b([a-z_0-9]+)\b", x.group(1)):
-                paths.append((parent + "::" if parent else "") + name)
+        for x in re.finditer(r"((?:super::)+)((?:[a-z_0-9]+::)*[a-z_0-9]+)", src):
+            base = up(x.group(1).count("super::"))
+            paths.append((base + "::" if base else "") + x.group(2))
+        for x in re.finditer(r"use ((?:super::)+)\{([^}]*)\}", src):
+            base = up(x.group(1).count("super::"))
+            for name in re.findall(r"\b([a-z_0-9]+)\b", x.group(2)):
+                paths.append((base + "::" if base else "") + name)
         for p in paths:
             t = resolve(p)
             related = t is None or t == m or t == "" or m.startswith(t + "::") or t.startswith(m + "::")
-            if not related:
-                graph[m].add(t)
+            if related:
+                continue
+            # The edge between the two siblings under the deepest common parent.
+            a, b = m.split("::"), t.split("::")
+            k = 0
+            while k < min(len(a), len(b)) and a[k] == b[k]:
+                k += 1
+            graph["::".join(a[: k + 1])].add("::".join(b[: k + 1]))
 
     def walk(n, stack):
         for t in graph[n]:

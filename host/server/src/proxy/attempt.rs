@@ -16,48 +16,13 @@ use super::prepare::Prepared;
 use super::relay::Relay;
 use super::tokenize::BLOCKING_TOKENIZE_BYTES;
 use super::{
-    Attempt, Attempts, Booking, Failed, Failure, Forwarded, PREFILL_VERDICT, answer,
-    count_failed_attempt, forward, give_up, handoff, migrate, settle, split,
+    Attempt, Attempts, Booked, Booking, Failed, Failure, Forwarded, PREFILL_VERDICT, answer,
+    count_failed_attempt, decided, forward, give_up, handoff, migrate, settle, split,
 };
 use crate::{ApiError, Body, Gateway};
 use switchyard_ids::InstanceId;
 use switchyard_router::{KvRouter, Placing, PrefillLeg, RouteError, Routed};
 use switchyard_tokens::openai;
-
-/// A placement with both legs' bookings as guards: whatever path the attempt then takes
-/// (a worker gone from discovery, a failed leg, the client leaving), dropping them
-/// releases the load booked.
-pub(super) struct Booked {
-    pub(super) routed: Routed,
-    pub(super) booking: Booking,
-    pub(super) prefill: Option<(PrefillLeg, Booking)>,
-}
-
-/// A decision the router made: counted in the endpoint's decision timings, and booked
-/// as guards.
-pub(super) fn decided(
-    gw: &Gateway,
-    endpoint: &str,
-    router: &Arc<KvRouter>,
-    routed: Routed,
-) -> Booked {
-    gw.metrics
-        .timings
-        .decision(endpoint, routed.decision_time, routed.decision.call_time);
-    book(router, routed)
-}
-
-pub(super) fn book(router: &Arc<KvRouter>, routed: Routed) -> Booked {
-    let guard = |request| Booking {
-        router: router.clone(),
-        request,
-    };
-    Booked {
-        booking: guard(routed.request),
-        prefill: routed.prefill.map(|leg| (leg, guard(leg.request))),
-        routed,
-    }
-}
 
 /// A split request's prefill leg running beside its decode leg (SGLang's handoff).
 struct Beside {
@@ -415,6 +380,7 @@ async fn after_failure(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::book;
     use std::time::Duration;
     use switchyard_discovery::{DiscoveryUpdate, EndpointPath, InstanceInfo};
     use switchyard_policy::{PolicyEngine, PolicyHandle, RuntimeConfig};

@@ -68,7 +68,7 @@ use hyper::body::Incoming;
 use crate::{ApiError, Body, Gateway};
 use switchyard_ids::{InstanceId, RequestId};
 use switchyard_router::client::Client;
-use switchyard_router::{KvRouter, RouteError};
+use switchyard_router::{KvRouter, PrefillLeg, RouteError, Routed};
 use switchyard_tokens::openai::Api;
 
 use forward::{forward, set_retry_after};
@@ -82,6 +82,41 @@ pub(super) struct Booking {
 impl Drop for Booking {
     fn drop(&mut self) {
         self.router.finish(self.request);
+    }
+}
+
+/// A placement with both legs' bookings as guards: whatever path the attempt then takes
+/// (a worker gone from discovery, a failed leg, the client leaving), dropping them
+/// releases the load booked.
+pub(super) struct Booked {
+    pub(super) routed: Routed,
+    pub(super) booking: Booking,
+    pub(super) prefill: Option<(PrefillLeg, Booking)>,
+}
+
+/// A decision the router made: counted in the endpoint's decision timings, and booked
+/// as guards.
+pub(super) fn decided(
+    gw: &Gateway,
+    endpoint: &str,
+    router: &Arc<KvRouter>,
+    routed: Routed,
+) -> Booked {
+    gw.metrics
+        .timings
+        .decision(endpoint, routed.decision_time, routed.decision.call_time);
+    book(router, routed)
+}
+
+pub(super) fn book(router: &Arc<KvRouter>, routed: Routed) -> Booked {
+    let guard = |request| Booking {
+        router: router.clone(),
+        request,
+    };
+    Booked {
+        booking: guard(routed.request),
+        prefill: routed.prefill.map(|leg| (leg, guard(leg.request))),
+        routed,
     }
 }
 

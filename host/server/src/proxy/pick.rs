@@ -10,8 +10,8 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
-use super::attempt::{Booked, book, decided};
 pub(crate) use super::handoff::authority;
+use super::{Booked, book, decided};
 use super::{Booking, prepare};
 use crate::{ApiError, Gateway};
 use switchyard_ids::InstanceId;

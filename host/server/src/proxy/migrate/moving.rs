@@ -14,9 +14,9 @@ use switchyard_router::{Ask, KvRouter, Placing};
 use switchyard_tokens::ChatMessage;
 use switchyard_tokens::openai::Prompt;
 
-use super::super::attempt::{Booked, decided};
 use super::super::forward::forward;
 use super::super::tokenize::tokenize_prompt;
+use super::super::{Booked, decided};
 use super::super::{Booking, Failure, Forwarded};
 use super::Resend;
 
