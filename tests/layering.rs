@@ -353,3 +353,21 @@ fn no_modules_import_each_other_in_a_circle() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Rooms stay small inside a file too: no function of the workspace (Rust or Python,
+/// tests included) over 150 lines, first line to closing brace. The scan is
+/// `tools/long-functions.py`'s.
+#[test]
+fn no_function_is_over_150_lines() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tools/long-functions.py");
+    let out = Command::new("python3")
+        .args([script, "150"])
+        .output()
+        .expect("python3 runs (tools/test.sh installs it)");
+    assert!(
+        out.status.success(),
+        "functions over 150 lines (split them by concern):\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -249,43 +249,7 @@ async fn streams_pass_through_byte_for_byte_and_bad_requests_get_the_documented_
         metric(&c, &url, "switchyard_cached_prompt_tokens_total", "").await,
         3.0
     );
-    // And the request was timed, in histograms with buckets (so a median can be read).
-    let (_, text) = get(&c, &format!("{url}/metrics")).await;
-    let text = String::from_utf8_lossy(&text);
-    for name in [
-        "switchyard_decision_seconds_count{",
-        "switchyard_policy_call_seconds_count{",
-        "switchyard_tokenize_seconds_count ",
-        "switchyard_time_to_first_byte_seconds_count{",
-        "switchyard_request_duration_seconds_count{",
-    ] {
-        let count = text
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse::<f64>().ok());
-        assert_eq!(count, Some(1.0), "{name}\n{text}");
-    }
-    assert!(
-        text.lines()
-            .any(|l| l.starts_with("switchyard_policy_call_seconds_bucket{") && l.contains("le=\"")),
-        "{text}"
-    );
-    // Every family says what it is: HELP and TYPE before its samples.
-    let mut helped = std::collections::HashSet::new();
-    for line in text.lines() {
-        if let Some(rest) = line.strip_prefix("# HELP ") {
-            helped.insert(rest.split(' ').next().unwrap_or_default().to_string());
-        } else if !line.starts_with('#') && !line.is_empty() {
-            let name = line.split(['{', ' ']).next().unwrap_or_default();
-            let family = ["_bucket", "_sum", "_count"]
-                .iter()
-                .find_map(|s| name.strip_suffix(s).filter(|f| helped.contains(*f)))
-                .unwrap_or(name);
-            assert!(helped.contains(family), "{name} has no HELP\n{text}");
-        }
-    }
-
+    the_request_is_timed_and_every_family_described(&c, &url).await;
     let completions = format!("{url}/v1/chat/completions");
     let cases: Vec<(Vec<u8>, StatusCode, &str)> = vec![
         (
@@ -325,73 +289,7 @@ async fn streams_pass_through_byte_for_byte_and_bad_requests_get_the_documented_
                 .is_some_and(|m| !m.is_empty())
         );
     }
-    let (s, _) = get(&c, &format!("{url}/admin/endpoints")).await;
-    assert_eq!(s, StatusCode::UNAUTHORIZED);
-    let (s, _, _) = http::send(
-        &c,
-        Method::GET,
-        &format!("{url}/admin/endpoints"),
-        &[("authorization", "Bearer wrong")],
-        "",
-        PATIENCE,
-    )
-    .await
-    .unwrap();
-    assert_eq!(s, StatusCode::UNAUTHORIZED);
-    let (s, _, _) = http::send(
-        &c,
-        Method::PUT,
-        &format!("{url}/admin/endpoints/default/mock/generate/policy?builtin=round-robin"),
-        &[],
-        "",
-        PATIENCE,
-    )
-    .await
-    .unwrap();
-    assert_eq!(s, StatusCode::UNAUTHORIZED, "no swap without the token");
-    admin_get(&c, &format!("{url}/admin/endpoints")).await;
-    let admin = |method: Method, path: &str, auth: String, body: Vec<u8>| {
-        let (c, url) = (c.clone(), format!("{url}{path}"));
-        async move {
-            http::send(
-                &c,
-                method,
-                &url,
-                &[("authorization", &auth)],
-                body,
-                PATIENCE,
-            )
-            .await
-            .unwrap()
-        }
-    };
-    // The scheme is case-insensitive; a prefix of the token is still the wrong token.
-    let (s, _, _) = admin(
-        Method::GET,
-        "/admin/endpoints",
-        format!("bearer {TOKEN}"),
-        vec![],
-    )
-    .await;
-    assert_eq!(s, StatusCode::OK);
-    let prefix = format!("Bearer {}", &TOKEN[..TOKEN.len() - 1]);
-    let (s, _, _) = admin(Method::GET, "/admin/endpoints", prefix, vec![]).await;
-    assert_eq!(s, StatusCode::UNAUTHORIZED);
-    // `?builtin=` names a built-in, never a file on the router's disk.
-    let policy = "/admin/endpoints/default/mock/generate/policy";
-    let (s, _, body) = admin(
-        Method::PUT,
-        &format!("{policy}?builtin=/etc/hostname"),
-        auth(),
-        vec![],
-    )
-    .await;
-    let body = String::from_utf8_lossy(&body);
-    assert_eq!(s, StatusCode::BAD_REQUEST, "{body}");
-    assert!(body.contains("not a built-in policy"), "{body}");
-    // A policy over the upload limit is too large (413), not a bad request.
-    let (s, _, _) = admin(Method::PUT, policy, auth(), vec![0u8; (32 << 20) + 1]).await;
-    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+    the_admin_api_asks_for_its_token(&c, &url).await;
     // Still serving.
     let (s, _, _) = http::send(&c, Method::POST, &completions, &[], json!({"model": "mock", "stream": true, "messages": [{"role": "user", "content": "again"}]}).to_string(), PATIENCE).await.unwrap();
     assert_eq!(s, StatusCode::OK);
@@ -613,4 +511,116 @@ async fn client_credentials_reach_only_workers_the_operator_trusts() {
     .await;
     wait_available(&c, &trusting, 1).await;
     assert_eq!(ask(trusting).await, StatusCode::OK);
+}
+
+/// The request was timed, in histograms with buckets (so a median can be read), and
+/// every family says what it is: HELP and TYPE before its samples.
+async fn the_request_is_timed_and_every_family_described(c: &http::HttpClient, url: &str) {
+    let (_, text) = get(c, &format!("{url}/metrics")).await;
+    let text = String::from_utf8_lossy(&text);
+    for name in [
+        "switchyard_decision_seconds_count{",
+        "switchyard_policy_call_seconds_count{",
+        "switchyard_tokenize_seconds_count ",
+        "switchyard_time_to_first_byte_seconds_count{",
+        "switchyard_request_duration_seconds_count{",
+    ] {
+        let count = text
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok());
+        assert_eq!(count, Some(1.0), "{name}\n{text}");
+    }
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("switchyard_policy_call_seconds_bucket{") && l.contains("le=\"")),
+        "{text}"
+    );
+    // Every family says what it is: HELP and TYPE before its samples.
+    let mut helped = std::collections::HashSet::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            helped.insert(rest.split(' ').next().unwrap_or_default().to_string());
+        } else if !line.starts_with('#') && !line.is_empty() {
+            let name = line.split(['{', ' ']).next().unwrap_or_default();
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s).filter(|f| helped.contains(*f)))
+                .unwrap_or(name);
+            assert!(helped.contains(family), "{name} has no HELP\n{text}");
+        }
+    }
+}
+
+/// The admin API refuses a missing, wrong or partial token, and names built-ins only;
+/// an upload over its limit is 413.
+async fn the_admin_api_asks_for_its_token(c: &http::HttpClient, url: &str) {
+    let (s, _) = get(c, &format!("{url}/admin/endpoints")).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _, _) = http::send(
+        c,
+        Method::GET,
+        &format!("{url}/admin/endpoints"),
+        &[("authorization", "Bearer wrong")],
+        "",
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _, _) = http::send(
+        c,
+        Method::PUT,
+        &format!("{url}/admin/endpoints/default/mock/generate/policy?builtin=round-robin"),
+        &[],
+        "",
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    assert_eq!(s, StatusCode::UNAUTHORIZED, "no swap without the token");
+    admin_get(c, &format!("{url}/admin/endpoints")).await;
+    let admin = |method: Method, path: &str, auth: String, body: Vec<u8>| {
+        let (c, url) = (c.clone(), format!("{url}{path}"));
+        async move {
+            http::send(
+                &c,
+                method,
+                &url,
+                &[("authorization", &auth)],
+                body,
+                PATIENCE,
+            )
+            .await
+            .unwrap()
+        }
+    };
+    // The scheme is case-insensitive; a prefix of the token is still the wrong token.
+    let (s, _, _) = admin(
+        Method::GET,
+        "/admin/endpoints",
+        format!("bearer {TOKEN}"),
+        vec![],
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let prefix = format!("Bearer {}", &TOKEN[..TOKEN.len() - 1]);
+    let (s, _, _) = admin(Method::GET, "/admin/endpoints", prefix, vec![]).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    // `?builtin=` names a built-in, never a file on the router's disk.
+    let policy = "/admin/endpoints/default/mock/generate/policy";
+    let (s, _, body) = admin(
+        Method::PUT,
+        &format!("{policy}?builtin=/etc/hostname"),
+        auth(),
+        vec![],
+    )
+    .await;
+    let body = String::from_utf8_lossy(&body);
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.contains("not a built-in policy"), "{body}");
+    // A policy over the upload limit is too large (413), not a bad request.
+    let (s, _, _) = admin(Method::PUT, policy, auth(), vec![0u8; (32 << 20) + 1]).await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
 }

@@ -129,35 +129,7 @@ async fn scenario(
     let mut tasks = Vec::new();
     for t in 0..8usize {
         let (c, url, phase, stop) = (c.clone(), url.clone(), phase.clone(), stop.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut out = Vec::new();
-            // Bounded: at most 100,000 requests per client and phase (a phase of fast
-            // failures must not use up the next phases' requests), and by the phases'
-            // own lengths (`stop`).
-            let mut in_phase = (usize::MAX, 0usize);
-            let mut i = 0usize;
-            while !stop.load(Ordering::Relaxed) {
-                let p = phase.load(Ordering::Relaxed);
-                if in_phase.0 != p {
-                    in_phase = (p, 0);
-                }
-                if in_phase.1 >= 100_000 {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-                in_phase.1 += 1;
-                i += 1;
-                let poison = p == 3 && (i * 8 + t).is_multiple_of(20);
-                let body = format!(
-                    r#"{{"model":"mock","prompt":"client {t} request {i}: steady load {}","max_tokens":4}}"#,
-                    if poison { "POISON" } else { "" }
-                );
-                let started = Instant::now();
-                let ok = post(&c, &format!("{url}/v1/completions"), body).await;
-                out.push(Outcome { phase: p, latency: started.elapsed(), ok, poison });
-            }
-            out
-        }));
+        tasks.push(tokio::spawn(client(t, c, url, phase, stop)));
     }
     let mut ejections = Vec::new();
     let ejected = |page: &str| sum(page, "switchyard_instance_down_reports_total");
@@ -244,6 +216,61 @@ async fn scenario(
         &get_text(&c, &format!("{url}/metrics")).await,
         "switchyard_instance_in_flight",
     );
+    table(name, &all, &ejections, in_flight, hostile_connections)
+}
+
+/// Client `t`'s requests until `stop`, each tagged with the phase it was sent in (every
+/// twentieth a poisoned prompt in phase 3).
+async fn client(
+    t: usize,
+    c: Http,
+    url: String,
+    phase: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+) -> Vec<Outcome> {
+    let mut out = Vec::new();
+    // Bounded: at most 100,000 requests per client and phase (a phase of fast
+    // failures must not use up the next phases' requests), and by the phases'
+    // own lengths (`stop`).
+    let mut in_phase = (usize::MAX, 0usize);
+    let mut i = 0usize;
+    while !stop.load(Ordering::Relaxed) {
+        let p = phase.load(Ordering::Relaxed);
+        if in_phase.0 != p {
+            in_phase = (p, 0);
+        }
+        if in_phase.1 >= 100_000 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
+        in_phase.1 += 1;
+        i += 1;
+        let poison = p == 3 && (i * 8 + t).is_multiple_of(20);
+        let body = format!(
+            r#"{{"model":"mock","prompt":"client {t} request {i}: steady load {}","max_tokens":4}}"#,
+            if poison { "POISON" } else { "" }
+        );
+        let started = Instant::now();
+        let ok = post(&c, &format!("{url}/v1/completions"), body).await;
+        out.push(Outcome {
+            phase: p,
+            latency: started.elapsed(),
+            ok,
+            poison,
+        });
+    }
+    out
+}
+
+/// The scenario's rows: each phase's requests, failures, poisoned prompts, ejections and
+/// p99 latency; then what was left in flight and the hostile peer's connections.
+fn table(
+    name: &str,
+    all: &[Outcome],
+    ejections: &[f64],
+    in_flight: f64,
+    hostile_connections: [u64; 2],
+) -> Vec<String> {
     let mut rows = Vec::new();
     for (p, title) in PHASES.iter().enumerate() {
         let of: Vec<&Outcome> = all.iter().filter(|o| o.phase == p).collect();

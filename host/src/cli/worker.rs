@@ -164,7 +164,8 @@ pub struct MockWorkerArgs {
     pub kv_transfer_us_per_token: f64,
 }
 
-pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
+/// The workers' configuration from the flags, checked.
+fn config(args: &MockWorkerArgs) -> anyhow::Result<MockWorkerConfig> {
     anyhow::ensure!(args.count >= 1, "--count must be at least 1");
     anyhow::ensure!(args.speedup > 0.0, "--speedup must be positive");
     anyhow::ensure!(
@@ -185,7 +186,7 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
         }
     }
     let tokenizer = switchyard::tokens::Tokenizer::from_file_if_any(args.tokenizer.as_deref())?;
-    let config = MockWorkerConfig {
+    Ok(MockWorkerConfig {
         model: args.model.clone(),
         engine: EngineConfig {
             block_size: args.block_size,
@@ -236,7 +237,11 @@ pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
             ),
             _ => None,
         },
-    };
+    })
+}
+
+pub async fn mock_worker(args: MockWorkerArgs) -> anyhow::Result<()> {
+    let config = config(&args)?;
     let endpoint = args
         .endpoint
         .clone()

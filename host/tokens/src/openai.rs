@@ -2,7 +2,7 @@
 //! router's front door and the mock worker.
 
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 
 use crate::ChatMessage;
 
@@ -129,7 +129,79 @@ pub fn parse(api: Api, body: &[u8]) -> Result<CompletionRequest, BadRequest> {
             )
         })?
         .to_string();
-    let prompt = match api {
+    let prompt = prompt(api, obj)?;
+    let max_tokens = max_tokens(obj)?;
+    let min_tokens = match obj.get("min_tokens") {
+        None | Some(Value::Null) => 0,
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| bad("`min_tokens` must be a non-negative integer", "min_tokens"))?,
+    };
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad("`stream` must be a boolean", "stream")),
+    };
+    let include_usage = match obj.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(v) => {
+            serde_json::from_value::<StreamOptions>(v.clone())
+                .map_err(|e| bad(format!("bad `stream_options`: {e}"), "stream_options"))?
+                .include_usage
+        }
+    };
+    let user = obj.get("user").and_then(Value::as_str).map(str::to_string);
+    let cache_salt = match obj.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => {
+            return Err(bad("`cache_salt` must be a non-empty string", "cache_salt"));
+        }
+    };
+    let flag = |key: &str| flag(obj, key);
+    let continue_final_message = continue_final_message(api, obj, &prompt)?;
+    let n = match obj.get("n") {
+        None | Some(Value::Null) => 1,
+        Some(v) => v
+            .as_u64()
+            .filter(|n| (1..=128).contains(n))
+            .ok_or_else(|| bad("`n` must be an integer between 1 and 128", "n"))?
+            as u32,
+    };
+    let logprobs = match obj.get("logprobs") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(_) => true,
+    } || obj.get("top_logprobs").is_some_and(|v| !v.is_null());
+    let echo = flag("echo")?.unwrap_or(false);
+    let return_token_ids = flag("return_token_ids")?.unwrap_or(false);
+    let constrained = GRAMMAR_FIELDS
+        .iter()
+        .any(|k| obj.get(*k).is_some_and(|v| !v.is_null()))
+        || obj
+            .get("response_format")
+            .is_some_and(|f| !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text"));
+    Ok(CompletionRequest {
+        constrained,
+        min_tokens,
+        return_token_ids,
+        continue_final_message,
+        n,
+        logprobs,
+        echo,
+        cache_salt,
+        model,
+        prompt,
+        max_tokens,
+        stream,
+        include_usage,
+        user,
+    })
+}
+
+/// The request's prompt: a completion's text or token IDs, or a chat's messages.
+fn prompt(api: Api, obj: &Map<String, Value>) -> Result<Prompt, BadRequest> {
+    Ok(match api {
         Api::Completions => match obj.get("prompt") {
             Some(Value::String(s)) => Prompt::Text(s.clone()),
             Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_u64) => {
@@ -191,7 +263,11 @@ pub fn parse(api: Api, body: &[u8]) -> Result<CompletionRequest, BadRequest> {
             }
             Prompt::Chat(out)
         }
-    };
+    })
+}
+
+/// `max_completion_tokens`, else `max_tokens`: at least 1, at most 2^20.
+fn max_tokens(obj: &Map<String, Value>) -> Result<Option<u32>, BadRequest> {
     let mut max_tokens = None;
     for key in ["max_completion_tokens", "max_tokens"] {
         match obj.get(key) {
@@ -211,42 +287,26 @@ pub fn parse(api: Api, body: &[u8]) -> Result<CompletionRequest, BadRequest> {
             }
         }
     }
-    let min_tokens = match obj.get("min_tokens") {
-        None | Some(Value::Null) => 0,
-        Some(v) => v
-            .as_u64()
-            .and_then(|n| u32::try_from(n).ok())
-            .ok_or_else(|| bad("`min_tokens` must be a non-negative integer", "min_tokens"))?,
-    };
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(bad("`stream` must be a boolean", "stream")),
-    };
-    let include_usage = match obj.get("stream_options") {
-        None | Some(Value::Null) => false,
-        Some(v) => {
-            serde_json::from_value::<StreamOptions>(v.clone())
-                .map_err(|e| bad(format!("bad `stream_options`: {e}"), "stream_options"))?
-                .include_usage
-        }
-    };
-    let user = obj.get("user").and_then(Value::as_str).map(str::to_string);
-    let cache_salt = match obj.get("cache_salt") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
-        Some(_) => {
-            return Err(bad("`cache_salt` must be a non-empty string", "cache_salt"));
-        }
-    };
-    let flag = |key: &str| -> Result<Option<bool>, BadRequest> {
-        match obj.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(_) => Err(bad(format!("`{key}` must be a boolean"), key)),
-        }
-    };
-    let continue_final_message = flag("continue_final_message")?.unwrap_or(false);
+    Ok(max_tokens)
+}
+
+/// A boolean field, `None` when absent or null.
+fn flag(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, BadRequest> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(bad(format!("`{key}` must be a boolean"), key)),
+    }
+}
+
+/// vLLM's `continue_final_message`: a chat's last (assistant) message continued, with
+/// no generation prompt.
+fn continue_final_message(
+    api: Api,
+    obj: &Map<String, Value>,
+    prompt: &Prompt,
+) -> Result<bool, BadRequest> {
+    let continue_final_message = flag(obj, "continue_final_message")?.unwrap_or(false);
     if continue_final_message {
         if api != Api::Chat {
             return Err(bad(
@@ -254,13 +314,13 @@ pub fn parse(api: Api, body: &[u8]) -> Result<CompletionRequest, BadRequest> {
                 "continue_final_message",
             ));
         }
-        if flag("add_generation_prompt")?.unwrap_or(true) {
+        if flag(obj, "add_generation_prompt")?.unwrap_or(true) {
             return Err(bad(
                 "`continue_final_message` needs `add_generation_prompt: false`",
                 "add_generation_prompt",
             ));
         }
-        if let Prompt::Chat(m) = &prompt
+        if let Prompt::Chat(m) = prompt
             && m.last().is_some_and(|m| m.role != "assistant")
         {
             return Err(bad(
@@ -269,42 +329,7 @@ pub fn parse(api: Api, body: &[u8]) -> Result<CompletionRequest, BadRequest> {
             ));
         }
     }
-    let n = match obj.get("n") {
-        None | Some(Value::Null) => 1,
-        Some(v) => v
-            .as_u64()
-            .filter(|n| (1..=128).contains(n))
-            .ok_or_else(|| bad("`n` must be an integer between 1 and 128", "n"))?
-            as u32,
-    };
-    let logprobs = match obj.get("logprobs") {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
-        Some(_) => true,
-    } || obj.get("top_logprobs").is_some_and(|v| !v.is_null());
-    let echo = flag("echo")?.unwrap_or(false);
-    let return_token_ids = flag("return_token_ids")?.unwrap_or(false);
-    let constrained = GRAMMAR_FIELDS
-        .iter()
-        .any(|k| obj.get(*k).is_some_and(|v| !v.is_null()))
-        || obj
-            .get("response_format")
-            .is_some_and(|f| !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text"));
-    Ok(CompletionRequest {
-        constrained,
-        min_tokens,
-        return_token_ids,
-        continue_final_message,
-        n,
-        logprobs,
-        echo,
-        cache_salt,
-        model,
-        prompt,
-        max_tokens,
-        stream,
-        include_usage,
-        user,
-    })
+    Ok(continue_final_message)
 }
 
 impl CompletionRequest {

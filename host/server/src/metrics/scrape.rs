@@ -117,82 +117,9 @@ pub(super) fn per_router<V>(
 }
 
 impl Scrape {
-    /// The overload queues' families.
-    fn encode_queues(&self, e: &mut DescriptorEncoder) -> std::fmt::Result {
-        use crate::queue::ShedReason;
-        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let each = |f: &dyn Fn(&crate::queue::Queue) -> Vec<(Labels, u64)>| {
-            let mut out = Vec::new();
-            for (ep, q) in &self.queues {
-                for (labels, v) in f(q) {
-                    let mut all = vec![("endpoint", ep.to_string())];
-                    all.extend(labels);
-                    out.push((all, v));
-                }
-            }
-            out
-        };
-        let depth = each(&|q| {
-            let (classes, _) = q.depth();
-            q.classes()
-                .iter()
-                .zip(classes)
-                .map(|(c, n)| (vec![("class", c.name.clone())], n as u64))
-                .collect()
-        });
-        gauges(
-            e,
-            "queue_depth",
-            "Requests waiting in the router's queue (every worker saturated), per priority class",
-            depth.into_iter().map(|(l, v)| (l, v as i64)).collect(),
-        )?;
-        gauges(
-            e,
-            "queue_bytes",
-            "Bytes of request bodies waiting in the router's queue",
-            each(&|q| vec![(vec![], q.depth().1 as u64)])
-                .into_iter()
-                .map(|(l, v)| (l, v as i64))
-                .collect(),
-        )?;
-        counters(
-            e,
-            "queued_requests",
-            "Requests that waited in the router's queue",
-            each(&|q| vec![(vec![], load(&q.stats().queued))]),
-        )?;
-        counters(
-            e,
-            "queue_dispatched",
-            "Requests placed from the router's queue when a worker had room",
-            each(&|q| vec![(vec![], load(&q.stats().dispatched))]),
-        )?;
-        counters(
-            e,
-            "queue_shed",
-            "Requests refused by the queue, by reason: tenant_over_share (429), fleet_full (503: queue full, displaced by a more urgent class, or a wait ahead longer than the deadline), queue_deadline (503: waited its deadline)",
-            each(&|q| {
-                ShedReason::ALL
-                    .iter()
-                    .zip(&q.stats().shed)
-                    .map(|(r, n)| (vec![("reason", r.code().to_string())], load(n)))
-                    .collect()
-            }),
-        )?;
-        counters(
-            e,
-            "queue_left",
-            "Queued requests whose client left before a worker had room",
-            each(&|q| vec![(vec![], load(&q.stats().left))]),
-        )
-    }
-}
-
-impl Collector for Scrape {
-    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
-        let e = &mut enc;
+    /// Requests answered, retried and shed; decisions and the policies that made them.
+    fn encode_requests(&self, e: &mut DescriptorEncoder) -> std::fmt::Result {
         let rs = &self.routers;
-        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
         counters(
             e,
             "responses",
@@ -309,6 +236,13 @@ impl Collector for Scrape {
                 )]
             }),
         )?;
+        Ok(())
+    }
+
+    /// What each endpoint's client knows of its instances: availability, ejections, roles, load.
+    fn encode_instances(&self, e: &mut DescriptorEncoder) -> std::fmt::Result {
+        let rs = &self.routers;
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let client = |f: fn(&switchyard_router::client::ClientCounters) -> &AtomicU64| {
             per_router(rs, move |r| vec![(vec![], load(f(r.client().counters())))])
         };
@@ -411,9 +345,11 @@ impl Collector for Scrape {
             "Requests this router has in flight on the instance (the policy sees the worker's own report plus these)",
             instances(|r, id, _| i64::from(r.load_of(id).booked)),
         )?;
-        self.prediction_errors(e)?;
-        self.quality(e)?;
-        self.shadows(e)?;
+        Ok(())
+    }
+
+    /// The tokenizer's prefix reuse.
+    fn encode_tokens(&self, e: &mut DescriptorEncoder) -> std::fmt::Result {
         let p = &self.prefix;
         counters(
             e,
@@ -445,6 +381,13 @@ impl Collector for Scrape {
             "Tokens held for reuse",
             vec![(vec![], i64::try_from(p.tokens).unwrap_or(i64::MAX))],
         )?;
+        Ok(())
+    }
+
+    /// Engine KV event input: its memory and the bound sockets.
+    fn encode_events(&self, e: &mut DescriptorEncoder) -> std::fmt::Result {
+        let rs = &self.routers;
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
         // One budget for every engine's event input, whichever endpoint it feeds.
         if let Some(r) = rs.first() {
             let budget = r.event_budget();
@@ -483,5 +426,88 @@ impl Collector for Scrape {
             }
         }
         Ok(())
+    }
+
+    /// The overload queues' families.
+    fn encode_queues(&self, e: &mut DescriptorEncoder) -> std::fmt::Result {
+        use crate::queue::ShedReason;
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let each = |f: &dyn Fn(&crate::queue::Queue) -> Vec<(Labels, u64)>| {
+            let mut out = Vec::new();
+            for (ep, q) in &self.queues {
+                for (labels, v) in f(q) {
+                    let mut all = vec![("endpoint", ep.to_string())];
+                    all.extend(labels);
+                    out.push((all, v));
+                }
+            }
+            out
+        };
+        let depth = each(&|q| {
+            let (classes, _) = q.depth();
+            q.classes()
+                .iter()
+                .zip(classes)
+                .map(|(c, n)| (vec![("class", c.name.clone())], n as u64))
+                .collect()
+        });
+        gauges(
+            e,
+            "queue_depth",
+            "Requests waiting in the router's queue (every worker saturated), per priority class",
+            depth.into_iter().map(|(l, v)| (l, v as i64)).collect(),
+        )?;
+        gauges(
+            e,
+            "queue_bytes",
+            "Bytes of request bodies waiting in the router's queue",
+            each(&|q| vec![(vec![], q.depth().1 as u64)])
+                .into_iter()
+                .map(|(l, v)| (l, v as i64))
+                .collect(),
+        )?;
+        counters(
+            e,
+            "queued_requests",
+            "Requests that waited in the router's queue",
+            each(&|q| vec![(vec![], load(&q.stats().queued))]),
+        )?;
+        counters(
+            e,
+            "queue_dispatched",
+            "Requests placed from the router's queue when a worker had room",
+            each(&|q| vec![(vec![], load(&q.stats().dispatched))]),
+        )?;
+        counters(
+            e,
+            "queue_shed",
+            "Requests refused by the queue, by reason: tenant_over_share (429), fleet_full (503: queue full, displaced by a more urgent class, or a wait ahead longer than the deadline), queue_deadline (503: waited its deadline)",
+            each(&|q| {
+                ShedReason::ALL
+                    .iter()
+                    .zip(&q.stats().shed)
+                    .map(|(r, n)| (vec![("reason", r.code().to_string())], load(n)))
+                    .collect()
+            }),
+        )?;
+        counters(
+            e,
+            "queue_left",
+            "Queued requests whose client left before a worker had room",
+            each(&|q| vec![(vec![], load(&q.stats().left))]),
+        )
+    }
+}
+
+impl Collector for Scrape {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        let e = &mut enc;
+        self.encode_requests(e)?;
+        self.encode_instances(e)?;
+        self.prediction_errors(e)?;
+        self.quality(e)?;
+        self.shadows(e)?;
+        self.encode_tokens(e)?;
+        self.encode_events(e)
     }
 }

@@ -144,6 +144,70 @@ pub async fn serve(
         let loaded = engine.load_spec(&spec.spec, &spec.config)?;
         loaded.canary()?;
     }
+    let tokenizer = tokenizer(&config)?;
+    let (fleet, static_set) = fleet(&config, engine).await?;
+    let mut background = Vec::new();
+    match (&config.discovery, static_set) {
+        (_, Some(set)) => fleet.update_catalog(&set),
+        (DiscoveryConfig::Etcd(etcd), None) => {
+            follow_etcd(&fleet, etcd, &config.policy_trusted_keys, &mut background);
+        }
+        (DiscoveryConfig::Static { .. }, None) => unreachable!("static discovery always has a set"),
+    }
+    if config.watch {
+        background.push(watch_policy_files(fleet.clone(), &config));
+    }
+    let admin =
+        match config.admin_listen {
+            Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| {
+                std::io::Error::new(e.kind(), format!("admin listener {addr}: {e}"))
+            })?),
+            None => None,
+        };
+    let gateway_config = GatewayConfig {
+        admin_listener: admin.is_some(),
+        ..config.gateway.clone()
+    };
+    let gateway = Gateway::new(gateway_config, fleet, tokenizer);
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, "serving");
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    if let Some(epp) = config.epp_listen {
+        background.push(serve_picker(epp, &gateway, &config, stopped.clone()).await?);
+    }
+    if let Some(admin) = admin {
+        tracing::info!(addr = %admin.local_addr()?, "serving the admin API");
+        let mut stopped = stopped.clone();
+        background.push(tokio::spawn(crate::run(
+            gateway.clone(),
+            admin,
+            crate::Listener::Admin,
+            async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            },
+            config.shutdown_grace,
+        )));
+    }
+    crate::run(
+        gateway,
+        listener,
+        crate::Listener::Public,
+        async move {
+            shutdown.await;
+            let _ = stop.send(true);
+        },
+        config.shutdown_grace,
+    )
+    .await;
+    for task in background {
+        task.abort();
+    }
+    Ok(())
+}
+
+/// The tokenizer (the model's file, else the built-in one) with its prefix cache and the
+/// chat format.
+fn tokenizer(config: &ServeConfig) -> Result<Arc<PrefixTokenizer>, ServeError> {
     let tokenizer = Arc::new(match &config.tokenizer {
         Some(path) => Tokenizer::from_file(path)?,
         None => Tokenizer::builtin(),
@@ -152,9 +216,17 @@ pub async fn serve(
         config.chat_template.as_deref(),
         config.tokenizer.as_deref(),
     )?;
-    let tokenizer = Arc::new(
+    Ok(Arc::new(
         PrefixTokenizer::new(tokenizer, config.tokenizer_cache_tokens).with_chat(Arc::new(chat)),
-    );
+    ))
+}
+
+/// The fleet: discovery (etcd or the static set, returned too), one client registry, the
+/// policies, and what every endpoint's router is made with.
+async fn fleet(
+    config: &ServeConfig,
+    engine: PolicyEngine,
+) -> Result<(Arc<ServeFleet>, Option<Vec<InstanceInfo>>), ServeError> {
     // One budget for every engine's event input, whichever endpoint it feeds.
     let event_budget = switchyard_bounded::budget::Budget::new(config.kv_events_memory);
     let central_events = if config.kv_events_bind.is_empty() {
@@ -227,138 +299,106 @@ pub async fn serve(
         endpoint_grace: config.endpoint_grace,
         trusted_keys: config.policy_trusted_keys.clone(),
     });
-    let mut background = Vec::new();
-    match (&config.discovery, static_set) {
-        (_, Some(set)) => fleet.update_catalog(&set),
-        (DiscoveryConfig::Etcd(etcd), None) => {
-            let (fleet2, etcd2) = (fleet.clone(), etcd.clone());
-            // Endpoints are listed again as soon as the instances prefix changes (one
-            // watch on it), and every 30 s in any case.
-            let changed = Arc::new(tokio::sync::Notify::new());
-            background.push(switchyard_discovery::etcd::watch_changes(
-                etcd.clone(),
-                changed.clone(),
-            ));
-            background.push(tokio::spawn(async move {
-                loop {
-                    match list_all(&etcd2).await {
-                        Ok((found, _)) => {
-                            // A new endpoint compiles its policy: CPU work, off the async workers.
-                            let fleet = fleet2.clone();
-                            let _ = tokio::task::spawn_blocking(move || fleet.update_catalog(&found)).await;
-                        }
-                        Err(e) => tracing::warn!(error = %e, "cannot list endpoints; keeping the last known"),
-                    }
-                    // A short grace needs listings at least that often to release on time.
-                    let relist = ENDPOINT_RELIST.min(fleet2.endpoint_grace.max(Duration::from_secs(1)));
-                    tokio::select! {
-                        _ = changed.notified() => {}
-                        _ = tokio::time::sleep(relist) => {}
-                    }
+    Ok((fleet, static_set))
+}
+
+/// Follows etcd: endpoints listed again when the instances change (and every 30 s), and
+/// pushed policies (live and shadow) applied as they change.
+fn follow_etcd(
+    fleet: &Arc<ServeFleet>,
+    etcd: &switchyard_discovery::etcd::EtcdConfig,
+    trusted: &[switchyard_discovery::signing::PublicKey],
+    background: &mut Vec<tokio::task::JoinHandle<()>>,
+) {
+    let (fleet2, etcd2) = (fleet.clone(), etcd.clone());
+    // Endpoints are listed again as soon as the instances prefix changes (one
+    // watch on it), and every 30 s in any case.
+    let changed = Arc::new(tokio::sync::Notify::new());
+    background.push(switchyard_discovery::etcd::watch_changes(
+        etcd.clone(),
+        changed.clone(),
+    ));
+    background.push(tokio::spawn(async move {
+        loop {
+            match list_all(&etcd2).await {
+                Ok((found, _)) => {
+                    // A new endpoint compiles its policy: CPU work, off the async workers.
+                    let fleet = fleet2.clone();
+                    let _ = tokio::task::spawn_blocking(move || fleet.update_catalog(&found)).await;
                 }
-            }));
-            // Pushed policies are state: every event updates what etcd holds, and the
-            // endpoints it touched are reconciled in order, off the async workers.
-            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-            let shadows = tx.clone();
-            let trusted = config.policy_trusted_keys.clone();
-            background.push(etcd_policy::watch(
-                etcd.clone(),
-                Role::Live,
-                trusted.clone(),
-                move |event| {
-                    let _ = tx.send((Role::Live, event));
-                },
-            ));
-            background.push(etcd_policy::watch(
-                etcd.clone(),
-                Role::Shadow,
-                trusted,
-                move |event| {
-                    let _ = shadows.send((Role::Shadow, event));
-                },
-            ));
-            let fleet3 = fleet.clone();
-            background.push(tokio::spawn(async move {
-                while let Some((role, event)) = rx.recv().await {
-                    let fleet = fleet3.clone();
-                    let _ = tokio::task::spawn_blocking(move || match role {
-                        Role::Live => fleet.apply_push_event(event),
-                        Role::Shadow => fleet.apply_shadow_event(event),
-                    })
-                    .await;
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot list endpoints; keeping the last known")
                 }
-            }));
-        }
-        (DiscoveryConfig::Static { .. }, None) => unreachable!("static discovery always has a set"),
-    }
-    if config.watch {
-        background.push(watch_policy_files(fleet.clone(), &config));
-    }
-    let admin =
-        match config.admin_listen {
-            Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| {
-                std::io::Error::new(e.kind(), format!("admin listener {addr}: {e}"))
-            })?),
-            None => None,
-        };
-    let gateway_config = GatewayConfig {
-        admin_listener: admin.is_some(),
-        ..config.gateway.clone()
-    };
-    let gateway = Gateway::new(gateway_config, fleet, tokenizer);
-    let addr = listener.local_addr()?;
-    tracing::info!(%addr, "serving");
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    if let Some(epp) = config.epp_listen {
-        // Bound before serving: a picker that cannot listen is a router that cannot
-        // start, not one whose /ready says 200 while its gateway finds nothing there.
-        let epp_listener = TcpListener::bind(epp).await.map_err(|e| {
-            std::io::Error::new(e.kind(), format!("endpoint picker listener {epp}: {e}"))
-        })?;
-        let epp = epp_listener.local_addr()?;
-        tracing::info!(addr = %epp, "serving the endpoint picker");
-        let mut stopped = stopped.clone();
-        let gw = gateway.clone();
-        let fallbacks = config.epp_fallbacks;
-        let tls = config.epp_tls.clone();
-        background.push(tokio::spawn(async move {
-            let stop = async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            };
-            if let Err(e) = crate::epp::serve(gw, epp_listener, fallbacks, tls, stop).await {
-                tracing::error!(addr = %epp, error = %e, "the endpoint picker stopped");
             }
-        }));
-    }
-    if let Some(admin) = admin {
-        tracing::info!(addr = %admin.local_addr()?, "serving the admin API");
-        let mut stopped = stopped.clone();
-        background.push(tokio::spawn(crate::run(
-            gateway.clone(),
-            admin,
-            crate::Listener::Admin,
-            async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            },
-            config.shutdown_grace,
-        )));
-    }
-    crate::run(
-        gateway,
-        listener,
-        crate::Listener::Public,
-        async move {
-            shutdown.await;
-            let _ = stop.send(true);
+            // A short grace needs listings at least that often to release on time.
+            let relist = ENDPOINT_RELIST.min(fleet2.endpoint_grace.max(Duration::from_secs(1)));
+            tokio::select! {
+                _ = changed.notified() => {}
+                _ = tokio::time::sleep(relist) => {}
+            }
+        }
+    }));
+    // Pushed policies are state: every event updates what etcd holds, and the
+    // endpoints it touched are reconciled in order, off the async workers.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let shadows = tx.clone();
+    let trusted = trusted.to_vec();
+    background.push(etcd_policy::watch(
+        etcd.clone(),
+        Role::Live,
+        trusted.clone(),
+        move |event| {
+            let _ = tx.send((Role::Live, event));
         },
-        config.shutdown_grace,
-    )
-    .await;
-    for task in background {
-        task.abort();
-    }
-    Ok(())
+    ));
+    background.push(etcd_policy::watch(
+        etcd.clone(),
+        Role::Shadow,
+        trusted,
+        move |event| {
+            let _ = shadows.send((Role::Shadow, event));
+        },
+    ));
+    let fleet3 = fleet.clone();
+    background.push(tokio::spawn(async move {
+        while let Some((role, event)) = rx.recv().await {
+            let fleet = fleet3.clone();
+            let _ = tokio::task::spawn_blocking(move || match role {
+                Role::Live => fleet.apply_push_event(event),
+                Role::Shadow => fleet.apply_shadow_event(event),
+            })
+            .await;
+        }
+    }));
+}
+
+/// The endpoint picker's port bound (before serving: a picker that cannot listen is a
+/// router that cannot start, not one whose /ready says 200 while its gateway finds
+/// nothing there) and served until `stopped`.
+async fn serve_picker(
+    epp: std::net::SocketAddr,
+    gateway: &Arc<Gateway>,
+    config: &ServeConfig,
+    mut stopped: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<()>, ServeError> {
+    // Bound before serving: a picker that cannot listen is a router that cannot
+    // start, not one whose /ready says 200 while its gateway finds nothing there.
+    let epp_listener = TcpListener::bind(epp).await.map_err(|e| {
+        std::io::Error::new(e.kind(), format!("endpoint picker listener {epp}: {e}"))
+    })?;
+    let epp = epp_listener.local_addr()?;
+    tracing::info!(addr = %epp, "serving the endpoint picker");
+    let gw = gateway.clone();
+    let fallbacks = config.epp_fallbacks;
+    let tls = config.epp_tls.clone();
+    Ok(tokio::spawn(async move {
+        let stop = async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        };
+        if let Err(e) = crate::epp::serve(gw, epp_listener, fallbacks, tls, stop).await {
+            tracing::error!(addr = %epp, error = %e, "the endpoint picker stopped");
+        }
+    }))
 }
 
 /// Polls the `.wasm` files of file-based policies once a second and swaps the endpoints

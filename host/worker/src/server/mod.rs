@@ -21,11 +21,13 @@
 //! | `GET /handoff/{key}?have=N` | a disaggregated prefill worker hands a prompt's KV to a decode worker (`pd`); also on its bootstrap port |
 //! | `POST /admin/fault` | a [`FaultConfig`] as JSON: `{"fault": "crash" \| "hang" \| "refuse" \| "error" \| "status" \| "stall" \| "cut_stream" \| "none", "after": N, "after_tokens": 20, "status": 503, "retry_after_secs": 2, "marker": "POISON", "marker_after_tokens": 5, "health_lies": true, "first_token_delay_ms": 500, "idle_close_ms": 1000}` (all but `fault` optional) |
 
+mod answer;
 mod fault;
 mod generate;
 pub mod pd;
 mod reply;
 mod routes;
+mod words;
 
 pub use fault::{Fault, FaultConfig};
 pub use pd::{HANDOFF_TTL, MAX_HANDOFFS, PdConfig, PdProtocol};
