@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 pub mod conformance;
+pub mod echo;
 pub mod engine;
 pub mod etcd;
 pub mod events;

@@ -35,6 +35,7 @@ pub struct FileConfig {
     pub(crate) admin_listen: Option<SocketAddr>,
     pub(crate) epp_listen: Option<SocketAddr>,
     pub(crate) epp_fallbacks: Option<usize>,
+    pub(crate) epp_report_served: Option<bool>,
     pub(crate) epp_tls_cert: Option<PathBuf>,
     pub(crate) epp_tls_key: Option<PathBuf>,
     pub(crate) endpoint_grace_secs: Option<u64>,

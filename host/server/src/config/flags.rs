@@ -85,6 +85,11 @@ pub struct ServeArgs {
     /// ORIGINAL_DST cluster) [default: 0, at most 8].
     #[arg(long, env = "SWITCHYARD_EPP_FALLBACKS")]
     pub epp_fallbacks: Option<usize>,
+    /// Name the endpoint that served each answer, as the gateway reported it, in the
+    /// answer's `x-gateway-destination-endpoint-served` header (what GIE's conformance
+    /// picker reports; it tells clients a worker's address) [default: false].
+    #[arg(long, env = "SWITCHYARD_EPP_REPORT_SERVED")]
+    pub epp_report_served: Option<bool>,
     /// Serve the endpoint picker over TLS with this certificate chain (PEM), as GIE's
     /// reference picker does; with `--epp-tls-key`.
     #[arg(long, env = "SWITCHYARD_EPP_TLS_CERT")]

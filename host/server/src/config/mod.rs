@@ -100,6 +100,8 @@ pub struct ServeConfig {
     pub epp_listen: Option<SocketAddr>,
     /// Other workers named after each pick, for the gateway's retries.
     pub epp_fallbacks: usize,
+    /// Name the endpoint that served in each answer's headers.
+    pub epp_report_served: bool,
     /// The picker's TLS certificate and key, if it serves TLS.
     pub epp_tls: Option<crate::epp::EppTls>,
     /// Keys whose signed etcd pushes are applied (none: every push is).

@@ -144,6 +144,11 @@ impl ServeArgs {
             epp_listen: a.epp_listen.take().or(f.epp_listen.take()),
             epp_tls,
             epp_fallbacks,
+            epp_report_served: a
+                .epp_report_served
+                .take()
+                .or(f.epp_report_served.take())
+                .unwrap_or(false),
             endpoint_grace: bounded(
                 "endpoint_grace_secs",
                 a.endpoint_grace_secs

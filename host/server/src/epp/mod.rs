@@ -99,15 +99,24 @@ const CONNECTION_WINDOW: u32 = 4 << 20;
 const KEEPALIVE: Duration = Duration::from_secs(30);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Serves the picker on `listener` until `stop` resolves, naming up to `fallbacks` other
-/// workers after each pick; over TLS with `tls`. Its connections are held to the front
+/// What the picker says beyond the pick.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options {
+    /// Other workers named after each pick (at most [`MAX_FALLBACKS`]).
+    pub fallbacks: usize,
+    /// Name the endpoint that served in each answer's headers ([`protocol::SERVED`]).
+    pub report_served: bool,
+}
+
+/// Serves the picker on `listener` until `stop` resolves, naming up to
+/// `options.fallbacks` other workers after each pick; over TLS with `tls`. Its connections are held to the front
 /// door's bounds (`crate::listen`: `--max-connections` of their own, keepalive, the write
 /// deadline); its exchanges to the streams per connection above and, each, to the front
 /// door's `--max-in-flight` once picked.
 pub async fn serve(
     gw: Arc<Gateway>,
     listener: tokio::net::TcpListener,
-    fallbacks: usize,
+    options: Options,
     tls: Option<EppTls>,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
@@ -141,7 +150,10 @@ pub async fn serve(
     let largest = gw.config.max_body_bytes.saturating_add(64 << 10);
     let picker = Picker {
         gw: gw.clone(),
-        fallbacks: fallbacks.min(MAX_FALLBACKS),
+        options: Options {
+            fallbacks: options.fallbacks.min(MAX_FALLBACKS),
+            ..options
+        },
         probes: Arc::default(),
     };
     let mut server = tonic::transport::Server::builder()
@@ -182,7 +194,7 @@ pub async fn serve(
 
 struct Picker {
     gw: Arc<Gateway>,
-    fallbacks: usize,
+    options: Options,
     probes: Arc<outcome::Probes>,
 }
 
@@ -199,7 +211,7 @@ impl ExternalProcessor for Picker {
         let input = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let probes = self.probes.clone();
-        tokio::spawn(exchange(self.gw.clone(), self.fallbacks, probes, input, tx));
+        tokio::spawn(exchange(self.gw.clone(), self.options, probes, input, tx));
         Ok(tonic::Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -217,7 +229,7 @@ struct Exchange {
     held: Held,
     /// The subset the gateway allows, if it sent one.
     subset: Option<Vec<String>>,
-    fallbacks: usize,
+    options: Options,
     probes: Arc<outcome::Probes>,
     picked: Option<Picked>,
     /// The pick is answered (the request phase is over).
@@ -227,7 +239,7 @@ struct Exchange {
 
 async fn exchange(
     gw: Arc<Gateway>,
-    fallbacks: usize,
+    options: Options,
     probes: Arc<outcome::Probes>,
     mut input: Streaming<ProcessingRequest>,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
@@ -239,7 +251,7 @@ async fn exchange(
         body: Vec::new(),
         held: gw.bodies.hold(),
         subset: None,
-        fallbacks,
+        options,
         probes,
         picked: None,
         decided: false,
@@ -388,7 +400,7 @@ async fn step(
                 let answer = outcome::Answer {
                     status,
                     retry_after,
-                    served: served.flatten(),
+                    served: served.clone().flatten(),
                 };
                 p.status(status);
                 outcome::learn(gw, &x.probes, p, answer);
@@ -396,7 +408,11 @@ async fn step(
                     p.end();
                 }
             }
-            vec![answer(Out::ResponseHeaders(HeadersResponse::default()))]
+            let response = served
+                .flatten()
+                .filter(|_| x.options.report_served)
+                .map(|s| protocol::served_header(&s));
+            vec![answer(Out::ResponseHeaders(HeadersResponse { response }))]
         }
         Some(In::ResponseBody(b)) => {
             if let Some(p) = &mut x.picked {
@@ -443,7 +459,7 @@ async fn decide(gw: &Arc<Gateway>, x: &mut Exchange) -> Vec<ProcessingResponse> 
             .as_ref()
             .is_none_or(|s| s.iter().any(|a| Some(a.as_str()) == authority(url)))
     };
-    let picked = match pick(gw, api, &parts, &body, &allowed, x.fallbacks).await {
+    let picked = match pick(gw, api, &parts, &body, &allowed, x.options.fallbacks).await {
         Ok(p) => p,
         Err(e) => return vec![immediate(&e).await],
     };

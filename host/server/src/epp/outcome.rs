@@ -20,6 +20,8 @@ use switchyard_ids::InstanceId;
 #[derive(Default)]
 pub(super) struct Probes {
     last: parking_lot::Mutex<HashMap<InstanceId, Instant>>,
+    /// The last 503-without-Retry-After probe's verdict on each worker: it answered.
+    answered: parking_lot::Mutex<HashMap<InstanceId, bool>>,
 }
 
 impl Probes {
@@ -43,6 +45,20 @@ impl Probes {
         last.insert(worker, now);
         true
     }
+
+    /// Records what a probe found of `worker`.
+    fn found(&self, worker: InstanceId, answered: bool) {
+        let mut all = self.answered.lock();
+        if all.len() >= Self::MAX && !all.contains_key(&worker) {
+            all.clear();
+        }
+        all.insert(worker, answered);
+    }
+
+    /// Whether the last probe found `worker` answering (`None`: no verdict yet).
+    fn answering(&self, worker: InstanceId) -> Option<bool> {
+        self.answered.lock().get(&worker).copied()
+    }
 }
 
 /// What the gateway's response headers say about the answer.
@@ -58,7 +74,7 @@ pub(super) struct Answer {
 /// Learns from the response headers: once per exchange (a gateway that sends headers
 /// again, or a peer replaying them, cannot count one answer's 5xx twice towards a
 /// worker's ejection, nor reset its run with repeated successes).
-pub(super) fn learn(gw: &Arc<Gateway>, probes: &Probes, p: &mut Picked, answer: Answer) {
+pub(super) fn learn(gw: &Arc<Gateway>, probes: &Arc<Probes>, p: &mut Picked, answer: Answer) {
     if !p.first_answer() {
         return;
     }
@@ -101,17 +117,22 @@ pub(super) fn learn(gw: &Arc<Gateway>, probes: &Probes, p: &mut Picked, answer: 
     match status {
         // A 503 that gives no `Retry-After` may be the gateway's own answer when it
         // could not reach the pick (Envoy's local reply to a connection failure, with no
-        // fallback to go to): busy for the default pause, and checked by a probe, which
-        // reports it down if it is.
+        // fallback to go to): busy only once a probe finds it answering; one that does
+        // not is reported down (a dead pool is 503 at the client, never "busy, retry").
+        // Probed a moment ago: that probe's verdict stands.
         Some(503) if retry_after.is_none() => {
-            client.report_busy(answered, None);
-            probe(
-                gw,
-                probes,
-                &client,
-                answered,
-                "503 without Retry-After through the gateway",
-            );
+            if !gw.config.availability {
+                client.report_busy(answered, None);
+            } else if probes.take(answered, Instant::now()) {
+                let (c, probes) = (client.clone(), probes.clone());
+                tokio::spawn(async move {
+                    let why = "503 without Retry-After through the gateway";
+                    let alive = c.busy_or_unreachable(answered, why).await;
+                    probes.found(answered, alive);
+                });
+            } else if probes.answering(answered) == Some(true) {
+                client.report_busy(answered, None);
+            }
         }
         Some(429 | 503) => {
             client.report_busy(answered, retry_after);

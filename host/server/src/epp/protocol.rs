@@ -290,6 +290,24 @@ fn destination_metadata(dest: &str) -> Struct {
     }
 }
 
+/// The answer's headers naming the endpoint that served it ([`SERVED`]).
+pub fn served_header(served: &str) -> CommonResponse {
+    CommonResponse {
+        header_mutation: Some(HeaderMutation {
+            set_headers: vec![HeaderValueOption {
+                header: Some(HeaderValue {
+                    key: SERVED.into(),
+                    raw_value: served.as_bytes().to_vec(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
 /// A body chunk passed back in full-duplex mode.
 pub fn streamed(body: Vec<u8>, end_of_stream: bool) -> CommonResponse {
     CommonResponse {

@@ -389,13 +389,16 @@ async fn serve_picker(
     let epp = epp_listener.local_addr()?;
     tracing::info!(addr = %epp, "serving the endpoint picker");
     let gw = gateway.clone();
-    let fallbacks = config.epp_fallbacks;
+    let options = crate::epp::Options {
+        fallbacks: config.epp_fallbacks,
+        report_served: config.epp_report_served,
+    };
     let tls = config.epp_tls.clone();
     Ok(tokio::spawn(async move {
         let stop = async move {
             let _ = stopped.wait_for(|s| *s).await;
         };
-        if let Err(e) = crate::epp::serve(gw, epp_listener, fallbacks, tls, stop).await {
+        if let Err(e) = crate::epp::serve(gw, epp_listener, options, tls, stop).await {
             tracing::error!(addr = %epp, error = %e, "the endpoint picker stopped");
         }
     }))
