@@ -360,3 +360,77 @@ async fn one_connection_carries_a_bounded_number_of_exchanges() {
         .unwrap();
     answers.expect("an exchange");
 }
+
+/// Messages the picker is still receiving count in the front door's budget of bodies
+/// held (`--max-body-bytes-total`): tonic gathers a message whole before the exchange
+/// sees it, so streams that each send most of a large message and stop would otherwise
+/// hold that memory past every bound (and a stream past the budget is ended). Five
+/// streams holding 768 KiB each of a 4 MiB budget leave no room for a 512 KiB body at
+/// the front door (503); once they end, it is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partial_messages_on_the_pickers_port_are_held_within_the_body_budget() {
+    use bytes::Bytes;
+    use http_body_util::StreamBody;
+    use hyper::body::Frame;
+    type Chunks = StreamBody<ReceiverStream<Result<Frame<Bytes>, std::convert::Infallible>>>;
+    let (_a, a) = mock_worker(&[]).await;
+    let (_r, router, epp) = picker(&[&a], &["--max-body-bytes-total", "4194304"]).await;
+    let c = common::http::client();
+    let big =
+        json!({"model": "mock", "prompt": "hi", "max_tokens": 2, "user": "u".repeat(512 << 10)})
+            .to_string();
+    let front = |c: common::http::HttpClient, body: String, url: String| async move {
+        common::http::send(
+            &c,
+            hyper::Method::POST,
+            &format!("{url}/v1/completions"),
+            &[("content-type", "application/json")],
+            body,
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap()
+        .0
+    };
+    assert_eq!(front(c.clone(), big.clone(), router.clone()).await, 200);
+
+    let h2: hyper_util::client::legacy::Client<_, Chunks> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+    let mut streams = Vec::new();
+    for _ in 0..5 {
+        let (tx, rx) = mpsc::channel(32);
+        let req = hyper::Request::post(format!(
+            "http://127.0.0.1:{epp}/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(StreamBody::new(ReceiverStream::new(rx)))
+        .unwrap();
+        let answer = tokio::spawn(h2.request(req));
+        // A message of 1 MiB announced, 768 KiB of it sent, the rest never.
+        let mut header = vec![0u8];
+        header.extend_from_slice(&(1u32 << 20).to_be_bytes());
+        tx.send(Ok(Frame::data(Bytes::from(header)))).await.unwrap();
+        for _ in 0..12 {
+            let chunk = Bytes::from(vec![7u8; 64 << 10]);
+            tx.send(Ok(Frame::data(chunk))).await.unwrap();
+        }
+        streams.push((tx, answer));
+    }
+    // Every byte sent is received and held (the gauge of bodies held says so)...
+    let sent = 5.0 * f64::from(5 + (768u32 << 10));
+    eventually("the picker to hold the partial messages", || async {
+        metric(&c, &router, "switchyard_request_body_bytes_held", "").await >= sent
+    })
+    .await;
+    // ... so the front door has no room for a body the budget would take otherwise.
+    assert_eq!(front(c.clone(), big.clone(), router.clone()).await, 503);
+    drop(streams);
+    eventually("the budget given back once the streams end", || {
+        let (c, big, url) = (c.clone(), big.clone(), router.clone());
+        async move { front(c, big, url).await == 200 }
+    })
+    .await;
+}

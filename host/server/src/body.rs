@@ -9,8 +9,6 @@
 //! 408 and costs nothing but its connection; a request takes its slot only once it is
 //! ready to be routed.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -18,26 +16,36 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use super::ApiError;
+use switchyard_bounded::budget::{Budget, Grant};
 use switchyard_tokens::openai;
 
-/// Bytes of request bodies held at once, across every request; given back when the
-/// [`Held`] guard is dropped (when the request's answer ends).
-#[derive(Debug, Default)]
+/// Bytes of request bodies held at once, across every request (and the picker's
+/// messages being received): a [`Budget`] of `max_body_bytes_total`, shared with
+/// everything that holds a request body; given back when the [`Held`] guard is dropped
+/// (when the request's answer ends).
+#[derive(Debug, Clone)]
 pub struct BodyBudget {
-    held: Arc<AtomicUsize>,
+    budget: Budget,
 }
 
 impl BodyBudget {
-    /// Bytes held now.
-    pub fn held(&self) -> usize {
-        self.held.load(Ordering::Relaxed)
+    /// A budget of `total` bytes.
+    pub fn new(total: usize) -> BodyBudget {
+        BodyBudget {
+            budget: Budget::new(total as u64),
+        }
     }
 
-    /// A share of nothing yet, to [`Held::grow`] as a body comes in.
+    /// Bytes held now.
+    pub fn held(&self) -> usize {
+        usize::try_from(self.budget.used()).unwrap_or(usize::MAX)
+    }
+
+    /// A share of nothing yet, to [`Held::take`] from as a body comes in.
     pub fn hold(&self) -> Held {
         Held {
-            held: self.held.clone(),
-            bytes: 0,
+            budget: self.budget.clone(),
+            grant: Grant::default(),
         }
     }
 }
@@ -45,8 +53,8 @@ impl BodyBudget {
 /// A share of the [`BodyBudget`], returned when dropped.
 #[derive(Debug)]
 pub struct Held {
-    held: Arc<AtomicUsize>,
-    bytes: usize,
+    budget: Budget,
+    grant: Grant,
 }
 
 impl Held {
@@ -56,43 +64,23 @@ impl Held {
         if have.saturating_add(more) > limits.max {
             return Err(ApiError::TooLarge(limits.max));
         }
-        if !self.grow(more, limits.total) {
+        let Some(grant) = self.budget.take(more as u64) else {
             return Err(ApiError::Overloaded(format!(
                 "{} bytes of request bodies held",
-                limits.total
+                self.budget.capacity()
             )));
-        }
+        };
+        self.grant.absorb(grant);
         Ok(())
     }
-
-    /// Takes `n` more bytes, if the budget has them.
-    fn grow(&mut self, n: usize, total: usize) -> bool {
-        let taken = self
-            .held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| {
-                h.checked_add(n).filter(|t| *t <= total)
-            })
-            .is_ok();
-        if taken {
-            self.bytes += n;
-        }
-        taken
-    }
 }
 
-impl Drop for Held {
-    fn drop(&mut self) {
-        self.held.fetch_sub(self.bytes, Ordering::AcqRel);
-    }
-}
-
-/// The limits a body is read under.
+/// The limits a body is read under (the sum of bodies held at once is the
+/// [`BodyBudget`]'s).
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     /// Largest body of one request.
     pub max: usize,
-    /// Largest sum of bodies held at once.
-    pub total: usize,
     /// The whole body must arrive within this.
     pub deadline: Duration,
 }
@@ -137,26 +125,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_budget_is_shared_and_given_back() {
-        let budget = BodyBudget::default();
-        let mut a = Held {
-            held: budget.held.clone(),
-            bytes: 0,
+    fn the_budget_is_shared_given_back_and_a_request_is_held_to_its_limit() {
+        let budget = BodyBudget::new(100);
+        let limits = Limits {
+            max: 70,
+            deadline: Duration::from_secs(1),
         };
-        let mut b = Held {
-            held: budget.held.clone(),
-            bytes: 0,
-        };
-        assert!(a.grow(60, 100));
-        assert!(!b.grow(50, 100), "past the total");
-        assert!(b.grow(40, 100));
+        let (mut a, mut b) = (budget.hold(), budget.hold());
+        a.take(0, 60, &limits).unwrap();
+        assert!(
+            matches!(b.take(0, 50, &limits), Err(ApiError::Overloaded(_))),
+            "past the total"
+        );
+        assert!(
+            matches!(a.take(60, 11, &limits), Err(ApiError::TooLarge(70))),
+            "past one request's limit"
+        );
+        b.take(0, 40, &limits).unwrap();
         assert_eq!(budget.held(), 100);
         drop(a);
         assert_eq!(budget.held(), 40);
-        assert!(
-            !b.grow(usize::MAX, usize::MAX),
-            "an overflowing sum is refused"
-        );
+        assert!(b.take(40, usize::MAX, &limits).is_err(), "no overflow");
         drop(b);
         assert_eq!(budget.held(), 0);
     }

@@ -193,6 +193,7 @@ impl Gateway {
             .pool_timer(hyper_util::rt::TokioTimer::new())
             .pool_max_idle_per_host(256)
             .build(connector);
+        let bodies = body::BodyBudget::new(config.max_body_bytes_total);
         let gw = Arc::new(Gateway {
             config,
             fleet,
@@ -201,7 +202,7 @@ impl Gateway {
             metrics: Metrics::default(),
             draining: AtomicBool::new(false),
             in_flight: Arc::new(AtomicUsize::new(0)),
-            bodies: body::BodyBudget::default(),
+            bodies,
             queues: parking_lot::Mutex::default(),
         });
         // The admin page's trends: one point a second for as long as the gateway lives
@@ -323,6 +324,7 @@ impl Gateway {
                         self.tokenizer.stats(),
                         self.fleet.counters(),
                         self.queues_among(&routers),
+                        self.bodies.held(),
                     ),
                 ))
             }
@@ -389,7 +391,6 @@ impl Gateway {
     pub(crate) fn body_limits(&self) -> body::Limits {
         body::Limits {
             max: self.config.max_body_bytes,
-            total: self.config.max_body_bytes_total,
             deadline: self.config.client_idle_timeout,
         }
     }

@@ -71,7 +71,6 @@ pub(super) async fn read_upload(gw: &Gateway, req: Request<Incoming>) -> Result<
     // Within the body budget and a deadline like any body; an upload may take a minute.
     let limits = crate::body::Limits {
         max: MAX_POLICY_BYTES,
-        total: gw.config.max_body_bytes_total,
         deadline: gw.config.client_idle_timeout.max(Duration::from_secs(60)),
     };
     let (bytes, _held) = crate::body::read(req.into_body(), &gw.bodies, limits).await?;
@@ -157,7 +156,6 @@ pub(super) async fn explain(
 ) -> Result<Response<Body>, ApiError> {
     let limits = crate::body::Limits {
         max: MAX_EXPLAIN_BYTES,
-        total: gw.config.max_body_bytes_total,
         deadline: gw.config.client_idle_timeout,
     };
     let (body, _held) = crate::body::read(req.into_body(), &gw.bodies, limits).await?;

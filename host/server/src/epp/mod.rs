@@ -14,6 +14,7 @@
 //! answer carries the pick). Others cannot carry a pick made from the body and are
 //! refused with a 500 that says so.
 
+mod counted;
 mod outcome;
 pub mod protocol;
 
@@ -185,7 +186,11 @@ pub async fn serve(
     });
     let served = server
         .add_service(health)
-        .add_service(ExternalProcessorServer::new(picker).max_decoding_message_size(largest))
+        .add_service(counted::Budgeted {
+            inner: ExternalProcessorServer::new(picker).max_decoding_message_size(largest),
+            budget: gw.bodies.clone(),
+            largest,
+        })
         .serve_with_incoming_shutdown(incoming, stop)
         .await;
     ready_task.abort();

@@ -122,6 +122,7 @@ impl Metrics {
             switchyard_discovery::EndpointPath,
             std::sync::Arc<crate::queue::Queue>,
         )>,
+        bodies_held: usize,
     ) -> String {
         // Endpoints released since the last scrape leave no series behind.
         let live: std::collections::HashSet<String> =
@@ -162,6 +163,7 @@ impl Metrics {
             routers: routers.to_vec(),
             prefix,
             queues,
+            bodies_held,
         };
         let mut registry = Registry::with_prefix("switchyard");
         registry.register_collector(Box::new(scrape));

@@ -30,6 +30,8 @@ pub(super) struct Scrape {
         switchyard_discovery::EndpointPath,
         std::sync::Arc<crate::queue::Queue>,
     )>,
+    /// Bytes of request bodies held now (the body budget's).
+    pub(super) bodies_held: usize,
 }
 
 impl std::fmt::Debug for Scrape {
@@ -388,6 +390,12 @@ impl Scrape {
     fn encode_events(&self, e: &mut DescriptorEncoder) -> std::fmt::Result {
         let rs = &self.routers;
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        gauges(
+            e,
+            "request_body_bytes_held",
+            "Bytes of request bodies held now (being read, waiting or kept for retries, and the endpoint picker's messages being received), of --max-body-bytes-total",
+            vec![(vec![], i64::try_from(self.bodies_held).unwrap_or(i64::MAX))],
+        )?;
         // One budget for every engine's event input, whichever endpoint it feeds.
         if let Some(r) = rs.first() {
             let budget = r.event_budget();
