@@ -23,6 +23,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod queue;
 pub mod serve;
+pub mod verdict;
 pub mod write_deadline;
 
 use std::convert::Infallible;

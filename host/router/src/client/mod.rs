@@ -307,25 +307,15 @@ impl Client {
         }
     }
 
-    /// A 503 that may not be the worker's (a gateway's own answer when it could not
-    /// reach `id`): the worker is checked now. One that does not answer its health check
-    /// is reported down at once, as a connection the proxy could not make; one that does
-    /// was busy, and is skipped for the default pause. No verdict (the router is out of
-    /// resources): busy. Whether it answered (false: reported down, or gone).
-    pub async fn busy_or_unreachable(&self, id: InstanceId, reason: &str) -> bool {
-        let Some(info) = self.instance(id) else {
-            return false;
-        };
+    /// A health check of `id` now: `Ok` when it answers, the reason when it does not;
+    /// `None` when it is not known, or the check could not be made (the router is out of
+    /// resources).
+    pub async fn health_of(&self, id: InstanceId) -> Option<Result<(), String>> {
+        let info = self.instance(id)?;
         match self.health.check(&info).await {
-            Err(HealthError::Unhealthy(e)) => {
-                let why = format!("{reason}; and its health check failed: {e}");
-                self.report_instance_down(id, &why);
-                false
-            }
-            Ok(()) | Err(HealthError::Local(_)) => {
-                self.report_busy(id, None);
-                true
-            }
+            Ok(()) => Some(Ok(())),
+            Err(HealthError::Unhealthy(e)) => Some(Err(e)),
+            Err(HealthError::Local(_)) => None,
         }
     }
 

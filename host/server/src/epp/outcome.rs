@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::Gateway;
 use crate::proxy::pick::{Picked, authority};
+use crate::verdict::{self, Verdict};
 use switchyard_ids::InstanceId;
 
 /// Health probes the answers asked for, at most one per worker per [`Probes::EVERY`]:
@@ -122,20 +123,31 @@ pub(super) fn learn(gw: &Arc<Gateway>, probes: &Arc<Probes>, p: &mut Picked, ans
         // Probed a moment ago: that probe's verdict stands.
         Some(503) if retry_after.is_none() => {
             if !gw.config.availability {
-                client.report_busy(answered, None);
+                verdict::apply(gw, &client, answered, Verdict::Busy(None));
             } else if probes.take(answered, Instant::now()) {
-                let (c, probes) = (client.clone(), probes.clone());
+                let (gw, c, probes) = (gw.clone(), client.clone(), probes.clone());
                 tokio::spawn(async move {
-                    let why = "503 without Retry-After through the gateway";
-                    let alive = c.busy_or_unreachable(answered, why).await;
+                    let alive = match c.health_of(answered).await {
+                        Some(Err(e)) => {
+                            let why = format!(
+                                "503 without Retry-After through the gateway; and its health check failed: {e}"
+                            );
+                            verdict::apply(&gw, &c, answered, Verdict::Unreachable(&why));
+                            false
+                        }
+                        Some(Ok(())) | None => {
+                            verdict::apply(&gw, &c, answered, Verdict::Busy(None));
+                            true
+                        }
+                    };
                     probes.found(answered, alive);
                 });
             } else if probes.answering(answered) == Some(true) {
-                client.report_busy(answered, None);
+                verdict::apply(gw, &client, answered, Verdict::Busy(None));
             }
         }
         Some(429 | 503) => {
-            client.report_busy(answered, retry_after);
+            verdict::apply(gw, &client, answered, Verdict::Busy(retry_after));
         }
         // Not known to come from the pick (the gateway's own answer when it could not
         // reach it looks the same): only a failed probe counts.
@@ -148,8 +160,14 @@ pub(super) fn learn(gw: &Arc<Gateway>, probes: &Arc<Probes>, p: &mut Picked, ans
                 &format!("{s} through the gateway"),
             );
         }
-        Some(s) if s >= 500 => count_failure(gw, &client, answered, s),
-        Some(_) => client.record_success(answered),
+        Some(s) if s >= 500 => {
+            gw.metrics.upstream_failure(answered);
+            let why = format!("answered {s} through the gateway");
+            verdict::apply(gw, &client, answered, Verdict::Failing(&why));
+        }
+        Some(_) => {
+            verdict::apply(gw, &client, answered, Verdict::Answered);
+        }
         None => {}
     }
 }
@@ -163,29 +181,10 @@ fn probe(
     worker: InstanceId,
     why: &str,
 ) {
-    if gw.config.outlier_detection {
-        if !probes.take(worker, Instant::now()) {
-            return;
-        }
-        let (c, why) = (client.clone(), why.to_string());
-        tokio::spawn(async move { c.check_now(worker, &why).await });
-    } else if gw.config.availability {
-        client.report_instance_down(worker, why);
+    if gw.config.outlier_detection && !probes.take(worker, Instant::now()) {
+        return;
     }
-}
-
-fn count_failure(
-    gw: &Gateway,
-    client: &switchyard_router::client::Client,
-    id: InstanceId,
-    status: u16,
-) {
-    gw.metrics.upstream_failure(id);
-    if gw.config.outlier_detection {
-        client.record_failure(id, &format!("answered {status} through the gateway"));
-    } else if gw.config.availability {
-        client.report_instance_down(id, &format!("answered {status} through the gateway"));
-    }
+    verdict::apply(gw, client, worker, Verdict::Doubtful(why));
 }
 
 #[cfg(test)]

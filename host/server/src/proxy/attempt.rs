@@ -19,6 +19,7 @@ use super::{
     Attempt, Attempts, Booked, Booking, Failed, Failure, Forwarded, PREFILL_VERDICT, answer,
     count_failed_attempt, decided, forward, give_up, handoff, migrate, settle, split,
 };
+use crate::verdict::{self, Verdict};
 use crate::{ApiError, Body, Gateway};
 use switchyard_ids::InstanceId;
 use switchyard_router::{KvRouter, Placing, PrefillLeg, RouteError, Routed};
@@ -96,7 +97,7 @@ pub(super) async fn attempts(
             // A retry the policy refuses is refused for the workers it left out (a split
             // fleet with its only decode worker excluded): the client hears what failed.
             Err(e @ RouteError::Rejected(_)) if attempt == 0 => return Err(e.into()),
-            Err(e) => return give_up(&client, a, Some(e)),
+            Err(e) => return give_up(gw, &client, a, Some(e)),
         };
         if attempt > 0 {
             gw.metrics.retries.fetch_add(1, Ordering::Relaxed);
@@ -185,7 +186,7 @@ pub(super) async fn attempts(
             }
             Ok(Forwarded::ClientError(ans)) => {
                 // The request's own fault, so any earlier 5xx most likely was too.
-                client.record_success(worker);
+                verdict::apply(gw, &client, worker, Verdict::Answered);
                 return Ok(answer(ans));
             }
             Err(f) => f,
@@ -202,7 +203,7 @@ pub(super) async fn attempts(
             return done;
         }
     }
-    give_up(&client, a, None)
+    give_up(gw, &client, a, None)
 }
 
 /// A split request's prefill leg: none (the whole request, or a prefill kept from a
@@ -238,7 +239,7 @@ async fn prefill_leg(
                     // Its answer (one token) is its prefill: the worker's latency model
                     // learns from it.
                     p.router.prefill_done(leg.request);
-                    client.record_success(leg.worker);
+                    verdict::apply(gw, client, leg.worker, Verdict::Answered);
                     *kept = Some((decode_body.clone(), both.clone()));
                     Leg::Send(decode_body, both, None)
                 }
@@ -323,10 +324,10 @@ fn relay(
         .timings
         .first_byte(&endpoint, served.started.elapsed());
     router.prefill_done(served.routed.request);
-    client.record_success(worker);
+    verdict::apply(gw, client, worker, Verdict::Answered);
     // Served here: the earlier 5xx answers were those workers' own faults.
     for (w, reason) in a.pending.drain(..) {
-        client.record_failure(w, &reason);
+        verdict::apply(gw, client, w, Verdict::Failing(&reason));
     }
     let migration = migrate::Migration::new(
         gw,

@@ -65,6 +65,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::Response;
 use hyper::body::Incoming;
 
+use crate::verdict::{self, Verdict};
 use crate::{ApiError, Body, Gateway};
 use switchyard_ids::{InstanceId, RequestId};
 use switchyard_router::client::Client;
@@ -238,9 +239,7 @@ fn settle(
     count_failed_attempt(gw, router, worker, at.url, &failure, at.attempt.number);
     if !gw.config.outlier_detection {
         // The baseline: every failure ejects at once, and the request moves on.
-        if gw.config.availability {
-            client.report_instance_down(worker, &reason);
-        }
+        verdict::apply(gw, client, worker, Verdict::Unreachable(&reason));
         a.exclude.push(worker);
         a.last = Some(failure);
         return None;
@@ -253,12 +252,10 @@ fn settle(
             ))));
         }
         Failure::Closed(_) | Failure::Unreachable(_) => {
-            if gw.config.availability {
-                client.report_instance_down(worker, &reason);
-            }
+            verdict::apply(gw, client, worker, Verdict::Unreachable(&reason));
         }
         Failure::Busy(ans, retry_after) => {
-            let skip = client.report_busy(worker, *retry_after);
+            let skip = verdict::apply(gw, client, worker, Verdict::Busy(*retry_after));
             gw.metrics.busy.fetch_add(1, Ordering::Relaxed);
             let mut ans = (ans.0.clone(), ans.1.clone());
             set_retry_after(&mut ans.0.headers, skip);
@@ -271,8 +268,7 @@ fn settle(
         Failure::Timeout(_) if !at.attempt.stream => {
             // Not retried: it would take as long elsewhere. Counted against the
             // worker only if it is silent.
-            let c = client.clone();
-            tokio::spawn(async move { c.check_now(worker, &reason).await });
+            verdict::apply(gw, client, worker, Verdict::Doubtful(&reason));
             return Some(Err(ApiError::UpstreamTimeout(format!(
                 "no answer within the request timeout of {:?}",
                 at.attempt.limit
@@ -295,7 +291,7 @@ fn settle(
         gw.metrics.poison.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(endpoint = %router.endpoint(), workers = failed_workers, "request failed on several workers; treated as its own fault (poison), not retried");
         a.pending.clear();
-        return Some(give_up(client, std::mem::take(a), None));
+        return Some(give_up(gw, client, std::mem::take(a), None));
     }
     None
 }
@@ -321,12 +317,13 @@ fn count_failed_attempt(
 /// 5xx or busy answer), else the routing error (503) or the last failure (502/504).
 /// A single pending 5xx with no worker left to confirm it counts against its worker.
 pub(super) fn give_up(
-    client: &Client,
+    gw: &Gateway,
+    client: &Arc<Client>,
     a: Attempts,
     route: Option<RouteError>,
 ) -> Result<Response<Body>, ApiError> {
     for (w, reason) in &a.pending {
-        client.record_failure(*w, reason);
+        verdict::apply(gw, client, *w, Verdict::Failing(reason));
     }
     if let Some(ans) = a.answer {
         return Ok(answer(ans));

@@ -11,6 +11,7 @@ use hyper::Response;
 use hyper::body::{Frame, Incoming};
 use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
 
+use crate::verdict::{self, Verdict};
 use crate::{Body, Gateway};
 use switchyard_ids::InstanceId;
 use switchyard_router::KvRouter;
@@ -56,7 +57,7 @@ impl Relay {
     fn charge_breaks(&mut self) {
         if let Some(m) = &mut self.migration {
             for (w, why) in m.broken.drain(..) {
-                self.client.record_failure(w, &why);
+                verdict::apply(&self.gw, &self.client, w, Verdict::Failing(&why));
             }
         }
     }
@@ -464,7 +465,7 @@ impl hyper::body::Body for RelayBody {
                     let r = &this.relay;
                     // Silent after the answer's end costs the answer nothing.
                     if !r.migration.as_ref().is_some_and(|m| m.complete()) {
-                        r.client.record_failure(r.worker, &why);
+                        verdict::apply(&r.gw, &r.client, r.worker, Verdict::Failing(&why));
                         r.gw.metrics.stalls.fetch_add(1, Ordering::Relaxed);
                     }
                     if let Some(end) = this.broke(Break::Stall, why) {

@@ -9,6 +9,7 @@ use bytes::Bytes;
 use hyper::body::Incoming;
 
 use crate::Gateway;
+use crate::verdict::{self, Verdict};
 use switchyard_ids::InstanceId;
 use switchyard_router::{Ask, KvRouter, Placing};
 use switchyard_tokens::ChatMessage;
@@ -149,7 +150,7 @@ pub(in crate::proxy) async fn continue_stream(
                     .quality()
                     .continuations
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                client.record_success(worker);
+                verdict::apply(&gw, &client, worker, Verdict::Answered);
                 return Ok(Moved {
                     worker,
                     booking,
@@ -169,12 +170,14 @@ pub(in crate::proxy) async fn continue_stream(
             }
             Err(f) => {
                 let reason = f.reason();
+                // A 5xx or a timeout counts against no one here: the stream's breaks
+                // are charged once it ends (`relay`).
                 match &f {
-                    Failure::Unreachable(_) | Failure::Closed(_) if gw.config.availability => {
-                        client.report_instance_down(worker, &reason);
+                    Failure::Unreachable(_) | Failure::Closed(_) => {
+                        verdict::apply(&gw, &client, worker, Verdict::Unreachable(&reason));
                     }
                     Failure::Busy(_, retry_after) => {
-                        client.report_busy(worker, *retry_after);
+                        verdict::apply(&gw, &client, worker, Verdict::Busy(*retry_after));
                     }
                     _ => {}
                 }
