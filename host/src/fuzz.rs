@@ -28,7 +28,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Inputs that once broke a target, kept so that they never do again: `(target, hex)`.
 /// Both were found by these targets run against the code before the bounds of
-/// ARCHITECTURE.md's "Input from outside": `Retry-After: 1e20` panicked in
+/// docs/architecture/input.md: `Retry-After: 1e20` panicked in
 /// `Duration::from_secs_f64`, and any sequenced NDJSON line after one at `u64::MAX`
 /// overflowed `last + 1`.
 const REGRESSIONS: &[(&str, &str)] = &[

@@ -66,8 +66,8 @@
 //! `active_weight` prices the KV memory held by requests in flight; it is 0 by default,
 //! since blocks are a poor proxy for time (long prompts would dominate every decision).
 //! `pressure_weight` prices the engine's own KV usage (a request may wait for memory, or
-//! preempt, where running requests hold most of it); 0 by default (ARCHITECTURE.md says
-//! what it was tried at).
+//! preempt, where running requests hold most of it); 0 by default (docs/architecture/routing.md
+//! says what it was tried at).
 //!
 //! With `temperature == 0` the lowest cost wins and ties are broken uniformly by the
 //! request's seed. With `temperature > 0` the candidate is sampled with probability
@@ -92,7 +92,7 @@ pub struct KvCostConfig {
     /// that the stall counts, divided by `1 + q` (`q`: the least queued candidate's
     /// pending prefill, in this request's prompts): with 1, all of it while some worker
     /// has nothing queued, less the busier the fleet. `0` (the default): always the least
-    /// loaded count (ARCHITECTURE.md says what 1 did).
+    /// loaded count (docs/architecture/routing.md says what 1 did).
     pub stall_local: f64,
     /// Cost of each request in flight on a worker, in blocks of prefill: the decode
     /// slot it holds and the step time it adds for everyone else.

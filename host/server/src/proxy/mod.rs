@@ -1,7 +1,8 @@
 //! The proxy: route a completion request, forward it to the chosen worker, pass the
 //! response through unchanged (streaming included), and fail over.
 //!
-//! Each failed attempt is classified (see ARCHITECTURE.md, "Failover"):
+//! Each failed attempt is classified (docs/architecture/availability.md, "Failover"; what each does to the
+//! worker: `crate::verdict`):
 //! - unreachable (refused, reset, connect timeout): the worker is ejected at once and the
 //!   request tried elsewhere; a connection the worker closed before answering is retried
 //!   once on a fresh connection first, and the router's own resource exhaustion (out of

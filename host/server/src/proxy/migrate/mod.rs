@@ -10,8 +10,8 @@
 //! `continue_final_message`; completions: after the prompt) — and `max_tokens` reduced by
 //! what was sent; the continuation is routed by the endpoint's policy with its
 //! own KV overlap, never to a worker that broke it. Its events are rewritten to the first
-//! stream's identity and its final `usage` to the whole answer's (ARCHITECTURE.md,
-//! "Migration").
+//! stream's identity and its final `usage` to the whole answer's
+//! (docs/architecture/availability.md, "Migration").
 
 use std::borrow::Cow;
 
