@@ -464,3 +464,43 @@ async fn an_https_worker_is_served_when_its_ca_is_trusted() {
         "the error does not say why: {body}"
     );
 }
+
+/// `--availability false` (the benchmarks' baseline) keeps every discovered worker in
+/// the picks, whatever happens: a stream that stalls ends with its error event, and its
+/// worker is still routed to, even with outlier detection set to eject at the first
+/// failure (one meaning of a failure for every path: a stall used to eject here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_availability_tracking_a_stalling_worker_is_never_ejected() {
+    let (_workers, _router, url) = fleet(
+        1,
+        |_| vec!["--fault", "stall"],
+        &[
+            "--availability",
+            "false",
+            "--consecutive-failures",
+            "1",
+            "--stream-idle-timeout-secs",
+            "1",
+            "--health-check-interval-ms",
+            "0",
+            "--migration-limit",
+            "0",
+        ],
+    )
+    .await;
+    let c = http::client();
+    for i in 0..2 {
+        let (s, _, body) = complete(&c, &url, &chat(&format!("stall {i}"), 50, true)).await;
+        assert_eq!(s, StatusCode::OK);
+        assert!(body.contains("sent nothing"), "{body}");
+        assert_eq!(
+            available(&c, &url).await,
+            1,
+            "the stalling worker was ejected"
+        );
+    }
+    assert_eq!(
+        metric(&c, &url, "switchyard_stream_stalls_total", "").await,
+        2.0
+    );
+}
