@@ -365,8 +365,8 @@ async fn one_connection_carries_a_bounded_number_of_exchanges() {
 /// held (`--max-body-bytes-total`): tonic gathers a message whole before the exchange
 /// sees it, so streams that each send most of a large message and stop would otherwise
 /// hold that memory past every bound (and a stream past the budget is ended). Five
-/// streams holding 768 KiB each of a 4 MiB budget leave no room for a 512 KiB body at
-/// the front door (503); once they end, it is served.
+/// streams holding 768 KiB each of a budget 1,000 bytes larger leave no room for a
+/// 2 KiB body at the front door (503); once they end, it is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partial_messages_on_the_pickers_port_are_held_within_the_body_budget() {
     use bytes::Bytes;
@@ -374,10 +374,13 @@ async fn partial_messages_on_the_pickers_port_are_held_within_the_body_budget() 
     use hyper::body::Frame;
     type Chunks = StreamBody<ReceiverStream<Result<Frame<Bytes>, std::convert::Infallible>>>;
     let (_a, a) = mock_worker(&[]).await;
-    let (_r, router, epp) = picker(&[&a], &["--max-body-bytes-total", "4194304"]).await;
+    // What the five streams will hold, and room for 1,000 bytes more.
+    let sent: usize = 5 * (5 + (768 << 10));
+    let budget = (sent + 1000).to_string();
+    let (_r, router, epp) = picker(&[&a], &["--max-body-bytes-total", &budget]).await;
     let c = common::http::client();
     let big =
-        json!({"model": "mock", "prompt": "hi", "max_tokens": 2, "user": "u".repeat(512 << 10)})
+        json!({"model": "mock", "prompt": "hi", "max_tokens": 2, "user": "u".repeat(2 << 10)})
             .to_string();
     let front = |c: common::http::HttpClient, body: String, url: String| async move {
         common::http::send(
@@ -420,9 +423,8 @@ async fn partial_messages_on_the_pickers_port_are_held_within_the_body_budget() 
         streams.push((tx, answer));
     }
     // Every byte sent is received and held (the gauge of bodies held says so)...
-    let sent = 5.0 * f64::from(5 + (768u32 << 10));
     eventually("the picker to hold the partial messages", || async {
-        metric(&c, &router, "switchyard_request_body_bytes_held", "").await >= sent
+        metric(&c, &router, "switchyard_request_body_bytes_held", "").await >= sent as f64
     })
     .await;
     // ... so the front door has no room for a body the budget would take otherwise.
