@@ -3,6 +3,24 @@
 //! placed when a worker leaves saturation — decided then, with that moment's KV view and
 //! load, so it still goes where its prefix is.
 //!
+//! The admission rules, in the order a request meets them (the one statement of them
+//! in the code; docs/overload.md is the operator's):
+//! 1. **Room**: a worker of the request's role that is not saturated takes it at once
+//!    (`switchyard_router::Saturation`: expected wait, KV usage, requests in flight,
+//!    prefill pending, engine queue, each as configured); nothing is held while the
+//!    fleet has room.
+//! 2. **Who asks**: its class (`x-switchyard-priority`, else GIE's objective header,
+//!    else the default) is capped at its tenant's `max_class`; its tenant is the
+//!    configured one whose API key it carries, else the keyless configured one the
+//!    tenant header names, else the one `anonymous` tenant (`classes`).
+//! 3. **Deadline**: `x-switchyard-deadline-ms`, else its class's, capped at the longest
+//!    class deadline; a request whose wait ahead already exceeds it is refused at
+//!    arrival.
+//! 4. **Place**: within `queue_max` requests and `queue_max_bytes` of bodies; when full,
+//!    the shedding below, all or nothing (requests are evicted only if the newcomer
+//!    then fits).
+//! 5. **Order and dispatch**: as below, each time a worker leaves saturation.
+//!
 //! Order: priority classes by rank (every queued request of a lower rank first); within
 //! a class, start-time fair queuing between tenants, weighted, measured in prompt
 //! tokens dispatched; within a tenant, the oldest first, except that among its
