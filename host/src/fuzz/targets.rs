@@ -221,6 +221,50 @@ fn etcd_answers() {
     });
 }
 
+/// The Kubernetes API's answers discovery reads: pools, pods and watch lines.
+#[test]
+fn kube_answers() {
+    use crate::discovery::kube::{Fleet, KubeConfig, KubeSource, pod_workers, pool_fleet};
+    let seeds = texts(&[
+        r#"{"metadata":{"resourceVersion":"7"},"spec":{"selector":{"matchLabels":{"app":"vllm"}},"targetPorts":[{"number":8000},{"number":8001}]}}"#,
+        r#"{"metadata":{"uid":"u1","resourceVersion":"9"},"status":{"podIP":"10.0.0.7","conditions":[{"type":"Ready","status":"True"}]}}"#,
+        r#"{"metadata":{"uid":"u2","deletionTimestamp":"2026-12-07T00:00:00Z"},"status":{"podIP":"fd00::1","conditions":[{"type":"Ready","status":"True"}]}}"#,
+        r#"{"type":"MODIFIED","object":{"metadata":{"uid":"u1","resourceVersion":"10"}}}"#,
+        r#"{"type":"ERROR","object":{"kind":"Status","code":410,"message":"too old resource version"}}"#,
+    ]);
+    let config = KubeConfig {
+        api: crate::discovery::kube_api::KubeApi::new(
+            "http://127.0.0.1:1",
+            None,
+            &Default::default(),
+            std::time::Duration::from_secs(1),
+        ),
+        namespace: "default".into(),
+        source: KubeSource::Pool("p".into()),
+        model: "m".into(),
+        block_size: 16,
+        health_path: "/health".into(),
+        backoff_initial: std::time::Duration::from_millis(1),
+        backoff_max: std::time::Duration::from_millis(1),
+        idle: std::time::Duration::from_secs(1),
+    };
+    let fleet = Fleet {
+        selector: "a=b".into(),
+        ports: vec![8000, 8001],
+        pool_version: None,
+    };
+    let endpoint: crate::discovery::EndpointPath = "default/m/generate".parse().unwrap();
+    fuzz("kube", seeds, true, |input| {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(input) else {
+            return false;
+        };
+        let pool = pool_fleet(&v).is_ok();
+        let pod = !pod_workers(&v, &fleet, &config, &endpoint).is_empty();
+        let event = crate::discovery::kube_api::event(v).is_ok();
+        pool || pod || event
+    });
+}
+
 /// Engines' `/metrics` pages (vLLM's and SGLang's names).
 #[test]
 fn engine_metrics_pages() {

@@ -23,6 +23,8 @@ pub struct FileConfig {
     pub(crate) etcd_ca_files: Vec<PathBuf>,
     #[serde(default)]
     pub(crate) workers: Vec<WorkerEntry>,
+    /// `[kube]`: Kubernetes discovery.
+    pub(crate) kube: Option<super::kube::KubeFile>,
     pub(crate) model: Option<String>,
     pub(crate) kv_events: Option<bool>,
     pub(crate) kv_hash_key: Option<u64>,

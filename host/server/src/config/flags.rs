@@ -23,6 +23,9 @@ pub struct ServeArgs {
     /// etcd user, password and CA.
     #[command(flatten)]
     pub etcd_access: EtcdAccessArgs,
+    /// Kubernetes discovery: a GIE InferencePool or a pod selector.
+    #[command(flatten)]
+    pub kube: super::kube::KubeArgs,
     /// A static worker's base URL (repeatable); used when no etcd is given. Its engine's
     /// ZMQ KV events go after `#`:
     /// `http://10.0.0.7:8000#kv_events=tcp://10.0.0.7:5557&kv_replay=tcp://10.0.0.7:5558&topic=kv-events&dp=1`.

@@ -6,10 +6,12 @@
 //! - `flags`: the flags and their variables ([`ServeArgs`]);
 //! - `file`: the TOML file ([`FileConfig`]) and static workers;
 //! - `secrets`: the admin token and etcd's credentials, read from files or variables;
+//! - `kube`: Kubernetes discovery's flags and how the API server is reached;
 //! - `resolve`: the merge into [`ServeConfig`].
 
 mod file;
 mod flags;
+mod kube;
 mod overload;
 mod resolve;
 mod secrets;
@@ -29,6 +31,7 @@ use switchyard_router::client::ClientConfig;
 
 pub use file::{EndpointFile, FileConfig, PolicySpec, StaticWorker};
 pub use flags::ServeArgs;
+pub use kube::KubeArgs;
 pub use secrets::{EtcdAccessArgs, MIN_ADMIN_TOKEN_BYTES};
 
 /// Where workers come from.
@@ -36,6 +39,8 @@ pub use secrets::{EtcdAccessArgs, MIN_ADMIN_TOKEN_BYTES};
 pub enum DiscoveryConfig {
     /// etcd.
     Etcd(EtcdConfig),
+    /// A Kubernetes API server: a GIE InferencePool or a pod selector.
+    Kube(Box<switchyard_discovery::kube::KubeConfig>),
     /// A fixed list.
     Static {
         /// The workers.

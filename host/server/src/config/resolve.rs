@@ -179,6 +179,30 @@ fn discovery(a: &mut ServeArgs, f: &mut FileConfig) -> Result<DiscoveryConfig, C
             .map(|w| StaticWorker::parse(w))
             .collect::<Result<_, _>>()?
     };
+    let model = a
+        .model
+        .take()
+        .or(f.model.take())
+        .unwrap_or_else(|| "mock-model".into());
+    let block_size = a
+        .block_size
+        .take()
+        .or(f.block_size.take())
+        .unwrap_or(16)
+        .max(1);
+    let health_path = a
+        .health_path
+        .clone()
+        .or(f.health_path.clone())
+        .unwrap_or_else(|| "/health".into());
+    if let Some(kube) = super::kube::resolve(a, f, &model, block_size, &health_path)? {
+        if !etcd.is_empty() || !workers.is_empty() {
+            return Err(ConfigError(
+                "give one of --etcd, --worker or Kubernetes discovery (--kube-pool, --kube-selector)".into(),
+            ));
+        }
+        return Ok(DiscoveryConfig::Kube(Box::new(kube)));
+    }
     Ok(match (etcd.is_empty(), workers.is_empty()) {
         (false, true) => DiscoveryConfig::Etcd(
             EtcdAccessArgs {
@@ -204,23 +228,10 @@ fn discovery(a: &mut ServeArgs, f: &mut FileConfig) -> Result<DiscoveryConfig, C
         ),
         (true, false) => DiscoveryConfig::Static {
             workers,
-            model: a
-                .model
-                .take()
-                .or(f.model.take())
-                .unwrap_or_else(|| "mock-model".into()),
-            block_size: a
-                .block_size
-                .take()
-                .or(f.block_size.take())
-                .unwrap_or(16)
-                .max(1),
+            model,
+            block_size,
             kv_events: a.kv_events.take().or(f.kv_events.take()).unwrap_or(false),
-            health_path: a
-                .health_path
-                .clone()
-                .or(f.health_path.clone())
-                .unwrap_or_else(|| "/health".into()),
+            health_path,
         },
         (false, false) => {
             return Err(ConfigError(
@@ -229,7 +240,7 @@ fn discovery(a: &mut ServeArgs, f: &mut FileConfig) -> Result<DiscoveryConfig, C
         }
         (true, true) => {
             return Err(ConfigError(
-                "no workers: give --etcd URL or --worker URL".into(),
+                "no workers: give --etcd URL, --worker URL or --kube-pool NAME".into(),
             ));
         }
     })

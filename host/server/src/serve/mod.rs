@@ -152,7 +152,9 @@ pub async fn serve(
         (DiscoveryConfig::Etcd(etcd), None) => {
             follow_etcd(&fleet, etcd, &config.policy_trusted_keys, &mut background);
         }
-        (DiscoveryConfig::Static { .. }, None) => unreachable!("static discovery always has a set"),
+        (DiscoveryConfig::Static { .. } | DiscoveryConfig::Kube(_), None) => {
+            unreachable!("static and Kubernetes discovery always have a catalog")
+        }
     }
     if config.watch {
         background.push(watch_policy_files(fleet.clone(), &config));
@@ -244,6 +246,19 @@ async fn fleet(
     let (discovery, static_set): (Arc<dyn Discovery>, Option<Vec<InstanceInfo>>) =
         match &config.discovery {
             DiscoveryConfig::Etcd(etcd) => (Arc::new(EtcdDiscovery::new(etcd.clone())), None),
+            // One endpoint, for the pool's model: its workers come from the watch.
+            DiscoveryConfig::Kube(kube) => {
+                let endpoint = EndpointPath::for_model(&kube.model);
+                let template = InstanceInfo::new(
+                    switchyard_ids::InstanceId(0),
+                    endpoint,
+                    "",
+                    kube.model.clone(),
+                    kube.block_size,
+                );
+                let discovery = switchyard_discovery::kube::KubeDiscovery::new((**kube).clone());
+                (Arc::new(discovery), Some(vec![template]))
+            }
             DiscoveryConfig::Static {
                 workers,
                 model,

@@ -1,0 +1,275 @@
+//! Kubernetes discovery against a real kube-apiserver (`tests/common/kube.rs`): a GIE
+//! `InferencePool` whose pods are mock workers on 127.0.0.x, their status written as a
+//! kubelet would. Pods join when Ready, leave when unready or deleted, the pool's
+//! selector is followed, the watch outlives the API server's restart, and a router
+//! without the permissions says which.
+
+mod common;
+
+use std::io::BufRead as _;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::json;
+
+use common::http;
+use common::kube::{Kube, READER};
+use common::procs::{Proc, free_port, serve, switchyard, wait_ok};
+use common::router::{TOKEN, available, eventually, instances};
+
+/// A mock worker on `ip:port`.
+async fn worker(ip: &str, port: u16) -> Proc {
+    let listen = format!("{ip}:{port}");
+    let p = switchyard(&["mock-worker", "--listen", &listen, "--model", "mock"]);
+    wait_ok(&format!("http://{listen}/v1/models")).await;
+    p
+}
+
+/// Completions the worker at `url` finished.
+async fn finished(c: &http::HttpClient, url: &str) -> u64 {
+    let (_, s) = http::get(c, &format!("{url}/stats")).await;
+    serde_json::from_slice::<serde_json::Value>(&s).unwrap()["finished"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// The router's flags for the pool `pool` as `token`'s user.
+fn router_args(kube: &Kube, pool: &str, token: &str) -> Vec<String> {
+    [
+        "--model",
+        "mock",
+        "--kube-pool",
+        pool,
+        "--kube-namespace",
+        "default",
+        "--kube-api",
+        &kube.url,
+        "--kube-token-file",
+        kube.token_file(token).to_str().unwrap(),
+        "--kube-ca-file",
+        kube.ca().to_str().unwrap(),
+        "--admin-token",
+        TOKEN,
+        "--health-check-interval-ms",
+        "0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+async fn served(c: &http::HttpClient, url: &str, n: usize, tag: &str) {
+    for i in 0..n {
+        let body = json!({"model": "mock", "prompt": format!("{tag} {i}"), "max_tokens": 2});
+        let (s, v, _) = http::post_json(c, &format!("{url}/v1/completions"), &body).await;
+        assert!(s.is_success(), "{tag} {i}: {s} {v}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pools_ready_pods_are_the_fleet_as_they_come_and_go() {
+    if common::kube::no_kube() {
+        return;
+    }
+    let kube = Kube::start().await;
+    kube.pool_crd().await;
+    kube.grant_reader().await;
+    let port = free_port();
+    let pool = json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": "mock-pool"},
+        "spec": {"selector": {"matchLabels": {"app": "mock"}}, "targetPorts": [{"number": port}]}});
+    kube.create(
+        "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools",
+        pool,
+    )
+    .await;
+    let ips = ["127.0.0.2", "127.0.0.3", "127.0.0.4"];
+    let mut workers = Vec::new();
+    for ip in ips {
+        workers.push(worker(ip, port).await);
+    }
+    let url_of = |ip: &str| format!("http://{ip}:{port}");
+    kube.pod("a", json!({"app": "mock"}), ips[0], true).await;
+    kube.pod("b", json!({"app": "mock"}), ips[1], true).await;
+    // Another app's pod, on the same port: never the pool's.
+    kube.pod("other", json!({"app": "other"}), ips[2], true)
+        .await;
+
+    let args = router_args(&kube, "mock-pool", READER);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (_router, url) = serve(&args).await;
+    let c = http::client();
+    eventually("the pool's two Ready pods", || async {
+        available(&c, &url).await == 2
+    })
+    .await;
+    served(&c, &url, 6, "two pods").await;
+    assert_eq!(
+        finished(&c, &url_of(ips[2])).await,
+        0,
+        "another app's pod was used"
+    );
+
+    // Scale up: a third pod, not Ready yet, then Ready.
+    kube.pod("c", json!({"app": "mock"}), ips[2], false).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(available(&c, &url).await, 2, "an unready pod joined");
+    kube.set_ready("c", ips[2], true).await;
+    eventually("the third pod once Ready", || async {
+        available(&c, &url).await == 3
+    })
+    .await;
+
+    // A pod turning unready leaves every decision once the router sees it.
+    kube.set_ready("a", ips[0], false).await;
+    eventually("the unready pod gone", || async {
+        available(&c, &url).await == 2
+    })
+    .await;
+    let before = finished(&c, &url_of(ips[0])).await;
+    served(&c, &url, 8, "a unready").await;
+    assert_eq!(
+        finished(&c, &url_of(ips[0])).await,
+        before,
+        "sent to an unready pod"
+    );
+
+    // Scale down: a deleted pod leaves.
+    kube.delete("/api/v1/namespaces/default/pods/b").await;
+    eventually("the deleted pod gone", || async {
+        available(&c, &url).await == 1
+    })
+    .await;
+    served(&c, &url, 4, "one pod").await;
+
+    // The pool's selector changes: its fleet is the other app's pods now.
+    kube.patch(
+        "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools/mock-pool",
+        json!({"spec": {"selector": {"matchLabels": {"app": "other"}}}}),
+    )
+    .await;
+    eventually("the pool's new selector followed", || async {
+        let v = instances(&c, &url).await;
+        let urls: Vec<String> = v["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|i| i["available"] == true)
+            .map(|i| i["url"].as_str().unwrap_or_default().to_string())
+            .collect();
+        urls == [url_of(ips[2])]
+    })
+    .await;
+    drop(workers);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watch_outlives_the_api_server_and_the_fleet_meanwhile_serves() {
+    if common::kube::no_kube() {
+        return;
+    }
+    let mut kube = Kube::start().await;
+    kube.pool_crd().await;
+    kube.grant_reader().await;
+    let port = free_port();
+    let pool = json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": "p"},
+        "spec": {"selector": {"matchLabels": {"app": "mock"}}, "targetPorts": [{"number": port}]}});
+    kube.create(
+        "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools",
+        pool,
+    )
+    .await;
+    let _a = worker("127.0.0.5", port).await;
+    let _b = worker("127.0.0.6", port).await;
+    kube.pod("a", json!({"app": "mock"}), "127.0.0.5", true)
+        .await;
+    let args = router_args(&kube, "p", READER);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (_router, url) = serve(&args).await;
+    let c = http::client();
+    eventually("the first pod", || async { available(&c, &url).await == 1 }).await;
+
+    // The API server gone: decisions go on from the last state.
+    kube.stop();
+    served(&c, &url, 4, "no API server").await;
+    kube.resume().await;
+    // Back: what changed is seen.
+    kube.pod("b", json!({"app": "mock"}), "127.0.0.6", true)
+        .await;
+    eventually("the pod made after the restart", || async {
+        available(&c, &url).await == 2
+    })
+    .await;
+    kube.restart().await;
+    kube.set_ready("a", "127.0.0.5", false).await;
+    eventually("a change after a second restart", || async {
+        available(&c, &url).await == 1
+    })
+    .await;
+    served(&c, &url, 4, "after the restarts").await;
+}
+
+/// Without the permissions, the router says which verb on which resource it lacks
+/// (and serves nothing it cannot know).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_permissions_are_named() {
+    if common::kube::no_kube() {
+        return;
+    }
+    let kube = Kube::start().await;
+    kube.pool_crd().await;
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut args = vec!["serve".to_string(), "--listen".into(), listen];
+    args.extend(router_args(&kube, "p", READER));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(args.iter().filter(|a| *a != "--admin-token" && *a != TOKEN))
+        .env("SWITCHYARD_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let _proc = Proc(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    // The endpoint's router is made at the first request.
+    wait_ok(&format!("http://{}/health", args[2])).await;
+    let c = http::client();
+    let _ = http::send(
+        &c,
+        hyper::Method::POST,
+        &format!("http://{}/v1/completions", args[2]),
+        &[("content-type", "application/json")],
+        json!({"model": "mock", "prompt": "hi", "max_tokens": 2}).to_string(),
+        Duration::from_secs(10),
+    )
+    .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut seen = Vec::new();
+    while std::time::Instant::now() < deadline {
+        match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(line) => {
+                if line.contains("403") && line.contains("inferencepools") {
+                    assert!(line.contains("cannot get resource"), "{line}");
+                    return;
+                }
+                seen.push(line);
+            }
+            Err(_) => continue,
+        }
+    }
+    panic!(
+        "no error naming the missing permission:\n{}",
+        seen.join("\n")
+    );
+}
