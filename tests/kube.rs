@@ -19,8 +19,15 @@ use common::router::{TOKEN, available, eventually, instances};
 
 /// A mock worker on `ip:port`.
 async fn worker(ip: &str, port: u16) -> Proc {
+    worker_with(ip, port, &[]).await
+}
+
+/// A mock worker on `ip:port` with these flags too.
+async fn worker_with(ip: &str, port: u16, extra: &[&str]) -> Proc {
     let listen = format!("{ip}:{port}");
-    let p = switchyard(&["mock-worker", "--listen", &listen, "--model", "mock"]);
+    let mut args = vec!["mock-worker", "--listen", &listen, "--model", "mock"];
+    args.extend_from_slice(extra);
+    let p = switchyard(&args);
     wait_ok(&format!("http://{listen}/v1/models")).await;
     p
 }
@@ -272,4 +279,111 @@ async fn missing_permissions_are_named() {
         "no error naming the missing permission:\n{}",
         seen.join("\n")
     );
+}
+
+/// What the router would do with `request`, and why (its admin `explain`).
+async fn explain(
+    c: &http::HttpClient,
+    url: &str,
+    request: &serde_json::Value,
+) -> serde_json::Value {
+    let (status, _, bytes) = http::send(
+        c,
+        hyper::Method::POST,
+        &format!("{url}/admin/endpoints/default/mock/generate/explain"),
+        &[
+            ("authorization", &format!("Bearer {TOKEN}")),
+            ("content-type", "application/json"),
+        ],
+        request.to_string(),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    assert!(status.is_success(), "{status}");
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+/// A pod's annotations name its engine's KV event sockets: the router subscribes to
+/// them and sees the pod's cache exactly (not a prediction from its own decisions).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pods_kv_event_annotations_feed_the_index() {
+    if common::kube::no_kube() {
+        return;
+    }
+    let kube = Kube::start().await;
+    kube.grant_reader().await;
+    let (port, events) = (free_port(), free_port());
+    let events_arg = events.to_string();
+    // The mock publishes vLLM's ZMQ events on `events` and its replay socket on the next.
+    let _w = worker_with("127.0.0.9", port, &["--zmq-events", &events_arg]).await;
+    let _plain = worker("127.0.0.10", port).await;
+    kube.annotated_pod(
+        "publishing",
+        json!({"app": "mock"}),
+        json!({"switchyard.dev/kv-events-port": events_arg,
+            "switchyard.dev/kv-replay-port": (events + 1).to_string(),
+            "switchyard.dev/kv-topic": "kv-events"}),
+        "127.0.0.9",
+        true,
+    )
+    .await;
+    kube.pod("plain", json!({"app": "mock"}), "127.0.0.10", true)
+        .await;
+    let mut args = router_args(&kube, "unused", READER);
+    let at = args.iter().position(|a| a == "--kube-pool").unwrap();
+    args.splice(
+        at..at + 2,
+        [
+            "--kube-selector".to_string(),
+            "app=mock".into(),
+            "--kube-port".into(),
+            port.to_string(),
+        ],
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (_router, url) = serve(&args).await;
+    let c = http::client();
+    eventually("both pods", || async { available(&c, &url).await == 2 }).await;
+    let prompt: String = (0..400).map(|i| format!("w{i} ")).collect();
+    let request = json!({"model": "mock", "prompt": prompt, "max_tokens": 4});
+    let views = |e: &serde_json::Value| -> Vec<String> {
+        let mut v: Vec<String> = e["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["cache_view"].as_str().unwrap_or_default().to_string())
+            .collect();
+        v.sort();
+        v
+    };
+    let e = explain(&c, &url, &request).await;
+    assert!(
+        views(&e).contains(&"events".to_string()),
+        "the annotated pod's view is its events: {e}"
+    );
+    assert_ne!(
+        views(&e),
+        ["events", "events"],
+        "the plain pod has none: {e}"
+    );
+    // Served by the publishing pod's engine (asked directly), its blocks reach the
+    // router through its events.
+    let (status, v, _) = http::post_json(
+        &c,
+        &format!("http://127.0.0.9:{port}/v1/completions"),
+        &request,
+    )
+    .await;
+    assert!(status.is_success(), "{v}");
+    let blocks = e["prompt_blocks"].clone();
+    eventually("the published blocks", || async {
+        let e = explain(&c, &url, &request).await;
+        e["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["overlap_blocks"] == blocks && c["cache_view"] == "events")
+    })
+    .await;
 }

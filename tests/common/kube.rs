@@ -229,8 +229,20 @@ impl Kube {
     /// A pod labelled `labels`, as a kubelet would leave it once running: `ip`, Ready
     /// (or not).
     pub async fn pod(&self, name: &str, labels: Value, ip: &str, ready: bool) {
+        self.annotated_pod(name, labels, json!({}), ip, ready).await
+    }
+
+    /// A pod as `pod` makes it, with these annotations.
+    pub async fn annotated_pod(
+        &self,
+        name: &str,
+        labels: Value,
+        annotations: Value,
+        ip: &str,
+        ready: bool,
+    ) {
         let pod = json!({"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "labels": labels},
+            "metadata": {"name": name, "labels": labels, "annotations": annotations},
             "spec": {"containers": [{"name": "engine", "image": "engine"}]}});
         self.create("/api/v1/namespaces/default/pods", pod).await;
         self.set_ready(name, ip, ready).await;

@@ -17,7 +17,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use super::kube_api::{KubeApi, KubeError};
-use super::{Discovery, DiscoveryUpdate, EndpointPath, InstanceInfo};
+use super::{Discovery, DiscoveryUpdate, EndpointPath, EngineEventSource, InstanceInfo};
 use switchyard_ids::InstanceId;
 
 /// The most pods an endpoint follows (more are refused with an error, not held).
@@ -192,10 +192,12 @@ pub fn pod_workers(
     } else {
         ip.to_string()
     };
+    let events = pod_events(&meta["annotations"]);
     fleet
         .ports
         .iter()
-        .map(|port| {
+        .zip(0u16..)
+        .map(|(port, rank)| {
             let mut info = InstanceInfo::new(
                 instance_id(uid, *port),
                 endpoint.clone(),
@@ -206,9 +208,76 @@ pub fn pod_workers(
             info.health_path = config.health_path.clone();
             // A pod with the same name made again is another pod (another UID).
             info.registration = instance_id(uid, 0).0;
+            info.engine_events = events.as_ref().and_then(|e| {
+                let at = |port: u16| Some(format!("tcp://{host}:{}", port.checked_add(rank)?));
+                let mut source = EngineEventSource::new(at(e.publish)?);
+                source.replay = match e.replay {
+                    Some(r) => Some(at(r)?),
+                    None => None,
+                };
+                source.topic = e.topic.clone();
+                Some(std::sync::Arc::new(source))
+            });
             info
         })
         .collect()
+}
+
+/// The annotation naming the port of a pod's KV event publisher (vLLM's
+/// `--kv-events-config` endpoint, SGLang's the same): the pod's first target port's
+/// engine publishes there, the next one's on the port after (data-parallel ranks, as
+/// vLLM numbers them).
+pub const KV_EVENTS_PORT: &str = "switchyard.dev/kv-events-port";
+/// The annotation naming the port of its replay socket (optional; ranks as above).
+pub const KV_REPLAY_PORT: &str = "switchyard.dev/kv-replay-port";
+/// The annotation naming the topic it publishes under (default: every topic).
+pub const KV_TOPIC: &str = "switchyard.dev/kv-topic";
+
+/// Where a pod's engines publish their KV events, from its annotations.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PodEvents {
+    publish: u16,
+    replay: Option<u16>,
+    topic: String,
+}
+
+/// A pod's KV event sockets, if its annotations name them (a port that does not parse
+/// names none: the pod is routed on predicted caches, with a warning).
+fn pod_events(annotations: &Value) -> Option<PodEvents> {
+    let port = |key: &str| -> Option<Result<u16, String>> {
+        let v = annotations[key].as_str()?;
+        Some(
+            v.trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(|| {
+                    format!(
+                        "{key}: `{}` is not a port",
+                        v.chars().take(40).collect::<String>()
+                    )
+                }),
+        )
+    };
+    let checked = || -> Result<Option<PodEvents>, String> {
+        let Some(publish) = port(KV_EVENTS_PORT).transpose()? else {
+            return Ok(None);
+        };
+        let replay = port(KV_REPLAY_PORT).transpose()?;
+        let topic = annotations[KV_TOPIC].as_str().unwrap_or_default();
+        if topic.len() > 256 {
+            return Err(format!("{KV_TOPIC}: over 256 bytes"));
+        }
+        Ok(Some(PodEvents {
+            publish,
+            replay,
+            topic: topic.to_string(),
+        }))
+    };
+    checked().unwrap_or_else(|why| {
+        tracing::warn!(%why, "a pod's KV event annotations are left out");
+        None
+    })
 }
 
 /// A worker's ID: a hash of its pod's UID and its port, the same in every replica.
@@ -463,6 +532,46 @@ mod tests {
         }
         let v6 = pod_workers(&pod("u2", Some("fd00::7"), true, false), &f, &c, &ep);
         assert_eq!(v6[0].url, "http://[fd00::7]:8000");
+    }
+
+    #[test]
+    fn a_pods_annotations_name_its_ranks_kv_event_sockets() {
+        let c = config();
+        let f = Fleet {
+            selector: "a=b".into(),
+            ports: vec![8000, 8001],
+            pool_version: None,
+        };
+        let ep: EndpointPath = "default/m/generate".parse().unwrap();
+        let mut p = pod("u1", Some("10.0.0.7"), true, false);
+        p["metadata"]["annotations"] =
+            json!({KV_EVENTS_PORT: "5557", KV_REPLAY_PORT: "5600", KV_TOPIC: "kv"});
+        let ws = pod_workers(&p, &f, &c, &ep);
+        let e: Vec<_> = ws
+            .iter()
+            .map(|w| w.engine_events.clone().unwrap())
+            .collect();
+        assert_eq!(
+            (
+                e[0].endpoint.as_str(),
+                e[0].replay.as_deref(),
+                e[0].topic.as_str()
+            ),
+            ("tcp://10.0.0.7:5557", Some("tcp://10.0.0.7:5600"), "kv")
+        );
+        assert_eq!(e[1].endpoint, "tcp://10.0.0.7:5558", "the second rank's");
+        assert_eq!(e[1].replay.as_deref(), Some("tcp://10.0.0.7:5601"));
+        for bad in ["0", "70000", "x", "65535"] {
+            p["metadata"]["annotations"] = json!({KV_EVENTS_PORT: bad});
+            let ws = pod_workers(&p, &f, &c, &ep);
+            assert_eq!(ws.len(), 2, "{bad}: the pod is still a worker");
+            assert!(
+                ws[1].engine_events.is_none(),
+                "{bad}: no socket past the port range"
+            );
+        }
+        p["metadata"]["annotations"] = json!({});
+        assert!(pod_workers(&p, &f, &c, &ep)[0].engine_events.is_none());
     }
 
     #[test]
