@@ -22,7 +22,8 @@
 #                           once from Debian's source package `kubernetes` with Debian's
 #                           Go (tools/kube-apiserver.sh, ~3-10 minutes on 2 cores;
 #                           $SWITCHYARD_KUBE_HOME or ~/.cache/switchyard/kube-apiserver);
-#                           openssl (Debian) makes its service-account key
+#                           openssl (Debian) makes its service-account key; kubectl
+#                           (Debian's kubernetes-client) applies deploy/ to it
 #
 # Extra arguments go to `cargo test`, e.g. `tools/test.sh --test faults`; without any,
 # the benchmarks also run once in their quick mode.
@@ -111,11 +112,16 @@ tools/vllm.sh "$SWITCHYARD_VLLM_HOME"
 export SWITCHYARD_ENVOY_HOME="${SWITCHYARD_ENVOY_HOME:-$HOME/.cache/switchyard/envoy}"
 tools/envoy.sh "$SWITCHYARD_ENVOY_HOME"
 # A real Kubernetes API server (no package ships one) for the Kubernetes discovery tests.
-if ! command -v openssl >/dev/null 2>&1; then
-    echo "installing openssl (Debian)"
+# openssl makes its service-account key; kubectl (Debian's kubernetes-client, unless
+# the machine has one) applies deploy/'s manifests to it.
+kube_tools=()
+command -v openssl >/dev/null 2>&1 || kube_tools+=(openssl)
+command -v kubectl >/dev/null 2>&1 || kube_tools+=(kubernetes-client)
+if [ "${#kube_tools[@]}" -gt 0 ]; then
+    echo "installing ${kube_tools[*]} (Debian)"
     export DEBIAN_FRONTEND=noninteractive
     as_root apt-get update -q
-    as_root apt-get install -y -q --no-install-recommends openssl
+    as_root apt-get install -y -q --no-install-recommends "${kube_tools[@]}"
 fi
 export SWITCHYARD_KUBE_HOME="${SWITCHYARD_KUBE_HOME:-$HOME/.cache/switchyard/kube-apiserver}"
 tools/kube-apiserver.sh "$SWITCHYARD_KUBE_HOME"

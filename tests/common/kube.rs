@@ -38,6 +38,22 @@ pub fn no_kube() -> bool {
     super::goes_without("kube-apiserver (tools/kube-apiserver.sh)", &kube_path())
 }
 
+/// `kubectl` on the PATH (Debian's `kubernetes-client`, which `tools/test.sh`
+/// installs when none is there).
+fn kubectl_path() -> PathBuf {
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|d| d.join("kubectl"))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| PathBuf::from("/usr/bin/kubectl"))
+}
+
+/// Whether this test goes without `kubectl` (see `goes_without`).
+pub fn no_kubectl() -> bool {
+    super::goes_without("kubectl (tools/test.sh)", &kubectl_path())
+}
+
 type Client = hyper_util::client::legacy::Client<switchyard::net::upstream::Connector, Full<Bytes>>;
 
 /// A running API server.
@@ -83,6 +99,30 @@ impl Kube {
     /// The server's certificate, to trust.
     pub fn ca(&self) -> PathBuf {
         self.dir.path().join("certs/apiserver.crt")
+    }
+
+    /// `kubectl ARGS` as the administrator in `default` (no kubeconfig of the
+    /// machine's): whether it succeeded, and what it printed.
+    pub fn kubectl(&self, args: &[&str]) -> (bool, String) {
+        let config = self.dir.path().join("kubeconfig");
+        std::fs::write(&config, "apiVersion: v1\nkind: Config\n").unwrap();
+        let out = Command::new(kubectl_path())
+            .env("KUBECONFIG", &config)
+            .env("HOME", self.dir.path())
+            .arg(format!("--server={}", self.url))
+            .arg(format!("--token={ADMIN}"))
+            .arg(format!("--certificate-authority={}", self.ca().display()))
+            .arg("--namespace=default")
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("kubectl runs");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
     }
 
     /// A file holding `token`, for the router's `--kube-token-file`.
