@@ -4,7 +4,7 @@
 //!
 //! The pods are listed, then watched from the list's resource version with bookmarks; a
 //! watch the server ends is made again from the last version seen, a 410 Gone lists
-//! again, a broken stream or an unreachable server retries with backoff while the last
+//! again (after a backoff when the last list was under `MIN_CYCLE` ago), a broken stream or an unreachable server retries with backoff while the last
 //! known set stays in force. A pool is read again at every list and watched beside its
 //! pods: a change of its selector or ports lists again at once. A pod that turns
 //! unready, is being deleted or disappears leaves at once (`Leave`: the client drops it
@@ -23,8 +23,16 @@ use switchyard_ids::InstanceId;
 /// The most pods an endpoint follows (more are refused with an error, not held).
 pub const MAX_PODS: usize = 10_000;
 
+/// A list-and-watch cycle shorter than this that asks to list again (a 410 at once) is
+/// paused before the next, as a failure is: a server answering every watch with 410
+/// gets lists at a backoff's pace, not in a loop.
+pub const MIN_CYCLE: Duration = Duration::from_secs(1);
+
 /// The most target ports a pool names.
 pub const MAX_PORTS: usize = 16;
+
+/// Each followed pod's workers, by pod UID.
+type Pods = BTreeMap<String, Vec<InstanceInfo>>;
 
 /// Where the fleet is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,20 +94,32 @@ impl Discovery for KubeDiscovery {
         let config = self.config.clone();
         tokio::spawn(async move {
             let mut delay = config.backoff_initial;
+            // The pods as last seen, kept across lists.
+            let mut pods = Pods::new();
             loop {
+                let started = tokio::time::Instant::now();
                 let result = tokio::select! {
-                    r = follow(&config, &endpoint, &tx, &mut delay) => r,
+                    r = follow(&config, &endpoint, &tx, &mut pods) => r,
                     _ = tx.closed() => return,
                 };
+                // A cycle that lasted (its watch delivered) earns a fresh start; one
+                // that ends at once, whatever ended it, waits longer each time.
+                if started.elapsed() >= config.backoff_max {
+                    delay = config.backoff_initial;
+                }
                 match result {
-                    // Listed again at once (a 410, or the pool changed).
-                    Ok(()) => continue,
+                    // Listed again at once (a 410, or the pool changed)...
+                    Ok(()) if started.elapsed() >= MIN_CYCLE => continue,
+                    // ...unless that is all the server does.
+                    Ok(()) => {
+                        tracing::info!(%endpoint, retry_in = ?delay, "the pods' watch ended at once again; listing again after a pause");
+                    }
                     Err(e) => {
                         tracing::warn!(%endpoint, error = %e, retry_in = ?delay, "Kubernetes discovery failed; keeping the last known workers");
-                        tokio::time::sleep(delay).await;
-                        delay = (delay * 2).min(config.backoff_max);
                     }
                 }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(config.backoff_max);
             }
         })
     }
@@ -338,7 +358,7 @@ async fn follow(
     config: &KubeConfig,
     endpoint: &EndpointPath,
     tx: &mpsc::UnboundedSender<DiscoveryUpdate>,
-    delay: &mut Duration,
+    pods: &mut Pods,
 ) -> Result<(), KubeError> {
     let fleet = resolve(config).await?;
     let ns = query(&config.namespace);
@@ -362,17 +382,25 @@ async fn follow(
             ),
         });
     }
-    let mut pods: BTreeMap<String, Vec<InstanceInfo>> = BTreeMap::new();
+    let mut listed = Pods::new();
     for pod in items {
         if let Some(uid) = pod["metadata"]["uid"].as_str() {
-            pods.insert(uid.to_string(), pod_workers(pod, &fleet, config, endpoint));
+            listed.insert(uid.to_string(), pod_workers(pod, &fleet, config, endpoint));
         }
     }
-    let all: Vec<InstanceInfo> = pods.values().flatten().cloned().collect();
+    let all: Vec<InstanceInfo> = listed.values().flatten().cloned().collect();
+    // A worker the list no longer holds is a pod the API server says is unready or gone
+    // (it turned so while no watch was open): it leaves at once, as it would have from
+    // the watch, rather than being held as a registry's missing entry is.
+    for gone in pods.values().flatten() {
+        if !all.iter().any(|w| w.id == gone.id) {
+            let _ = tx.send(DiscoveryUpdate::Leave(gone.id));
+        }
+    }
+    *pods = listed;
     if tx.send(DiscoveryUpdate::Reset(all)).is_err() {
         return Ok(());
     }
-    *delay = config.backoff_initial;
     let mut version = list["metadata"]["resourceVersion"]
         .as_str()
         .unwrap_or_default()
