@@ -590,6 +590,43 @@ mod tests {
         assert!(a != b && a != plain && b != plain);
     }
 
+    /// Blocks an engine stored for an adapter (its name in every block's extra keys, a
+    /// salt after it in the first's) are the blocks a request for that adapter and salt
+    /// hashes to: prefix matching holds for adapters.
+    #[test]
+    fn an_adapters_blocks_are_the_ones_its_requests_hash_to() {
+        use crate::engine_events::{ExtraKey, extra_hash};
+        let tokens = [1, 2, 3, 4, 5, 6];
+        for (lora, salt) in [
+            (Some("sql"), None),
+            (Some("sql"), Some("t1")),
+            (None, Some("t1")),
+        ] {
+            let mut v = EngineView::new(2, 0, 1000, 1);
+            let first: Vec<ExtraKey<'_>> =
+                lora.into_iter().chain(salt).map(ExtraKey::Str).collect();
+            let rest: Vec<ExtraKey<'_>> = lora.into_iter().map(ExtraKey::Str).collect();
+            let stored = EngineEvent::Stored(StoredBlocks {
+                hashes: vec![10, 11, 12],
+                parent: None,
+                token_ids: tokens.to_vec(),
+                block_size: 2,
+                medium: Medium::Gpu,
+                extra: vec![extra_hash(&first), extra_hash(&rest), extra_hash(&rest)],
+                group: 0,
+            });
+            let applied = added(&v.apply(0, 0, 1.0, &[stored]));
+            let hasher = BlockHasher::new(2, 0);
+            assert_eq!(
+                applied,
+                hasher.keyed_hashes(&tokens, lora, salt),
+                "{lora:?} {salt:?}"
+            );
+            assert_ne!(applied, hasher.keyed_hashes(&tokens, Some("other"), salt));
+            assert_ne!(applied, hasher.hashes(&tokens));
+        }
+    }
+
     #[test]
     fn a_stream_that_never_removes_stays_bounded() {
         let mut v = EngineView::new(1, 0, 100, 1);

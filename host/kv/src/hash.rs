@@ -40,15 +40,35 @@ impl BlockHasher {
     /// salt is mixed into the first block's hash as the engine mixes that block's extra
     /// keys, so the whole chain differs from unsalted prompts' and other salts'.
     pub fn salted_hashes(&self, tokens: &[u32], salt: Option<&str>) -> Vec<BlockHash> {
-        let Some(salt) = salt else {
+        self.keyed_hashes(tokens, None, salt)
+    }
+
+    /// The hashes of a prompt for a LoRA adapter and/or with a `cache_salt`, as vLLM
+    /// keys its blocks: every block's extra keys hold the adapter's name, and the first
+    /// block's the salt after it. Without either, [`BlockHasher::hashes`].
+    pub fn keyed_hashes(
+        &self,
+        tokens: &[u32],
+        lora: Option<&str>,
+        salt: Option<&str>,
+    ) -> Vec<BlockHash> {
+        use crate::engine_events::{ExtraKey, extra_hash};
+        if lora.is_none() && salt.is_none() {
             return self.hashes(tokens);
-        };
-        let extra = crate::engine_events::extra_hash(&[crate::engine_events::ExtraKey::Str(salt)]);
+        }
+        let adapter: Vec<ExtraKey<'_>> = lora.map(ExtraKey::Str).into_iter().collect();
+        let first: Vec<ExtraKey<'_>> = adapter
+            .iter()
+            .copied()
+            .chain(salt.map(ExtraKey::Str))
+            .collect();
+        let (first, rest) = (extra_hash(&first), extra_hash(&adapter));
         let mut out = Vec::with_capacity(tokens.len() / self.block_size);
         let mut parent = self.seed;
         for (i, block) in tokens.chunks_exact(self.block_size).enumerate() {
             parent = hash_block(parent, block);
-            if i == 0 {
+            let extra = if i == 0 { first } else { rest };
+            if extra != 0 {
                 parent = mix(parent, extra);
             }
             out.push(BlockHash(parent));

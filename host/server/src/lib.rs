@@ -89,6 +89,10 @@ pub struct GatewayConfig {
     /// Longest prompt routed, in tokens; a longer one is refused (400) before anything
     /// is booked or predicted.
     pub max_prompt_tokens: usize,
+    /// LoRA adapters the workers serve, by name, and the base model of each: a request
+    /// naming one is routed among the base model's workers, on the blocks the engines
+    /// key with the adapter's name.
+    pub lora_adapters: std::collections::BTreeMap<String, String>,
     /// Largest request head (request line and headers).
     pub max_header_bytes: usize,
     /// Workers tried per request (the first plus retries).
@@ -135,12 +139,24 @@ pub struct GatewayConfig {
     pub overload: Arc<queue::classes::OverloadConfig>,
 }
 
+impl GatewayConfig {
+    /// The model whose workers serve `model` (its base, for a LoRA adapter), and the
+    /// adapter's name if it is one.
+    pub fn served_by<'a>(&'a self, model: &'a str) -> (&'a str, Option<&'a str>) {
+        match self.lora_adapters.get(model) {
+            Some(base) => (base, Some(model)),
+            None => (model, None),
+        }
+    }
+}
+
 impl Default for GatewayConfig {
     fn default() -> Self {
         GatewayConfig {
             max_body_bytes: 16 << 20,
             max_body_bytes_total: 1 << 30,
             max_prompt_tokens: 1 << 20,
+            lora_adapters: Default::default(),
             max_header_bytes: 64 << 10,
             max_attempts: 3,
             migration_limit: 2,
@@ -376,14 +392,19 @@ impl Gateway {
     }
 
     fn models(&self) -> Response<Body> {
-        let data: Vec<_> = self
-            .fleet
-            .models()
-            .into_iter()
+        let models = self.fleet.models();
+        let mut data: Vec<_> = models
+            .iter()
             .map(|(model, endpoint)| {
                 json!({"id": model, "object": "model", "created": 0, "owned_by": "switchyard", "endpoint": endpoint.to_string()})
             })
             .collect();
+        // An adapter is listed with its base model (`parent`, as vLLM lists it).
+        for (adapter, base) in &self.config.lora_adapters {
+            if let Some((_, endpoint)) = models.iter().find(|(m, _)| m == base) {
+                data.push(json!({"id": adapter, "object": "model", "created": 0, "owned_by": "switchyard", "parent": base, "endpoint": endpoint.to_string()}));
+            }
+        }
         json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
     }
 

@@ -166,9 +166,11 @@ pub(super) async fn explain(
     };
     let parsed = switchyard_tokens::openai::parse(api, &body).map_err(ApiError::BadRequest)?;
     let tokens = crate::proxy::tokenize(gw, &parsed.prompt, parsed.continue_final_message).await?;
-    let hashes = router
-        .hasher()
-        .salted_hashes(&tokens, parsed.cache_salt.as_deref());
+    let hashes = router.hasher().keyed_hashes(
+        &tokens,
+        gw.config.served_by(&parsed.model).1,
+        parsed.cache_salt.as_deref(),
+    );
     let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
     let (candidates, decision) = router.explain(prompt_tokens, &hashes);
     let snap = router.client().snapshot();

@@ -85,6 +85,8 @@ pub struct FileConfig {
     pub(crate) ca_files: Vec<PathBuf>,
     #[serde(default)]
     pub(crate) kv_events_bind: Vec<String>,
+    #[serde(default)]
+    pub(crate) lora_adapters: Vec<String>,
     pub(crate) kv_events_memory_mib: Option<u64>,
     pub(crate) queue_max: Option<usize>,
     pub(crate) queue_max_bytes: Option<usize>,

@@ -262,6 +262,15 @@ pub struct ServeArgs {
         value_delimiter = ','
     )]
     pub kv_events_bind: Vec<String>,
+    /// LoRA adapters the workers serve (vLLM's `--lora-modules` names), as `NAME` (an
+    /// adapter of `--model`) or `NAME=BASE_MODEL`; repeatable. A request naming one is
+    /// routed among its base model's workers, on the blocks engines key with its name.
+    #[arg(
+        long = "lora-adapter",
+        env = "SWITCHYARD_LORA_ADAPTERS",
+        value_delimiter = ','
+    )]
+    pub lora_adapters: Vec<String>,
     /// Memory for engines' KV event input, MiB: every batch read from an engine's (or a
     /// central-mode peer's) socket, queued or being replayed, is held against it; a
     /// connection whose next message does not fit is closed (a gap, replayed or marked

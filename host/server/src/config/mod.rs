@@ -12,6 +12,7 @@
 mod file;
 mod flags;
 mod kube;
+mod lora;
 mod overload;
 mod resolve;
 mod secrets;

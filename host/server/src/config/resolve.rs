@@ -34,6 +34,7 @@ impl ServeArgs {
             None => FileConfig::default(),
         };
         let (a, f) = (&mut self, &mut file);
+        let lora_adapters = super::lora::adapters(a, f)?;
         let discovery = discovery(a, f)?;
         let (default_policy, endpoint_policies, endpoint_forward_authorization) = endpoints(a, f)?;
         let kv_events_bind = kv_events_bind(a, f)?;
@@ -58,7 +59,8 @@ impl ServeArgs {
             classes: take(&mut f.classes),
             tenants: take(&mut f.tenants),
         })?;
-        let gateway = gateway(a, f, overload)?;
+        let mut gateway = gateway(a, f, overload)?;
+        gateway.lora_adapters = lora_adapters;
         let outlier = outlier(a, f, gateway.outlier_detection)?;
         let approximate = approximate(a, f)?;
         let runtime = runtime(a, f)?;

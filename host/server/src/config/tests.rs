@@ -444,3 +444,42 @@ fn a_class_s_objectives_are_bounded() {
         assert!(err.contains("class `chat`") && err.contains(key), "{err}");
     }
 }
+
+#[test]
+fn lora_adapters_name_their_base_model_or_take_the_routers() {
+    let with = |adapters: &[&str]| {
+        ServeArgs {
+            model: Some("llama".into()),
+            workers: vec!["http://127.0.0.1:8001".into()],
+            lora_adapters: adapters.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+        .resolve()
+    };
+    let c = with(&["sql", "chat=qwen"]).unwrap();
+    assert_eq!(c.gateway.served_by("sql"), ("llama", Some("sql")));
+    assert_eq!(c.gateway.served_by("chat"), ("qwen", Some("chat")));
+    assert_eq!(c.gateway.served_by("llama"), ("llama", None));
+    for (bad, why) in [
+        (&["llama"][..], "its own base"),
+        (&["a", "a"][..], "named twice"),
+        (&["=llama"][..], "no name"),
+        (&["a=b", "b=c"][..], "an adapter as a base"),
+    ] {
+        assert!(with(bad).is_err(), "{why}");
+    }
+    let f = file(
+        r#"
+        model = "llama"
+        workers = ["http://127.0.0.1:8001"]
+        lora_adapters = ["sql"]
+        "#,
+    );
+    let c = ServeArgs {
+        config: Some(f.path().into()),
+        ..Default::default()
+    }
+    .resolve()
+    .unwrap();
+    assert_eq!(c.gateway.served_by("sql"), ("llama", Some("sql")));
+}

@@ -67,8 +67,9 @@ pub(super) async fn prepare(
         crate::error::off_thread_if(large, "the request parser", move || openai::parse(api, &b))
             .await?
             .map_err(ApiError::BadRequest)?;
-    let router = gw.fleet.router_for_model(&parsed.model).ok_or_else(|| {
-        if gw.fleet.model_known(&parsed.model) {
+    let (served_by, lora) = gw.config.served_by(&parsed.model);
+    let router = gw.fleet.router_for_model(served_by).ok_or_else(|| {
+        if gw.fleet.model_known(served_by) {
             ApiError::ModelUnavailable(parsed.model.clone())
         } else {
             ApiError::UnknownModel(parsed.model.clone())
@@ -125,7 +126,7 @@ pub(super) async fn prepare(
         .map(|u| xxhash_rust::xxh3::xxh3_64(u.as_bytes()));
     let hashes = router
         .hasher()
-        .salted_hashes(&tokens, parsed.cache_salt.as_deref());
+        .keyed_hashes(&tokens, lora, parsed.cache_salt.as_deref());
     let limit = if parsed.stream {
         gw.config.first_byte_timeout
     } else {

@@ -101,6 +101,8 @@ pub(super) struct Resend {
     /// The client's chat already continued its last message.
     continue_final: bool,
     cache_salt: Option<String>,
+    /// The model the client named (a LoRA adapter keys its blocks).
+    model: String,
     session_key: Option<u64>,
 }
 
@@ -122,6 +124,7 @@ impl Resend {
             prompt: parsed.prompt.clone(),
             continue_final: parsed.continue_final_message,
             cache_salt: parsed.cache_salt.clone(),
+            model: parsed.model.clone(),
             session_key,
         }
     }
@@ -134,6 +137,7 @@ impl Resend {
             prompt,
             continue_final: false,
             cache_salt: None,
+            model: String::new(),
             session_key: None,
         }
     }

@@ -105,9 +105,11 @@ pub(in crate::proxy) async fn continue_stream(
     let tokens = tokenize_prompt(&gw, &context, open)
         .await
         .map_err(|e| format!("the continuation cannot be tokenized: {e}"))?;
-    let hashes = router
-        .hasher()
-        .salted_hashes(&tokens, to.cache_salt.as_deref());
+    let hashes = router.hasher().keyed_hashes(
+        &tokens,
+        gw.config.served_by(&to.model).1,
+        to.cache_salt.as_deref(),
+    );
     let prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
     let client = router.client().clone();
     let endpoint = router.endpoint().to_string();
