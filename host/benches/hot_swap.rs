@@ -36,7 +36,7 @@ fn main() {
         let mut workers = Vec::new();
         for _ in 0..3 {
             let engine = EngineConfig { block_size: 16, kv_blocks: 8192, max_batch: 64, speedup: 50.0, max_batched_tokens: switchyard::worker::DEFAULT_MAX_BATCHED_TOKENS, max_model_len: None, eos_period: 0, stream_interval: 1, timing: TimingModel::default() };
-            let config = MockWorkerConfig { model: "mock".into(), engine, hash_seed: 0, fault: FaultConfig::NONE, tokenizer: None, zmq_events: None, tls: None, chat: None, api_key: None, pd: Default::default() };
+            let config = MockWorkerConfig { model: "mock".into(), engine, hash_seed: 0, fault: FaultConfig::NONE, tokenizer: None, zmq_events: None, tls: None, chat: None, api_key: None, pd: Default::default(), lora_adapters: Vec::new() };
             workers.push(MockWorker::bind(config, "127.0.0.1:0".parse().unwrap()).await.unwrap());
         }
         let cache = tempfile::tempdir().unwrap();

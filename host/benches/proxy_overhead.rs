@@ -35,6 +35,7 @@ fn main() {
             chat: None,
             api_key: None,
             pd: Default::default(),
+                lora_adapters: Vec::new(),
             },
             "127.0.0.1:0".parse().unwrap(),
         )

@@ -62,5 +62,6 @@ pub fn mock_worker_config(kv_blocks: usize) -> MockWorkerConfig {
         chat: None,
         api_key: None,
         pd: Default::default(),
+        lora_adapters: Vec::new(),
     }
 }

@@ -146,6 +146,7 @@ impl LocalFleet {
                 chat: None,
                 api_key: None,
                 pd: Default::default(),
+                lora_adapters: Vec::new(),
             };
             workers.push(
                 MockWorker::bind(worker_config, "127.0.0.1:0".parse().expect("valid")).await?,

@@ -135,6 +135,10 @@ pub struct MockWorkerArgs {
     /// The topic of those events.
     #[arg(long, default_value = "kv-events")]
     pub zmq_topic: String,
+    /// A LoRA adapter served besides the model (vLLM's `--lora-modules` name; repeatable):
+    /// a request naming it is answered as the model, its blocks keyed with its name.
+    #[arg(long = "lora-adapter", value_delimiter = ',')]
+    pub lora_adapters: Vec<String>,
     /// Serve HTTPS with this PEM certificate chain (with `--tls-key`).
     #[arg(long, requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
@@ -224,6 +228,7 @@ fn config(args: &MockWorkerArgs) -> anyhow::Result<MockWorkerConfig> {
             )?,
         )),
         zmq_events: None,
+        lora_adapters: args.lora_adapters.clone(),
         api_key: args.api_key.clone(),
         pd: PdConfig {
             role: args.role,

@@ -36,6 +36,17 @@ pub struct Lease {
     pub private: usize,
 }
 
+/// A prompt's blocks' extra keys, as vLLM keys them: a LoRA adapter's name on every
+/// block, a `cache_salt` on the first (the blocks' hashes already include them; the
+/// events say them).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BlockKeys {
+    /// The adapter the request named, if not the base model.
+    pub lora: Option<std::sync::Arc<str>>,
+    /// The request's `cache_salt`.
+    pub salt: Option<std::sync::Arc<str>>,
+}
+
 /// One change to the cache, as published: [`CacheEvent::to_wire`] is the NDJSON stream's
 /// form; the ZMQ publisher sends the tokens too, as vLLM does.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +64,8 @@ pub enum CacheEvent {
         /// The request's `cache_salt`, when the run starts at the prompt's first block
         /// (where vLLM puts it in the block's extra keys).
         salt: Option<std::sync::Arc<str>>,
+        /// The LoRA adapter the blocks were computed for (in every block's extra keys).
+        lora: Option<std::sync::Arc<str>>,
     },
     /// Blocks were evicted.
     Removed {
@@ -159,16 +172,17 @@ impl KvCache {
         tokens: &[u32],
         private: usize,
     ) -> Result<Lease, CacheFull> {
-        self.admit_salted(hashes, tokens, None, private)
+        self.admit_keyed(hashes, tokens, &BlockKeys::default(), private)
     }
 
-    /// [`KvCache::admit`] for a prompt hashed with a `cache_salt`, published with the
-    /// stored run that starts at the first block.
-    pub fn admit_salted(
+    /// [`KvCache::admit`] for a prompt hashed with extra keys: published with every
+    /// stored run (the adapter), and with the run that starts at the first block (the
+    /// salt).
+    pub fn admit_keyed(
         &mut self,
         hashes: &[BlockHash],
         tokens: &[u32],
-        salt: Option<&std::sync::Arc<str>>,
+        keys: &BlockKeys,
         private: usize,
     ) -> Result<Lease, CacheFull> {
         let cached = self.cached_prefix(hashes);
@@ -218,7 +232,7 @@ impl KvCache {
         let mut parent: Option<u64> = None;
         for (i, (h, p)) in hashes.iter().zip(&present).enumerate() {
             if *p {
-                self.flush_stored(&mut run, parent, tokens, run_start, salt);
+                self.flush_stored(&mut run, parent, tokens, run_start, keys);
                 parent = Some(h.0);
                 continue;
             }
@@ -236,7 +250,7 @@ impl KvCache {
             );
             run.push(h.0);
         }
-        self.flush_stored(&mut run, parent, tokens, run_start, salt);
+        self.flush_stored(&mut run, parent, tokens, run_start, keys);
         self.private += private;
         Ok(Lease {
             blocks: hashes.to_vec(),
@@ -251,7 +265,7 @@ impl KvCache {
         parent: Option<u64>,
         tokens: &[u32],
         start: usize,
-        salt: Option<&std::sync::Arc<str>>,
+        keys: &BlockKeys,
     ) {
         if !run.is_empty() {
             self.seq += 1;
@@ -266,7 +280,8 @@ impl KvCache {
                 parent,
                 blocks: std::mem::take(run),
                 tokens,
-                salt: if start == 0 { salt.cloned() } else { None },
+                salt: if start == 0 { keys.salt.clone() } else { None },
+                lora: keys.lora.clone(),
             });
         }
     }
@@ -375,6 +390,7 @@ mod tests {
                     blocks: vec![5],
                     tokens: vec![],
                     salt: None,
+                    lora: None,
                 },
             ]
         );
@@ -398,14 +414,32 @@ mod tests {
                 blocks: vec![2, 3],
                 tokens: vec![12, 13, 14, 15],
                 salt: None,
+                lora: None,
             }]
         );
         c.release(&first);
         // A salted prompt's salt goes with the run that starts at its first block only.
         let salt: std::sync::Arc<str> = "tenant-a".into();
-        c.admit_salted(&h(&[20]), &[1, 2], Some(&salt), 0).unwrap();
-        c.admit_salted(&h(&[20, 21]), &[1, 2, 3, 4], Some(&salt), 0)
-            .unwrap();
+        c.admit_keyed(
+            &h(&[20]),
+            &[1, 2],
+            &BlockKeys {
+                salt: Some(salt.clone()),
+                lora: None,
+            },
+            0,
+        )
+        .unwrap();
+        c.admit_keyed(
+            &h(&[20, 21]),
+            &[1, 2, 3, 4],
+            &BlockKeys {
+                salt: Some(salt.clone()),
+                lora: None,
+            },
+            0,
+        )
+        .unwrap();
         let salts: Vec<Option<std::sync::Arc<str>>> = c
             .take_events()
             .into_iter()

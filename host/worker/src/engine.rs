@@ -28,7 +28,7 @@ use serde::Serialize;
 use tokio::sync::{Notify, broadcast, mpsc};
 
 use super::cache::CacheEvent;
-use super::cache::{KvCache, Lease};
+use super::cache::{BlockKeys, KvCache, Lease};
 use switchyard_ids::BlockHash;
 use switchyard_kv::events::KvEvent;
 
@@ -212,8 +212,8 @@ struct Waiting {
     blocks: Vec<BlockHash>,
     /// The hashed blocks' tokens (published with stored blocks), or empty.
     tokens: Vec<u32>,
-    /// The prompt's `cache_salt` (published with its first block).
-    salt: Option<Arc<str>>,
+    /// The prompt's extra keys (published with its blocks).
+    keys: BlockKeys,
     prompt_tokens: u32,
     max_tokens: u32,
     out: mpsc::UnboundedSender<Output>,
@@ -277,13 +277,13 @@ impl Engine {
 
     /// Queues a request; outputs arrive on the returned receiver. Dropping the receiver
     /// cancels the request. `tokens` are the tokens of `blocks` (published with them when
-    /// they are stored), or empty; `salt` is the prompt's `cache_salt` (its blocks'
-    /// hashes already include it).
+    /// they are stored), or empty; `keys` are the prompt's extra keys (its blocks'
+    /// hashes already include them).
     pub fn submit(
         &self,
         blocks: Vec<BlockHash>,
         tokens: Vec<u32>,
-        salt: Option<Arc<str>>,
+        keys: BlockKeys,
         prompt_tokens: u32,
         max_tokens: u32,
     ) -> mpsc::UnboundedReceiver<Output> {
@@ -291,7 +291,7 @@ impl Engine {
         self.state.lock().waiting.push_back(Waiting {
             blocks,
             tokens,
-            salt,
+            keys,
             prompt_tokens,
             max_tokens,
             out,
@@ -318,14 +318,9 @@ impl Engine {
 
     /// Pins `blocks` (storing those not cached, with their `tokens`), as KV held for a
     /// handoff or just received from one; `None` when the cache cannot hold them.
-    pub fn pin(
-        &self,
-        blocks: &[BlockHash],
-        tokens: &[u32],
-        salt: Option<&Arc<str>>,
-    ) -> Option<Lease> {
+    pub fn pin(&self, blocks: &[BlockHash], tokens: &[u32], keys: &BlockKeys) -> Option<Lease> {
         let mut s = self.state.lock();
-        let lease = s.cache.admit_salted(blocks, tokens, salt, 0).ok();
+        let lease = s.cache.admit_keyed(blocks, tokens, keys, 0).ok();
         self.publish(&mut s);
         lease
     }
@@ -388,10 +383,7 @@ impl Engine {
             let hashed = w.blocks.len() as u32 * bs;
             let private =
                 (w.prompt_tokens.saturating_sub(hashed) + w.max_tokens).div_ceil(bs) as usize;
-            match s
-                .cache
-                .admit_salted(&w.blocks, &w.tokens, w.salt.as_ref(), private)
-            {
+            match s.cache.admit_keyed(&w.blocks, &w.tokens, &w.keys, private) {
                 Ok(lease) => {
                     let w = s.waiting.pop_front().expect("peeked");
                     let cached_tokens = lease.cached as u32 * bs;
@@ -549,10 +541,10 @@ mod tests {
     /// how many tokens it gets before the long prompt's first, and its longest gap.
     async fn decode_beside_long_prefill(max_batched_tokens: u64) -> (usize, Duration) {
         let e = engine(max_batched_tokens);
-        let mut short = e.submit(blocks(1, 1), vec![], None, 16, 1_000);
+        let mut short = e.submit(blocks(1, 1), vec![], BlockKeys::default(), 16, 1_000);
         assert!(matches!(short.recv().await, Some(Output::Admitted { .. })));
         assert_eq!(short.recv().await, Some(Output::Token(0)));
-        let mut long = e.submit(blocks(100, 4096), vec![], None, 65_536, 1);
+        let mut long = e.submit(blocks(100, 4096), vec![], BlockKeys::default(), 65_536, 1);
         assert_eq!(
             long.recv().await,
             Some(Output::Admitted { cached_tokens: 0 })
@@ -597,7 +589,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn leaving_mid_prefill_frees_the_request() {
         let e = engine(1024);
-        let mut long = e.submit(blocks(100, 4096), vec![], None, 65_536, 8);
+        let mut long = e.submit(blocks(100, 4096), vec![], BlockKeys::default(), 65_536, 8);
         assert!(matches!(long.recv().await, Some(Output::Admitted { .. })));
         assert_eq!(e.stats().running, 1);
         drop(long);

@@ -138,12 +138,15 @@ async fn publish_loop(
             .iter()
             .zip(&hashes)
             .map(|(e, (hs, parent))| match e {
-                CacheEvent::Stored { tokens, salt, .. } => EventOut::Stored(StoredOut {
+                CacheEvent::Stored {
+                    tokens, salt, lora, ..
+                } => EventOut::Stored(StoredOut {
                     hashes: hs,
                     parent: *parent,
                     token_ids: tokens,
                     block_size,
                     cache_salt: salt.as_deref(),
+                    lora_name: lora.as_deref(),
                     ..Default::default()
                 }),
                 CacheEvent::Removed { .. } => EventOut::Removed(hs),

@@ -353,6 +353,7 @@ async fn mock_fleet(
                 chat: None,
                 api_key: None,
                 pd,
+                lora_adapters: Vec::new(),
             },
             "127.0.0.1:0".parse().expect("valid"),
         )

@@ -56,8 +56,10 @@ async fn generate(
         .answer_len(prompt_tokens, parsed.limit(api));
     // vLLM's `return_token_ids`: the prompt's IDs in the first chunk, each token's in its.
     let prompt_ids = parsed.return_token_ids.then(|| tokens.clone());
+    // vLLM's block keys: an adapter's name on every block, the salt on the first.
+    let lora = (parsed.model != shared.model).then_some(parsed.model.as_str());
     let salt = parsed.cache_salt.as_deref();
-    let blocks = shared.hasher.salted_hashes(&tokens, salt);
+    let blocks = shared.hasher.keyed_hashes(&tokens, lora, salt);
     // The ZMQ publisher sends stored blocks' tokens, as vLLM does.
     let block_tokens = if shared.zmq.is_some() {
         let mut t = tokens.to_vec();
@@ -66,11 +68,14 @@ async fn generate(
     } else {
         Vec::new()
     };
-    let salt: Option<Arc<str>> = salt.map(Arc::from);
+    let keys = crate::cache::BlockKeys {
+        lora: lora.map(Arc::from),
+        salt: salt.map(Arc::from),
+    };
     let kv = KvOf {
         blocks: &blocks,
         tokens: &block_tokens,
-        salt: &salt,
+        keys: &keys,
     };
     // A decode leg first receives the prompt's KV; a prefill leg keeps it for one.
     let received = receive(&shared, &leg, &kv).await?;
@@ -84,14 +89,14 @@ async fn generate(
                 guard: shared.handoffs.begin(&shared.engine, key),
                 blocks: blocks.clone(),
                 tokens: block_tokens.clone(),
-                salt: salt.clone(),
+                keys: keys.clone(),
             })
         }
         _ => None,
     };
     let mut out = shared
         .engine
-        .submit(blocks, block_tokens, salt, prompt_tokens, max_tokens);
+        .submit(blocks, block_tokens, keys, prompt_tokens, max_tokens);
     let first_out = out.recv().await;
     if let Some(lease) = received {
         // Admitted (or refused): the received blocks are the request's own now.
@@ -126,7 +131,8 @@ async fn generate(
         created: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
-        model: shared.model.clone(),
+        // The model named, as vLLM answers (an adapter's name for an adapter).
+        model: parsed.model.clone(),
         prompt_tokens,
         cached_tokens,
         first,
@@ -188,7 +194,7 @@ async fn check(
             e.param.as_deref(),
         )
     })?;
-    if parsed.model != shared.model {
+    if parsed.model != shared.model && !shared.lora_adapters.contains(&parsed.model) {
         return Err(error(
             StatusCode::NOT_FOUND,
             &format!(
@@ -350,11 +356,11 @@ fn within_limits(
     Ok(())
 }
 
-/// A prompt's KV: its blocks, their tokens, the cache salt.
+/// A prompt's KV: its blocks, their tokens, their extra keys.
 struct KvOf<'a> {
     blocks: &'a [switchyard_ids::BlockHash],
     tokens: &'a [u32],
-    salt: &'a Option<Arc<str>>,
+    keys: &'a crate::cache::BlockKeys,
 }
 
 /// A decode leg's prompt KV fetched from its prefill worker and pinned until the
@@ -379,7 +385,7 @@ async fn receive(
             let n = n.min(kv.blocks.len());
             let bs = shared.hasher.block_size() as usize;
             let toks = kv.tokens.get(..n * bs).unwrap_or(&[]);
-            Ok(shared.engine.pin(&kv.blocks[..n], toks, kv.salt.as_ref()))
+            Ok(shared.engine.pin(&kv.blocks[..n], toks, kv.keys))
         }
         Err(why) if *vllm => {
             tracing::warn!(key, why, "KV transfer failed; recomputing the prompt here");

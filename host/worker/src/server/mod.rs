@@ -82,6 +82,10 @@ pub struct MockWorkerConfig {
     pub api_key: Option<String>,
     /// Its part in a fleet that splits prefill from decode.
     pub pd: PdConfig,
+    /// LoRA adapters served besides the model (vLLM's `--lora-modules` names): a
+    /// request naming one is answered as the model would be, its blocks keyed (and
+    /// published) with the adapter's name as vLLM keys them.
+    pub lora_adapters: Vec<String>,
 }
 
 /// A server TLS configuration from PEM files: the certificate chain and its private key
@@ -119,6 +123,8 @@ const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub(crate) struct Shared {
     model: String,
+    /// The LoRA adapters served besides it.
+    lora_adapters: Vec<String>,
     engine: Arc<Engine>,
     /// The engine's tokenizer, reusing a conversation's earlier tokens (the simulated
     /// engine's own CPU time is not what it models, and benchmarks share the cores).
@@ -196,6 +202,7 @@ impl MockWorker {
         };
         let shared = Arc::new(Shared {
             model: config.model,
+            lora_adapters: config.lora_adapters,
             hasher: BlockHasher::new(block_size, config.hash_seed),
             engine,
             zmq,

@@ -415,13 +415,13 @@ pub(super) struct Keep {
     pub(super) guard: PrefillGuard,
     pub(super) blocks: Vec<switchyard_ids::BlockHash>,
     pub(super) tokens: Vec<u32>,
-    pub(super) salt: Option<Arc<str>>,
+    pub(super) keys: crate::cache::BlockKeys,
 }
 
 impl Keep {
     /// The prefill is done: pin its blocks for the decode worker; how many.
     pub(super) fn ready(self, engine: &Engine) -> usize {
-        let lease = engine.pin(&self.blocks, &self.tokens, self.salt.as_ref());
+        let lease = engine.pin(&self.blocks, &self.tokens, &self.keys);
         let n = self.blocks.len();
         self.guard.ready(engine, lease, n);
         n
@@ -637,7 +637,7 @@ mod tests {
         let e = engine();
         let h = Arc::new(Handoffs::new());
         let blocks = [switchyard_ids::BlockHash(1), switchyard_ids::BlockHash(2)];
-        let lease = e.pin(&blocks, &[], None);
+        let lease = e.pin(&blocks, &[], &Default::default());
         assert!(lease.is_some());
         h.begin(&e, "first").ready(&e, lease, 2);
         assert_eq!(e.stats().kv_used_blocks, 2, "held for its decode worker");

@@ -33,11 +33,19 @@ pub(super) async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
     match (req.method(), req.uri().path()) {
         (&Method::POST, "/v1/completions") => completion(shared, Api::Completions, req).await,
         (&Method::POST, "/v1/chat/completions") => completion(shared, Api::Chat, req).await,
-        (&Method::GET, "/v1/models") => json_response(
-            StatusCode::OK,
-            // Its context is what its cache holds, as the engine refuses longer requests.
-            json!({"object": "list", "data": [{"id": shared.model, "object": "model", "created": 0, "owned_by": shared.pd.engine_name(), "max_model_len": shared.engine.config().max_model_len()}]}),
-        ),
+        (&Method::GET, "/v1/models") => {
+            // Its context is what its cache holds, as the engine refuses longer requests;
+            // an adapter is listed with its base model as `parent`, as vLLM lists it.
+            let context = shared.engine.config().max_model_len();
+            let owner = shared.pd.engine_name();
+            let mut data = vec![
+                json!({"id": shared.model, "object": "model", "created": 0, "owned_by": owner, "max_model_len": context}),
+            ];
+            for adapter in &shared.lora_adapters {
+                data.push(json!({"id": adapter, "object": "model", "created": 0, "owned_by": owner, "max_model_len": context, "parent": shared.model}));
+            }
+            json_response(StatusCode::OK, json!({"object": "list", "data": data}))
+        }
         (&Method::GET, "/health") => match shared.active_fault() {
             _ if shared.fault.lock().health_lies => {
                 json_response(StatusCode::OK, json!({"status": "ok"}))
