@@ -15,7 +15,7 @@ use serde_json::json;
 use common::http;
 use common::kube::{Kube, READER};
 use common::procs::{Proc, free_port, serve, switchyard, wait_ok};
-use common::router::{TOKEN, available, eventually, instances};
+use common::router::{TOKEN, admin_post, available, eventually, instances};
 
 /// A mock worker on `ip:port`.
 async fn worker(ip: &str, port: u16) -> Proc {
@@ -287,21 +287,10 @@ async fn explain(
     url: &str,
     request: &serde_json::Value,
 ) -> serde_json::Value {
-    let (status, _, bytes) = http::send(
-        c,
-        hyper::Method::POST,
-        &format!("{url}/admin/endpoints/default/mock/generate/explain"),
-        &[
-            ("authorization", &format!("Bearer {TOKEN}")),
-            ("content-type", "application/json"),
-        ],
-        request.to_string(),
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap();
+    let at = format!("{url}/admin/endpoints/default/mock/generate/explain");
+    let (status, v, _) = admin_post(c, &at, request).await;
     assert!(status.is_success(), "{status}");
-    serde_json::from_slice(&bytes).unwrap()
+    v
 }
 
 /// A pod's annotations name its engine's KV event sockets: the router subscribes to

@@ -32,7 +32,7 @@ use serde_json::{Value, json};
 use common::conformance::observe;
 use common::http::{self, HttpClient, post_json};
 use common::procs::{mock_worker, serve};
-use common::router::{TOKEN, auth, eventually, instances_of};
+use common::router::{TOKEN, admin_post, eventually, instances_of};
 use common::vllm::{BLOCK, CONTEXT, KV_BLOCKS, MODEL, Vllm, chain, model_dir};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -224,7 +224,7 @@ async fn prefix_routing(c: &HttpClient, url: &str, a: &Vllm, b: &Vllm) {
         let messages = second["messages"].as_array_mut().unwrap();
         messages.push(json!({"role": "assistant", "content": answer}));
         messages.push(json!({"role": "user", "content": "and then?"}));
-        let (_, explained, _) = post_json_admin(
+        let (_, explained, _) = admin_post(
             c,
             &format!("{url}/admin/endpoints/default/tiny/generate/explain"),
             &second,
@@ -253,27 +253,6 @@ async fn prefix_routing(c: &HttpClient, url: &str, a: &Vllm, b: &Vllm) {
     );
 }
 
-async fn post_json_admin(c: &HttpClient, url: &str, body: &Value) -> (StatusCode, Value, Bytes) {
-    let (status, _, bytes) = http::send(
-        c,
-        hyper::Method::POST,
-        url,
-        &[
-            ("content-type", "application/json"),
-            ("authorization", &auth()),
-        ],
-        body.to_string(),
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-        bytes,
-    )
-}
-
 /// The engine's evictions reach the router's view (vLLM's `removed` events), and its
 /// load comes from its `/metrics`.
 async fn eviction_and_load(c: &HttpClient, url: &str, a: &Vllm, b: &Vllm) {
@@ -289,7 +268,7 @@ async fn eviction_and_load(c: &HttpClient, url: &str, a: &Vllm, b: &Vllm) {
     let (status, v, _) = post_json(c, &format!("{url}/v1/completions"), &first).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     let overlap = || async {
-        let (_, e, _) = post_json_admin(c, &explain, &first).await;
+        let (_, e, _) = admin_post(c, &explain, &first).await;
         e["candidates"]
             .as_array()
             .unwrap()

@@ -138,6 +138,27 @@ def main(out: str) -> None:
         weights[p + "mlp.down_proj.weight"] = torch.zeros(HIDDEN, INTERMEDIATE)
     save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out, "model.safetensors"))
 
+    # A LoRA adapter (rank 8 on q_proj and v_proj; PEFT's layout, as vLLM loads it) for
+    # tests of how engines key an adapter's KV blocks. Attention's output projection is
+    # zero, so the adapter leaves the greedy answers as they are.
+    rank = 8
+    adapter = {}
+    for layer in range(LAYERS):
+        for proj, width in (("q_proj", HIDDEN), ("v_proj", KV_HEADS * head_dim)):
+            p = f"base_model.model.model.layers.{layer}.self_attn.{proj}."
+            adapter[p + "lora_A.weight"] = torch.randn(rank, HIDDEN, generator=gen) * 0.02
+            adapter[p + "lora_B.weight"] = torch.randn(width, rank, generator=gen) * 0.02
+    lora_dir = os.path.join(out, "lora-a")
+    os.makedirs(lora_dir, exist_ok=True)
+    save_file(adapter, os.path.join(lora_dir, "adapter_model.safetensors"))
+    json.dump(
+        {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16,
+         "lora_dropout": 0.0, "bias": "none", "target_modules": ["q_proj", "v_proj"],
+         "base_model_name_or_path": "tiny-llama", "fan_in_fan_out": False, "inference_mode": True},
+        open(os.path.join(lora_dir, "adapter_config.json"), "w"),
+        indent=1,
+    )
+
     eos = spec["added_tokens"][1]["id"]
     config = {
         "architectures": ["LlamaForCausalLM"],

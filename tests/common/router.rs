@@ -47,6 +47,29 @@ pub fn auth() -> String {
     format!("Bearer {TOKEN}")
 }
 
+/// `POST url` on the admin API with a JSON body: its status, JSON (or null) and bytes.
+pub async fn admin_post(
+    c: &HttpClient,
+    url: &str,
+    body: &Value,
+) -> (StatusCode, Value, bytes::Bytes) {
+    let (status, _, bytes) = http::send(
+        c,
+        Method::POST,
+        url,
+        &[
+            ("content-type", "application/json"),
+            ("authorization", &auth()),
+        ],
+        body.to_string(),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    (status, v, bytes)
+}
+
 /// `GET url` on the admin API, which must answer 200 with JSON.
 pub async fn admin_get(c: &HttpClient, url: &str) -> Value {
     let (status, _, body) = http::send(

@@ -16,6 +16,8 @@ use super::procs::free_port;
 
 /// The served model's name.
 pub const MODEL: &str = "tiny";
+/// The name its LoRA adapter is served under (`Vllm::spawn_with`).
+pub const ADAPTER: &str = "tiny-lora";
 /// Its context (`--max-model-len`).
 pub const CONTEXT: u32 = 1024;
 /// Its KV block size (vLLM on CPU takes multiples of 32).
@@ -40,7 +42,15 @@ pub fn no_vllm() -> bool {
     let home = home_path();
     let model = home.join("tiny-llama/model.safetensors");
     let engine = home.join("bin/python");
-    let missing = if engine.exists() { model } else { engine };
+    // The adapter came with the model later: a model without it is built again.
+    let adapter = home.join("tiny-llama/lora-a/adapter_model.safetensors");
+    let missing = if !engine.exists() {
+        engine
+    } else if !model.exists() {
+        model
+    } else {
+        adapter
+    };
     super::goes_without("a vLLM engine and its test model (tools/vllm.sh)", &missing)
 }
 
@@ -85,6 +95,10 @@ pub struct Vllm {
     nixl: u16,
     /// The core its compute thread is bound to.
     core: usize,
+    /// Its KV block size.
+    pub block: u32,
+    /// Serves the test model's LoRA adapter too, as [`ADAPTER`].
+    lora: bool,
     log: PathBuf,
 }
 
@@ -92,6 +106,12 @@ impl Vllm {
     /// Starts an engine bound to `core` (two engines need one core each), logging to
     /// `dir`. [`Vllm::ready`] waits for it.
     pub fn spawn(core: usize, dir: &Path) -> Vllm {
+        Vllm::spawn_with(core, dir, BLOCK, false)
+    }
+
+    /// As [`Vllm::spawn`], with KV blocks of `block` tokens (a multiple of 32), and the
+    /// model's LoRA adapter served as [`ADAPTER`] if `lora`.
+    pub fn spawn_with(core: usize, dir: &Path, block: u32, lora: bool) -> Vllm {
         let mut v = Vllm {
             child: None,
             port: free_port(),
@@ -99,7 +119,9 @@ impl Vllm {
             replay: free_port(),
             nixl: free_port(),
             core,
-            log: dir.join(format!("vllm-{core}.log")),
+            block,
+            lora,
+            log: dir.join(format!("vllm-{core}-{block}.log")),
         };
         v.start();
         v
@@ -123,7 +145,7 @@ impl Vllm {
             .args(["--served-model-name", MODEL, "--host", "127.0.0.1"])
             .args(["--port", &self.port.to_string()])
             .args(["--max-model-len", &CONTEXT.to_string()])
-            .args(["--block-size", &BLOCK.to_string()])
+            .args(["--block-size", &self.block.to_string()])
             .args(["--num-gpu-blocks-override", &KV_BLOCKS.to_string()])
             .args(["--dtype", "float32", "--enforce-eager"])
             .args(["--enable-prefix-caching", "--enable-prompt-tokens-details"])
@@ -133,6 +155,17 @@ impl Vllm {
                 "--kv-transfer-config",
                 r#"{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}"#,
             ])
+            .args(if self.lora {
+                vec![
+                    "--enable-lora".to_string(),
+                    "--max-lora-rank".into(),
+                    "8".into(),
+                    "--lora-modules".into(),
+                    format!("{ADAPTER}={}", home.join("tiny-llama/lora-a").display()),
+                ]
+            } else {
+                Vec::new()
+            })
             .env("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
             .env("VLLM_NIXL_SIDE_CHANNEL_PORT", self.nixl.to_string())
             .env("VLLM_CPU_KVCACHE_SPACE", "1")
