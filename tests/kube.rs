@@ -376,3 +376,81 @@ async fn a_pods_kv_event_annotations_feed_the_index() {
     })
     .await;
 }
+
+/// Outside a pod, a kubeconfig names the server, its CA, the user and the namespace:
+/// `reader` by its client certificate (as kind's and minikube's kubeconfigs do), or by
+/// a bearer token in another context.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubeconfig_names_the_server_the_user_and_the_namespace() {
+    if common::kube::no_kube() {
+        return;
+    }
+    let kube = Kube::start().await;
+    kube.grant_reader().await;
+    let port = free_port();
+    let _w = worker("127.0.0.14", port).await;
+    kube.pod("a", json!({"app": "mock"}), "127.0.0.14", true)
+        .await;
+    // Paths relative to the kubeconfig's directory, as kubectl reads them.
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = kube.reader_identity();
+    std::fs::copy(kube.ca(), dir.path().join("ca.crt")).unwrap();
+    std::fs::copy(&cert, dir.path().join("reader.crt")).unwrap();
+    std::fs::copy(&key, dir.path().join("reader.key")).unwrap();
+    let config = dir.path().join("config");
+    std::fs::write(
+        &config,
+        format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: by-cert\n\
+             clusters:\n- name: test\n  cluster:\n    server: {}\n    certificate-authority: ca.crt\n\
+             contexts:\n- name: by-cert\n  context: {{cluster: test, user: cert, namespace: default}}\n\
+             - name: by-token\n  context: {{cluster: test, user: bearer, namespace: default}}\n\
+             users:\n- name: cert\n  user: {{client-certificate: reader.crt, client-key: reader.key}}\n\
+             - name: bearer\n  user: {{token: {READER}}}\n",
+            kube.url
+        ),
+    )
+    .unwrap();
+    let port_arg = port.to_string();
+    let c = http::client();
+    for context in ["by-cert", "by-token"] {
+        let (_router, url) = serve(&[
+            "--model",
+            "mock",
+            "--kube-selector",
+            "app=mock",
+            "--kube-port",
+            &port_arg,
+            "--kubeconfig",
+            config.to_str().unwrap(),
+            "--kube-context",
+            context,
+            "--admin-token",
+            TOKEN,
+            "--health-check-interval-ms",
+            "0",
+        ])
+        .await;
+        eventually(&format!("the pod, as {context}"), || async {
+            available(&c, &url).await == 1
+        })
+        .await;
+        served(&c, &url, 2, context).await;
+    }
+    // A context that does not exist stops the router at start, naming it.
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(["serve", "--model", "mock", "--kube-selector", "app=mock"])
+        .args([
+            "--kubeconfig",
+            config.to_str().unwrap(),
+            "--kube-context",
+            "nope",
+        ])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("no context `nope`"),
+        "{said}"
+    );
+}

@@ -77,12 +77,60 @@ impl Kube {
         )
         .unwrap();
         let key = dir.path().join("sa.key");
-        let ok = Command::new("openssl")
-            .args(["genrsa", "-out", key.to_str().unwrap(), "2048"])
-            .stderr(Stdio::null())
-            .status()
-            .expect("openssl runs");
-        assert!(ok.success(), "openssl genrsa failed");
+        openssl(&["genrsa", "-out", key.to_str().unwrap(), "2048"]);
+        // A client CA, and `reader`'s certificate signed by it (kubeconfigs of kind and
+        // minikube authenticate so).
+        let at = |f: &str| dir.path().join(f).to_str().unwrap().to_string();
+        openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            &at("client-ca.key"),
+            "-out",
+            &at("client-ca.crt"),
+            "-subj",
+            "/CN=client-ca",
+            "-days",
+            "2",
+        ]);
+        openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            &at("reader.key"),
+            "-out",
+            &at("reader.csr"),
+            "-subj",
+            "/CN=reader",
+        ]);
+        // An X.509 v3 certificate for client authentication (what TLS libraries take).
+        std::fs::write(
+            dir.path().join("client.ext"),
+            "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n",
+        )
+        .unwrap();
+        openssl(&[
+            "x509",
+            "-extfile",
+            &at("client.ext"),
+            "-req",
+            "-in",
+            &at("reader.csr"),
+            "-CA",
+            &at("client-ca.crt"),
+            "-CAkey",
+            &at("client-ca.key"),
+            "-CAcreateserial",
+            "-out",
+            &at("reader.crt"),
+            "-days",
+            "2",
+        ]);
         let port = free_port();
         let mut kube = Kube {
             proc: None,
@@ -94,6 +142,14 @@ impl Kube {
         };
         kube.spawn().await;
         kube
+    }
+
+    /// `reader`'s client certificate and key (PEM files).
+    pub fn reader_identity(&self) -> (PathBuf, PathBuf) {
+        (
+            self.dir.path().join("reader.crt"),
+            self.dir.path().join("reader.key"),
+        )
     }
 
     /// The server's certificate, to trust.
@@ -145,6 +201,7 @@ impl Kube {
                 arg("insecure-port", "0"),
                 arg("cert-dir", d.join("certs").to_str().unwrap()),
                 arg("token-auth-file", d.join("tokens.csv").to_str().unwrap()),
+                arg("client-ca-file", d.join("client-ca.crt").to_str().unwrap()),
                 arg("authorization-mode", "RBAC"),
                 arg("service-account-issuer", "https://kubernetes.default.svc"),
                 arg("service-account-key-file", key.to_str().unwrap()),
@@ -344,6 +401,17 @@ impl Kube {
         )
         .await;
     }
+}
+
+/// `openssl ARGS`, which must succeed.
+fn openssl(args: &[&str]) {
+    let ok = Command::new("openssl")
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("openssl runs");
+    assert!(ok.success(), "openssl {} failed", args.join(" "));
 }
 
 fn client(ca: &std::path::Path) -> Client {

@@ -19,6 +19,7 @@ pub mod fixed;
 pub mod key;
 pub mod kube;
 pub mod kube_api;
+pub mod kubeconfig;
 pub mod signing;
 
 use serde::{Deserialize, Serialize};

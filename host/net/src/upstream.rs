@@ -71,6 +71,51 @@ impl Tls {
         Ok(Tls::build(roots, ca_files.to_vec()))
     }
 
+    /// The trust of a client of one server (a Kubernetes API server, say): the system's
+    /// roots plus the PEM certificates of `ca`, and `identity` (a PEM certificate chain
+    /// and its PEM key) presented to it, if given. The error says which part is wrong.
+    pub fn for_server(ca: Option<&[u8]>, identity: Option<(&[u8], &[u8])>) -> Result<Tls, String> {
+        let err = |why: String| why;
+        let mut roots = system_roots();
+        if let Some(pem) = ca {
+            let mut added = 0;
+            for cert in CertificateDer::pem_slice_iter(pem) {
+                let cert = cert.map_err(|e| err(format!("its CA: {e}")))?;
+                roots.add(cert).map_err(|e| err(format!("its CA: {e}")))?;
+                added += 1;
+            }
+            if added == 0 {
+                return Err(err("its CA holds no PEM certificate".into()));
+            }
+        }
+        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default protocol versions")
+        .with_root_certificates(roots);
+        let config = match identity {
+            None => builder.with_no_client_auth(),
+            Some((cert, key)) => {
+                let chain = CertificateDer::pem_slice_iter(cert)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| err(format!("its client certificate: {e}")))?;
+                if chain.is_empty() {
+                    return Err(err("its client certificate holds no PEM certificate".into()));
+                }
+                let key = rustls_pki_types::PrivateKeyDer::from_pem_slice(key)
+                    .map_err(|e| err(format!("its client key: {e}")))?;
+                builder
+                    .with_client_auth_cert(chain, key)
+                    .map_err(|e| err(format!("its client certificate and key: {e}")))?
+            }
+        };
+        Ok(Tls {
+            config: Arc::new(config),
+            ca_files: Vec::new().into(),
+        })
+    }
+
     fn build(roots: RootCertStore, ca_files: Vec<PathBuf>) -> Tls {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let config = rustls::ClientConfig::builder_with_provider(provider)

@@ -265,6 +265,20 @@ fn kube_answers() {
     });
 }
 
+/// Kubeconfig files (YAML: anchors, aliases, base64 credentials, named contexts).
+#[test]
+fn kubeconfigs() {
+    let seeds = texts(&[
+        "current-context: a\nclusters:\n- name: c\n  cluster: {server: 'https://10.0.0.1:6443', certificate-authority-data: aGVsbG8=}\ncontexts:\n- name: a\n  context: {cluster: c, user: u, namespace: llm}\nusers:\n- name: u\n  user: {token: abc}\n",
+        "current-context: a\nclusters:\n- &c {name: c, cluster: {server: 'http://h', certificate-authority: ca.crt}}\ncontexts:\n- {name: a, context: {cluster: c, user: u}}\nusers:\n- {name: u, user: {client-certificate: c.crt, client-key-data: a2V5}}\nx: [*c, *c, *c]\n",
+    ]);
+    let dir = std::path::Path::new("/k");
+    fuzz("kubeconfig", seeds, true, |input| {
+        let text = String::from_utf8_lossy(input);
+        crate::discovery::kubeconfig::parse(&text, dir, None).is_ok()
+    });
+}
+
 /// Engines' `/metrics` pages (vLLM's and SGLang's names).
 #[test]
 fn engine_metrics_pages() {
