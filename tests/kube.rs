@@ -454,3 +454,68 @@ async fn a_kubeconfig_names_the_server_the_user_and_the_namespace() {
         "{said}"
     );
 }
+
+/// A watch from a resource version the API server no longer holds (its storage
+/// compacted past it) is answered `410 Gone` by the real server, and the router's client
+/// reads it as such (on which discovery lists again: `tests/kube_faults.rs` holds that
+/// loop to its bound); a watch from the list's version is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_servers_410_for_a_stale_watch_is_read_as_gone() {
+    use switchyard::discovery::kube_api::{KubeApi, KubeError, Token};
+    if common::kube::no_kube() {
+        return;
+    }
+    // Watches straight from etcd (no watch cache, which would keep recent history).
+    let kube = Kube::start_with(&["--watch-cache=false"]).await;
+    kube.grant_reader().await;
+    for i in 0..3 {
+        kube.pod(&format!("p{i}"), json!({"app": "mock"}), "127.0.0.15", true)
+            .await;
+    }
+    // etcd compacts its history up to now (its JSON gateway).
+    let c = http::client();
+    let etcd = kube.etcd.url();
+    let (_, head, _) =
+        http::post_json(&c, &format!("{etcd}/v3/kv/range"), &json!({"key": "YQ=="})).await;
+    let revision = head["header"]["revision"].as_str().unwrap().to_string();
+    let (status, v, _) = http::post_json(
+        &c,
+        &format!("{etcd}/v3/kv/compaction"),
+        &json!({"revision": revision, "physical": true}),
+    )
+    .await;
+    assert!(status.is_success(), "{v}");
+    let tls = switchyard::net::upstream::Tls::with_ca_files(&[kube.ca()]).unwrap();
+    let api = KubeApi::new(
+        &kube.url,
+        Some(Token::Fixed(READER.into())),
+        &tls,
+        Duration::from_secs(10),
+    );
+    let list_path = "/api/v1/namespaces/default/pods?labelSelector=app%3Dmock";
+    let watch = |version: &str| {
+        format!(
+            "{list_path}&watch=1&allowWatchBookmarks=true&timeoutSeconds=5&resourceVersion={version}"
+        )
+    };
+    let gone = match api
+        .watch(&watch("2"), "watch pods", Duration::from_secs(10))
+        .await
+    {
+        Err(e) => e,
+        Ok(mut w) => w
+            .next()
+            .await
+            .expect_err("a compacted version yields no event"),
+    };
+    assert!(matches!(gone, KubeError::Gone), "{gone:?}");
+    let list = api.get(list_path, "list pods").await.unwrap();
+    let version = list["metadata"]["resourceVersion"].as_str().unwrap();
+    let mut w = api
+        .watch(&watch(version), "watch pods", Duration::from_secs(10))
+        .await
+        .unwrap();
+    kube.set_ready("p0", "127.0.0.15", false).await;
+    let event = w.next().await.unwrap().expect("the change");
+    assert_eq!(event.kind, "MODIFIED");
+}

@@ -59,7 +59,10 @@ type Client = hyper_util::client::legacy::Client<switchyard::net::upstream::Conn
 /// A running API server.
 pub struct Kube {
     proc: Option<Proc>,
-    etcd: Etcd,
+    /// Its storage.
+    pub etcd: Etcd,
+    /// Flags of its own for this test's server.
+    extra: Vec<String>,
     port: u16,
     dir: tempfile::TempDir,
     client: Client,
@@ -70,6 +73,11 @@ pub struct Kube {
 impl Kube {
     /// Starts etcd and the API server, and waits until it is ready.
     pub async fn start() -> Kube {
+        Kube::start_with(&[]).await
+    }
+
+    /// [`Kube::start`] with these flags too (`--watch-cache=false`, say).
+    pub async fn start_with(extra: &[&str]) -> Kube {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(
             dir.path().join("tokens.csv"),
@@ -135,6 +143,7 @@ impl Kube {
         let mut kube = Kube {
             proc: None,
             etcd: Etcd::start(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
             port,
             client: client(&dir.path().join("certs/apiserver.crt")),
             dir,
@@ -211,6 +220,7 @@ impl Kube {
                 arg("service-cluster-ip-range", "10.96.0.0/24"),
                 "--v=0".to_string(),
             ])
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(if std::env::var_os("SWITCHYARD_TEST_LOG").is_some() {
                 Stdio::inherit()
