@@ -519,3 +519,67 @@ async fn the_api_servers_410_for_a_stale_watch_is_read_as_gone() {
     let event = w.next().await.unwrap().expect("the change");
     assert_eq!(event.kind, "MODIFIED");
 }
+
+/// Thousands of pods: every Ready one followed, from one list and the watch after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_pods_are_followed() {
+    const PODS: usize = 2000;
+    if common::kube::no_kube() {
+        return;
+    }
+    let kube = std::sync::Arc::new(Kube::start().await);
+    kube.grant_reader().await;
+    let made = std::time::Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for lane in 0..16 {
+        let kube = kube.clone();
+        set.spawn(async move {
+            for i in (lane..PODS).step_by(16) {
+                let ip = format!("127.1.{}.{}", i / 250, i % 250 + 1);
+                kube.pod(&format!("w{i}"), json!({"app": "many"}), &ip, true)
+                    .await;
+            }
+        });
+    }
+    set.join_all().await;
+    eprintln!("{PODS} pods made in {:?}", made.elapsed());
+    let args = [
+        "--model",
+        "mock",
+        "--kube-selector",
+        "app=many",
+        "--kube-port",
+        "8000",
+        "--kube-namespace",
+        "default",
+        "--kube-api",
+        &kube.url,
+        "--kube-token-file",
+        kube.token_file(READER).to_str().unwrap(),
+        "--kube-ca-file",
+        kube.ca().to_str().unwrap(),
+        "--admin-token",
+        TOKEN,
+        "--health-check-interval-ms",
+        "0",
+        "--engine-metrics-ms",
+        "0",
+    ]
+    .map(String::from);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (router, url) = serve(&args).await;
+    let c = http::client();
+    eventually("every pod", || async { available(&c, &url).await == PODS }).await;
+    // Changes after the list come through the watch.
+    kube.set_ready("w7", "127.1.0.8", false).await;
+    eventually("one pod fewer", || async {
+        available(&c, &url).await == PODS - 1
+    })
+    .await;
+    let status = std::fs::read_to_string(format!("/proc/{}/status", router.0.id())).unwrap();
+    let rss = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS"))
+        .unwrap_or("");
+    eprintln!("the router following {PODS} pods: {rss}");
+}
