@@ -237,7 +237,11 @@ impl Kube {
             }
             if self.ca().exists() {
                 self.client = client(&self.ca());
-                if self.get("/readyz").await.0 == StatusCode::OK {
+                // Ready, and its bootstrap has made the `default` namespace (readyz can
+                // answer before it does).
+                if self.get("/readyz").await.0 == StatusCode::OK
+                    && self.get("/api/v1/namespaces/default").await.0 == StatusCode::OK
+                {
                     return;
                 }
             }
