@@ -76,6 +76,11 @@ for spec in "${specs[@]}"; do
     curl -sf -m 2 "$url/health" > /dev/null || { echo "$url did not start: see $logs" >&2; exit 1; }
 done
 
+# The stage: engine 0's cold and cached prefill and its decode step, and their ratio,
+# printed beside the tables (the replay empties the engines' caches before each router).
+echo "the stage (engine 0, tools/engine-stage.py):"
+python3 "$root/tools/engine-stage.py" "${specs[1]%%#*}" replay 2000
+
 serve="$sy serve --listen 127.0.0.1:{port} {worker_args} --model replay --block-size 32 --tokenizer $tokenizer"
 routers=(--router "switchyard kv-cost=$serve --policy kv-cost")
 # B7_SWITCHYARD="FLAGS": also Switchyard with these serve flags (e.g. a faster
