@@ -75,39 +75,25 @@ impl Tls {
     /// roots plus the PEM certificates of `ca`, and `identity` (a PEM certificate chain
     /// and its PEM key) presented to it, if given. The error says which part is wrong.
     pub fn for_server(ca: Option<&[u8]>, identity: Option<(&[u8], &[u8])>) -> Result<Tls, String> {
-        let err = |why: String| why;
         let mut roots = system_roots();
         if let Some(pem) = ca {
-            let mut added = 0;
-            for cert in CertificateDer::pem_slice_iter(pem) {
-                let cert = cert.map_err(|e| err(format!("its CA: {e}")))?;
-                roots.add(cert).map_err(|e| err(format!("its CA: {e}")))?;
-                added += 1;
-            }
-            if added == 0 {
-                return Err(err("its CA holds no PEM certificate".into()));
-            }
+            add_pem_bytes(&mut roots, pem).map_err(|why| format!("its CA: {why}"))?;
         }
-        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default protocol versions")
-        .with_root_certificates(roots);
+        let builder = client_config(roots);
         let config = match identity {
             None => builder.with_no_client_auth(),
             Some((cert, key)) => {
                 let chain = CertificateDer::pem_slice_iter(cert)
                     .collect::<Result<Vec<_>, _>>()
-                    .map_err(|e| err(format!("its client certificate: {e}")))?;
+                    .map_err(|e| format!("its client certificate: {e}"))?;
                 if chain.is_empty() {
-                    return Err(err("its client certificate holds no PEM certificate".into()));
+                    return Err("its client certificate holds no PEM certificate".into());
                 }
                 let key = rustls_pki_types::PrivateKeyDer::from_pem_slice(key)
-                    .map_err(|e| err(format!("its client key: {e}")))?;
+                    .map_err(|e| format!("its client key: {e}"))?;
                 builder
                     .with_client_auth_cert(chain, key)
-                    .map_err(|e| err(format!("its client certificate and key: {e}")))?
+                    .map_err(|e| format!("its client certificate and key: {e}"))?
             }
         };
         Ok(Tls {
@@ -117,14 +103,8 @@ impl Tls {
     }
 
     fn build(roots: RootCertStore, ca_files: Vec<PathBuf>) -> Tls {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .expect("ring supports the default protocol versions")
-            .with_root_certificates(roots)
-            .with_no_client_auth();
         Tls {
-            config: Arc::new(config),
+            config: Arc::new(client_config(roots).with_no_client_auth()),
             ca_files: ca_files.into(),
         }
     }
@@ -158,11 +138,26 @@ fn system_roots() -> RootCertStore {
     roots
 }
 
+/// A client configuration trusting `roots`, before its client certificate (if any).
+fn client_config(
+    roots: RootCertStore,
+) -> rustls::ConfigBuilder<rustls::ClientConfig, rustls::client::WantsClientCert> {
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default protocol versions")
+        .with_root_certificates(roots)
+}
+
 fn add_pem(roots: &mut RootCertStore, path: &Path) -> Result<usize, String> {
     // A CA bundle is kilobytes; the system's whole store is under a megabyte.
     let bytes = switchyard_bounded::files::read(path, 16 << 20)?;
+    add_pem_bytes(roots, &bytes)
+}
+
+/// Every certificate of the PEM `bytes` into `roots`: how many; none is an error.
+fn add_pem_bytes(roots: &mut RootCertStore, bytes: &[u8]) -> Result<usize, String> {
     let mut added = 0;
-    for cert in CertificateDer::pem_slice_iter(&bytes) {
+    for cert in CertificateDer::pem_slice_iter(bytes) {
         let cert = cert.map_err(|e| format!("not PEM: {e}"))?;
         roots
             .add(cert)

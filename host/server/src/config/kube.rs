@@ -205,8 +205,7 @@ fn from_kubeconfig(
     let read = |s: &Source| -> Result<Vec<u8>, ConfigError> {
         match s {
             Source::Data(d) => Ok(d.clone()),
-            Source::File(f) => switchyard_bounded::files::read_to_string(f, MAX_CREDENTIAL)
-                .map(String::into_bytes)
+            Source::File(f) => switchyard_bounded::files::read(f, MAX_CREDENTIAL)
                 .map_err(|e| fail(format!("{}: {e}", f.display()))),
         }
     };
