@@ -76,12 +76,7 @@ async fn the_router_binary_follows_registered_workers_publishing_vllms_format() 
     assert!(status.is_success(), "{answer}");
     let blocks = before["prompt_blocks"].clone();
     eventually_async("the published blocks", || async {
-        let e = admin_post(&explain_url, &request).await;
-        e["candidates"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|c| c["overlap_blocks"] == blocks && c["cache_view"] == "events")
+        common::router::published(&admin_post(&explain_url, &request).await, &blocks)
     })
     .await;
     let after = admin_post(&explain_url, &request).await;

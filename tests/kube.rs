@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
+use common::gateway::served;
 use common::http;
 use common::kube::{Kube, READER};
 use common::procs::{Proc, free_port, serve, switchyard, wait_ok};
@@ -40,37 +41,32 @@ async fn finished(c: &http::HttpClient, url: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// The router's flags for the pool `pool` as `token`'s user.
-fn router_args(kube: &Kube, pool: &str, token: &str) -> Vec<String> {
-    [
-        "--model",
-        "mock",
-        "--kube-pool",
-        pool,
-        "--kube-namespace",
-        "default",
-        "--kube-api",
-        &kube.url,
-        "--kube-token-file",
-        kube.token_file(token).to_str().unwrap(),
-        "--kube-ca-file",
-        kube.ca().to_str().unwrap(),
-        "--admin-token",
-        TOKEN,
-        "--health-check-interval-ms",
-        "0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
-
-async fn served(c: &http::HttpClient, url: &str, n: usize, tag: &str) {
-    for i in 0..n {
-        let body = json!({"model": "mock", "prompt": format!("{tag} {i}"), "max_tokens": 2});
-        let (s, v, _) = http::post_json(c, &format!("{url}/v1/completions"), &body).await;
-        assert!(s.is_success(), "{tag} {i}: {s} {v}");
-    }
+/// The router's flags for the fleet `fleet` names (`["--kube-pool", NAME]`, or a
+/// selector and its ports) as `token`'s user.
+fn router_args(kube: &Kube, fleet: &[&str], token: &str) -> Vec<String> {
+    let token_file = kube.token_file(token);
+    let ca = kube.ca();
+    let mut args: Vec<String> = fleet.iter().map(|s| s.to_string()).collect();
+    args.extend(
+        [
+            "--model",
+            "mock",
+            "--kube-namespace",
+            "default",
+            "--kube-api",
+            &kube.url,
+            "--kube-token-file",
+            token_file.to_str().unwrap(),
+            "--kube-ca-file",
+            ca.to_str().unwrap(),
+            "--admin-token",
+            TOKEN,
+            "--health-check-interval-ms",
+            "0",
+        ]
+        .map(String::from),
+    );
+    args
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,7 +98,7 @@ async fn a_pools_ready_pods_are_the_fleet_as_they_come_and_go() {
     kube.pod("other", json!({"app": "other"}), ips[2], true)
         .await;
 
-    let args = router_args(&kube, "mock-pool", READER);
+    let args = router_args(&kube, &["--kube-pool", "mock-pool"], READER);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (_router, url) = serve(&args).await;
     let c = http::client();
@@ -191,7 +187,7 @@ async fn the_watch_outlives_the_api_server_and_the_fleet_meanwhile_serves() {
     let _b = worker("127.0.0.6", port).await;
     kube.pod("a", json!({"app": "mock"}), "127.0.0.5", true)
         .await;
-    let args = router_args(&kube, "p", READER);
+    let args = router_args(&kube, &["--kube-pool", "p"], READER);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (_router, url) = serve(&args).await;
     let c = http::client();
@@ -228,7 +224,7 @@ async fn missing_permissions_are_named() {
     kube.pool_crd().await;
     let listen = format!("127.0.0.1:{}", free_port());
     let mut args = vec!["serve".to_string(), "--listen".into(), listen];
-    args.extend(router_args(&kube, "p", READER));
+    args.extend(router_args(&kube, &["--kube-pool", "p"], READER));
     let mut child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
         .args(args.iter().filter(|a| *a != "--admin-token" && *a != TOKEN))
         .env("SWITCHYARD_LOG", "warn")
@@ -319,17 +315,9 @@ async fn a_pods_kv_event_annotations_feed_the_index() {
     .await;
     kube.pod("plain", json!({"app": "mock"}), "127.0.0.10", true)
         .await;
-    let mut args = router_args(&kube, "unused", READER);
-    let at = args.iter().position(|a| a == "--kube-pool").unwrap();
-    args.splice(
-        at..at + 2,
-        [
-            "--kube-selector".to_string(),
-            "app=mock".into(),
-            "--kube-port".into(),
-            port.to_string(),
-        ],
-    );
+    let port_arg = port.to_string();
+    let selector = ["--kube-selector", "app=mock", "--kube-port", &port_arg];
+    let args = router_args(&kube, &selector, READER);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (_router, url) = serve(&args).await;
     let c = http::client();
@@ -367,12 +355,7 @@ async fn a_pods_kv_event_annotations_feed_the_index() {
     assert!(status.is_success(), "{v}");
     let blocks = e["prompt_blocks"].clone();
     eventually("the published blocks", || async {
-        let e = explain(&c, &url, &request).await;
-        e["candidates"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|c| c["overlap_blocks"] == blocks && c["cache_view"] == "events")
+        common::router::published(&explain(&c, &url, &request).await, &blocks)
     })
     .await;
 }
@@ -543,29 +526,12 @@ async fn two_thousand_pods_are_followed() {
     }
     set.join_all().await;
     eprintln!("{PODS} pods made in {:?}", made.elapsed());
-    let args = [
-        "--model",
-        "mock",
-        "--kube-selector",
-        "app=many",
-        "--kube-port",
-        "8000",
-        "--kube-namespace",
-        "default",
-        "--kube-api",
-        &kube.url,
-        "--kube-token-file",
-        kube.token_file(READER).to_str().unwrap(),
-        "--kube-ca-file",
-        kube.ca().to_str().unwrap(),
-        "--admin-token",
-        TOKEN,
-        "--health-check-interval-ms",
-        "0",
-        "--engine-metrics-ms",
-        "0",
-    ]
-    .map(String::from);
+    let mut args = router_args(
+        &kube,
+        &["--kube-selector", "app=many", "--kube-port", "8000"],
+        READER,
+    );
+    args.extend(["--engine-metrics-ms", "0"].map(String::from));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (router, url) = serve(&args).await;
     let c = http::client();

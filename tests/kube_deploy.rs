@@ -76,15 +76,7 @@ async fn the_applied_picker_routes_the_pools_pods_behind_envoy() {
     let (ok, out) = kube.kubectl(&["apply", "--server-side", "-f", PICKER]);
     assert!(ok, "{out}");
     // The router runs as `reader`, bound to the manifests' Role and nothing else.
-    let binding = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-        "metadata": {"name": "reader-as-the-picker"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "switchyard-picker"},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "reader"}]});
-    kube.create(
-        "/apis/rbac.authorization.k8s.io/v1/namespaces/default/rolebindings",
-        binding,
-    )
-    .await;
+    kube.bind("switchyard-picker", "reader").await;
     // The pool as applied; its pods on 127.0.0.x, on a free port.
     let pool_path = "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools";
     let (_, list) = kube.get(pool_path).await;

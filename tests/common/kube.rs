@@ -405,10 +405,15 @@ impl Kube {
             role,
         )
         .await;
+        self.bind("pool-reader", "reader").await;
+    }
+
+    /// Binds the Role `role` in `default` to the user `user`.
+    pub async fn bind(&self, role: &str, user: &str) {
         let binding = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-            "metadata": {"name": "pool-reader"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pool-reader"},
-            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "reader"}]});
+            "metadata": {"name": format!("{user}-as-{role}")},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]});
         self.create(
             "/apis/rbac.authorization.k8s.io/v1/namespaces/default/rolebindings",
             binding,

@@ -70,6 +70,15 @@ pub async fn admin_post(
     (status, v, bytes)
 }
 
+/// Whether an `explain` answer shows a candidate holding `blocks` of the prompt, seen
+/// through its engine's KV events (not predicted).
+pub fn published(explained: &Value, blocks: &Value) -> bool {
+    explained["candidates"].as_array().is_some_and(|cs| {
+        cs.iter()
+            .any(|c| c["overlap_blocks"] == *blocks && c["cache_view"] == "events")
+    })
+}
+
 /// `GET url` on the admin API, which must answer 200 with JSON.
 pub async fn admin_get(c: &HttpClient, url: &str) -> Value {
     let (status, _, body) = http::send(

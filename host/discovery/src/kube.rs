@@ -498,6 +498,16 @@ mod tests {
         }
     }
 
+    /// A configuration, a fleet on ports 8000 and 8001, and an endpoint.
+    fn two_ports() -> (KubeConfig, Fleet, EndpointPath) {
+        let f = Fleet {
+            selector: "a=b".into(),
+            ports: vec![8000, 8001],
+            pool_version: None,
+        };
+        (config(), f, "default/m/generate".parse().unwrap())
+    }
+
     fn pod(uid: &str, ip: Option<&str>, ready: bool, deleting: bool) -> Value {
         let mut p = json!({"metadata": {"uid": uid, "name": uid},
             "status": {"conditions": [{"type": "Ready", "status": if ready {"True"} else {"False"}}]}});
@@ -534,13 +544,7 @@ mod tests {
 
     #[test]
     fn only_a_ready_pod_with_an_ip_not_being_deleted_is_a_worker_one_per_port() {
-        let c = config();
-        let f = Fleet {
-            selector: "a=b".into(),
-            ports: vec![8000, 8001],
-            pool_version: None,
-        };
-        let ep: EndpointPath = "default/m/generate".parse().unwrap();
+        let (c, f, ep) = two_ports();
         let ws = pod_workers(&pod("u1", Some("10.0.0.7"), true, false), &f, &c, &ep);
         let urls: Vec<&str> = ws.iter().map(|w| w.url.as_str()).collect();
         assert_eq!(urls, ["http://10.0.0.7:8000", "http://10.0.0.7:8001"]);
@@ -564,13 +568,7 @@ mod tests {
 
     #[test]
     fn a_pods_annotations_name_its_ranks_kv_event_sockets() {
-        let c = config();
-        let f = Fleet {
-            selector: "a=b".into(),
-            ports: vec![8000, 8001],
-            pool_version: None,
-        };
-        let ep: EndpointPath = "default/m/generate".parse().unwrap();
+        let (c, f, ep) = two_ports();
         let mut p = pod("u1", Some("10.0.0.7"), true, false);
         p["metadata"]["annotations"] =
             json!({KV_EVENTS_PORT: "5557", KV_REPLAY_PORT: "5600", KV_TOPIC: "kv"});
