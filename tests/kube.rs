@@ -33,6 +33,23 @@ async fn worker_with(ip: &str, port: u16, extra: &[&str]) -> Proc {
     p
 }
 
+/// GIE's pool kind, `reader` allowed to read it, and a pool `name` of the `app=mock`
+/// pods on a free port: that port.
+async fn pool(kube: &Kube, name: &str) -> u16 {
+    kube.pool_crd().await;
+    kube.grant_reader().await;
+    let port = free_port();
+    let pool = json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": name},
+        "spec": {"selector": {"matchLabels": {"app": "mock"}}, "targetPorts": [{"number": port}]}});
+    kube.create(
+        "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools",
+        pool,
+    )
+    .await;
+    port
+}
+
 /// Completions the worker at `url` finished.
 async fn finished(c: &http::HttpClient, url: &str) -> u64 {
     let (_, s) = http::get(c, &format!("{url}/stats")).await;
@@ -75,17 +92,7 @@ async fn a_pools_ready_pods_are_the_fleet_as_they_come_and_go() {
         return;
     }
     let kube = Kube::start().await;
-    kube.pool_crd().await;
-    kube.grant_reader().await;
-    let port = free_port();
-    let pool = json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
-        "metadata": {"name": "mock-pool"},
-        "spec": {"selector": {"matchLabels": {"app": "mock"}}, "targetPorts": [{"number": port}]}});
-    kube.create(
-        "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools",
-        pool,
-    )
-    .await;
+    let port = pool(&kube, "mock-pool").await;
     let ips = ["127.0.0.2", "127.0.0.3", "127.0.0.4"];
     let mut workers = Vec::new();
     for ip in ips {
@@ -172,17 +179,7 @@ async fn the_watch_outlives_the_api_server_and_the_fleet_meanwhile_serves() {
         return;
     }
     let mut kube = Kube::start().await;
-    kube.pool_crd().await;
-    kube.grant_reader().await;
-    let port = free_port();
-    let pool = json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
-        "metadata": {"name": "p"},
-        "spec": {"selector": {"matchLabels": {"app": "mock"}}, "targetPorts": [{"number": port}]}});
-    kube.create(
-        "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools",
-        pool,
-    )
-    .await;
+    let port = pool(&kube, "p").await;
     let _a = worker("127.0.0.5", port).await;
     let _b = worker("127.0.0.6", port).await;
     kube.pod("a", json!({"app": "mock"}), "127.0.0.5", true)
