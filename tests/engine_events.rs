@@ -211,7 +211,7 @@ async fn a_cache_salt_is_matched_only_by_its_own_tenant() {
         .send(json!({"op": "stored", "tokens": a, "salt": "tenant-1"}))
         .await;
     let on = |salt: Option<&str>| {
-        let hashes = router.hasher().salted_hashes(&a, salt);
+        let hashes = router.hasher().keyed_hashes(&a, None, salt);
         router.candidates(&hashes, &[]).0.overlap_of(W).unwrap_or(0)
     };
     eventually("the salted blocks", || on(Some("tenant-1")) == 5).await;

@@ -264,26 +264,23 @@ struct PodEvents {
 /// A pod's KV event sockets, if its annotations name them (a port that does not parse
 /// names none: the pod is routed on predicted caches, with a warning).
 fn pod_events(annotations: &Value) -> Option<PodEvents> {
-    let port = |key: &str| -> Option<Result<u16, String>> {
-        let v = annotations[key].as_str()?;
-        Some(
-            v.trim()
-                .parse::<u16>()
-                .ok()
-                .filter(|p| *p != 0)
-                .ok_or_else(|| {
-                    format!(
-                        "{key}: `{}` is not a port",
-                        v.chars().take(40).collect::<String>()
-                    )
-                }),
-        )
-    };
-    let checked = || -> Result<Option<PodEvents>, String> {
-        let Some(publish) = port(KV_EVENTS_PORT).transpose()? else {
+    let port = |key: &str| -> Result<Option<u16>, String> {
+        let Some(v) = annotations[key].as_str() else {
             return Ok(None);
         };
-        let replay = port(KV_REPLAY_PORT).transpose()?;
+        match v.trim().parse::<u16>() {
+            Ok(p) if p != 0 => Ok(Some(p)),
+            _ => Err(format!(
+                "{key}: `{}` is not a port",
+                v.chars().take(40).collect::<String>()
+            )),
+        }
+    };
+    let checked = || -> Result<Option<PodEvents>, String> {
+        let Some(publish) = port(KV_EVENTS_PORT)? else {
+            return Ok(None);
+        };
+        let replay = port(KV_REPLAY_PORT)?;
         let topic = annotations[KV_TOPIC].as_str().unwrap_or_default();
         if topic.len() > 256 {
             return Err(format!("{KV_TOPIC}: over 256 bytes"));

@@ -36,16 +36,11 @@ impl BlockHasher {
         out
     }
 
-    /// The hashes of a prompt sent with a `cache_salt` (vLLM's tenant isolation): the
-    /// salt is mixed into the first block's hash as the engine mixes that block's extra
-    /// keys, so the whole chain differs from unsalted prompts' and other salts'.
-    pub fn salted_hashes(&self, tokens: &[u32], salt: Option<&str>) -> Vec<BlockHash> {
-        self.keyed_hashes(tokens, None, salt)
-    }
-
-    /// The hashes of a prompt for a LoRA adapter and/or with a `cache_salt`, as vLLM
-    /// keys its blocks: every block's extra keys hold the adapter's name, and the first
-    /// block's the salt after it. Without either, [`BlockHasher::hashes`].
+    /// The hashes of a prompt for a LoRA adapter and/or with a `cache_salt` (vLLM's
+    /// tenant isolation), as vLLM keys its blocks: every block's extra keys hold the
+    /// adapter's name, and the first block's the salt after it, so the whole chain
+    /// differs from other adapters', other salts' and plain prompts'. Without either,
+    /// [`BlockHasher::hashes`].
     pub fn keyed_hashes(
         &self,
         tokens: &[u32],
