@@ -15,9 +15,10 @@
 //!    requests answer as whole ones, `min_tokens` included;
 //! 4. a greedy streaming chat with no `max_tokens` whose engine is killed -9 mid-answer
 //!    is as long as the uninterrupted answer, with the same text, one finish and one
-//!    `[DONE]`; the same with `return_token_ids` (continued at the token level: the same
-//!    token IDs) for a chat continuing its own message into a token streamed with no
-//!    text;
+//!    `[DONE]`: continued at the token level from the IDs the router asked the engine
+//!    for itself, none of which the client sees; the same with the client's own
+//!    `return_token_ids` (the same token IDs) for a chat continuing its own message into
+//!    a token streamed with no text;
 //! 5. the killed engine restarted: back in the fleet, its cache mirrored afresh.
 
 mod common;
@@ -32,7 +33,7 @@ use serde_json::{Value, json};
 use common::conformance::observe;
 use common::http::{self, HttpClient, post_json};
 use common::procs::{mock_worker, serve};
-use common::router::{TOKEN, admin_post, eventually, instances_of};
+use common::router::{TOKEN, admin_post, eventually, instances_of, metric};
 use common::vllm::{BLOCK, CONTEXT, KV_BLOCKS, MODEL, Vllm, chain, model_dir};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -414,6 +415,8 @@ struct Answer {
     empty_chunks: usize,
     /// Chunks that carried token IDs.
     chunks: usize,
+    /// Events that carried the prompt's token IDs.
+    prompt_ids: usize,
 }
 
 fn answer(events: &[String]) -> Answer {
@@ -425,6 +428,7 @@ fn answer(events: &[String]) -> Answer {
         dones: 0,
         empty_chunks: 0,
         chunks: 0,
+        prompt_ids: 0,
     };
     for e in events {
         if e == "[DONE]" {
@@ -433,6 +437,7 @@ fn answer(events: &[String]) -> Answer {
         }
         let v: Value = serde_json::from_str(e).unwrap();
         assert!(v.get("error").is_none(), "an error event: {e}");
+        a.prompt_ids += usize::from(v.get("prompt_token_ids").is_some_and(|p| !p.is_null()));
         if let Some(choice) = v["choices"].get(0) {
             if let Some(t) = choice["delta"]["content"].as_str() {
                 a.text.push_str(t);
@@ -457,8 +462,10 @@ fn answer(events: &[String]) -> Answer {
 
 /// A greedy chat that names no `max_tokens` gets the rest of the context from vLLM; its
 /// engine killed -9 mid-answer, the router continues it on the other engine and the
-/// client gets the same answer: at the text level, then (after the killed engine is
-/// restarted, and mirrored afresh) at the token level with `return_token_ids`.
+/// client gets the same answer: at the token level, from the IDs the router asked for
+/// (`--migration-token-ids`, on by default) and the client never sees; then (after the
+/// killed engine is restarted, and mirrored afresh) with the client's own
+/// `return_token_ids`.
 async fn migration_without_max_tokens(c: &HttpClient, url: &str, a: &mut Vllm, b: &mut Vllm) {
     let mut body = chat("Tell me everything.");
     body["stream"] = json!(true);
@@ -471,9 +478,9 @@ async fn migration_without_max_tokens(c: &HttpClient, url: &str, a: &mut Vllm, b
         "no max_tokens: the rest of the context ({} tokens)",
         whole.completion_tokens
     );
-    for token_level in [false, true] {
+    for client_asks in [false, true] {
         let mut body = body.clone();
-        if token_level {
+        if client_asks {
             // The client continues its own assistant message, which ends with a word
             // the model follows with the byte tokens of one character: vLLM streams the
             // first with its ID and no text, which the continuation must not lose.
@@ -490,7 +497,7 @@ async fn migration_without_max_tokens(c: &HttpClient, url: &str, a: &mut Vllm, b
             body["stream_interval"] = json!(3);
         }
         let reference = answer(&stream(c, url, &body, usize::MAX, || {}).await);
-        if token_level {
+        if client_asks {
             assert!(reference.empty_chunks > 0, "a token streamed with no text");
             assert_eq!(reference.ids.len() as u64, reference.completion_tokens);
             assert!(
@@ -530,6 +537,11 @@ async fn migration_without_max_tokens(c: &HttpClient, url: &str, a: &mut Vllm, b
         .await;
         finder.abort();
         let got = answer(&events);
+        assert_eq!(
+            metric(c, url, "switchyard_token_level_migrations_total", "").await,
+            1.0 + f64::from(u8::from(client_asks)),
+            "continued at the token level"
+        );
         assert_eq!(got.dones, 1, "one [DONE]");
         assert_eq!(got.finishes, reference.finishes, "one finish, the engine's");
         assert_eq!(
@@ -541,9 +553,17 @@ async fn migration_without_max_tokens(c: &HttpClient, url: &str, a: &mut Vllm, b
             "the same text (the model's argmax is robust)"
         );
         assert_eq!(got.ids, reference.ids, "the same token IDs");
-        if token_level {
+        assert_eq!(
+            got.prompt_ids, reference.prompt_ids,
+            "the prompt's IDs as asked"
+        );
+        if client_asks {
             break;
         }
+        assert!(
+            got.ids.is_empty() && got.prompt_ids == 0,
+            "no IDs the client did not ask for"
+        );
         assert_eq!(reference.text, whole.text);
         // The killed engine restarted: back in the fleet, the cache it had (an answer's
         // worth of blocks) gone from the router's view, what it stores now mirrored.

@@ -1,9 +1,13 @@
 //! B3: what the router adds. The same load — fixed concurrency, small non-streaming
 //! requests — is sent to a zero-latency mock worker directly, then through `switchyard
 //! serve` (a separate process, so its CPU time is its own), in one run. Then streams of
-//! 200 tokens through two routers, one that can migrate them (the default: it reads
-//! every event) and one with `--migration-limit 0` (it passes bytes through), in turns:
-//! the router CPU per stream is what watching a stream costs.
+//! 200 tokens, of a short prompt and of a 4,000-token one, through three routers in
+//! turns: the default, which can migrate them exactly (it asks the worker, vLLM by its
+//! `/v1/models`, for token IDs and takes them out of every event), one that can migrate
+//! them as text (`--migration-token-ids false`: it reads every event) and one with
+//! `--migration-limit 0` (it passes bytes through). The router CPU per stream is what
+//! watching a stream costs; the first event's size with and without the IDs, straight
+//! from the worker, is what asking for them costs on the wire.
 //!
 //! Run: `cargo bench --bench proxy_overhead`
 
@@ -91,10 +95,11 @@ fn main() {
         );
         drop(router);
 
-        // Streams: a router that can migrate them beside one that cannot, in turns.
+        // Streams: routers that migrate them exactly, as text, or not at all, in turns.
         let mut routers = Vec::new();
         let worker_url = worker.url();
-        for extra in [&[][..], &["--migration-limit", "0"][..]] {
+        let setups: [&[&str]; 3] = [&[], &["--migration-token-ids", "false"], &["--migration-limit", "0"]];
+        for extra in setups {
             let listen = format!("127.0.0.1:{}", free_port());
             let mut args = vec!["serve", "--listen", &listen, "--worker", &worker_url, "--model", "mock"];
             args.extend_from_slice(extra);
@@ -104,26 +109,60 @@ fn main() {
             load(&c, &url, STREAM, concurrency, 20, limit, never.clone()).await;
             routers.push((p, url));
         }
+        // The routers read the worker's `/v1/models` (vLLM) at their first engine scrape.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let long: &'static str = Box::leak(long_stream().into_boxed_str());
         let streams = if quick { 10 } else { 1000 };
-        let mut cpu = [Duration::ZERO; 2];
-        let mut done = [0usize; 2];
+        let mut cpu = [[Duration::ZERO; 3]; 2];
+        let mut done = [[0usize; 3]; 2];
         for _round in 0..2 {
-            for (i, (p, url)) in routers.iter().enumerate() {
-                let before = cpu_time(p.0.id());
-                let s = load(&c, url, STREAM, concurrency, streams / 2, limit, never.clone()).await;
-                cpu[i] += cpu_time(p.0.id()) - before;
-                done[i] += ok(&s);
+            for (k, body) in [STREAM, long].into_iter().enumerate() {
+                for (i, (p, url)) in routers.iter().enumerate() {
+                    let before = cpu_time(p.0.id());
+                    let s = load(&c, url, body, concurrency, streams / 2, limit, never.clone()).await;
+                    cpu[k][i] += cpu_time(p.0.id()) - before;
+                    done[k][i] += ok(&s);
+                }
             }
         }
         println!();
-        println!("{streams} streams of 200 tokens per router at concurrency {concurrency}, in two turns each:");
+        println!("{streams} streams of 200 tokens per router and prompt at concurrency {concurrency}, in two turns each:");
         println!();
-        println!("| router | streams ok | router CPU per stream |");
-        println!("| --- | ---: | ---: |");
-        for (i, name) in ["migration on (default: every event read)", "`--migration-limit 0` (bytes passed through)"].iter().enumerate() {
-            println!("| {name} | {} | {:.0} µs |", done[i], cpu[i].as_secs_f64() * 1e6 / done[i].max(1) as f64);
+        println!("| router | streams ok (short, 4k prompt) | router CPU per stream, short prompt | 4,000-token prompt |");
+        println!("| --- | ---: | ---: | ---: |");
+        let names = ["default: exact migration (token IDs asked, taken out of every event)", "`--migration-token-ids false`: text migration (every event read)", "`--migration-limit 0` (bytes passed through)"];
+        for (i, name) in names.iter().enumerate() {
+            let per = |k: usize| cpu[k][i].as_secs_f64() * 1e6 / done[k][i].max(1) as f64;
+            println!("| {name} | {}, {} | {:.0} µs | {:.0} µs |", done[0][i], done[1][i], per(0), per(1));
         }
+        let first = |ids: bool| {
+            let (c, url) = (c.clone(), format!("{worker_url}/v1/completions"));
+            async move { first_event_bytes(&c, &url, long, ids).await }
+        };
+        println!();
+        println!(
+            "the 4,000-token prompt's first event, straight from the worker: {} bytes with the token IDs, {} without",
+            first(true).await,
+            first(false).await
+        );
         drop(routers);
         worker.shutdown().await;
     });
+}
+
+/// A streamed completion of a 4,000-token prompt (the mock's built-in tokenizer: a word
+/// and a space a token each).
+fn long_stream() -> String {
+    let prompt: Vec<String> = (0..2000).map(|i| format!("w{i}")).collect();
+    serde_json::json!({"model": "mock", "prompt": prompt.join(" "), "max_tokens": 200, "stream": true,
+        "stream_options": {"include_usage": true}})
+    .to_string()
+}
+
+/// The size of the first event of `body`'s stream from `url`, asking for token IDs or not.
+async fn first_event_bytes(c: &Http, url: &str, body: &str, ids: bool) -> usize {
+    let mut v: serde_json::Value = serde_json::from_str(body).unwrap();
+    v["return_token_ids"] = ids.into();
+    let raw = post_text(c, url, &v.to_string()).await;
+    raw.split("\n\n").next().map_or(0, str::len)
 }

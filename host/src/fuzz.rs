@@ -324,4 +324,5 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("runtime")
 }
 
+mod streams;
 mod targets;

@@ -21,6 +21,7 @@ pub mod prom;
 pub mod queue;
 pub mod router;
 pub mod serve;
+pub mod streams;
 pub mod tls;
 pub mod vllm;
 

@@ -132,6 +132,16 @@ pub async fn get_text(c: &Http, url: &str) -> String {
     String::from_utf8_lossy(&r.into_body().collect().await.unwrap().to_bytes()).to_string()
 }
 
+/// `POST url` with a JSON `body`; the whole answer as text.
+pub async fn post_text(c: &Http, url: &str, body: &str) -> String {
+    let req = hyper::Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let r = c.request(req).await.unwrap();
+    String::from_utf8_lossy(&r.into_body().collect().await.unwrap().to_bytes()).to_string()
+}
+
 /// A Tokio runtime with `threads` worker threads (the load generator's, beside the
 /// router and workers it measures).
 pub fn runtime(threads: usize) -> tokio::runtime::Runtime {

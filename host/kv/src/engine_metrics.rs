@@ -39,17 +39,32 @@ pub struct EngineLoad {
     pub size_known: bool,
 }
 
-/// The context length, in tokens, that an engine's `/v1/models` answer gives for `model`
-/// (vLLM's and SGLang's `max_model_len`; the first entry's when none is named `model`);
-/// `None` when it gives none.
-pub fn max_model_len(body: &[u8], model: &str) -> Option<u64> {
+/// What an engine's `/v1/models` answer says of the model a router routes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Models {
+    /// Its context length in tokens (vLLM's and SGLang's `max_model_len`).
+    pub context: Option<u64>,
+    /// The engine is vLLM (`owned_by: "vllm"`): it streams token IDs when a request asks
+    /// for them (`return_token_ids`), which makes a migrated stream exact.
+    pub vllm: bool,
+}
+
+/// What an engine's `/v1/models` answer gives for `model` (the first entry that gives a
+/// context length, when none is named `model`); `None` when it is no model list.
+pub fn models(body: &[u8], model: &str) -> Option<Models> {
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
     let data = v.get("data")?.as_array()?;
     let len = |e: &serde_json::Value| e.get("max_model_len")?.as_u64().filter(|n| *n > 0);
-    data.iter()
-        .find(|e| e.get("id").and_then(serde_json::Value::as_str) == Some(model))
-        .and_then(len)
-        .or_else(|| data.iter().find_map(len))
+    let named = data
+        .iter()
+        .find(|e| e.get("id").and_then(serde_json::Value::as_str) == Some(model));
+    let entry = named
+        .or_else(|| data.iter().find(|e| len(e).is_some()))
+        .or(data.first())?;
+    Some(Models {
+        context: named.and_then(len).or_else(|| data.iter().find_map(len)),
+        vllm: entry.get("owned_by").and_then(serde_json::Value::as_str) == Some("vllm"),
+    })
 }
 
 /// Parses a `/metrics` page; `None` when it has none of the engines' load gauges.

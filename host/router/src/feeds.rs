@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 
 use crate::{KvRouter, ViewStatus};
 use switchyard_ids::{BlockHash, InstanceId};
+use switchyard_kv::engine_metrics::Models;
 use switchyard_kv::engine_view::IndexOp;
 use switchyard_kv::events::KvEvent;
 use switchyard_kv::load::ReportedLoad;
@@ -190,10 +191,25 @@ impl KvRouter {
         Some(self.context_len.load(Ordering::Relaxed)).filter(|n| *n > 0)
     }
 
-    /// `worker`'s `/v1/models` gave its context length.
-    pub(crate) fn note_context_len(&self, worker: InstanceId, tokens: u64) {
-        self.set_context_len(worker, Some(tokens));
+    /// `worker`'s `/v1/models` answer: its context length, and whether it is vLLM.
+    pub(crate) fn note_models(&self, worker: InstanceId, models: Models) {
+        if let Some(tokens) = models.context {
+            self.set_context_len(worker, Some(tokens));
+        }
+        let mut vllm = self.vllm_workers.lock();
+        if models.vllm {
+            vllm.insert(worker);
+        } else {
+            vllm.remove(&worker);
+        }
+        drop(vllm);
         self.fence(worker);
+    }
+
+    /// `worker` is vLLM, by its `/v1/models`: it streams token IDs when asked
+    /// (`return_token_ids`).
+    pub fn streams_token_ids(&self, worker: InstanceId) -> bool {
+        self.vllm_workers.lock().contains(&worker)
     }
 
     /// Records (or, with `None`, forgets) `worker`'s context length and the longest.
@@ -216,6 +232,7 @@ impl KvRouter {
         self.views.write().remove(&worker);
         self.capacities.lock().remove(&worker);
         self.set_context_len(worker, None);
+        self.vllm_workers.lock().remove(&worker);
         self.load.lock().forget_report(worker);
         self.quality.forget(worker);
     }

@@ -5,8 +5,9 @@
 //! worker. A worker whose page has none of the engines' gauges, or cannot be read, is
 //! asked again only after [`QUIET_RETRY`]; one scrape never waits longer than
 //! [`SCRAPE_TIMEOUT`]. Every available worker's `/v1/models` is also read, once and then
-//! every [`MODELS_EVERY`], for its context length (`max_model_len`): the endpoint's
-//! longest is the most prompt tokens a request to it may have.
+//! every [`MODELS_EVERY`], for its context length (`max_model_len`: the endpoint's
+//! longest is the most prompt tokens a request to it may have) and its engine (a vLLM
+//! worker is asked for token IDs on a stream that may be migrated).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -74,7 +75,7 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
                 let (http, model, id) = (http.clone(), state.info.model.clone(), *id);
                 contexts.spawn(async move {
                     let body = fetch(&http, &url, MAX_MODELS).await.ok()?;
-                    Some((id, engine_metrics::max_model_len(&body, &model)?))
+                    Some((id, engine_metrics::models(&body, &model)?))
                 });
             }
             let mut scrapes = tokio::task::JoinSet::new();
@@ -93,11 +94,11 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
             }
             drop(router);
             while let Some(done) = contexts.join_next().await {
-                let Ok(Some((id, tokens))) = done else {
+                let Ok(Some((id, models))) = done else {
                     continue;
                 };
                 let Some(router) = weak.upgrade() else { return };
-                router.note_context_len(id, tokens);
+                router.note_models(id, models);
             }
             while let Some(done) = scrapes.join_next().await {
                 let Ok((id, result)) = done else { continue };

@@ -100,6 +100,9 @@ pub struct GatewayConfig {
     /// Times one stream may be continued on another worker after it broke mid-answer
     /// (0: a broken stream ends with an error event).
     pub migration_limit: u32,
+    /// Ask vLLM workers for token IDs on streams that may be migrated, so that a
+    /// continuation is exact (the IDs are taken out of what the client gets).
+    pub migration_token_ids: bool,
     /// How long a worker that left the fleet gracefully (deregistered) may go on
     /// streaming before its streams are moved to other workers.
     pub drain_grace: Duration,
@@ -160,6 +163,7 @@ impl Default for GatewayConfig {
             max_header_bytes: 64 << 10,
             max_attempts: 3,
             migration_limit: 2,
+            migration_token_ids: true,
             drain_grace: Duration::from_secs(20),
             connect_timeout: Duration::from_millis(1000),
             first_byte_timeout: Duration::from_secs(120),

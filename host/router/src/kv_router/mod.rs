@@ -61,6 +61,8 @@ pub struct KvRouter {
     /// longest of them (0: none known), read by every request.
     pub(crate) context_lens: Mutex<std::collections::HashMap<InstanceId, u64>>,
     pub(crate) context_len: AtomicU64,
+    /// Workers whose `/v1/models` names vLLM (they stream token IDs when asked).
+    pub(crate) vllm_workers: Mutex<std::collections::HashSet<InstanceId>>,
     pub(crate) scrape_stats: metrics_scraper::ScrapeStats,
     pub(crate) quality: DecisionQuality,
     /// The candidate policy deciding beside the live one, if any.
@@ -110,6 +112,7 @@ impl KvRouter {
             capacities: Mutex::new(std::collections::HashMap::new()),
             context_lens: Mutex::new(std::collections::HashMap::new()),
             context_len: AtomicU64::new(0),
+            vllm_workers: Mutex::new(std::collections::HashSet::new()),
             scrape_stats: metrics_scraper::ScrapeStats::default(),
             quality: DecisionQuality::default(),
             shadow: ArcSwapOption::empty(),

@@ -110,6 +110,9 @@ pub(super) fn instances_json(r: &KvRouter) -> Value {
                 "kv_usage": load.reported.and_then(|l| l.kv_usage()),
                 "cached_blocks": r.cached_blocks(*id),
                 "cache_blocks": r.known_capacity(*id),
+                // vLLM by its `/v1/models`: asked for token IDs, a stream of it migrates
+                // exactly.
+                "streams_token_ids": r.streams_token_ids(*id),
             })
         })
         .collect();

@@ -49,6 +49,7 @@ pub struct FileConfig {
     pub(crate) max_prompt_tokens: Option<usize>,
     pub(crate) max_attempts: Option<usize>,
     pub(crate) migration_limit: Option<u32>,
+    pub(crate) migration_token_ids: Option<bool>,
     pub(crate) drain_grace_secs: Option<u64>,
     pub(crate) connect_timeout_ms: Option<u64>,
     pub(crate) first_byte_timeout_secs: Option<u64>,

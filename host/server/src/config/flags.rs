@@ -129,6 +129,12 @@ pub struct ServeArgs {
     /// continued on another worker; 0 ends it with an error event [default: 2].
     #[arg(long, env = "SWITCHYARD_MIGRATION_LIMIT")]
     pub migration_limit: Option<u32>,
+    /// Ask vLLM workers for token IDs on streams that may be migrated
+    /// (`return_token_ids`, taken out again before the client sees them), so that a
+    /// continuation is exact: the prompt and answer so far as token IDs, not as text
+    /// [default: true].
+    #[arg(long, env = "SWITCHYARD_MIGRATION_TOKEN_IDS")]
+    pub migration_token_ids: Option<bool>,
     /// How long a worker that deregistered may go on streaming before its streams are
     /// moved to other workers, seconds [default: 20].
     #[arg(long, env = "SWITCHYARD_DRAIN_GRACE_SECS")]

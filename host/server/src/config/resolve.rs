@@ -354,6 +354,11 @@ fn gateway(
                 )));
             }
         },
+        migration_token_ids: a
+            .migration_token_ids
+            .take()
+            .or(f.migration_token_ids.take())
+            .unwrap_or(defaults.migration_token_ids),
         drain_grace: bounded(
             "drain_grace_secs",
             a.drain_grace_secs.take().or(f.drain_grace_secs.take()),

@@ -119,6 +119,7 @@ pub(super) async fn attempts(
                 Leg::Done(done) => return done,
                 Leg::Retry => continue,
             };
+        let (send_body, ids_asked) = asking_token_ids(gw, p, worker, send_body);
         let send = || {
             forward::forward(
                 gw,
@@ -181,6 +182,7 @@ pub(super) async fn attempts(
                     booking,
                     started: request_started,
                     head: (parts, first, rest),
+                    ids_asked,
                 };
                 return Ok(relay(gw, p, &body, &mut a, served));
             }
@@ -305,6 +307,22 @@ struct Served<'a> {
     booking: Booking,
     started: Instant,
     head: (hyper::http::response::Parts, Option<Bytes>, Incoming),
+    /// The router asked the worker for token IDs the client did not ask for.
+    ids_asked: bool,
+}
+
+/// `body` as sent to `worker`: asking for token IDs when the worker is vLLM and a stream
+/// of the request may be migrated (a continuation is then exact), with whether it asks.
+fn asking_token_ids(gw: &Gateway, p: &Prepared, worker: InstanceId, body: Bytes) -> (Bytes, bool) {
+    let asked = p
+        .router
+        .streams_token_ids(worker)
+        .then(|| migrate::Migration::ask_token_ids(gw, &p.parsed, &body))
+        .flatten();
+    match asked {
+        Some(b) => (b, true),
+        None => (body, false),
+    }
 }
 
 /// The worker answered 2xx: its earlier failures settled, and the answer relayed with
@@ -339,7 +357,8 @@ fn relay(
         router
             .context_len()
             .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
-    );
+    )
+    .map(|m| m.ids_asked(served.ids_asked));
     let relay = Relay {
         gw: gw.clone(),
         client: client.clone(),

@@ -47,7 +47,7 @@ mod tokenize;
 
 pub use chunk::view_agrees;
 pub use forward::parse_retry_after;
-pub use migrate::{MAX_KEPT_TEXT, continuation_of, relay_events};
+pub use migrate::{MAX_KEPT_TEXT, continuation_of, relay_events, strip_token_ids};
 
 /// vLLM's handoff as the router reads it: the decode worker's request, from the client's
 /// `body` and the prefill worker's `answer` (exported for the fuzz targets).

@@ -44,8 +44,9 @@ async fn generate(
     } = check(&shared, api, req).await?;
     let (fault, faults) = shared.fault_for_request();
     shared.update_refuse();
-    let mut cut_at = inject(fault, &faults, &body, parsed.stream).await?;
     let (tokens, first) = prompt_tokens(&shared, &parsed).map_err(|r| *r)?;
+    let marked = marked(&shared, &faults, &body, &parsed.prompt, &tokens);
+    let mut cut_at = inject(fault, &faults, marked, parsed.stream).await?;
     let prompt_tokens = tokens.len() as u32;
     within_limits(&shared, &parsed, prompt_tokens).map_err(|r| *r)?;
     // The client's limit or the engine's default (a chat: the rest of the context), or
@@ -231,18 +232,37 @@ async fn check(
     })
 }
 
+/// The request carries the fault marker: in its body, or (a prompt of token IDs, as a
+/// router's exact continuation sends) as the marker's tokens, so a request that fails on
+/// every engine fails as tokens too.
+fn marked(
+    shared: &Shared,
+    faults: &super::FaultConfig,
+    body: &[u8],
+    prompt: &Prompt,
+    tokens: &[u32],
+) -> bool {
+    let Some(m) = faults.marker.as_deref().filter(|m| !m.is_empty()) else {
+        return false;
+    };
+    if body.windows(m.len()).any(|w| w == m.as_bytes()) {
+        return true;
+    }
+    let ids = match prompt {
+        Prompt::Tokens(_) => shared.tokenizer.encode(m).unwrap_or_default(),
+        _ => Vec::new(),
+    };
+    !ids.is_empty() && tokens.windows(ids.len()).any(|w| w == ids)
+}
+
 /// The injected fault acted on before the first token: an answer in its place, or where
 /// the stream is to be cut (a marked prompt's).
 async fn inject(
     fault: Fault,
     faults: &super::FaultConfig,
-    body: &[u8],
+    marked: bool,
     stream: bool,
 ) -> Result<Option<u32>, Response<Body>> {
-    let marked = faults
-        .marker
-        .as_deref()
-        .is_some_and(|m| !m.is_empty() && body.windows(m.len()).any(|w| w == m.as_bytes()));
     let mut cut_at = None;
     if marked {
         match faults.marker_after_tokens {

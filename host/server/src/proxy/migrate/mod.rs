@@ -13,8 +13,6 @@
 //! stream's identity and its final `usage` to the whole answer's
 //! (docs/architecture/availability.md, "Migration").
 
-use std::borrow::Cow;
-
 use bytes::Bytes;
 use serde_json::{Value, json};
 
@@ -26,10 +24,14 @@ use super::chunk::{self, Seen, token_ids};
 use super::forward::Outbound;
 use super::tokenize::BLOCKING_TOKENIZE_BYTES;
 use bodies::completion_chunk_as_chat;
+use sse::{event_data, find_event_end, server_error};
 
+mod asked;
 mod bodies;
 mod moving;
+mod sse;
 
+pub use asked::strip_token_ids;
 pub use bodies::continuation_of;
 pub(super) use moving::{ContinueBody, ContinueRequest, Moved, continue_stream};
 
@@ -204,6 +206,9 @@ pub(super) struct Migration {
     /// The current worker continues at the token level (a completion of token IDs,
     /// whose chunks a chat stream gets as chat chunks).
     token_segment: bool,
+    /// The router asked the worker for token IDs (`return_token_ids`), which the client
+    /// did not: they are taken out of every event it is sent.
+    strip_ids: bool,
 }
 
 impl Migration {
@@ -220,23 +225,49 @@ impl Migration {
         prompt_tokens: u32,
         context_len: Option<u32>,
     ) -> Option<Box<Migration>> {
-        let limit = gw.config.migration_limit;
-        if limit == 0
-            || !parsed.stream
-            || parsed.n != 1
-            || parsed.logprobs
-            || parsed.echo
-            || parsed.constrained
-            || matches!(parsed.prompt, Prompt::Tokens(_))
-        {
+        if !Migration::continuable(gw, parsed) {
             return None;
         }
-        let mut m = Migration::fresh(api, body.clone(), to, limit);
+        let mut m = Migration::fresh(api, body.clone(), to, gw.config.migration_limit);
         m.max_tokens = parsed.limit(api);
         m.context_len = context_len;
         m.prompt_tokens = prompt_tokens;
         m.include_usage = parsed.include_usage;
         Some(Box::new(m))
+    }
+
+    /// Whether a stream of `parsed` can be continued: migration is on and nothing makes
+    /// the request impossible to continue honestly ([`Migration::new`]).
+    fn continuable(gw: &Gateway, parsed: &CompletionRequest) -> bool {
+        gw.config.migration_limit > 0
+            && parsed.stream
+            && parsed.n == 1
+            && !parsed.logprobs
+            && !parsed.echo
+            && !parsed.constrained
+            && !matches!(parsed.prompt, Prompt::Tokens(_))
+    }
+
+    /// `body` asking a worker for token IDs (`return_token_ids`), if the router asks for
+    /// them: the request can be continued, migration is set to be exact
+    /// (`--migration-token-ids`, on by default) and the client did not name the field
+    /// itself (the router then strips what it asked for from the stream).
+    pub(super) fn ask_token_ids(
+        gw: &Gateway,
+        parsed: &CompletionRequest,
+        body: &Bytes,
+    ) -> Option<Bytes> {
+        if !gw.config.migration_token_ids || !Migration::continuable(gw, parsed) {
+            return None;
+        }
+        asked::with_token_ids(body)
+    }
+
+    /// The router asked the worker for token IDs the client did not ask for: they are
+    /// taken out of the stream.
+    pub(super) fn ids_asked(mut self: Box<Migration>, asked: bool) -> Box<Migration> {
+        self.strip_ids = asked;
+        self
     }
 
     /// A request's state before anything was relayed.
@@ -270,6 +301,7 @@ impl Migration {
             prompt_ids: None,
             ids: Some(Vec::new()),
             token_segment: false,
+            strip_ids: false,
         }
     }
 
@@ -334,7 +366,7 @@ impl Migration {
             if let Some(seen) = view.choice {
                 self.note(seen);
             }
-            return Event::Pass;
+            return self.pass(&data);
         }
         let Ok(mut v) = serde_json::from_str::<Value>(&data) else {
             return Event::Pass;
@@ -379,7 +411,7 @@ impl Migration {
         let usage = v.get("usage").filter(|u| !u.is_null());
         self.usage_seen |= usage.is_some();
         if self.used == 0 {
-            return Event::Pass;
+            return self.pass(&data);
         }
         if let Some(u) = usage {
             let prompt = u.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(0);
@@ -393,6 +425,19 @@ impl Migration {
         }
         self.rewrite(&mut v);
         Event::Rewritten(Bytes::from(format!("data: {v}\n\n")))
+    }
+
+    /// An event of the first stream, sent on: as the worker wrote it, or without the
+    /// token IDs the router asked for.
+    fn pass(&self, data: &str) -> Event {
+        match self
+            .strip_ids
+            .then(|| asked::strip_token_ids(data))
+            .flatten()
+        {
+            Some(stripped) => Event::Rewritten(Bytes::from(format!("data: {stripped}\n\n"))),
+            None => Event::Pass,
+        }
     }
 
     /// Notes a choice's text, tokens and finish.
@@ -451,6 +496,9 @@ impl Migration {
             .and_then(Value::as_object_mut)
         {
             choice.remove("prompt_token_ids");
+            if self.strip_ids {
+                choice.remove("token_ids");
+            }
             if let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) {
                 // The role came with the first stream's first chunk.
                 delta.remove("role");
@@ -623,56 +671,6 @@ enum Event {
 pub(super) enum Next {
     Continue(Box<ContinueRequest>),
     Finish(Bytes),
-}
-
-/// Where an SSE event ends in `buf`, looking from `from`: (end of its text, start of the
-/// next event).
-fn find_event_end(buf: &[u8], from: usize) -> Option<(usize, usize)> {
-    let mut i = from;
-    while i < buf.len() {
-        if buf[i] == b'\n' {
-            if buf.get(i + 1) == Some(&b'\n') {
-                return Some((i, i + 2));
-            }
-            if buf.get(i + 1) == Some(&b'\r') && buf.get(i + 2) == Some(&b'\n') {
-                return Some((i, i + 3));
-            }
-        }
-        i += 1;
-    }
-    None
-}
-
-/// The `data:` lines of an event, joined (`None`: it has none, e.g. a comment).
-fn event_data(raw: &[u8]) -> Option<Cow<'_, str>> {
-    let text = std::str::from_utf8(raw).ok()?;
-    let mut data: Option<Cow<str>> = None;
-    for line in text.lines() {
-        let line = line.trim_end_matches('\r');
-        if let Some(rest) = line.strip_prefix("data:") {
-            let rest = rest.strip_prefix(' ').unwrap_or(rest);
-            match &mut data {
-                Some(d) => {
-                    let d = d.to_mut();
-                    d.push('\n');
-                    d.push_str(rest);
-                }
-                None => data = Some(Cow::Borrowed(rest)),
-            }
-        }
-    }
-    data
-}
-
-/// An error event the worker is at fault for (a 5xx code or a server-error type), as
-/// vLLM and SGLang send them mid-stream.
-fn server_error(e: &Value) -> bool {
-    let code = e.get("code").and_then(Value::as_u64).unwrap_or(0);
-    let kind = e.get("type").and_then(Value::as_str).unwrap_or("");
-    code >= 500
-        || kind.eq_ignore_ascii_case("server_error")
-        || kind.eq_ignore_ascii_case("InternalServerError")
-        || kind.eq_ignore_ascii_case("internal_server_error")
 }
 
 #[cfg(test)]
