@@ -16,7 +16,9 @@
 #
 # B7_KV_BLOCKS (160) sets each engine's cache in 32-token blocks, B7_MAX_OUTPUT (48) the
 # longest answer, B7_ROUNDS (3) the rounds; B7_SWITCHYARD and B7_PEERS (below) choose
-# the routers. Every prompt must fit the engines' context
+# the routers; B7_LOADS (e.g. "0.5 1 1.5") runs them at those shares of the fleet's
+# measured capacity instead of the trace's own pace (below). The stage's prices give the
+# oracle floor of TTFT (`--engine-floor`), each router's TTFT read as a ratio to it. Every prompt must fit the engines' context
 # (4,096 tokens of the tiny model's tokenizer).
 set -euo pipefail
 
@@ -79,7 +81,9 @@ done
 # The stage: engine 0's cold and cached prefill and its decode step, and their ratio,
 # printed beside the tables (the replay empties the engines' caches before each router).
 echo "the stage (engine 0, tools/engine-stage.py):"
-python3 "$root/tools/engine-stage.py" "${specs[1]%%#*}" replay 2000
+stage=$(python3 "$root/tools/engine-stage.py" "${specs[1]%%#*}" replay 2000)
+echo "$stage"
+floor=$(sed -n 's/^oracle floor: --engine-floor //p' <<< "$stage")
 
 serve="$sy serve --listen 127.0.0.1:{port} {worker_args} --model replay --block-size 32 --tokenizer $tokenizer"
 routers=(--router "switchyard kv-cost=$serve --policy kv-cost")
@@ -92,7 +96,40 @@ peers=",${B7_PEERS:-sglang-router,smg,vllm-router},"
 [[ $peers == *,sglang-router,* ]] && routers+=(--router "sglang-router cache_aware=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware")
 [[ $peers == *,smg,* ]] && routers+=(--router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware")
 [[ $peers == *,vllm-router,* ]] && routers+=(--router "vllm-router cache_aware=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware")
-"$sy" replay "$trace" --policy none "${specs[@]}" --rounds "${B7_ROUNDS:-3}" \
-    --speedup 1 --kv-blocks "$blocks" --block-size 32 --tokenizer "$tokenizer" \
-    --max-output "${B7_MAX_OUTPUT:-48}" --router-logs "$logs" "${routers[@]}" \
-    --json "${B7_JSON:-b7-vllm.json}" --chart "${B7_CHART:-b7-vllm.svg}" "$@"
+replay() {
+    "$sy" replay "$trace" --policy none "${specs[@]}" --speedup 1 --kv-blocks "$blocks" \
+        --block-size 32 --tokenizer "$tokenizer" --max-output "${B7_MAX_OUTPUT:-48}" \
+        --router-logs "$logs" ${floor:+--engine-floor "$floor"} "$@"
+}
+if [ -z "${B7_LOADS:-}" ]; then
+    replay --rounds "${B7_ROUNDS:-3}" "${routers[@]}" \
+        --json "${B7_JSON:-b7-vllm.json}" --chart "${B7_CHART:-b7-vllm.svg}" "$@"
+    exit
+fi
+
+# B7_LOADS="0.5 1 1.5": the fleet's capacity first, then every router at these shares of
+# it. Capacity is the engines' throughput with a queue always waiting: the trace sent
+# B7_CAPACITY_LOAD (8) times faster than recorded, through Switchyard's round-robin
+# (blind to the caches, so no router's placement sets the yardstick).
+echo "capacity: the trace at --load ${B7_CAPACITY_LOAD:-8} through round-robin"
+replay --load "${B7_CAPACITY_LOAD:-8}" --router "round-robin=$serve --policy round-robin" \
+    --json "$logs/capacity.json" --chart "$logs/capacity.svg" "$@" | tee "$logs/capacity.txt"
+read -r capacity rate < <(python3 - "$logs/capacity.json" "$trace" "${B7_CAPACITY_LOAD:-8}" <<'PY'
+import json, sys
+run = json.load(open(sys.argv[1]))["summary"][0]
+stamps = [json.loads(l)["timestamp"] for l in open(sys.argv[2]) if l.strip()]
+rate = (len(stamps) - 1) / ((max(stamps) - min(stamps)) / 1000)
+offered = rate * float(sys.argv[3])
+if run["throughput_rps"] > 0.8 * offered:
+    print(f"capacity: {run['throughput_rps']:.2f} req/s is {run['throughput_rps'] / offered:.0%} of the {offered:.2f} offered: not saturated, raise B7_CAPACITY_LOAD", file=sys.stderr)
+print(f"{run['throughput_rps']:.4f} {rate:.4f}")
+PY
+)
+echo "capacity: $capacity req/s (the trace's own rate: $rate req/s)"
+for share in $B7_LOADS; do
+    load=$(python3 -c "print(round($share * $capacity / $rate, 3))")
+    echo
+    echo "== B7 at ${share}x the fleet's capacity ($(python3 -c "print(round($share * $capacity, 2))") req/s offered, --load $load)"
+    replay --load "$load" --rounds "${B7_ROUNDS:-3}" "${routers[@]}" \
+        --json "${B7_JSON:-b7-vllm}-$share.json" --chart "${B7_CHART:-b7-vllm}-$share.svg" "$@"
+done

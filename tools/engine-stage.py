@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What the stage is: one engine's prefill rate, its cached prefill, and its decode step,
 measured, and how many decode steps a cold prefill costs (the ratio that decides what a
-cache hit is worth). Prints one line a figure, then the ratio.
+cache hit is worth). Prints one line a figure, then the ratio, then the replay's
+`--engine-floor` for these prices (the oracle floor of TTFT on this engine).
 
     tools/engine-stage.py URL MODEL [PROMPT_TOKENS]
 
@@ -77,6 +78,10 @@ def main():
     print(f"prefill, cached: {cached_ms:.1f} ms ({cached_ms / cold_ms:.0%} of cold)")
     print(f"decode step: {step_ms:.2f} ms")
     print(f"a cold prefill of {n} tokens costs {cold_ms / step_ms:.1f} decode steps; a hit saves {(cold_ms - cached_ms) / step_ms:.1f}")
+    # The oracle floor's prices for the replay: a request all seen before costs the cached
+    # prefill; each never-seen token the cold prefill's extra cost per token.
+    per_1k = max(cold_ms - cached_ms, 0.0) / n * 1e3
+    print(f"oracle floor: --engine-floor {cached_ms:.2f},{per_1k:.3f}")
 
 
 if __name__ == "__main__":

@@ -172,6 +172,11 @@ pub struct ReplayArgs {
     /// and `--block-size` as the engines have them (for the bounds).
     #[arg(long = "engine")]
     pub engines: Vec<String>,
+    /// The `--engine`s' measured timing, `FIXED_MS,MS_PER_1K_TOKENS` (as
+    /// `tools/engine-stage.py` prints it), for the oracle floor of TTFT: a request costs
+    /// at least the fixed part and its never-seen tokens at the per-token price.
+    #[arg(long)]
+    pub engine_floor: Option<String>,
     /// Run every external router this many times, the order turned by one each round;
     /// a table then gives each figure's median and range over the runs.
     #[arg(long, default_value_t = 1)]
@@ -278,6 +283,12 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
             "--engine runs aggregated engines with the replay's own client and one router"
         );
         config.engines.specs = args.engines.clone();
+        config.engines.floor = args
+            .engine_floor
+            .as_deref()
+            .map(switchyard::replay::floor::Measured::parse)
+            .transpose()
+            .map_err(anyhow::Error::msg)?;
         config.workers = args.engines.len();
     }
     anyhow::ensure!(

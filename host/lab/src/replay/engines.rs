@@ -16,10 +16,12 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 /// The engines, as `serve --worker` takes them (`URL` or `URL#kv_events=...`).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Engines {
     /// One spec per engine.
     pub specs: Vec<String>,
+    /// Their measured timing, for the oracle floor of TTFT (`--engine-floor`).
+    pub floor: Option<super::floor::Measured>,
 }
 
 /// What an engine's counters said at one moment.

@@ -22,6 +22,43 @@ pub fn oracle_ttft(never_seen: u64, engine: &EngineConfig) -> f64 {
     us / 1e6
 }
 
+/// Real engines' floor, from their measured timing (`tools/engine-stage.py`, idle, one
+/// request at a time): a request whose prompt was all seen before costs `fixed_s` (the
+/// cached prefill, its last token computed), and every never-seen token `per_token_s`
+/// more (the cold prefill's cost over the cached one's, per token).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Measured {
+    /// A request whose prompt was all seen before, seconds.
+    pub fixed_s: f64,
+    /// Each never-seen token, seconds.
+    pub per_token_s: f64,
+}
+
+impl Measured {
+    /// Reads `FIXED_MS,MS_PER_1K_TOKENS` (both finite, not negative).
+    pub fn parse(text: &str) -> Result<Measured, String> {
+        let bad =
+            || format!("--engine-floor {text:?}: want FIXED_MS,MS_PER_1K_TOKENS (e.g. 9.4,9.5)");
+        let (a, b) = text.split_once(',').ok_or_else(bad)?;
+        let num = |s: &str| {
+            s.trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|x| x.is_finite() && *x >= 0.0)
+                .ok_or_else(bad)
+        };
+        Ok(Measured {
+            fixed_s: num(a)? / 1e3,
+            per_token_s: num(b)? / 1e6,
+        })
+    }
+
+    /// The floor of a request with `never_seen` tokens no earlier request had, seconds.
+    pub fn ttft(&self, never_seen: u64) -> f64 {
+        self.fixed_s + self.per_token_s * never_seen as f64
+    }
+}
+
 /// A run's time to first token over its floor: the mean of the requests served over the
 /// mean of their floors, and the same for the 99th percentiles; `None` without floors
 /// (engines whose timing the lab does not know).
@@ -61,6 +98,16 @@ mod tests {
             max_model_len: None,
             eos_period: 0,
             stream_interval: 1,
+        }
+    }
+
+    #[test]
+    fn a_measured_floor_reads_and_prices_never_seen_tokens() {
+        let m = Measured::parse("9.5, 10").unwrap();
+        assert!((m.ttft(0) - 0.0095).abs() < 1e-12);
+        assert!((m.ttft(2000) - 0.0295).abs() < 1e-12);
+        for bad in ["", "9", "a,1", "1,-1", "NaN,1", "1,inf"] {
+            assert!(Measured::parse(bad).is_err(), "{bad}");
         }
     }
 

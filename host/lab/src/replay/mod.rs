@@ -100,7 +100,8 @@ pub struct PolicyRun {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub telemetry: Option<telemetry::Telemetry>,
     /// Each request's oracle floor of TTFT (simulated seconds), in trace order, where the
-    /// lab knows the engines' timing (its mock workers); empty otherwise.
+    /// lab knows the engines' timing (its mock workers, or `--engine-floor`); empty
+    /// otherwise.
     #[serde(skip)]
     pub floors: Arc<Vec<f64>>,
 }
@@ -173,15 +174,20 @@ pub async fn run(config: &ReplayConfig) -> Result<(Vec<PolicyRun>, Bounds, usize
         infinite: trace::infinite_cache_bound(&views),
         capacity: trace::lru_cache_bound(&views, capacity),
     };
-    // The floor on the lab's own workers (real engines' timing is theirs to measure).
-    let floors: Arc<Vec<f64>> = Arc::new(if config.engines.specs.is_empty() {
-        trace::never_seen_tokens(&views)
-            .into_iter()
-            .map(|n| floor::oracle_ttft(n, &config.engine))
-            .collect()
-    } else {
-        Vec::new()
-    });
+    // The floor on the lab's own workers, or on real engines whose timing was measured.
+    let floors: Arc<Vec<f64>> = Arc::new(
+        match (config.engines.specs.is_empty(), config.engines.floor) {
+            (true, _) => trace::never_seen_tokens(&views)
+                .into_iter()
+                .map(|n| floor::oracle_ttft(n, &config.engine))
+                .collect(),
+            (false, Some(m)) => trace::never_seen_tokens(&views)
+                .into_iter()
+                .map(|n| m.ttft(n))
+                .collect(),
+            (false, None) => Vec::new(),
+        },
+    );
     let count = reqs.len();
     let reqs = Arc::new(reqs);
     let mut runs = Vec::new();

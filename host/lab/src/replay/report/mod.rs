@@ -189,21 +189,33 @@ pub fn spread_table(runs: &[PolicyRun], slo: Slo) -> Option<String> {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| router | runs | failed | TTFT mean | TTFT p90 | E2E mean | throughput | hit rate |"
+        "| router | runs | failed | goodput | TTFT mean | TTFT p90 | TTFT p99 | TTFT / floor: mean, p99 | E2E mean | throughput | hit rate |"
     );
     let _ = writeln!(
         s,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     for (name, m) in groups {
         let pick = |f: &dyn Fn(&Summary) -> f64| m.iter().map(f).collect::<Vec<f64>>();
+        let floor = if m.iter().all(|x| x.floor.is_some()) {
+            let at = |k: usize| pick(&|x| x.floor.map_or(f64::NAN, |f| f[k]));
+            format!(
+                "{}, {}",
+                spread(&mut at(0), 1.0, 2, "×"),
+                spread(&mut at(1), 1.0, 2, "×")
+            )
+        } else {
+            "-".to_string()
+        };
         let _ = writeln!(
             s,
-            "| {name} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {name} | {} | {} | {} | {} | {} | {} | {floor} | {} | {} | {} |",
             m.len(),
             m.iter().map(|x| x.failed).sum::<usize>(),
+            spread(&mut pick(&|x| x.goodput), 100.0, 1, "%"),
             spread(&mut pick(&|x| x.ttft[0]), 1e3, 0, "ms"),
             spread(&mut pick(&|x| x.ttft[2]), 1e3, 0, "ms"),
+            spread(&mut pick(&|x| x.ttft[3]), 1e3, 0, "ms"),
             spread(&mut pick(&|x| x.e2e[0]), 1.0, 2, "s"),
             spread(&mut pick(&|x| x.throughput), 1.0, 2, "req/s"),
             spread(&mut pick(&|x| x.hit_rate), 100.0, 1, "%"),
