@@ -433,6 +433,19 @@ async fn a_kubeconfig_names_the_server_the_user_and_the_namespace() {
         !out.status.success() && said.contains("no context `nope`"),
         "{said}"
     );
+    // A CA file beside a kubeconfig, whose cluster names its own, is refused, not
+    // ignored.
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args(["serve", "--model", "mock", "--kube-selector", "app=mock"])
+        .args(["--kubeconfig", config.to_str().unwrap()])
+        .args(["--kube-ca-file", config.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("give one or the other"),
+        "{said}"
+    );
 }
 
 /// A watch from a resource version the API server no longer holds (its storage

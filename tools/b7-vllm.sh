@@ -87,11 +87,13 @@ floor=$(sed -n 's/^oracle floor: --engine-floor //p' <<< "$stage")
 
 serve="$sy serve --listen 127.0.0.1:{port} {worker_args} --model replay --block-size 32 --tokenizer $tokenizer"
 routers=(--router "switchyard kv-cost=$serve --policy kv-cost")
-# B7_SWITCHYARD="FLAGS": also Switchyard with these serve flags (e.g. a faster
-# --engine-metrics-ms); B7_PEERS (sglang-router,smg,vllm-router) says which peers run.
-if [ -n "${B7_SWITCHYARD:-}" ]; then
-    routers+=(--router "switchyard kv-cost, $B7_SWITCHYARD=$serve --policy kv-cost $B7_SWITCHYARD")
-fi
+# B7_SWITCHYARD="FLAGS[;FLAGS...]": also Switchyard with these serve flags, one router a
+# set (e.g. a faster --engine-metrics-ms); B7_PEERS (sglang-router,smg,vllm-router) says
+# which peers run.
+IFS=';' read -ra variants <<< "${B7_SWITCHYARD:-}"
+for flags in "${variants[@]}"; do
+    [ -n "${flags// }" ] && routers+=(--router "switchyard kv-cost, $flags=$serve --policy kv-cost $flags")
+done
 peers=",${B7_PEERS:-sglang-router,smg,vllm-router},"
 [[ $peers == *,sglang-router,* ]] && routers+=(--router "sglang-router cache_aware=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware")
 [[ $peers == *,smg,* ]] && routers+=(--router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware")

@@ -292,7 +292,12 @@ fn pod_events(annotations: &Value) -> Option<PodEvents> {
         }))
     };
     checked().unwrap_or_else(|why| {
-        tracing::warn!(%why, "a pod's KV event annotations are left out");
+        // Read again at every event of the pod: said the first times, then now and then.
+        static SAID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SAID.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if n <= 10 || n.is_multiple_of(1000) {
+            tracing::warn!(%why, times = n, "a pod's KV event annotations are left out");
+        }
         None
     })
 }

@@ -158,6 +158,15 @@ fn connection(
         (None, None, None) => default_kubeconfig(),
     };
     if let Some(path) = kubeconfig {
+        if let Some(ca) = &ca_file {
+            // The kubeconfig's cluster names the CA the server is trusted by: a second
+            // one beside it would be either ignored or a silent change of trust.
+            return Err(ConfigError(format!(
+                "--kube-ca-file {} with the kubeconfig {}: its cluster names the server's CA (certificate-authority); give one or the other",
+                ca.display(),
+                path.display()
+            )));
+        }
         let (server, token, tls, ns) = from_kubeconfig(&path, context.as_deref())?;
         let token = token_file.map(Token::File).or(token);
         let namespace = namespace.or(ns).unwrap_or_else(|| "default".into());
