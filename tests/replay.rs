@@ -368,6 +368,9 @@ async fn running_engines_are_emptied_before_each_router_and_read_from_their_coun
             "2",
             "--router-logs",
             dir.path().join("logs").to_str().unwrap(),
+            // The engines' measured prices: the oracle floor of TTFT on them.
+            "--engine-floor",
+            "2,1",
         ]
         .map(String::from),
     );
@@ -415,9 +418,21 @@ async fn running_engines_are_emptied_before_each_router_and_read_from_their_coun
         );
     }
     assert!(stdout.contains("Over 2 rounds"), "{stdout}");
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("| sy | 2 | 0 |"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    // TTFT over the floor, each run's at least 1 (no router beats the floor).
+    let floor: Vec<f64> = row
+        .split('|')
+        .nth(8)
+        .unwrap()
+        .split(['(', '–', ')', ',', '×'])
+        .filter_map(|x| x.trim().parse().ok())
+        .collect();
     assert!(
-        stdout.lines().any(|l| l.starts_with("| sy | 2 | 0 |")),
-        "{stdout}"
+        !floor.is_empty() && floor.iter().all(|r| *r >= 1.0),
+        "{row}"
     );
     drop(engines);
 }
