@@ -12,7 +12,8 @@
 //!    the engine evicts) and reads their load from `/metrics`, and learns their latency
 //!    from it and from whole answers;
 //! 3. the two engines as a prefill and a decode worker (vLLM's `NixlConnector`): split
-//!    requests answer as whole ones, `min_tokens` included;
+//!    requests answer as whole ones, `min_tokens` included, and a streamed one whose
+//!    decode leg the router asked for token IDs shows the client none;
 //! 4. a greedy streaming chat with no `max_tokens` whose engine is killed -9 mid-answer
 //!    is as long as the uninterrupted answer, with the same text, one finish and one
 //!    `[DONE]`: continued at the token level from the IDs the router asked the engine
@@ -353,9 +354,23 @@ async fn disaggregated(c: &HttpClient, a: &Vllm, b: &Vllm, tokenizer: &str) {
         assert_eq!(text, words[..8].concat(), "the answer a whole engine gives");
         assert_eq!(v["usage"]["completion_tokens"], 8);
     }
+    // Streamed, the decode leg is asked for token IDs (its stream may be migrated): the
+    // client gets the answer a whole engine gives, and none of the IDs.
+    let system: String = (0..200)
+        .map(|k| words[(k * 3 + 2) % words.len()].as_str())
+        .collect();
+    let body = json!({"model": MODEL, "temperature": 0, "max_tokens": 8, "stream": true,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "go on"}]});
+    let got = answer(&stream(c, &url, &body, usize::MAX, || {}).await);
+    assert_eq!(
+        got.text,
+        words[..8].concat(),
+        "the answer a whole engine gives"
+    );
+    assert_eq!((got.ids.len(), got.prompt_ids, got.dones), (0, 0, 1));
     assert_eq!(
         common::router::metric(c, &url, "switchyard_split_requests_total", "").await,
-        2.0
+        3.0
     );
     assert_eq!(
         common::router::metric(c, &url, "switchyard_prefill_leg_failures_total", "").await,
