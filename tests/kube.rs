@@ -417,35 +417,22 @@ async fn a_kubeconfig_names_the_server_the_user_and_the_namespace() {
         .await;
         served(&c, &url, 2, context).await;
     }
-    // A context that does not exist stops the router at start, naming it.
-    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
-        .args(["serve", "--model", "mock", "--kube-selector", "app=mock"])
-        .args([
-            "--kubeconfig",
-            config.to_str().unwrap(),
-            "--kube-context",
-            "nope",
-        ])
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && said.contains("no context `nope`"),
-        "{said}"
-    );
-    // A CA file beside a kubeconfig, whose cluster names its own, is refused, not
-    // ignored.
-    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
-        .args(["serve", "--model", "mock", "--kube-selector", "app=mock"])
-        .args(["--kubeconfig", config.to_str().unwrap()])
-        .args(["--kube-ca-file", config.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && said.contains("give one or the other"),
-        "{said}"
-    );
+    // The router with this kubeconfig and `extra` stops at start, saying `why`.
+    let config = config.to_str().unwrap();
+    let refused = |extra: &[&str], why: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+            .args(["serve", "--model", "mock", "--kube-selector", "app=mock"])
+            .args(["--kubeconfig", config])
+            .args(extra)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && said.contains(why), "{said}");
+    };
+    // A context that does not exist, named.
+    refused(&["--kube-context", "nope"], "no context `nope`");
+    // A CA file beside a kubeconfig, whose cluster names its own: refused, not ignored.
+    refused(&["--kube-ca-file", config], "give one or the other");
 }
 
 /// A watch from a resource version the API server no longer holds (its storage

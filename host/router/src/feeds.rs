@@ -2,6 +2,7 @@
 //! subscribers, load reports, context lengths, and the cached prefixes workers report in
 //! their answers (which show a tokenizer that differs from theirs).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -191,36 +192,28 @@ impl KvRouter {
         Some(self.context_len.load(Ordering::Relaxed)).filter(|n| *n > 0)
     }
 
-    /// `worker`'s `/v1/models` answer: its context length, and whether it is vLLM.
+    /// `worker`'s `/v1/models` answer: its context length (an answer without one keeps
+    /// the last known), and whether it is vLLM.
     pub(crate) fn note_models(&self, worker: InstanceId, models: Models) {
-        if let Some(tokens) = models.context {
-            self.set_context_len(worker, Some(tokens));
-        }
-        let mut vllm = self.vllm_workers.lock();
-        if models.vllm {
-            vllm.insert(worker);
-        } else {
-            vllm.remove(&worker);
-        }
-        drop(vllm);
+        let mut all = self.models.lock();
+        let known = all.entry(worker).or_default();
+        known.context = models.context.or(known.context);
+        known.vllm = models.vllm;
+        self.store_longest_context(&all);
+        drop(all);
         self.fence(worker);
     }
 
     /// `worker` is vLLM, by its `/v1/models`: it streams token IDs when asked
     /// (`return_token_ids`).
     pub fn streams_token_ids(&self, worker: InstanceId) -> bool {
-        self.vllm_workers.lock().contains(&worker)
+        self.models.lock().get(&worker).is_some_and(|m| m.vllm)
     }
 
-    /// Records (or, with `None`, forgets) `worker`'s context length and the longest.
-    pub(crate) fn set_context_len(&self, worker: InstanceId, tokens: Option<u64>) {
-        let mut lens = self.context_lens.lock();
-        match tokens {
-            Some(n) => lens.insert(worker, n),
-            None => lens.remove(&worker),
-        };
-        self.context_len
-            .store(lens.values().copied().max().unwrap_or(0), Ordering::Relaxed);
+    /// The longest context of the workers' `/v1/models`, for every request to read.
+    fn store_longest_context(&self, all: &HashMap<InstanceId, Models>) {
+        let longest = all.values().filter_map(|m| m.context).max().unwrap_or(0);
+        self.context_len.store(longest, Ordering::Relaxed);
     }
 
     /// Forgets a worker that discovery removed.
@@ -231,8 +224,10 @@ impl KvRouter {
         drop(index);
         self.views.write().remove(&worker);
         self.capacities.lock().remove(&worker);
-        self.set_context_len(worker, None);
-        self.vllm_workers.lock().remove(&worker);
+        let mut models = self.models.lock();
+        models.remove(&worker);
+        self.store_longest_context(&models);
+        drop(models);
         self.load.lock().forget_report(worker);
         self.quality.forget(worker);
     }

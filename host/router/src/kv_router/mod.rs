@@ -20,6 +20,7 @@ use shadow::{Shadow, ShadowSeries, ShadowStatus};
 use switchyard_discovery::EndpointPath;
 use switchyard_ids::{BlockHash, InstanceId, RequestId, Role};
 use switchyard_kv::approx::ApproxIndex;
+use switchyard_kv::engine_metrics::Models;
 use switchyard_kv::events::KvEvent;
 use switchyard_kv::hash::BlockHasher;
 use switchyard_kv::index::OverlapIndex;
@@ -57,12 +58,10 @@ pub struct KvRouter {
     pub(crate) views: RwLock<std::collections::HashMap<InstanceId, ViewStatus>>,
     /// Workers' KV cache sizes in blocks, where their load reports say.
     pub(crate) capacities: Mutex<std::collections::HashMap<InstanceId, u64>>,
-    /// Workers' context lengths (`max_model_len` of their `/v1/models`), and the
-    /// longest of them (0: none known), read by every request.
-    pub(crate) context_lens: Mutex<std::collections::HashMap<InstanceId, u64>>,
+    /// What each worker's `/v1/models` said (its context length, whether it is vLLM),
+    /// and the longest context of them (0: none known), read by every request.
+    pub(crate) models: Mutex<std::collections::HashMap<InstanceId, Models>>,
     pub(crate) context_len: AtomicU64,
-    /// Workers whose `/v1/models` names vLLM (they stream token IDs when asked).
-    pub(crate) vllm_workers: Mutex<std::collections::HashSet<InstanceId>>,
     pub(crate) scrape_stats: metrics_scraper::ScrapeStats,
     pub(crate) quality: DecisionQuality,
     /// The candidate policy deciding beside the live one, if any.
@@ -110,9 +109,8 @@ impl KvRouter {
             event_stats: subscriber::EventStats::default(),
             views: RwLock::new(std::collections::HashMap::new()),
             capacities: Mutex::new(std::collections::HashMap::new()),
-            context_lens: Mutex::new(std::collections::HashMap::new()),
+            models: Mutex::new(std::collections::HashMap::new()),
             context_len: AtomicU64::new(0),
-            vllm_workers: Mutex::new(std::collections::HashSet::new()),
             scrape_stats: metrics_scraper::ScrapeStats::default(),
             quality: DecisionQuality::default(),
             shadow: ArcSwapOption::empty(),

@@ -58,8 +58,8 @@ pub(super) fn with_token_ids(body: &Bytes) -> Option<Bytes> {
 }
 
 /// `data` (an event's JSON) without the token IDs (the prompt's at its top, [`TAKEN`] in
-/// each of its choices when they are all objects); `None` when it has none to take or is not an object, and is sent as
-/// it came.
+/// each of its choices when they are all objects); `None` when it has none to take or
+/// is not an object, and is sent as it came.
 pub fn strip_token_ids(data: &str) -> Option<String> {
     let Members(top) = serde_json::from_str(data).ok()?;
     let mut out = String::with_capacity(data.len());
