@@ -347,6 +347,18 @@ async fn running_engines_are_emptied_before_each_router_and_read_from_their_coun
     let dir = tempfile::tempdir().unwrap();
     // Four requests sharing a two-block prefix, half a second apart.
     let trace = shared_prefix_trace(dir.path(), 500);
+    // The engines' measured prices without running engines: refused, not ignored.
+    let out = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .arg("replay")
+        .arg(&trace)
+        .args(["--engine-floor", "2,1"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("--engine-floor prices running engines"),
+        "{said}"
+    );
     let mut engines = Vec::new();
     let mut args: Vec<String> = Vec::new();
     for _ in 0..2 {

@@ -273,6 +273,10 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     }
     config.workers = args.workers.max(1);
     config.rounds = args.rounds.max(1);
+    anyhow::ensure!(
+        args.engine_floor.is_none() || !args.engines.is_empty(),
+        "--engine-floor prices running engines: give it with --engine (the mock workers' floor comes from their own timing)"
+    );
     if !args.engines.is_empty() {
         anyhow::ensure!(
             config.policies.is_empty() && !config.routers.is_empty(),
