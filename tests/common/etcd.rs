@@ -1,7 +1,7 @@
 //! A real etcd server for a test: free loopback ports, a temporary data directory,
 //! stopped (and its directory removed) when dropped.
 
-use std::net::TcpListener;
+use super::procs::free_port;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -13,14 +13,6 @@ pub struct Etcd {
     dir: tempfile::TempDir,
     /// With TLS on the client port: the server's certificate and key, and its CA.
     tls: Option<(PathBuf, PathBuf, PathBuf)>,
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 impl Etcd {
