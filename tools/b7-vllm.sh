@@ -16,7 +16,7 @@
 #
 # B7_KV_BLOCKS (160) sets each engine's cache in 32-token blocks, B7_MAX_OUTPUT (48) the
 # longest answer, B7_ROUNDS (3) the rounds; B7_SWITCHYARD and B7_PEERS (below) choose
-# the routers; B7_LOADS (e.g. "0.5 1 1.5") runs them at those shares of the fleet's
+# the routers (B7_BEFORE another build beside this one); B7_LOADS (e.g. "0.5 1 1.5") runs them at those shares of the fleet's
 # measured capacity instead of the trace's own pace (below). The stage's prices give the
 # oracle floor of TTFT (`--engine-floor`), each router's TTFT read as a ratio to it. Every prompt must fit the engines' context
 # (4,096 tokens of the tiny model's tokenizer).
@@ -94,6 +94,11 @@ IFS=';' read -ra variants <<< "${B7_SWITCHYARD:-}"
 for flags in "${variants[@]}"; do
     [ -n "${flags// }" ] && routers+=(--router "switchyard kv-cost, $flags=$serve --policy kv-cost $flags")
 done
+# B7_BEFORE=BIN: also another build of Switchyard (the release before a change) on the
+# same flags, as "switchyard kv-cost, before".
+if [ -n "${B7_BEFORE:-}" ]; then
+    routers+=(--router "switchyard kv-cost, before=${serve/#$sy/$B7_BEFORE} --policy kv-cost")
+fi
 peers=",${B7_PEERS:-sglang-router,smg,vllm-router},"
 [[ $peers == *,sglang-router,* ]] && routers+=(--router "sglang-router cache_aware=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware")
 [[ $peers == *,smg,* ]] && routers+=(--router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware")
