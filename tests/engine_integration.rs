@@ -108,7 +108,12 @@ async fn engine_load_is_read_from_the_workers_metrics_page() {
         Arc::new(HttpHealthCheck::new(Duration::from_secs(1))),
     );
     let gone = InstanceId(8);
-    // One worker serving vLLM's gauges, one whose address answers nothing.
+    // A worker that answers, but with no engine's gauges (not an engine).
+    let plain = common::health::HealthServer::start().await;
+    plain
+        .healthy
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    // One worker serving vLLM's gauges, one whose address answers nothing, one plain.
     client.apply(DiscoveryUpdate::Reset(vec![
         instance(W, worker.url(), None),
         instance(
@@ -116,8 +121,10 @@ async fn engine_load_is_read_from_the_workers_metrics_page() {
             format!("http://127.0.0.1:{}", common::procs::free_port()),
             None,
         ),
+        instance(InstanceId(9), plain.url(), None),
     ]));
     let router = common::kv::kv_cost_router(client, BLOCK);
+    let started = std::time::Instant::now();
     switchyard::router::metrics_scraper::spawn(&router, Duration::from_millis(50));
     eventually("the scraped load", || {
         router
@@ -129,24 +136,27 @@ async fn engine_load_is_read_from_the_workers_metrics_page() {
     assert_eq!(router.known_capacity(W), Some(777));
     let (c, _) = router.candidates(&[], &[]);
     assert_eq!(c.row(c.position(W).unwrap()).kv_usage, Some(0.0));
-    eventually("the failed scrape counted", || {
+    // The worker that answers nothing (a busy or restarting engine) is asked again soon,
+    // not after the 30 s a non-engine waits: at doubling waits (50, 100, 200 ms...).
+    let failed = || {
         router
             .scrape_stats()
             .failed
             .load(std::sync::atomic::Ordering::Relaxed)
-            >= 1
-    })
-    .await;
-    // Asked again only after a quiet period, not every 50 ms.
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    assert_eq!(
-        router
-            .scrape_stats()
-            .failed
-            .load(std::sync::atomic::Ordering::Relaxed),
-        1
-    );
+    };
+    eventually("the unreachable worker asked four times", || failed() >= 5).await;
+    tokio::time::sleep(Duration::from_millis(1200).saturating_sub(started.elapsed())).await;
+    // Not every 50 ms either (24 ticks by now): its attempts at 0, 50, 150, 350 and
+    // 750 ms, and the plain worker's one.
+    let n = failed();
+    assert!(n <= 7, "{n} failed scrapes in {:?}", started.elapsed());
     assert!(router.load_of(gone).reported.is_none());
+    // The plain worker's page was read once and is not asked for again so soon (its
+    // `/v1/models` read aside).
+    assert!(
+        plain.hits.load(std::sync::atomic::Ordering::SeqCst) <= 2,
+        "a page without gauges asked for again"
+    );
 }
 
 /// The engine renders chats with the model's template. A router given the same template

@@ -202,6 +202,9 @@ async fn context_and_errors(c: &HttpClient, url: &str) {
             "a bad request is not a bad worker: {i}"
         );
     }
+    // The engines' own pages give their load (vLLM's gauges, as this vLLM writes them).
+    let read = metric(c, url, "switchyard_engine_pages_total", "result=\"read\"").await;
+    assert!(read >= 1.0, "no engine /metrics page read");
 }
 
 /// Conversations' second turns go to the engine that holds their first: the engines'

@@ -2,8 +2,11 @@
 //! stream (which carries load reports) has its Prometheus `/metrics` read at an interval,
 //! and the engine's running/waiting requests and KV usage become its reported load
 //! (`kv::engine_metrics`). So a router sees load that other routers or clients put on a
-//! worker. A worker whose page has none of the engines' gauges, or cannot be read, is
-//! asked again only after [`QUIET_RETRY`]; one scrape never waits longer than
+//! worker. A worker whose page has none of the engines' gauges (not an engine) is asked
+//! again only after [`QUIET_RETRY`]; one whose page could not be read (a timeout, a
+//! refused connection, an error status: a busy or restarting engine, whose load matters
+//! most then) is asked again after a backoff that doubles from the interval up to
+//! [`QUIET_RETRY`], and a page read resets it. One scrape never waits longer than
 //! [`SCRAPE_TIMEOUT`]. Every available worker's `/v1/models` is also read, once and then
 //! every [`MODELS_EVERY`], for its context length (`max_model_len`: the endpoint's
 //! longest is the most prompt tokens a request to it may have) and its engine (a vLLM
@@ -25,7 +28,8 @@ use switchyard_kv::engine_metrics;
 
 /// Longest a scrape may take.
 pub const SCRAPE_TIMEOUT: Duration = Duration::from_secs(1);
-/// A worker whose metrics could not be used is scraped again after this long.
+/// A worker whose page has no engine gauges is scraped again after this long; the
+/// longest backoff of one whose page could not be read.
 pub const QUIET_RETRY: Duration = Duration::from_secs(30);
 /// Largest `/metrics` page read.
 const MAX_PAGE: usize = 4 << 20;
@@ -43,12 +47,32 @@ pub struct ScrapeStats {
     pub failed: AtomicU64,
 }
 
+/// Why a worker's load could not be read from its page.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Unusable {
+    /// The page was read and has none of the engines' gauges (or there is none: 404):
+    /// not an engine, asked again after [`QUIET_RETRY`].
+    NotEngine(String),
+    /// The page could not be read: asked again after a backoff.
+    Unread(String),
+}
+
+/// When a worker whose page could not be read `failures` times in a row is asked
+/// again: the interval, doubled for each failure after the first, at most
+/// [`QUIET_RETRY`].
+fn backoff(interval: Duration, failures: u32) -> Duration {
+    let doubled = interval.saturating_mul(1 << failures.saturating_sub(1).min(16));
+    doubled.min(QUIET_RETRY)
+}
+
 /// Scrapes `router`'s workers every `interval` until the router is dropped.
 pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHandle<()> {
     let weak = Arc::downgrade(router);
     let http = super::background_http(&router.config.tls, SCRAPE_TIMEOUT);
     tokio::spawn(async move {
         let mut quiet_until: HashMap<InstanceId, Instant> = HashMap::new();
+        // Pages not read in a row, by worker (reset by a page read).
+        let mut unread: HashMap<InstanceId, u32> = HashMap::new();
         // When each worker's `/v1/models` was last read (every worker, NDJSON or not).
         let mut models_read: HashMap<InstanceId, Instant> = HashMap::new();
         let mut tick = tokio::time::interval(interval);
@@ -59,6 +83,7 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
             let snap = router.client().snapshot();
             let now = Instant::now();
             quiet_until.retain(|id, until| snap.instances.contains_key(id) && *until > now);
+            unread.retain(|id, _| snap.instances.contains_key(id));
             models_read.retain(|id, at| {
                 snap.instances.contains_key(id) && now.duration_since(*at) < MODELS_EVERY
             });
@@ -107,13 +132,26 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
                     Ok(found) => {
                         router.scrape_stats.ok.fetch_add(1, Ordering::Relaxed);
                         router.report_engine_load(id, found.load, found.size_known);
+                        unread.remove(&id);
                     }
                     Err(why) => {
                         let n = router.scrape_stats.failed.fetch_add(1, Ordering::Relaxed) + 1;
+                        let (after, why) = match why {
+                            Unusable::NotEngine(why) => (QUIET_RETRY, why),
+                            Unusable::Unread(why) => {
+                                let k = unread.entry(id).or_default();
+                                *k = k.saturating_add(1);
+                                (backoff(interval, *k), why)
+                            }
+                        };
                         if n <= 10 || n.is_multiple_of(1000) {
-                            tracing::debug!(instance = %id, why, "engine metrics not usable; asking again in {QUIET_RETRY:?}");
+                            tracing::debug!(instance = %id, why, "engine metrics not usable; asking again in {after:?}");
                         }
-                        quiet_until.insert(id, Instant::now() + QUIET_RETRY);
+                        // The next tick after the backoff: a wait of one interval is
+                        // no wait.
+                        if after > interval {
+                            quiet_until.insert(id, Instant::now() + after - interval);
+                        }
                     }
                 }
             }
@@ -126,32 +164,58 @@ async fn fetch(
     http: &HttpClient<Connector, Empty<Bytes>>,
     url: &str,
     max: usize,
-) -> Result<Bytes, String> {
-    let uri: hyper::Uri = url.parse().map_err(|e| format!("bad URL: {e}"))?;
+) -> Result<Bytes, Unusable> {
+    let unread = |e: String| Unusable::Unread(e);
+    let uri: hyper::Uri = url
+        .parse()
+        .map_err(|e| Unusable::NotEngine(format!("bad URL: {e}")))?;
     let read = async {
-        let response = http.get(uri).await.map_err(|e| e.to_string())?;
-        if !response.status().is_success() {
-            return Err(format!("HTTP {}", response.status()));
+        let response = http.get(uri).await.map_err(|e| unread(e.to_string()))?;
+        match response.status() {
+            s if s.is_success() => {}
+            hyper::StatusCode::NOT_FOUND => return Err(Unusable::NotEngine("HTTP 404".into())),
+            s => return Err(unread(format!("HTTP {s}"))),
         }
         let body = Limited::new(response.into_body(), max)
             .collect()
             .await
-            .map_err(|e| e.to_string())?
+            .map_err(|e| unread(e.to_string()))?
             .to_bytes();
         Ok(body)
     };
     tokio::time::timeout(SCRAPE_TIMEOUT, read)
         .await
-        .map_err(|_| format!("timed out after {SCRAPE_TIMEOUT:?}"))?
+        .map_err(|_| unread(format!("timed out after {SCRAPE_TIMEOUT:?}")))?
 }
 
 async fn scrape(
     http: &HttpClient<Connector, Empty<Bytes>>,
     url: &str,
     block_size: u32,
-) -> Result<engine_metrics::EngineLoad, String> {
+) -> Result<engine_metrics::EngineLoad, Unusable> {
     let body = fetch(http, url, MAX_PAGE).await?;
-    let text = std::str::from_utf8(&body).map_err(|_| "not UTF-8".to_string())?;
+    let text = std::str::from_utf8(&body).map_err(|_| Unusable::NotEngine("not UTF-8".into()))?;
     engine_metrics::parse(text, block_size)
-        .ok_or_else(|| "no vLLM or SGLang load gauges".to_string())
+        .ok_or_else(|| Unusable::NotEngine("no vLLM or SGLang load gauges".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A page not read is asked for again at the next tick, then at doubling waits up
+    /// to the quiet retry; never sooner than the interval, never later than the quiet
+    /// retry, however many times in a row (and the shift never overflows).
+    #[test]
+    fn an_unread_page_backs_off_from_the_interval_to_the_quiet_retry() {
+        let s = Duration::from_secs;
+        let waits: Vec<_> = (1..=7).map(|k| backoff(s(1), k)).collect();
+        assert_eq!(waits, [s(1), s(2), s(4), s(8), s(16), s(30), s(30)]);
+        assert_eq!(backoff(s(1), u32::MAX), QUIET_RETRY);
+        assert_eq!(
+            backoff(Duration::from_millis(250), 1),
+            Duration::from_millis(250)
+        );
+        assert_eq!(backoff(s(60), 1), QUIET_RETRY, "an interval past it");
+    }
 }

@@ -298,6 +298,18 @@ impl Scrape {
         )?;
         counters(
             e,
+            "engine_pages",
+            "Engines' /metrics pages read for their load, by result: read, or failed (not read in time, an error status, no engine gauges on it)",
+            per_router(rs, |r| {
+                let s = r.scrape_stats();
+                by(
+                    "result",
+                    [("read", load(&s.ok)), ("failed", load(&s.failed))],
+                )
+            }),
+        )?;
+        counters(
+            e,
             "unpredicted_cache_hits",
             "Responses whose worker reported a cached prefix the router had not predicted on that worker (many: tokenization differs)",
             per_router(rs, |r| vec![(vec![], r.unpredicted_cache_hits())]),
