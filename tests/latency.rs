@@ -102,6 +102,12 @@ async fn whole_answers_below_capacity_wait_in_no_queue_and_teach_the_model() {
             "the model took answers for prefills: {m}"
         );
         assert!(m["error"]["e2e"]["predictions"].as_u64() > Some(0), "{m}");
+        // The view shows the latest predictions beside what happened.
+        let recent = m["recent"].as_array().unwrap();
+        let last = recent.last().expect("predictions beside what happened");
+        assert_eq!(last["of"], "e2e", "{last}");
+        assert!(last["observed_ms"].as_f64() > Some(100.0), "{last}");
+        assert!(last["predicted_ms"].is_number(), "{last}");
     }
     assert!(
         metric(

@@ -22,7 +22,7 @@
 //! ends its first token is inferred from its duration and tokens (see [`Watch`]).
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::Keyed;
@@ -161,9 +161,30 @@ struct Worker {
     /// yet predicted to have come).
     awaiting: u32,
     model: LatencyModel,
+    /// The last [`RECENT`] predictions beside what happened.
+    recent: VecDeque<Compared>,
 }
 
 impl Worker {
+    /// Keeps a prediction beside what happened, forgetting the oldest past [`RECENT`].
+    fn compared(
+        &mut self,
+        of: &'static str,
+        b: &Booking,
+        predicted: Option<Duration>,
+        observed: Duration,
+    ) {
+        if self.recent.len() >= RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(Compared {
+            of,
+            features: b.features,
+            predicted,
+            observed,
+        });
+    }
+
     /// What a decode on the worker runs beside now.
     fn beside(&self, now: Instant, report_ttl: Duration) -> Beside {
         Beside {
@@ -237,6 +258,23 @@ struct Booking {
 /// Longest a whole answer's prompt counts as pending after its booking when its first
 /// token is predicted later still: past it the prediction is taken to be wrong.
 const MAX_DUE: Duration = Duration::from_secs(60);
+
+/// Predictions each worker keeps beside what happened, for its view.
+pub const RECENT: usize = 16;
+
+/// A prediction beside what happened.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Compared {
+    /// What was predicted: `ttft` (a first token seen), `tpot` (a stream's time per
+    /// token), `e2e` (a whole answer's duration).
+    pub of: &'static str,
+    /// What the router knew of the worker when it booked the request.
+    pub features: Features,
+    /// The prediction then (`None`: unknown).
+    pub predicted: Option<Duration>,
+    /// What happened.
+    pub observed: Duration,
+}
 
 /// How long a worker's report counts by default.
 pub const REPORT_TTL: Duration = Duration::from_secs(5);
@@ -443,6 +481,7 @@ impl LoadTracker {
             if b.handoff != Handoff::Awaits {
                 let ttft = now.saturating_duration_since(b.booked_at);
                 w.model.learn_ttft(b.features, ttft, b.predicted.ttft);
+                w.compared("ttft", b, b.predicted.ttft, ttft);
             }
         }
         if let Handoff::Leads(decode) = b.handoff {
@@ -466,10 +505,12 @@ impl LoadTracker {
                     let tpot = now.saturating_duration_since(first) / (n - 1);
                     w.model
                         .learn_tpot(Beside::mean(then, beside), tpot, b.predicted.tpot);
+                    w.compared("tpot", b, b.predicted.tpot, tpot);
                 }
                 (Watch::WholeAnswer, _) if b.handoff != Handoff::Awaits => {
                     let e2e = now.saturating_duration_since(b.booked_at);
                     w.model.learn_e2e(e2e, b.predicted.e2e(n));
+                    w.compared("e2e", b, b.predicted.e2e(n), e2e);
                     let at = w.model.predict(Features {
                         in_flight: beside.in_flight as u32,
                         ..b.features
@@ -600,6 +641,14 @@ impl LoadTracker {
             n += 1;
         }
         n as u32
+    }
+
+    /// `worker`'s last [`RECENT`] predictions beside what happened, oldest first.
+    pub fn recent(&self, worker: InstanceId) -> Vec<Compared> {
+        self.workers
+            .get(&worker)
+            .map(|w| w.recent.iter().copied().collect())
+            .unwrap_or_default()
     }
 
     /// Requests currently booked.

@@ -63,6 +63,35 @@ fn the_time_to_first_token_is_learned_from_streams_queued_together() {
         2050 + 550,
         "behind it, 500 tokens of its own"
     );
+    // The view keeps the predictions beside what happened: the first request's was
+    // unknown, the last round's right.
+    let recent = t.recent(w);
+    assert_eq!(recent.len(), 12);
+    assert!(recent.iter().all(|c| c.of == "ttft"));
+    assert_eq!(recent[0].predicted, None);
+    for c in &recent[9..] {
+        let p = c.predicted.expect("known by the last round");
+        assert!(p.abs_diff(c.observed) < ms(1), "{c:?}");
+    }
+}
+
+/// A worker keeps its latest predictions beside what happened, and no more.
+#[test]
+fn a_worker_keeps_only_its_latest_predictions() {
+    let mut t = LoadTracker::default();
+    let w = InstanceId(1);
+    let mut now = Instant::now();
+    for r in 0..(RECENT as u64 + 5) {
+        t.book(RequestId(r), w, &b(&[r]), 100, now, Watch::FirstToken);
+        now += ms(10 + r);
+        t.prefill_done(RequestId(r), now);
+        t.complete(RequestId(r), now, Some(1));
+    }
+    let recent = t.recent(w);
+    assert_eq!(recent.len(), RECENT);
+    assert_eq!(recent[0].observed, ms(15), "the oldest five forgotten");
+    assert_eq!(recent[RECENT - 1].observed, ms(10 + RECENT as u64 + 4));
+    assert!(t.recent(InstanceId(2)).is_empty());
 }
 
 /// A whole (non-streamed) answer's first byte is its end: it is not taken for its first

@@ -79,6 +79,11 @@ impl KvRouter {
         self.load.lock().load(worker, Instant::now())
     }
 
+    /// `worker`'s latest predictions beside what happened, oldest first.
+    pub fn recent_predictions(&self, worker: InstanceId) -> Vec<switchyard_kv::load::Compared> {
+        self.load.lock().recent(worker)
+    }
+
     /// Blocks the index says `worker` holds.
     pub fn cached_blocks(&self, worker: InstanceId) -> usize {
         self.index.read().worker_blocks(worker)

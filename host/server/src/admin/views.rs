@@ -106,7 +106,7 @@ pub(super) fn instances_json(r: &KvRouter) -> Value {
                 "prefill_rate_tokens_per_s": load.prefill_rate().map(|r| r.round()),
                 "expected_wait_ms": load.expected_wait.map(|w| w.as_millis() as u64),
                 "awaiting_first_token": load.awaiting_first,
-                "latency_model": latency_json(&load.latency),
+                "latency_model": latency_json(&load.latency, &r.recent_predictions(*id)),
                 "kv_usage": load.reported.and_then(|l| l.kv_usage()),
                 "cached_blocks": r.cached_blocks(*id),
                 "cache_blocks": r.known_capacity(*id),
@@ -121,7 +121,10 @@ pub(super) fn instances_json(r: &KvRouter) -> Value {
 
 /// A worker's latency model: its coefficients, samples and prediction errors (mean
 /// absolute percentage, with how many predictions each was over).
-fn latency_json(l: &switchyard_kv::load::LatencySummary) -> Value {
+fn latency_json(
+    l: &switchyard_kv::load::LatencySummary,
+    recent: &[switchyard_kv::load::Compared],
+) -> Value {
     let ms = |s: f64| (s * 1e6).round() / 1e3;
     let error = |e: &switchyard_kv::latency::ErrorSum| json!({"mean_abs_pct": e.mean().map(|m| (m * 1e3).round() / 10.0), "predictions": e.count});
     json!({
@@ -137,6 +140,16 @@ fn latency_json(l: &switchyard_kv::load::LatencySummary) -> Value {
             "tpot": error(&l.errors.tpot),
             "e2e": error(&l.errors.e2e),
         },
+        // The latest predictions beside what happened, with what was known at booking.
+        "recent": recent.iter().map(|c| json!({
+            "of": c.of,
+            "predicted_ms": c.predicted.map(|d| ms(d.as_secs_f64())),
+            "observed_ms": ms(c.observed.as_secs_f64()),
+            "ahead_requests": c.features.ahead_requests,
+            "ahead_tokens": c.features.ahead_tokens,
+            "uncached_tokens": c.features.uncached,
+            "in_flight": c.features.in_flight,
+        })).collect::<Vec<_>>(),
     })
 }
 
