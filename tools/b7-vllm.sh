@@ -41,9 +41,28 @@ fi
 sy=${SWITCHYARD_BIN:-$root/target/release/switchyard}
 tokenizer=$home/tiny-llama/tokenizer.json
 
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
-}
+# Six ports for the two engines (HTTP, KV events, replay), below the kernel's ephemeral
+# range: an engine binds its ports a minute after they are chosen, and an outgoing
+# connection may take an ephemeral one meanwhile (it happened to the tests' engines).
+read -ra ports < <(python3 - <<'PY'
+import random, socket
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+port, found = random.randrange(15000, max(15001, low - 1000)), []
+while len(found) < 6 and port < low:
+    try:
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", port))
+        found.append(port)
+    except OSError:
+        pass
+    port += 1
+print(*found)
+PY
+)
+if [ "${#ports[@]}" -ne 6 ]; then
+    echo "no six free ports below the ephemeral range" >&2
+    exit 1
+fi
 
 # Two engines, one core each, each in a process group of its own (stopped on exit).
 pids=()
@@ -53,9 +72,9 @@ stop() {
 }
 trap stop EXIT
 for core in 0 1; do
-    port=$(free_port)
-    events=$(free_port)
-    replay=$(free_port)
+    port=${ports[core * 3]}
+    events=${ports[core * 3 + 1]}
+    replay=${ports[core * 3 + 2]}
     config="{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$events\", \"replay_endpoint\": \"tcp://*:$replay\", \"topic\": \"kv-events\"}"
     setsid env VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=$core \
         HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \

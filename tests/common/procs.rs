@@ -32,40 +32,10 @@ impl Proc {
     }
 }
 
-/// A port nothing listens on, for a process to bind later — below the kernel's ephemeral
-/// range, so that no outgoing connection takes it meanwhile (a port from `bind(0)` is an
-/// ephemeral one: a vLLM engine binds its NIXL side channel a minute after it was chosen,
-/// and once found it taken by another connection's source port and never started), and
-/// never the same twice in one test process.
+/// A port nothing listens on, for a process to bind later: below the kernel's ephemeral
+/// range and never the same twice in a process (the lab's allocator, which says why).
 pub fn free_port() -> u16 {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    const LOW: u32 = 15_000;
-    let high = ephemeral_low().clamp(LOW + 1_000, 65_536);
-    let span = high - LOW;
-    // Each process starts somewhere else in the span, then walks it.
-    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
-    let _ = NEXT.compare_exchange(
-        u32::MAX,
-        std::process::id().wrapping_mul(7_919) % span,
-        Ordering::Relaxed,
-        Ordering::Relaxed,
-    );
-    for _ in 0..span {
-        let port = (LOW + NEXT.fetch_add(1, Ordering::Relaxed) % span) as u16;
-        // The wildcard address: free there is free on every address (vLLM binds `*`).
-        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free port in {LOW}..{high}");
-}
-
-/// The first port of the kernel's ephemeral range (32768 when it cannot be read).
-fn ephemeral_low() -> u32 {
-    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(32_768)
+    switchyard::replay::external::free_port().expect("a free port")
 }
 
 /// Starts `switchyard ARGS...`. An `--admin-token TOKEN` among them is passed in the

@@ -256,12 +256,41 @@ pub fn proc_status_kb(pid: u32, field: &str) -> Option<u64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
-/// A port on 127.0.0.1 that was free a moment ago.
+/// A port nothing listens on, for a process to bind later: below the kernel's ephemeral
+/// range, so that no outgoing connection takes it meanwhile (a port from `bind(0)` is an
+/// ephemeral one: a vLLM engine binds its ports a minute after they were chosen, and
+/// once found one taken as another connection's source port), and never the same twice
+/// in one process.
 pub fn free_port() -> Result<u16, String> {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| format!("no free port: {e}"))
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 15_000;
+    let high = ephemeral_low().clamp(LOW + 1_000, 65_536);
+    let span = high - LOW;
+    // Each process starts somewhere else in the span, then walks it.
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id().wrapping_mul(7_919) % span,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..span {
+        let port = LOW + NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        let port = u16::try_from(port).map_err(|_| "no free port".to_string())?;
+        // The wildcard address: free there is free on every address (vLLM binds `*`).
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(format!("no free port in {LOW}..{high}"))
+}
+
+/// The first port of the kernel's ephemeral range (32768 when it cannot be read).
+fn ephemeral_low() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 /// One external router on fresh mock workers, or on the running engines emptied of
@@ -484,6 +513,22 @@ async fn router_ready(url: &str, process: &mut RouterProcess) -> Result<(), Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Ports for processes to bind later come from below the ephemeral range (no
+    /// outgoing connection takes them meanwhile), free, and never twice.
+    #[test]
+    fn free_ports_are_below_the_ephemeral_range_and_never_repeat() {
+        let high = ephemeral_low().max(16_000);
+        let ports: Vec<u16> = (0..50).map(|_| free_port().unwrap()).collect();
+        assert!(ports.iter().all(|p| u32::from(*p) < high), "{ports:?}");
+        let mut unique = ports.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), ports.len(), "{ports:?}");
+        for p in ports {
+            std::net::TcpListener::bind(("127.0.0.1", p)).expect("still free");
+        }
+    }
 
     #[test]
     fn specs_parse_and_placeholders_expand() {
