@@ -16,9 +16,10 @@
 #
 # B7_KV_BLOCKS (160) sets each engine's cache in 32-token blocks, B7_MAX_OUTPUT (48) the
 # longest answer, B7_ROUNDS (3) the rounds; B7_SWITCHYARD and B7_PEERS (below) choose
-# the routers (B7_BEFORE another build beside this one); B7_LOADS (e.g. "0.5 1 1.5") runs them at those shares of the fleet's
-# measured capacity instead of the trace's own pace (below). The stage's prices give the
-# oracle floor of TTFT (`--engine-floor`), each router's TTFT read as a ratio to it. Every prompt must fit the engines' context
+# the routers (B7_BEFORE another build beside this one); B7_LOADS (e.g. "0.5 1 1.5")
+# runs them at those shares of the fleet's measured capacity instead of the trace's own
+# pace (below). The stage's prices give the oracle floor of TTFT (`--engine-floor`),
+# each router's TTFT read as a ratio to it. Every prompt must fit the engines' context
 # (4,096 tokens of the tiny model's tokenizer).
 set -euo pipefail
 
