@@ -98,9 +98,16 @@ common=(--max-requests "${B7_REQUESTS:-1500}"
 # at the replay's pace: 1 s / B7_SPEEDUP of wall time), and without its queue (every
 # request forwarded at once, as before); each peer with its concurrency limit
 # set to the same fleet (8 per worker), a queue of 1,024 and the deadline as its queue
-# timeout (whole seconds, at least 1). One table per load.
+# timeout (whole seconds, at least 1). One table per load. B7_WHOLE=1 asks for whole
+# (non-streamed) answers, held to the E2E SLO alone: the deadline is then half of that
+# (15 s simulated), the peers' queue timeout with it. With B7_PD (below) the same loads
+# on the split fleet.
+whole=()
 if [ -n "${B7_OVERLOAD:-}" ]; then
     workers=${B7_WORKERS:-4}
+    if [ -n "${B7_PD:-}" ]; then
+        workers=$((${B7_PD%%:*} + ${B7_PD##*:}))
+    fi
     speedup=${B7_SPEEDUP:-20}
     saturation=${B7_SATURATION:---saturation-max-in-flight 8 --saturation-prefill-tokens 16384}
     limit=$((workers * 8))
@@ -110,9 +117,18 @@ if [ -n "${B7_OVERLOAD:-}" ]; then
     printf '[[tenants]]\nname = "tenant-%s"\nmax_class = "high"\n\n' 0 1 > "$tenants"
     # The default saturation wait (1 s) on the replay's clock.
     wait_ms=$(python3 -c "print(max(1, round(1000 / $speedup)))")
-    # The deadline: half the TTFT SLO of 2 s (simulated), in wall seconds.
-    timeout=$(python3 -c "import math; print(max(1, math.ceil(1 / $speedup)))")
+    # The deadline: half the TTFT SLO of 2 s (simulated), in wall seconds; for whole
+    # answers half the E2E SLO of 30 s.
+    half_slo=1
+    if [ -n "${B7_WHOLE:-}" ]; then
+        half_slo=15
+        whole=(--whole)
+    fi
+    timeout=$(python3 -c "import math; print(max(1, math.ceil($half_slo / $speedup)))")
     peer_queue="--max-concurrent-requests $limit --queue-size 1024 --queue-timeout-secs $timeout"
+fi
+
+if [ -n "${B7_OVERLOAD:-}" ] && [ -z "${B7_PD:-}" ]; then
     for factor in 1 1.5 3; do
         load=$(python3 -c "print(round($B7_OVERLOAD * $factor, 3))")
         echo "## load ${factor}x (--load $load)"
@@ -125,7 +141,7 @@ if [ -n "${B7_OVERLOAD:-}" ]; then
             --router "smg cache_aware=$venv/bin/smg launch --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29002 $peer_queue" \
             --router "vllm-router cache_aware=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --worker-urls {workers} --policy cache_aware --prometheus-port 29003 $peer_queue" \
             --json "${B7_JSON:-b7-overload}-$factor.json" --chart "${B7_CHART:-b7-overload}-$factor.svg" \
-            "${tokenizer[@]}" "$@"
+            "${whole[@]}" "${tokenizer[@]}" "$@"
     done
     exit 0
 fi
@@ -133,21 +149,44 @@ fi
 # B7_PD=P:D: the disaggregated comparison instead. P prefill and D decode workers, beside
 # P+D aggregated ones, on one trace: Switchyard aggregated, Switchyard split with vLLM's
 # handoff and with SGLang's, vllm-router's --vllm-pd-disaggregation, SMG's and
-# sglang-router's --pd-disaggregation (each peer with cache_aware on both pools).
+# sglang-router's --pd-disaggregation (each peer with cache_aware on both pools). With
+# B7_OVERLOAD, at its three loads with its classes, tenants and deadline: Switchyard on
+# its defaults (and split with vLLM's handoff without its queue), the peers with their
+# concurrency limits and queues.
+pd() { # JSON CHART SWITCHYARD_FLAGS PEER_FLAGS [replay flags]
+    local json=$1 chart=$2 sw=$3 peer=$4
+    shift 4
+    local nq=()
+    if [ -n "${B7_OVERLOAD:-}" ]; then
+        nq=(--router "switchyard kv-cost P/D vllm, no queue=$serve_pd {prefill_workers} {decode_workers} --policy kv-cost --config $tenants --queue-max 0 --saturation-wait-ms 0")
+    fi
+    "$sy" replay "$trace" "${common[@]}" --workers $((prefill + decode)) \
+        --prefill-workers "$prefill" --decode-workers "$decode" \
+        --router "switchyard kv-cost aggregated=$serve --policy kv-cost $sw" \
+        --router "switchyard kv-cost P/D vllm=$serve_pd {prefill_workers} {decode_workers} --policy kv-cost $sw" \
+        --router "switchyard kv-cost P/D sglang=$serve_pd {prefill_workers_bootstrap} {decode_workers} --policy kv-cost $sw" \
+        "${nq[@]}" \
+        --router "vllm-router P/D vllm=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --vllm-pd-disaggregation {prefill_urls} {decode_urls} --policy cache_aware --prometheus-port 29003 $peer" \
+        --router "smg P/D sglang=$venv/bin/smg launch --host 127.0.0.1 --port {port} --pd-disaggregation {prefill_urls} {decode_urls} --policy cache_aware --prometheus-port 29002 $peer" \
+        --router "sglang-router P/D sglang=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --pd-disaggregation {prefill_urls} {decode_urls} --policy cache_aware --prometheus-port 29001 $peer" \
+        --json "$json" --chart "$chart" "${client[@]}" "${tokenizer[@]}" "$@"
+}
 if [ -n "${B7_PD:-}" ]; then
     prefill=${B7_PD%%:*}
     decode=${B7_PD##*:}
     serve_pd="$sy serve --listen 127.0.0.1:{port} --model replay --block-size 64 --kv-events true $serve_tokenizer"
-    exec "$sy" replay "$trace" "${common[@]}" --workers $((prefill + decode)) \
-        --prefill-workers "$prefill" --decode-workers "$decode" \
-        --router "switchyard kv-cost aggregated=$serve --policy kv-cost" \
-        --router "switchyard kv-cost P/D vllm=$serve_pd {prefill_workers} {decode_workers} --policy kv-cost" \
-        --router "switchyard kv-cost P/D sglang=$serve_pd {prefill_workers_bootstrap} {decode_workers} --policy kv-cost" \
-        --router "vllm-router P/D vllm=$venv/bin/vllm-router --host 127.0.0.1 --port {port} --vllm-pd-disaggregation {prefill_urls} {decode_urls} --policy cache_aware --prometheus-port 29003" \
-        --router "smg P/D sglang=$venv/bin/smg launch --host 127.0.0.1 --port {port} --pd-disaggregation {prefill_urls} {decode_urls} --policy cache_aware --prometheus-port 29002" \
-        --router "sglang-router P/D sglang=$venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port {port} --pd-disaggregation {prefill_urls} {decode_urls} --policy cache_aware --prometheus-port 29001" \
-        --json "${B7_JSON:-b7-pd-results.json}" --chart "${B7_CHART:-b7-pd-ttft.svg}" \
-        "${client[@]}" "${tokenizer[@]}" "$@"
+    if [ -z "${B7_OVERLOAD:-}" ]; then
+        pd "${B7_JSON:-b7-pd-results.json}" "${B7_CHART:-b7-pd-ttft.svg}" "" "" "$@"
+        exit 0
+    fi
+    for factor in 1 1.5 3; do
+        load=$(python3 -c "print(round($B7_OVERLOAD * $factor, 3))")
+        echo "## load ${factor}x (--load $load)"
+        pd "${B7_JSON:-b7-pd-overload}-$factor.json" "${B7_CHART:-b7-pd-overload}-$factor.svg" \
+            "--config $tenants --saturation-wait-ms $wait_ms" "$peer_queue" \
+            --load "$load" --interactive-share 0.2 --tenants 2 "${whole[@]}" "$@"
+    done
+    exit 0
 fi
 
 # Switchyard as Gateway API Inference Extension gateways run it: Envoy carries the bytes

@@ -214,8 +214,8 @@ pub struct ReplayArgs {
     pub tenants: Option<usize>,
     /// With `--interactive-share`: every request's deadline in the router's queue
     /// (`x-switchyard-deadline-ms`), simulated seconds: the latest start from which it
-    /// can still meet the TTFT SLO [default: half the TTFT SLO, the other half left for
-    /// its prefill].
+    /// can still meet its SLO [default: half the TTFT SLO, the other half left for its
+    /// prefill; with `--whole`, half the E2E SLO, the SLO a whole answer is held to].
     #[arg(long, requires = "interactive_share")]
     pub queue_deadline_secs: Option<f64>,
     /// The interactive requests' own queue deadline, simulated seconds [default:
@@ -241,6 +241,30 @@ pub struct ReplayArgs {
     /// Where to write the TTFT chart (SVG).
     #[arg(long, default_value = "replay-ttft.svg")]
     pub chart: PathBuf,
+}
+
+/// The classes, tenants and deadlines `--interactive-share` marks the requests with.
+/// A request's deadline defaults to half its SLO: the TTFT SLO's for streams, the E2E
+/// SLO's for whole answers (whose client sees no first token before the end).
+fn mix(args: &ReplayArgs) -> anyhow::Result<Option<switchyard::replay::Mix>> {
+    let Some(share) = args.interactive_share else {
+        return Ok(None);
+    };
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&share),
+        "--interactive-share is a share, from 0 to 1"
+    );
+    let slo = if args.whole {
+        args.slo_e2e_secs
+    } else {
+        args.slo_ttft_secs
+    };
+    Ok(Some(switchyard::replay::Mix {
+        interactive: share,
+        tenants: args.tenants.unwrap_or(2).max(1),
+        deadline: args.queue_deadline_secs.unwrap_or(slo / 2.0).max(0.001),
+        interactive_deadline: args.interactive_deadline_secs.map(|d| d.max(0.001)),
+    }))
 }
 
 pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
@@ -309,21 +333,7 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     );
     config.load = args.load;
     config.whole = args.whole;
-    if let Some(share) = args.interactive_share {
-        anyhow::ensure!(
-            (0.0..=1.0).contains(&share),
-            "--interactive-share is a share, from 0 to 1"
-        );
-        config.mix = Some(switchyard::replay::Mix {
-            interactive: share,
-            tenants: args.tenants.unwrap_or(2).max(1),
-            deadline: args
-                .queue_deadline_secs
-                .unwrap_or(args.slo_ttft_secs / 2.0)
-                .max(0.001),
-            interactive_deadline: args.interactive_deadline_secs.map(|d| d.max(0.001)),
-        });
-    }
+    config.mix = mix(&args)?;
     if args.prefill_workers > 0 || args.decode_workers > 0 {
         anyhow::ensure!(
             args.prefill_workers > 0 && args.decode_workers > 0,
@@ -461,4 +471,45 @@ pub async fn demo(
     shutdown_signal().await;
     fleet.stop().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        replay: ReplayArgs,
+    }
+
+    fn args(flags: &[&str]) -> ReplayArgs {
+        let argv = ["replay", "trace.jsonl"].iter().chain(flags);
+        Cli::try_parse_from(argv).expect("flags parse").replay
+    }
+
+    #[test]
+    fn a_whole_answer_waits_half_its_e2e_slo_and_a_stream_half_its_ttft_slo() {
+        let stream = mix(&args(&["--interactive-share", "0.2"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(stream.deadline, 1.0);
+        let whole = mix(&args(&["--interactive-share", "0.2", "--whole"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(whole.deadline, 15.0);
+        let set = mix(&args(&[
+            "--interactive-share",
+            "0.2",
+            "--whole",
+            "--queue-deadline-secs",
+            "3",
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(set.deadline, 3.0);
+        assert!(mix(&args(&[])).unwrap().is_none());
+        assert!(mix(&args(&["--interactive-share", "2"])).is_err());
+    }
 }
