@@ -431,18 +431,40 @@ pub struct ViewStatus {
 }
 
 /// Whether a request has somewhere to go below saturation: a `both` worker, or a prefill
-/// and a decode worker, or a decode worker on a fleet without prefill workers. A fleet
-/// that splits prefill from decode is full when either of its pools is: a split needs
-/// both.
-pub(crate) fn has_room(candidates: &switchyard_policy::Candidates, saturated: &[bool]) -> bool {
+/// and a decode worker, or a decode worker on a fleet without prefill workers or whose
+/// decode workers may serve alone (`decode_alone`: vLLM's handoff, not SGLang's). A
+/// fleet that splits prefill from decode, its decode workers unable to serve alone, is
+/// full when either of its pools is: a split needs both.
+pub(crate) fn has_room(
+    candidates: &switchyard_policy::Candidates,
+    saturated: &[bool],
+    decode_alone: bool,
+) -> bool {
     use switchyard_ids::Role;
     let free = |role: Role| {
         (0..candidates.len())
             .zip(saturated)
             .any(|(i, s)| !*s && candidates.row(i).role == role)
     };
-    let prefill_pool = (0..candidates.len()).any(|i| candidates.row(i).role == Role::Prefill);
-    free(Role::Both) || (free(Role::Decode) && (free(Role::Prefill) || !prefill_pool))
+    free(Role::Both)
+        || (free(Role::Decode)
+            && (decode_alone || free(Role::Prefill) || !has_prefill_pool(candidates)))
+}
+
+/// Whether the fleet has prefill workers and every one of them is saturated: a split
+/// would wait behind their backlog.
+pub(crate) fn prefill_pool_full(
+    candidates: &switchyard_policy::Candidates,
+    saturated: &[bool],
+) -> bool {
+    has_prefill_pool(candidates)
+        && (0..candidates.len())
+            .zip(saturated)
+            .all(|(i, s)| *s || candidates.row(i).role != switchyard_ids::Role::Prefill)
+}
+
+fn has_prefill_pool(candidates: &switchyard_policy::Candidates) -> bool {
+    (0..candidates.len()).any(|i| candidates.row(i).role == switchyard_ids::Role::Prefill)
 }
 
 /// `candidates` without the saturated ones, role by role: a role whose every worker is
@@ -491,22 +513,42 @@ mod tests {
             .collect()
     }
 
-    /// A split fleet is full when either pool is: a request needs a prefill worker and a
-    /// decode worker (a `both` worker alone will do).
+    /// A split fleet whose decode workers cannot serve alone is full when either pool
+    /// is: a request needs a prefill worker and a decode worker (a `both` worker alone
+    /// will do). Where they may serve alone, a decode worker with room is room.
     #[test]
-    fn a_split_fleet_has_room_only_with_room_in_both_pools() {
+    fn a_split_fleet_has_room_with_room_in_both_pools_or_a_decode_worker_that_may_serve_alone() {
         use Role::{Both, Decode, Prefill};
         let split = fleet(&[Prefill, Prefill, Decode]);
-        assert!(has_room(&split, &[true, false, false]));
-        assert!(!has_room(&split, &[true, true, false]), "prefill pool full");
-        assert!(!has_room(&split, &[false, false, true]), "decode pool full");
+        for alone in [false, true] {
+            assert!(has_room(&split, &[true, false, false], alone));
+            assert!(
+                !has_room(&split, &[false, false, true], alone),
+                "decode pool full"
+            );
+        }
+        assert!(
+            !has_room(&split, &[true, true, false], false),
+            "prefill pool full"
+        );
+        assert!(has_room(&split, &[true, true, false], true), "decode alone");
+        assert!(prefill_pool_full(&split, &[true, true, false]));
+        assert!(!prefill_pool_full(&split, &[true, false, true]));
         let mixed = fleet(&[Prefill, Decode, Both]);
-        assert!(has_room(&mixed, &[true, true, false]), "a both worker");
-        assert!(!has_room(&mixed, &[true, false, true]));
+        assert!(
+            has_room(&mixed, &[true, true, false], false),
+            "a both worker"
+        );
+        assert!(!has_room(&mixed, &[true, false, true], false));
+        assert!(has_room(&mixed, &[true, false, true], true));
         let decode_only = fleet(&[Decode, Decode]);
-        assert!(has_room(&decode_only, &[true, false]));
-        assert!(!has_room(&decode_only, &[true, true]));
+        assert!(has_room(&decode_only, &[true, false], false));
+        assert!(!has_room(&decode_only, &[true, true], true));
+        assert!(
+            !prefill_pool_full(&decode_only, &[true, true]),
+            "no prefill pool"
+        );
         let whole = fleet(&[Both, Both]);
-        assert!(has_room(&whole, &[false, true]) && !has_room(&whole, &[true, true]));
+        assert!(has_room(&whole, &[false, true], false) && !has_room(&whole, &[true, true], true));
     }
 }

@@ -4,69 +4,12 @@
 //! goes. Nothing here starts an HTTP server or reads etcd; this crate does not depend
 //! on the one that would.
 
-use std::sync::Arc;
+mod common;
 
-use switchyard_discovery::{DiscoveryUpdate, EndpointPath, InstanceInfo};
 use switchyard_ids::InstanceId;
-use switchyard_policy::{PolicyEngine, PolicyHandle, RuntimeConfig};
-use switchyard_router::client::{Client, ClientConfig, HealthCheck, HealthError, OutlierConfig};
-use switchyard_router::{KvRouter, KvRouterConfig, RouteError};
+use switchyard_router::RouteError;
 
-const BLOCK: u32 = 16;
-
-/// The embedder's own health verdict. Here every probe fails, so a worker reported down
-/// stays out for the whole test.
-struct NeverBack;
-
-#[async_trait::async_trait]
-impl HealthCheck for NeverBack {
-    async fn check(&self, _: &InstanceInfo) -> Result<(), HealthError> {
-        Err(HealthError::Unhealthy("not back".into()))
-    }
-}
-
-fn worker(id: u64) -> InstanceInfo {
-    // Never contacted: the core only decides.
-    let url = format!("http://192.0.2.{id}:8000");
-    InstanceInfo::new(
-        InstanceId(id),
-        EndpointPath::for_model("m"),
-        url,
-        "m",
-        BLOCK,
-    )
-}
-
-fn embedded_router(workers: &[u64]) -> (Arc<KvRouter>, Arc<Client>) {
-    let client = Client::new(
-        EndpointPath::for_model("m"),
-        ClientConfig {
-            // Health is probed only to re-admit a worker reported down.
-            outlier: OutlierConfig {
-                health_interval: None,
-                ..OutlierConfig::default()
-            },
-            ..ClientConfig::default()
-        },
-        Arc::new(NeverBack),
-    );
-    client.apply(DiscoveryUpdate::Reset(
-        workers.iter().map(|&id| worker(id)).collect(),
-    ));
-    let engine = PolicyEngine::new(RuntimeConfig {
-        cache_dir: None,
-        ..RuntimeConfig::default()
-    })
-    .unwrap();
-    let policy = engine.load_spec("kv-cost", "{}").unwrap();
-    let policy = Arc::new(PolicyHandle::new(engine, policy).unwrap());
-    let router = Arc::new(KvRouter::new(
-        client.clone(),
-        policy,
-        KvRouterConfig::new(BLOCK),
-    ));
-    (router, client)
-}
+use common::{BLOCK, embedded_router};
 
 /// `blocks` full blocks of tokens that no other conversation shares.
 fn conversation(seed: u32, blocks: u32) -> Vec<u32> {

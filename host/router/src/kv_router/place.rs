@@ -12,7 +12,8 @@ use switchyard_policy::{CandidateRow, Candidates, Decider, DecisionOutcome, Requ
 use super::views::{Admit, Saturated};
 use super::{Gathered, KvRouter};
 use crate::{
-    Ask, Placing, Prediction, PrefillLeg, RouteError, Routed, has_room, quality, unsaturated,
+    Ask, Placing, Prediction, PrefillLeg, RouteError, Routed, has_room, prefill_pool_full, quality,
+    unsaturated,
 };
 
 /// A duration in milliseconds, as the policy sees it.
@@ -112,12 +113,15 @@ impl KvRouter {
             return Err(self.late(ask, &predictions));
         }
         let saturated: Vec<bool> = saturation.iter().map(|s| s.is_some()).collect();
-        if admit != Admit::Route && !saturated.is_empty() && !has_room(&candidates, &saturated) {
-            return Err(RouteError::Saturated {
-                endpoint: self.endpoint.to_string(),
-                workers: saturated.len(),
-            });
+        // Whether a decode worker may serve a request by itself (vLLM's handoff; SGLang's
+        // needs its prefill worker): then a full prefill pool does not fill the fleet.
+        let mut decode_alone = !candidates.disaggregated() || self.decode_alone();
+        let holding = admit != Admit::Route && !saturated.is_empty();
+        if holding && !has_room(&candidates, &saturated, decode_alone) {
+            return Err(self.held(saturated.len()));
         }
+        let prefill_full = holding && prefill_pool_full(&candidates, &saturated);
+        let workers = saturated.len();
         let left_out: Vec<bool> = if admit == Admit::Dispatch {
             saturated
         } else {
@@ -126,9 +130,7 @@ impl KvRouter {
         if left_out.iter().any(|s| *s) {
             candidates = unsaturated(candidates, &left_out);
         }
-        let mut decode_alone = true;
         if candidates.disaggregated() {
-            decode_alone = self.decode_alone();
             let keep = |role: Role| match placing {
                 Placing::Any => true,
                 Placing::Alone => role == Role::Both || (decode_alone && role == Role::Decode),
@@ -153,6 +155,11 @@ impl KvRouter {
             ..self.request(ask)
         };
         let decision = self.policy.decide(request, &candidates);
+        if prefill_full && decision.prefill.is_some() {
+            // The policy split it, and every prefill worker is saturated: it waits, as it
+            // would had no decode worker had room.
+            return Err(self.held(workers));
+        }
         if let Some(shadow) = &*self.shadow.load() {
             let live = match &decision.outcome {
                 DecisionOutcome::Chosen(id) => Some(*id),
@@ -211,6 +218,14 @@ impl KvRouter {
             prefill,
             predicted,
         })
+    }
+
+    /// Every candidate of the request is saturated: it waits in the router's queue.
+    fn held(&self, workers: usize) -> RouteError {
+        RouteError::Saturated {
+            endpoint: self.endpoint.to_string(),
+            workers,
+        }
     }
 
     /// Why no worker would meet `ask`'s objectives now, from the candidate that misses
