@@ -166,6 +166,9 @@ impl Vllm {
             } else {
                 Vec::new()
             })
+            // Its IPC sockets in the test's directory, which goes with the test: an engine
+            // killed leaves them behind (in /tmp they piled up by the thousand).
+            .env("VLLM_RPC_BASE_PATH", self.log.parent().expect("a log in a directory"))
             .env("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
             .env("VLLM_NIXL_SIDE_CHANNEL_PORT", self.nixl.to_string())
             .env("VLLM_CPU_KVCACHE_SPACE", "1")
