@@ -28,7 +28,7 @@ pub mod zmtp;
 use std::sync::Arc;
 use std::time::Duration;
 
-use switchyard_ids::{BlockHash, InstanceId, RequestId};
+use switchyard_ids::{BlockHash, InstanceId, RequestId, Role};
 use switchyard_kv::approx::ApproxIndex;
 use switchyard_kv::engine_view::ViewCounts;
 use switchyard_kv::index::OverlapIndex;
@@ -440,15 +440,9 @@ pub(crate) fn has_room(
     saturated: &[bool],
     decode_alone: bool,
 ) -> bool {
-    use switchyard_ids::Role;
-    let free = |role: Role| {
-        (0..candidates.len())
-            .zip(saturated)
-            .any(|(i, s)| !*s && candidates.row(i).role == role)
-    };
-    free(Role::Both)
-        || (free(Role::Decode)
-            && (decode_alone || free(Role::Prefill) || !has_prefill_pool(candidates)))
+    free(candidates, saturated, Role::Both)
+        || (free(candidates, saturated, Role::Decode)
+            && (decode_alone || !prefill_pool_full(candidates, saturated)))
 }
 
 /// Whether the fleet has prefill workers and every one of them is saturated: a split
@@ -457,14 +451,15 @@ pub(crate) fn prefill_pool_full(
     candidates: &switchyard_policy::Candidates,
     saturated: &[bool],
 ) -> bool {
-    has_prefill_pool(candidates)
-        && (0..candidates.len())
-            .zip(saturated)
-            .all(|(i, s)| *s || candidates.row(i).role != switchyard_ids::Role::Prefill)
+    (0..candidates.len()).any(|i| candidates.row(i).role == Role::Prefill)
+        && !free(candidates, saturated, Role::Prefill)
 }
 
-fn has_prefill_pool(candidates: &switchyard_policy::Candidates) -> bool {
-    (0..candidates.len()).any(|i| candidates.row(i).role == switchyard_ids::Role::Prefill)
+/// Whether a worker of `role` is not saturated.
+fn free(candidates: &switchyard_policy::Candidates, saturated: &[bool], role: Role) -> bool {
+    (0..candidates.len())
+        .zip(saturated)
+        .any(|(i, s)| !*s && candidates.row(i).role == role)
 }
 
 /// `candidates` without the saturated ones, role by role: a role whose every worker is
@@ -473,21 +468,12 @@ pub(crate) fn unsaturated(
     candidates: switchyard_policy::Candidates,
     saturated: &[bool],
 ) -> switchyard_policy::Candidates {
+    let open_roles: Vec<Role> = [Role::Both, Role::Prefill, Role::Decode]
+        .into_iter()
+        .filter(|r| free(&candidates, saturated, *r))
+        .collect();
     let rows: Vec<switchyard_policy::CandidateRow> =
         (0..candidates.len()).map(|i| candidates.row(i)).collect();
-    let open = |role: switchyard_ids::Role| {
-        rows.iter()
-            .zip(saturated)
-            .any(|(r, s)| r.role == role && !*s)
-    };
-    let open_roles: Vec<switchyard_ids::Role> = [
-        switchyard_ids::Role::Both,
-        switchyard_ids::Role::Prefill,
-        switchyard_ids::Role::Decode,
-    ]
-    .into_iter()
-    .filter(|r| open(*r))
-    .collect();
     rows.into_iter()
         .zip(saturated)
         .filter(|(r, s)| !**s || !open_roles.contains(&r.role))
@@ -498,7 +484,6 @@ pub(crate) fn unsaturated(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use switchyard_ids::Role;
     use switchyard_policy::{CandidateRow, Candidates};
 
     fn fleet(roles: &[Role]) -> Candidates {

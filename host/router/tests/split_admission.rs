@@ -54,6 +54,19 @@ fn leave_queue(router: &KvRouter, seed: u32, blocks: u32) -> Result<Routed, Rout
     router.dispatch(&Ask::new(tokens, &hashes), Instant::now())
 }
 
+/// A request placed on its arrival, then leaving the queue: each way of placing it.
+type Place = fn(&KvRouter, u32, u32) -> Result<Routed, RouteError>;
+const BOTH_WAYS: [Place; 2] = [arrive, leave_queue];
+
+/// The request was held (it waits in the router's queue); else `why`, with where it went.
+fn assert_held(placed: Result<Routed, RouteError>, why: &str) {
+    assert!(
+        matches!(placed, Err(RouteError::Saturated { .. })),
+        "{why}: {:?}",
+        placed.map(|r| (r.worker, r.prefill.map(|p| p.worker)))
+    );
+}
+
 /// A long prompt (1,024 tokens, past kv-cost's 1,000 it runs alone without a look at
 /// the queues) on the idle fleet is split: the prefill pool is then full.
 fn fill_the_prefill_pool(router: &KvRouter) {
@@ -71,7 +84,7 @@ async fn a_full_prefill_pool_does_not_hold_a_request_a_decode_worker_serves_alon
     let router = split(false);
     fill_the_prefill_pool(&router);
     // A short prompt runs on a decode worker by itself: it is placed, not held.
-    for (seed, go) in [(2, arrive as fn(&_, _, _) -> _), (3, leave_queue)] {
+    for (seed, go) in (2..).zip(BOTH_WAYS) {
         let short = go(&router, seed, 8).expect("a decode worker had room");
         assert!(short.prefill.is_none(), "split onto the full prefill pool");
         assert_ne!(short.worker, InstanceId(1));
@@ -94,12 +107,10 @@ async fn a_request_the_policy_splits_waits_while_the_prefill_pool_is_full() {
         );
     }
     fill_the_prefill_pool(&router);
-    for (seed, go) in [(20, arrive as fn(&_, _, _) -> _), (21, leave_queue)] {
-        let held = go(&router, seed, 64);
-        assert!(
-            matches!(held, Err(RouteError::Saturated { .. })),
-            "a split was sent to the full prefill pool: {:?}",
-            held.map(|r| (r.worker, r.prefill.map(|p| p.worker)))
+    for (seed, go) in (20..).zip(BOTH_WAYS) {
+        assert_held(
+            go(&router, seed, 64),
+            "a split was sent to the full prefill pool",
         );
     }
 }
@@ -108,12 +119,10 @@ async fn a_request_the_policy_splits_waits_while_the_prefill_pool_is_full() {
 async fn with_sglangs_handoff_a_full_prefill_pool_holds_every_request() {
     let router = split(true);
     fill_the_prefill_pool(&router);
-    for (seed, go) in [(2, arrive as fn(&_, _, _) -> _), (3, leave_queue)] {
-        let held = go(&router, seed, 8);
-        assert!(
-            matches!(held, Err(RouteError::Saturated { .. })),
-            "a decode worker served alone without its prefill worker: {:?}",
-            held.map(|r| r.worker)
+    for (seed, go) in (2..).zip(BOTH_WAYS) {
+        assert_held(
+            go(&router, seed, 8),
+            "a decode worker served alone without its prefill worker",
         );
     }
 }
