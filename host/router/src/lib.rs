@@ -89,8 +89,9 @@ impl Default for Saturation {
     /// The expected wait alone, at [`DEFAULT_SATURATION_WAIT`]: when every worker would
     /// make a new request wait a second for the prefill routed ahead of it, requests
     /// wait in the router's queue, in order of class and tenant, instead of in an
-    /// engine's, and leave it only for a worker below the second (it holds; where an
-    /// arriving request goes is the policy's, see [`Saturation::avoided`]). A signal in time
+    /// engine's, and leave it for the worker the policy places them on once it is below
+    /// the second (it holds; where a request goes is the policy's, see
+    /// [`Saturation::avoided`] and [`KvRouter::dispatch`]). A signal in time
     /// rather than in counts holds for every workload (long prompts or short, cached or
     /// not) and every engine speed, which no one count does: the counts that win on one
     /// trace halve another's throughput. The engine queue is not a default signal because engines

@@ -78,10 +78,14 @@ impl KvRouter {
         self.place_as(ask, &[], now, Placing::Any, Admit::Arrive)
     }
 
-    /// [`KvRouter::try_place`] for a request leaving the router's queue: only workers
-    /// below every saturation signal, the expected wait included, are offered to the
-    /// policy (the queue would otherwise empty itself onto saturated workers while one
-    /// had room).
+    /// [`KvRouter::try_place`] for a request leaving the router's queue: the policy
+    /// places it as it would an arrival, and it leaves only if that worker is below
+    /// every saturation signal, the expected wait included (else
+    /// [`RouteError::Saturated`]: it stays queued). Offering it only the workers below
+    /// them sent a held request to whichever worker freed first, without its cache:
+    /// the freed worker prefilled the prompt again and was saturated in turn, and on
+    /// B7's large-cache shape the queue held what it could not place until the mean TTFT
+    /// was 18 s against 3.2 s (docs/benchmarks/predicted-latency.md).
     pub fn dispatch(&self, ask: &Ask<'_>, now: Instant) -> Result<Routed, RouteError> {
         self.place_as(ask, &[], now, Placing::Any, Admit::Dispatch)
     }
@@ -122,11 +126,17 @@ impl KvRouter {
         }
         let prefill_full = holding && prefill_pool_full(&candidates, &saturated);
         let workers = saturated.len();
-        let left_out: Vec<bool> = if admit == Admit::Dispatch {
-            saturated
+        // A request leaving the queue is offered what an arrival is, and stays in the
+        // queue while the policy's choice is saturated (see [`KvRouter::dispatch`]).
+        let saturated_ids: Vec<InstanceId> = if admit == Admit::Dispatch {
+            (0..candidates.len())
+                .filter(|&i| saturated[i])
+                .map(|i| candidates.row(i).id)
+                .collect()
         } else {
-            saturation.iter().map(|s| s.avoided).collect()
+            Vec::new()
         };
+        let left_out: Vec<bool> = saturation.iter().map(|s| s.avoided).collect();
         if left_out.iter().any(|s| *s) {
             candidates = unsaturated(candidates, &left_out);
         }
@@ -155,6 +165,12 @@ impl KvRouter {
             ..self.request(ask)
         };
         let decision = self.policy.decide(request, &candidates);
+        if admit == Admit::Dispatch
+            && let DecisionOutcome::Chosen(id) = &decision.outcome
+            && saturated_ids.contains(id)
+        {
+            return Err(self.held(workers));
+        }
         if prefill_full && decision.prefill.is_some() {
             // The policy split it, and every prefill worker is saturated: it waits, as it
             // would had no decode worker had room.

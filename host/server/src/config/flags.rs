@@ -312,7 +312,8 @@ pub struct ServeArgs {
     /// A worker that would make a new request wait this long for the prefill already
     /// routed to it (its unprefilled tokens at the prefill rate measured from its first
     /// tokens) is saturated: when every worker is, requests wait in the router's queue,
-    /// and leave it only for a worker below it; 0: never [default: 1000].
+    /// and leave it for the worker the policy places them on once it is below it; 0:
+    /// never [default: 1000].
     #[arg(long, env = "SWITCHYARD_SATURATION_WAIT_MS")]
     pub saturation_wait_ms: Option<u64>,
     /// The header naming a request's tenant [default: x-switchyard-tenant].
