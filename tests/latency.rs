@@ -127,6 +127,40 @@ async fn whole_answers_below_capacity_wait_in_no_queue_and_teach_the_model() {
     );
 }
 
+/// A decode-bound fleet past its engines' batches, the expected wait off: the engines
+/// report their full batches and queues, and the router holds what they would queue,
+/// where class and tenant order it; with the signal off too, the engines queue it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_answers_past_the_engines_batches_wait_in_the_router_not_in_the_engines() {
+    for (extra, held) in [
+        (&[][..], true),
+        (&["--saturation-batch-full", "false"][..], false),
+    ] {
+        let flags = [
+            &["--saturation-wait-ms", "0", "--engine-metrics-ms", "100"][..],
+            extra,
+        ]
+        .concat();
+        // Two workers of two slots each, eight clients.
+        let (_fleet, _router, url) = pair_with(&["--max-num-seqs", "2"], &flags).await;
+        let c = http::client();
+        let statuses = load(&url, 8, 4, |i| {
+            completion(&format!("flood {i}"), 100, false)
+        })
+        .await;
+        assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+        let queued = metric(&c, &url, "switchyard_queued_requests_total", "").await;
+        if held {
+            assert!(
+                queued > 0.0,
+                "nothing waited in the router past the batches"
+            );
+        } else {
+            assert_eq!(queued, 0.0, "the signal turned off still held requests");
+        }
+    }
+}
+
 /// Mock workers of a split fleet (vLLM's handoff) on the stage, prefill first.
 async fn split_fleet(prefill_extra: &[&str]) -> (Vec<Proc>, Vec<String>, Vec<String>) {
     let mut procs = Vec::new();
@@ -195,6 +229,11 @@ async fn a_split_fleet_learns_from_both_legs_and_holds_a_burst_past_capacity() {
 
 /// A router (with `extra` flags) in front of two stage workers (with `worker` flags).
 async fn pair(worker: &[&str], extra: &[&str]) -> (Vec<(Proc, String)>, Proc, String) {
+    pair_with(worker, &[ROUTER, extra].concat()).await
+}
+
+/// A router with `flags` alone (not [`ROUTER`]'s) in front of two stage workers.
+async fn pair_with(worker: &[&str], flags: &[&str]) -> (Vec<(Proc, String)>, Proc, String) {
     let mut fleet = Vec::new();
     for _ in 0..2 {
         let mut args = STAGE.to_vec();
@@ -205,8 +244,7 @@ async fn pair(worker: &[&str], extra: &[&str]) -> (Vec<(Proc, String)>, Proc, St
     for (_, w) in &fleet {
         args.extend(["--worker", w.as_str()]);
     }
-    args.extend_from_slice(ROUTER);
-    args.extend_from_slice(extra);
+    args.extend_from_slice(flags);
     let (router, url) = serve(&args).await;
     (fleet, router, url)
 }

@@ -72,6 +72,14 @@ pub struct WorkerLoad {
     /// queue plus this router's bookings since it when the queue was not empty; 0 while
     /// the engine has never been seen queueing; without a fresh report, 0.
     pub queued: u32,
+    /// With a fresh report: the engine queues requests (it reported some waiting) while
+    /// as many are in flight on it (its report and this router's requests since) as it
+    /// was ever seen running, its batch limit once reached: a request sent now would
+    /// wait there for a slot. A queue beside fewer is one a long prompt's token budget
+    /// makes, with slots free. The engine's own queue gates it, so the router's holds
+    /// never cap the peak it learns; an engine restarted with a smaller batch shows
+    /// full later than it is (its old peak stays): it errs towards not holding.
+    pub batch_full: bool,
     /// This router's requests on the worker still awaiting their first token (seen, or
     /// for whole answers predicted).
     pub awaiting_first: u32,
@@ -157,6 +165,9 @@ struct Worker {
     /// The most requests the engine was seen running while others waited: its batch
     /// limit as it shows (see [`WorkerLoad::queued`]).
     batch: Option<u32>,
+    /// The most requests the engine was ever seen running: its batch limit
+    /// (`max_num_seqs`, or what its KV cache holds) once it has been reached.
+    peak_running: u32,
     /// Requests booked whose first token has not come (or, for whole answers, is not
     /// yet predicted to have come).
     awaiting: u32,
@@ -212,6 +223,16 @@ impl Worker {
             }
             _ => self.in_flight,
         }
+    }
+
+    /// Whether the engine's batch is full (see [`WorkerLoad::batch_full`]).
+    fn batch_full(&self, now: Instant, report_ttl: Duration) -> bool {
+        let queueing = |(r, at): (ReportedLoad, Instant)| {
+            r.waiting > 0 && now.saturating_duration_since(at) <= report_ttl
+        };
+        self.reported.is_some_and(queueing)
+            && self.peak_running > 0
+            && self.in_flight(now, report_ttl) >= self.peak_running
     }
 
     /// The engine's queue, estimated (see [`WorkerLoad::queued`]).
@@ -591,6 +612,7 @@ impl LoadTracker {
             let beside = w.beside(now, self.report_ttl);
             w.model.engine_report(latency, beside);
         }
+        w.peak_running = w.peak_running.max(load.running);
         // A queue beside a running batch shows the batch's limit; a larger batch later
         // (more memory free, shorter requests) raises it.
         if load.running > 0 && (load.waiting > 0 || w.batch.is_some_and(|b| load.running > b)) {
@@ -620,6 +642,7 @@ impl LoadTracker {
                 booked: w.in_flight,
                 reported: w.reported.map(|(r, _)| r),
                 queued: w.queued(now, self.report_ttl),
+                batch_full: w.batch_full(now, self.report_ttl),
                 awaiting_first: w.awaiting,
                 expected_wait: w.model.wait(w.features(0, now, self.report_ttl)),
                 latency: LatencySummary::of(&w.model),

@@ -300,6 +300,48 @@ fn the_engine_queue_is_estimated_from_the_batch_it_was_seen_running() {
 }
 
 #[test]
+fn a_full_batch_is_a_queue_beside_as_many_in_flight_as_the_engine_ever_ran() {
+    let now = Instant::now();
+    let w = InstanceId(7);
+    let mut t = LoadTracker::default();
+    // Its batch filling up, and at its peak: everything in flight runs.
+    t.report(w, report(2, 0), now);
+    assert!(!t.load(w, now).batch_full);
+    t.report(w, report(8, 0), now);
+    for i in 0..4 {
+        t.book(RequestId(i), w, &[], 0, now, Watch::WholeAnswer);
+    }
+    assert!(
+        !t.load(w, now).batch_full,
+        "no queue: the engine has not refused one"
+    );
+    // The engine queues beside the most it ever ran: full.
+    t.report(w, report(8, 3), now);
+    assert!(t.load(w, now).batch_full);
+    // Requests end (booked before the report): a slot frees once fewer than 8 remain.
+    t.finish(RequestId(0));
+    t.finish(RequestId(1));
+    t.finish(RequestId(2));
+    assert!(t.load(w, now).batch_full, "8 in flight");
+    t.finish(RequestId(3));
+    assert!(!t.load(w, now).batch_full, "7 in flight, a slot free");
+    // A queue beside fewer than the peak (a long prompt holding the step's token
+    // budget, slots free) is not a full batch; beside as many in flight, it is.
+    t.report(w, report(5, 2), now);
+    assert!(!t.load(w, now).batch_full);
+    t.book(RequestId(9), w, &[], 0, now, Watch::FirstToken);
+    assert!(t.load(w, now).batch_full);
+    // A stale report says nothing; an engine that reports nothing is never full.
+    t.report(w, report(8, 3), now);
+    assert!(!t.load(w, now + REPORT_TTL + ms(1)).batch_full);
+    let mut silent = LoadTracker::default();
+    for i in 0..100 {
+        silent.book(RequestId(i), w, &[], 0, now, Watch::WholeAnswer);
+    }
+    assert!(!silent.load(w, now).batch_full);
+}
+
+#[test]
 fn booked_blocks_extend_a_cached_prefix() {
     let now = Instant::now();
     let mut t = LoadTracker::default();

@@ -98,6 +98,7 @@ pub(super) fn instances_json(r: &KvRouter) -> Value {
                 "in_flight": load.in_flight,
                 "booked": load.booked,
                 "engine_queue_estimate": load.queued,
+                "batch_full": load.batch_full,
                 "saturated": r.saturation_of(*id),
                 "reported_running": load.reported.map(|l| l.running),
                 "reported_waiting": load.reported.map(|l| l.waiting),

@@ -96,6 +96,7 @@ pub struct FileConfig {
     pub(crate) saturation_max_in_flight: Option<u32>,
     pub(crate) saturation_prefill_tokens: Option<u64>,
     pub(crate) saturation_wait_ms: Option<u64>,
+    pub(crate) saturation_batch_full: Option<bool>,
     pub(crate) tenant_header: Option<String>,
     /// `[[classes]]` tables: priority classes besides (or replacing) the built-ins.
     #[serde(default)]

@@ -53,6 +53,7 @@ pub(crate) struct Raw {
     pub saturation_max_in_flight: Option<u32>,
     pub saturation_prefill_tokens: Option<u64>,
     pub saturation_wait_ms: Option<u64>,
+    pub saturation_batch_full: Option<bool>,
     pub tenant_header: Option<String>,
     pub classes: Vec<ClassTable>,
     pub tenants: Vec<TenantTable>,
@@ -82,6 +83,7 @@ pub(crate) fn resolve(raw: Raw) -> Result<(OverloadConfig, Saturation), ConfigEr
             Duration::from_millis,
             s.wait,
         )?,
+        batch_full: raw.saturation_batch_full.unwrap_or(s.batch_full),
     };
     let mut classes = builtin_classes();
     if raw.classes.len() > MAX_CLASSES {

@@ -55,6 +55,10 @@ impl ServeArgs {
                 .take()
                 .or(f.saturation_prefill_tokens.take()),
             saturation_wait_ms: a.saturation_wait_ms.take().or(f.saturation_wait_ms.take()),
+            saturation_batch_full: a
+                .saturation_batch_full
+                .take()
+                .or(f.saturation_batch_full.take()),
             tenant_header: a.tenant_header.take().or(f.tenant_header.take()),
             classes: take(&mut f.classes),
             tenants: take(&mut f.tenants),

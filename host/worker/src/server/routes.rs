@@ -387,7 +387,8 @@ fn reset_prefix_cache(shared: &Shared) -> Response<Body> {
     json_response(StatusCode::OK, serde_json::json!({ "success": success }))
 }
 
-/// The KV event stream: snapshot, then every event, plus a load report each second.
+/// The KV event stream: snapshot, then every event, plus a load report each second (of
+/// the engine's time, at its speedup).
 pub(super) fn kv_events(shared: &Arc<Shared>) -> Response<Body> {
     let (snapshot, mut events) = shared.engine.subscribe();
     let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(64);
@@ -400,7 +401,12 @@ pub(super) fn kv_events(shared: &Arc<Shared>) -> Response<Body> {
         {
             return;
         }
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        // A second of the engine's time: the router reads a sped-up engine's load as
+        // often, in its time, as a real engine's.
+        let every = Duration::from_secs(1)
+            .div_f64(engine.config().speedup.max(1.0))
+            .max(Duration::from_millis(10));
+        let mut tick = tokio::time::interval(every);
         loop {
             let line = tokio::select! {
                 e = events.recv() => match e {
