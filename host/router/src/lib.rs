@@ -94,8 +94,8 @@ impl Default for Saturation {
     /// worker's engine queues beside as many requests as it ever ran at once, requests
     /// wait in the router's queue rather than in the engines': a whole answer's time is
     /// its decode, which the wait for a first token never sees (on B7's Mooncake fleet
-    /// at 3× its capacity, whole answers' goodput 14.6 % without this signal, 24.7 %
-    /// with it; streams 12.1 and 17.3 %). When every worker would
+    /// at 3× its capacity, whole answers' goodput 13.8 % before this signal, 29.2 %
+    /// with it; docs/benchmarks/predicted-latency.md). When every worker would
     /// make a new request wait a second for the prefill routed ahead of it, requests
     /// wait in the router's queue, in order of class and tenant, instead of in an
     /// engine's, and leave it for the worker the policy places them on once it is below
