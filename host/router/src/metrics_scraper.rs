@@ -99,8 +99,8 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
                 let url = format!("{}/v1/models", state.info.url);
                 let (http, model, id) = (http.clone(), state.info.model.clone(), *id);
                 contexts.spawn(async move {
-                    let body = fetch(&http, &url, MAX_MODELS).await.ok()?;
-                    Some((id, engine_metrics::models(&body, &model)?))
+                    let read = fetch(&http, &url, MAX_MODELS).await.ok();
+                    (id, read.map(|body| engine_metrics::models(&body, &model)))
                 });
             }
             let mut scrapes = tokio::task::JoinSet::new();
@@ -119,11 +119,26 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
             }
             drop(router);
             while let Some(done) = contexts.join_next().await {
-                let Ok(Some((id, models))) = done else {
-                    continue;
-                };
-                let Some(router) = weak.upgrade() else { return };
-                router.note_models(id, models);
+                let Ok((id, read)) = done else { continue };
+                match read {
+                    Some(Some(models)) => {
+                        let Some(router) = weak.upgrade() else { return };
+                        router.note_models(id, models);
+                    }
+                    // Read, and not an engine's: asked again after MODELS_EVERY.
+                    Some(None) => {}
+                    // Not read (an engine still starting, or busy): asked again after
+                    // QUIET_RETRY, not MODELS_EVERY, or a worker first seen while its
+                    // engine loaded went five minutes unknown (its context length,
+                    // whether it streams token IDs for migration).
+                    None => {
+                        let again =
+                            Instant::now().checked_sub(MODELS_EVERY.saturating_sub(QUIET_RETRY));
+                        if let Some(at) = again {
+                            models_read.insert(id, at);
+                        }
+                    }
+                }
             }
             while let Some(done) = scrapes.join_next().await {
                 let Ok((id, result)) = done else { continue };
