@@ -8,7 +8,7 @@
 //! most then) is asked again after a backoff that doubles from the interval up to
 //! [`QUIET_RETRY`], and a page read resets it. One scrape never waits longer than
 //! [`SCRAPE_TIMEOUT`]. Every available worker's `/v1/models` is also read, once and then
-//! every [`MODELS_EVERY`], for its context length (`max_model_len`: the endpoint's
+//! every [`MODELS_EVERY`] (a page not read, after [`QUIET_RETRY`]), for its context length (`max_model_len`: the endpoint's
 //! longest is the most prompt tokens a request to it may have) and its engine (a vLLM
 //! worker is asked for token IDs on a stream that may be migrated).
 
