@@ -80,9 +80,9 @@ pub struct Saturation {
     /// it is saturated: a request sent there would wait at least this long for its
     /// first token; zero: none.
     pub wait: Duration,
-    /// A worker whose engine runs its full batch with more in flight there
-    /// ([`switchyard_kv::load::WorkerLoad::batch_full`]) is saturated: a request sent
-    /// there would wait in its engine's queue for a slot.
+    /// A worker whose engine queues requests while as many are in flight there as it
+    /// was ever seen running ([`switchyard_kv::load::WorkerLoad::batch_full`]) is
+    /// saturated: a request sent there would wait in its engine's queue for a slot.
     pub batch_full: bool,
 }
 

@@ -8,7 +8,8 @@
 //! most then) is asked again after a backoff that doubles from the interval up to
 //! [`QUIET_RETRY`], and a page read resets it. One scrape never waits longer than
 //! [`SCRAPE_TIMEOUT`]. Every available worker's `/v1/models` is also read, once and then
-//! every [`MODELS_EVERY`] (a page not read, after [`QUIET_RETRY`]), for its context length (`max_model_len`: the endpoint's
+//! every [`MODELS_EVERY`] (a page not read, after [`QUIET_RETRY`]), for its context
+//! length (`max_model_len`: the endpoint's
 //! longest is the most prompt tokens a request to it may have) and its engine (a vLLM
 //! worker is asked for token IDs on a stream that may be migrated).
 
@@ -74,7 +75,8 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
         // Pages not read in a row, by worker (reset by a page read).
         let mut unread: HashMap<InstanceId, u32> = HashMap::new();
         // When each worker's `/v1/models` was last read (every worker, NDJSON or not).
-        let mut models_read: HashMap<InstanceId, Instant> = HashMap::new();
+        // When each worker's `/v1/models` is next due.
+        let mut models_due: HashMap<InstanceId, Instant> = HashMap::new();
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -84,18 +86,16 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
             let now = Instant::now();
             quiet_until.retain(|id, until| snap.instances.contains_key(id) && *until > now);
             unread.retain(|id, _| snap.instances.contains_key(id));
-            models_read.retain(|id, at| {
-                snap.instances.contains_key(id) && now.duration_since(*at) < MODELS_EVERY
-            });
+            models_due.retain(|id, due| snap.instances.contains_key(id) && *due > now);
             let mut contexts = tokio::task::JoinSet::new();
             for id in snap.available.iter() {
                 let Some(state) = snap.instances.get(id) else {
                     continue;
                 };
-                if models_read.contains_key(id) {
+                if models_due.contains_key(id) {
                     continue;
                 }
-                models_read.insert(*id, now);
+                models_due.insert(*id, now + MODELS_EVERY);
                 let url = format!("{}/v1/models", state.info.url);
                 let (http, model, id) = (http.clone(), state.info.model.clone(), *id);
                 contexts.spawn(async move {
@@ -132,11 +132,7 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
                     // engine loaded went five minutes unknown (its context length,
                     // whether it streams token IDs for migration).
                     None => {
-                        let again =
-                            Instant::now().checked_sub(MODELS_EVERY.saturating_sub(QUIET_RETRY));
-                        if let Some(at) = again {
-                            models_read.insert(id, at);
-                        }
+                        models_due.insert(id, Instant::now() + QUIET_RETRY);
                     }
                 }
             }

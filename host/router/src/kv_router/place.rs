@@ -128,14 +128,6 @@ impl KvRouter {
         let workers = saturated.len();
         // A request leaving the queue is offered what an arrival is, and stays in the
         // queue while the policy's choice is saturated (see [`KvRouter::dispatch`]).
-        let saturated_ids: Vec<InstanceId> = if admit == Admit::Dispatch {
-            (0..candidates.len())
-                .filter(|&i| saturated[i])
-                .map(|i| candidates.row(i).id)
-                .collect()
-        } else {
-            Vec::new()
-        };
         let left_out: Vec<bool> = saturation.iter().map(|s| s.avoided).collect();
         if left_out.iter().any(|s| *s) {
             candidates = unsaturated(candidates, &left_out);
@@ -167,7 +159,7 @@ impl KvRouter {
         let decision = self.policy.decide(request, &candidates);
         if admit == Admit::Dispatch
             && let DecisionOutcome::Chosen(id) = &decision.outcome
-            && saturated_ids.contains(id)
+            && (predictions.iter().zip(&saturated)).any(|((w, _), s)| *s && w == id)
         {
             return Err(self.held(workers));
         }

@@ -316,9 +316,9 @@ pub struct ServeArgs {
     /// never [default: 1000].
     #[arg(long, env = "SWITCHYARD_SATURATION_WAIT_MS")]
     pub saturation_wait_ms: Option<u64>,
-    /// A worker whose engine runs the most requests it was ever seen running, with
-    /// more in flight there, is saturated: a request sent there would wait in the
-    /// engine's queue for a slot [default: true].
+    /// A worker whose engine queues requests (it reports some waiting) while as many
+    /// are in flight there as it was ever seen running is saturated: a request sent
+    /// there would wait in the engine's queue for a slot [default: true].
     #[arg(long, env = "SWITCHYARD_SATURATION_BATCH_FULL")]
     pub saturation_batch_full: Option<bool>,
     /// The header naming a request's tenant [default: x-switchyard-tenant].
