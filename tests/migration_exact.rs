@@ -6,11 +6,13 @@
 mod common;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
 use common::http;
-use common::router::{eventually, instances, metric};
+use common::procs::{free_port, serve, switchyard, wait_ok};
+use common::router::{TOKEN, eventually, instances, metric};
 use common::streams::{continued, fleet, read, request, stream};
 
 /// The token IDs and prompt IDs a client's stream carried.
@@ -113,5 +115,35 @@ async fn the_router_asks_for_token_ids_itself_and_the_client_never_sees_them() {
             assert_eq!(got.text, want.text, "{path}, exact: {exact}");
             assert_eq!(got.usage, want.usage, "{path}, exact: {exact}");
         }
+    }
+}
+
+/// A worker the router is given before it answers (an engine still loading its model)
+/// is known by its `/v1/models` soon after its first answer — here, as vLLM, so its
+/// streams are asked for token IDs — not at the next read five minutes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_answers_late_is_known_by_its_models_page_soon_after() {
+    let listen = format!("127.0.0.1:{}", free_port());
+    let worker = format!("http://{listen}");
+    let flags = ["--model", "mock", "--admin-token", TOKEN];
+    let more = ["--health-check-interval-ms", "0", "--worker", &worker];
+    let (_router, url) = serve(&[&flags[..], &more].concat()).await;
+    let c = http::client();
+    let known = || async { instances(&c, &url).await["instances"][0]["streams_token_ids"] == true };
+    // The router's first reads of the page find nothing listening.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!known().await, "nothing answered yet");
+    let _worker = switchyard(&["mock-worker", "--listen", &listen, "--model", "mock"]);
+    wait_ok(&format!("{worker}/v1/models")).await;
+    // Asked again at doubling waits from the engine-metrics interval (1 s): 1, 3, 7,
+    // 15 s after the first read, so within 12 s of the worker's start, where a page not
+    // read used to wait 30 s (and five minutes before that) for its next try.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !known().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the late worker still unknown 20 s after it answered"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

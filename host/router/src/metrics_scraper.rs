@@ -8,7 +8,8 @@
 //! most then) is asked again after a backoff that doubles from the interval up to
 //! [`QUIET_RETRY`], and a page read resets it. One scrape never waits longer than
 //! [`SCRAPE_TIMEOUT`]. Every available worker's `/v1/models` is also read, once and then
-//! every [`MODELS_EVERY`] (a page not read, after [`QUIET_RETRY`]), for its context
+//! every [`MODELS_EVERY`] (a page not read, after the same backoff: a worker first seen
+//! while its engine loads is known within seconds of its first answer), for its context
 //! length (`max_model_len`: the endpoint's
 //! longest is the most prompt tokens a request to it may have) and its engine (a vLLM
 //! worker is asked for token IDs on a stream that may be migrated).
@@ -66,6 +67,48 @@ fn backoff(interval: Duration, failures: u32) -> Duration {
     doubled.min(QUIET_RETRY)
 }
 
+/// When each worker's `/v1/models` is next due, and how many reads of it failed in a row.
+#[derive(Debug, Default)]
+struct ModelsDue {
+    due: HashMap<InstanceId, Instant>,
+    unread: HashMap<InstanceId, u32>,
+}
+
+impl ModelsDue {
+    /// Forgets the workers gone and the dates past (those are due again).
+    fn retain(&mut self, live: impl Fn(&InstanceId) -> bool, now: Instant) {
+        self.due.retain(|id, due| live(id) && *due > now);
+        self.unread.retain(|id, _| live(id));
+    }
+
+    /// Whether `id`'s page is due now; if so, it is next due after [`MODELS_EVERY`]
+    /// unless [`ModelsDue::unread`] says otherwise.
+    fn take(&mut self, id: InstanceId, now: Instant) -> bool {
+        if self.due.get(&id).is_some_and(|due| *due > now) {
+            return false;
+        }
+        self.due.insert(id, now + MODELS_EVERY);
+        true
+    }
+
+    /// A page read (an engine's or not): the failures are forgotten.
+    fn read(&mut self, id: InstanceId) {
+        self.unread.remove(&id);
+    }
+
+    /// A page not read (an engine still starting, or busy): asked again at the tick
+    /// after the backoff, not after [`MODELS_EVERY`] — or a worker first seen while its
+    /// engine loaded would go minutes unknown (its context length, whether it streams
+    /// token IDs for migration).
+    fn unread(&mut self, id: InstanceId, now: Instant, interval: Duration) {
+        let k = self.unread.entry(id).or_default();
+        *k = k.saturating_add(1);
+        // One interval is no wait: the next tick.
+        let after = backoff(interval, *k).saturating_sub(interval);
+        self.due.insert(id, now + after);
+    }
+}
+
 /// Scrapes `router`'s workers every `interval` until the router is dropped.
 pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHandle<()> {
     let weak = Arc::downgrade(router);
@@ -74,9 +117,8 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
         let mut quiet_until: HashMap<InstanceId, Instant> = HashMap::new();
         // Pages not read in a row, by worker (reset by a page read).
         let mut unread: HashMap<InstanceId, u32> = HashMap::new();
-        // When each worker's `/v1/models` was last read (every worker, NDJSON or not).
-        // When each worker's `/v1/models` is next due.
-        let mut models_due: HashMap<InstanceId, Instant> = HashMap::new();
+        // Every worker's `/v1/models` (NDJSON or not).
+        let mut models = ModelsDue::default();
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -86,16 +128,15 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
             let now = Instant::now();
             quiet_until.retain(|id, until| snap.instances.contains_key(id) && *until > now);
             unread.retain(|id, _| snap.instances.contains_key(id));
-            models_due.retain(|id, due| snap.instances.contains_key(id) && *due > now);
+            models.retain(|id| snap.instances.contains_key(id), now);
             let mut contexts = tokio::task::JoinSet::new();
             for id in snap.available.iter() {
                 let Some(state) = snap.instances.get(id) else {
                     continue;
                 };
-                if models_due.contains_key(id) {
+                if !models.take(*id, now) {
                     continue;
                 }
-                models_due.insert(*id, now + MODELS_EVERY);
                 let url = format!("{}/v1/models", state.info.url);
                 let (http, model, id) = (http.clone(), state.info.model.clone(), *id);
                 contexts.spawn(async move {
@@ -120,20 +161,14 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
             drop(router);
             while let Some(done) = contexts.join_next().await {
                 let Ok((id, read)) = done else { continue };
-                match read {
-                    Some(Some(models)) => {
-                        let Some(router) = weak.upgrade() else { return };
-                        router.note_models(id, models);
-                    }
-                    // Read, and not an engine's: asked again after MODELS_EVERY.
-                    Some(None) => {}
-                    // Not read (an engine still starting, or busy): asked again after
-                    // QUIET_RETRY, not MODELS_EVERY, or a worker first seen while its
-                    // engine loaded went five minutes unknown (its context length,
-                    // whether it streams token IDs for migration).
-                    None => {
-                        models_due.insert(id, Instant::now() + QUIET_RETRY);
-                    }
+                let Some(read) = read else {
+                    models.unread(id, Instant::now(), interval);
+                    continue;
+                };
+                models.read(id);
+                if let Some(found) = read {
+                    let Some(router) = weak.upgrade() else { return };
+                    router.note_models(id, found);
                 }
             }
             while let Some(done) = scrapes.join_next().await {
@@ -228,5 +263,46 @@ mod tests {
             Duration::from_millis(250)
         );
         assert_eq!(backoff(s(60), 1), QUIET_RETRY, "an interval past it");
+    }
+
+    /// A worker's `/v1/models` is read when first seen, then every five minutes; one not
+    /// read (an engine still loading) is asked for again at the next tick, then at the
+    /// doubling backoff, and once read it is back to five minutes.
+    #[test]
+    fn an_unread_models_page_is_asked_for_again_at_the_backoff_not_in_five_minutes() {
+        let s = Duration::from_secs;
+        let (id, t0) = (InstanceId(7), Instant::now());
+        let mut m = ModelsDue::default();
+        let due_at = |m: &mut ModelsDue, from: Instant| {
+            (0..=400)
+                .map(|k| from + s(k))
+                .find(|t| {
+                    m.retain(|_| true, *t);
+                    m.due.get(&id).is_none_or(|due| due <= t)
+                })
+                .map(|t| t - from)
+        };
+        assert!(m.take(id, t0), "due when first seen");
+        assert!(!m.take(id, t0 + s(1)));
+        assert_eq!(due_at(&mut m, t0), Some(MODELS_EVERY), "read: five minutes");
+        // Not read, four times in a row: due again after 0, 1, 3 and 7 s (the tick after
+        // waits of 1, 2, 4 and 8 s, ticks a second apart).
+        let mut waits = Vec::new();
+        let mut t = t0;
+        for _ in 0..4 {
+            assert!(m.take(id, t));
+            m.unread(id, t, s(1));
+            let wait = due_at(&mut m, t).unwrap();
+            waits.push(wait);
+            t += wait;
+        }
+        assert_eq!(waits, [s(0), s(1), s(3), s(7)]);
+        assert!(m.take(id, t));
+        m.read(id);
+        assert_eq!(due_at(&mut m, t), Some(MODELS_EVERY), "read at last");
+        // Gone: forgotten, and due at once if it comes back.
+        m.unread(id, t, s(1));
+        m.retain(|_| false, t);
+        assert!(m.due.is_empty() && m.unread.is_empty());
     }
 }
