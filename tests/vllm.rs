@@ -524,7 +524,18 @@ async fn migration_without_max_tokens(c: &HttpClient, url: &str, a: &mut Vllm, b
             );
         }
         let engines = [a.url(), b.url()];
-        // Which engine runs it, once it streams: the router's in-flight count says.
+        eventually("the reference stream's booking released", || async {
+            instances_of(c, url, MODEL).await["instances"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|i| i["booked"] == 0)
+        })
+        .await;
+        // Which engine runs it, once it streams: the router's own bookings say (not its
+        // in-flight count, which takes the engine's reported load for a second after the
+        // reference stream ended on one: a stream placed on the other engine left the
+        // idle one killed and nothing to continue).
         let serving = std::sync::Arc::new(parking_lot::Mutex::new(None::<usize>));
         let finder = {
             let (s, c, url, engines) =
@@ -534,7 +545,7 @@ async fn migration_without_max_tokens(c: &HttpClient, url: &str, a: &mut Vllm, b
                 while Instant::now() < deadline && s.lock().is_none() {
                     let v = instances_of(&c, &url, MODEL).await;
                     for i in v["instances"].as_array().unwrap() {
-                        if i["in_flight"].as_u64().unwrap_or(0) > 0 {
+                        if i["booked"].as_u64().unwrap_or(0) > 0 {
                             *s.lock() = engines.iter().position(|u| *u == i["url"]);
                         }
                     }
