@@ -64,8 +64,16 @@ pub struct Fit {
 impl Fit {
     /// Learns one sample; one with a negative or non-finite value is ignored.
     pub fn add(&mut self, x: [f64; N], y: f64) {
+        if y >= 0.0 {
+            self.add_estimate(x, y);
+        }
+    }
+
+    /// Learns one estimated sample, kept whatever its sign (an estimate's noise cut at
+    /// zero would bias the fit upwards); one that is not finite is ignored.
+    pub fn add_estimate(&mut self, x: [f64; N], y: f64) {
         let ok = |v: f64| v.is_finite() && v >= 0.0;
-        if !(x.iter().all(|v| ok(*v)) && ok(y)) || x.iter().sum::<f64>() == 0.0 {
+        if !(x.iter().all(|v| ok(*v)) && y.is_finite()) || x.iter().sum::<f64>() == 0.0 {
             return;
         }
         for i in 0..N {
@@ -309,7 +317,11 @@ impl Beside {
 /// One worker's latency model (see the module's documentation).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LatencyModel {
+    /// TTFT from first tokens seen.
     ttft: Fit,
+    /// TTFT from whole answers' first tokens inferred: used only while no first token
+    /// seen has taught `ttft` (see [`LatencyModel::learn_inferred_ttft`]).
+    ttft_inferred: Fit,
     tpot: Fit,
     /// Output tokens per answer: a discounted sum and weight.
     output: (f64, f64),
@@ -319,6 +331,16 @@ pub struct LatencyModel {
 }
 
 impl LatencyModel {
+    /// The TTFT fit that predicts: the one of first tokens seen once it is known, else
+    /// the one of first tokens inferred.
+    fn ttft_fit(&self) -> &Fit {
+        if self.ttft.coefficients().is_some() {
+            &self.ttft
+        } else {
+            &self.ttft_inferred
+        }
+    }
+
     /// What a request with `f` would see on this worker.
     pub fn predict(&self, f: Features) -> Prediction {
         let beside = Beside {
@@ -326,7 +348,7 @@ impl LatencyModel {
             pending_tokens: f.ahead_tokens as f64,
         };
         Prediction {
-            ttft: self.ttft.eval(f.ttft_x()).and_then(duration),
+            ttft: self.ttft_fit().eval(f.ttft_x()).and_then(duration),
             tpot: self.tpot.eval(beside.tpot_x()).and_then(duration),
         }
     }
@@ -334,7 +356,7 @@ impl LatencyModel {
     /// How long the requests ahead keep a new request from its own prefill: the TTFT
     /// model over what is ahead alone (zero on a worker with nothing pending).
     pub fn wait(&self, f: Features) -> Option<Duration> {
-        self.ttft
+        self.ttft_fit()
             .eval([f64::from(f.ahead_requests), f.ahead_tokens as f64, 0.0])
             .and_then(duration)
     }
@@ -350,6 +372,24 @@ impl LatencyModel {
             self.errors.ttft.add(p, ttft);
         }
         self.ttft.add(f.ttft_x(), secs(ttft));
+    }
+
+    /// A whole answer booked with `f` ahead of it took `e2e`, its tokens after the first
+    /// `rest` at the predicted time per token: its first token is inferred at their
+    /// difference, kept when negative, and teaches a fit of its own that predicts only
+    /// while no first token seen has taught one. The inferred first token's error is the
+    /// decode's (seconds of it beside a fraction of a second of prefill on B7's mock
+    /// fleet): differences dropped below zero kept only the positive half of that noise
+    /// and, on that fleet at half its capacity, taught a cost of 46–218 ms a request
+    /// where the first tokens of streams teach 0–6 ms, holding whole answers that had
+    /// room; and the same estimates beside seen first tokens would pull their fit. Where
+    /// they average below zero (the decode predicted long), no non-negative fit exists
+    /// and the TTFT stays unknown.
+    pub fn learn_inferred_ttft(&mut self, f: Features, e2e: Duration, rest: Duration) {
+        let ttft = secs(e2e) - secs(rest);
+        if ttft.abs() <= MAX_SAMPLE_SECS {
+            self.ttft_inferred.add_estimate(f.ttft_x(), ttft);
+        }
     }
 
     /// A stream's tokens after its first came `tpot` apart, beside `beside` (the mean
@@ -402,7 +442,7 @@ impl LatencyModel {
 
     /// The TTFT fit's coefficients: seconds per request, seconds per uncached token.
     pub fn ttft_coefficients(&self) -> Option<(f64, f64)> {
-        self.ttft.coefficients().map(|c| (c[0], c[1]))
+        self.ttft_fit().coefficients().map(|c| (c[0], c[1]))
     }
 
     /// The TPOT fit's coefficients: seconds per step, seconds per request in flight,
@@ -411,9 +451,9 @@ impl LatencyModel {
         self.tpot.coefficients().map(|c| (c[0], c[1], c[2]))
     }
 
-    /// Samples each fit has taken: TTFT, TPOT.
+    /// Samples each fit that predicts has taken: TTFT, TPOT.
     pub fn samples(&self) -> (u64, u64) {
-        (self.ttft.seen(), self.tpot.seen())
+        (self.ttft_fit().seen(), self.tpot.seen())
     }
 }
 
@@ -466,6 +506,38 @@ mod tests {
 
     /// Concurrent requests (others ahead) and cached ones (no uncached tokens): both
     /// coefficients are found, and a request's TTFT follows what is ahead of it.
+    /// First tokens inferred from whole answers teach only a worker that has seen none.
+    /// Alone, estimates that average below zero (their decode predicted long) leave the
+    /// TTFT unknown, not zero; beside first tokens seen they change nothing, however
+    /// many.
+    #[test]
+    fn first_tokens_inferred_never_pull_the_ones_seen() {
+        let f = Features {
+            uncached: 1000,
+            in_flight: 1,
+            ..Features::default()
+        };
+        let mut m = LatencyModel::default();
+        for _ in 0..8 {
+            m.learn_inferred_ttft(f, ms(1000.0), ms(1200.0));
+        }
+        assert_eq!(m.predict(f).ttft, None, "below zero on average: unknown");
+        for _ in 0..16 {
+            m.learn_inferred_ttft(f, ms(1000.0), ms(900.0));
+        }
+        let inferred = m.predict(f).ttft.expect("above zero now").as_secs_f64();
+        assert!(inferred > 0.0 && inferred < 0.1, "{inferred}");
+        for _ in 0..4 {
+            m.learn_ttft(f, ms(100.0), None);
+        }
+        for _ in 0..40 {
+            m.learn_inferred_ttft(f, ms(1000.0), ms(1500.0));
+        }
+        let seen = m.predict(f).ttft.unwrap().as_secs_f64();
+        assert!((seen - 0.1).abs() < 1e-6, "{seen}");
+        assert_eq!(m.samples().0, 4);
+    }
+
     #[test]
     fn ttft_is_learned_from_concurrent_and_cached_requests() {
         let m = worker_at_10k_tokens_a_second();

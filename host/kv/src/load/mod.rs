@@ -537,10 +537,8 @@ impl LoadTracker {
                         ..b.features
                     });
                     // Its first token, inferred: its end less its later tokens.
-                    if let Some(rest) = at.tpot.and_then(|t| t.checked_mul(n.saturating_sub(1)))
-                        && let Some(ttft) = e2e.checked_sub(rest)
-                    {
-                        w.model.learn_ttft(b.features, ttft, None);
+                    if let Some(rest) = at.tpot.and_then(|t| t.checked_mul(n.saturating_sub(1))) {
+                        w.model.learn_inferred_ttft(b.features, e2e, rest);
                     }
                 }
                 _ => {}

@@ -155,6 +155,42 @@ fn whole_answers_are_pending_until_their_predicted_first_token_and_teach_it() {
     assert!(l.latency.errors.e2e.count >= 1);
 }
 
+/// A whole answer's first token is inferred from its duration less its tokens at the
+/// predicted time per token; when the tokens' real pace varies about the prediction the
+/// inferred first token is as often before its booking as it is late, and the model
+/// keeps both: it learns the prefill, not the positive half of the decode's noise.
+#[test]
+fn a_whole_answers_first_token_inferred_from_a_noisy_decode_is_learned_unbiased() {
+    let t0 = Instant::now();
+    let mut t = LoadTracker::default();
+    let w = InstanceId(1);
+    // The engine reports its inter-token latency: 20 ms.
+    let page = |n: u64| ReportedLoad {
+        running: 1,
+        latency: Some(EngineLatency {
+            itl_sum: 0.02 * n as f64,
+            itl_count: n as f64,
+        }),
+        ..ReportedLoad::default()
+    };
+    let mut now = t0;
+    for i in 0..40u64 {
+        t.report(w, page(100 * i), now);
+        // A 1,000-token prompt prefilled in 100 ms, then 149 tokens at 15 or 25 ms.
+        let tpot = if i % 2 == 0 { 15 } else { 25 };
+        t.book(RequestId(i), w, &b(&[i]), 1000, now, Watch::WholeAnswer);
+        t.complete(RequestId(i), now + ms(100 + 149 * tpot), Some(150));
+        now += Duration::from_secs(4);
+    }
+    let ttft = t
+        .predict(w, 1000, now)
+        .ttft
+        .expect("inferred")
+        .as_secs_f64();
+    // Dropping the early ones would learn the late ones' 845 ms.
+    assert!((ttft - 0.1).abs() < 0.03, "{ttft}");
+}
+
 /// A split request: the prefill worker learns from its leg's answer (its prefill), and
 /// the decode worker's first token counts from that handoff, not from the booking, so
 /// each learns its own part.
