@@ -94,6 +94,18 @@ fn a_worker_keeps_only_its_latest_predictions() {
     assert!(t.recent(InstanceId(2)).is_empty());
 }
 
+/// An engine's load report after `n` tokens at an inter-token latency of 20 ms.
+fn itl_20ms(n: u64) -> ReportedLoad {
+    ReportedLoad {
+        running: 1,
+        latency: Some(EngineLatency {
+            itl_sum: 0.02 * n as f64,
+            itl_count: n as f64,
+        }),
+        ..ReportedLoad::default()
+    }
+}
+
 /// A whole (non-streamed) answer's first byte is its end: it is not taken for its first
 /// token. Its prompt counts as pending until its predicted first token, and from its
 /// duration the model infers when that came (the engine's inter-token latency, from its
@@ -103,15 +115,7 @@ fn whole_answers_are_pending_until_their_predicted_first_token_and_teach_it() {
     let t0 = Instant::now();
     let mut t = LoadTracker::default();
     let w = InstanceId(1);
-    // The engine reports its inter-token latency: 20 ms.
-    let page = |n: u64| ReportedLoad {
-        running: 1,
-        latency: Some(EngineLatency {
-            itl_sum: 0.02 * n as f64,
-            itl_count: n as f64,
-        }),
-        ..ReportedLoad::default()
-    };
+    let page = itl_20ms;
     let mut now = t0;
     for i in 0..20u64 {
         t.report(w, page(100 * i), now);
@@ -164,15 +168,7 @@ fn a_whole_answers_first_token_inferred_from_a_noisy_decode_is_learned_unbiased(
     let t0 = Instant::now();
     let mut t = LoadTracker::default();
     let w = InstanceId(1);
-    // The engine reports its inter-token latency: 20 ms.
-    let page = |n: u64| ReportedLoad {
-        running: 1,
-        latency: Some(EngineLatency {
-            itl_sum: 0.02 * n as f64,
-            itl_count: n as f64,
-        }),
-        ..ReportedLoad::default()
-    };
+    let page = itl_20ms;
     let mut now = t0;
     for i in 0..40u64 {
         t.report(w, page(100 * i), now);
