@@ -21,10 +21,11 @@
 //!   (the mean inter-token latency between two reads of their `/metrics`).
 //!
 //! A fit predicts only after [`MIN_SAMPLES`] samples: unknown stays unknown (never
-//! zero, never infinite), and a fit, once known, stays known. With too little spread in
-//! a feature to tell it apart from another (every request alone on the worker, or every
-//! prompt the same size) the fit is the best one over fewer features, which predicts
-//! right for requests like the ones seen.
+//! zero, never infinite), and a fit of measured samples, once known, stays known (one of
+//! estimates that may be negative, whole answers' first tokens, may not). With too
+//! little spread in a feature to tell it apart from another (every request alone on the
+//! worker, or every prompt the same size) the fit is the best one over fewer features,
+//! which predicts right for requests like the ones seen.
 //!
 //! Pure: time is passed in as durations, and nothing here reads a clock.
 
