@@ -67,45 +67,63 @@ fn backoff(interval: Duration, failures: u32) -> Duration {
     doubled.min(QUIET_RETRY)
 }
 
-/// When each worker's `/v1/models` is next due, and how many reads of it failed in a row.
+/// When each worker's page is next due, and how many reads of it failed in a row: a page
+/// read is due again after `every` (at every tick when zero), one not read after the
+/// [`backoff`]. Serves both pages: `/metrics` at every tick, `/v1/models` every
+/// [`MODELS_EVERY`].
 #[derive(Debug, Default)]
-struct ModelsDue {
+struct Due {
+    every: Duration,
     due: HashMap<InstanceId, Instant>,
     unread: HashMap<InstanceId, u32>,
 }
 
-impl ModelsDue {
+impl Due {
+    fn every(every: Duration) -> Due {
+        Due {
+            every,
+            ..Due::default()
+        }
+    }
+
     /// Forgets the workers gone and the dates past (those are due again).
     fn retain(&mut self, live: impl Fn(&InstanceId) -> bool, now: Instant) {
         self.due.retain(|id, due| live(id) && *due > now);
         self.unread.retain(|id, _| live(id));
     }
 
-    /// Whether `id`'s page is due now; if so, it is next due after [`MODELS_EVERY`]
-    /// unless [`ModelsDue::unread`] says otherwise.
+    /// Whether `id`'s page is due now; if so, it is next due after `every` unless
+    /// [`Due::unread`] or [`Due::wait`] says otherwise.
     fn take(&mut self, id: InstanceId, now: Instant) -> bool {
         if self.due.get(&id).is_some_and(|due| *due > now) {
             return false;
         }
-        self.due.insert(id, now + MODELS_EVERY);
+        if !self.every.is_zero() {
+            self.due.insert(id, now + self.every);
+        }
         true
     }
 
-    /// A page read (an engine's or not): the failures are forgotten.
+    /// A page read (for `/v1/models`, an engine's or not): the failures are forgotten.
     fn read(&mut self, id: InstanceId) {
         self.unread.remove(&id);
     }
 
-    /// A page not read (an engine still starting, or busy): asked again at the tick
-    /// after the backoff, not after [`MODELS_EVERY`] — or a worker first seen while its
-    /// engine loaded would go minutes unknown (its context length, whether it streams
-    /// token IDs for migration).
-    fn unread(&mut self, id: InstanceId, now: Instant, interval: Duration) {
+    /// A page not read (an engine still starting, or busy): asked again after the
+    /// backoff, which is returned — not after `every`, or a worker first seen while its
+    /// engine loaded would go minutes without its `/v1/models` (its context length,
+    /// whether it streams token IDs for migration).
+    fn unread(&mut self, id: InstanceId, now: Instant, interval: Duration) -> Duration {
         let k = self.unread.entry(id).or_default();
         *k = k.saturating_add(1);
-        // One interval is no wait: the next tick.
-        let after = backoff(interval, *k).saturating_sub(interval);
-        self.due.insert(id, now + after);
+        let after = backoff(interval, *k);
+        self.wait(id, now, after, interval);
+        after
+    }
+
+    /// Asked again at the tick after `after` (a wait of one interval is no wait).
+    fn wait(&mut self, id: InstanceId, now: Instant, after: Duration, interval: Duration) {
+        self.due.insert(id, now + after.saturating_sub(interval));
     }
 }
 
@@ -114,11 +132,9 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
     let weak = Arc::downgrade(router);
     let http = super::background_http(&router.config.tls, SCRAPE_TIMEOUT);
     tokio::spawn(async move {
-        let mut quiet_until: HashMap<InstanceId, Instant> = HashMap::new();
-        // Pages not read in a row, by worker (reset by a page read).
-        let mut unread: HashMap<InstanceId, u32> = HashMap::new();
-        // Every worker's `/v1/models` (NDJSON or not).
-        let mut models = ModelsDue::default();
+        // The engines' `/metrics` pages, and every worker's `/v1/models` (NDJSON or not).
+        let mut pages = Due::default();
+        let mut models = Due::every(MODELS_EVERY);
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -126,8 +142,7 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
             let Some(router) = weak.upgrade() else { return };
             let snap = router.client().snapshot();
             let now = Instant::now();
-            quiet_until.retain(|id, until| snap.instances.contains_key(id) && *until > now);
-            unread.retain(|id, _| snap.instances.contains_key(id));
+            pages.retain(|id| snap.instances.contains_key(id), now);
             models.retain(|id| snap.instances.contains_key(id), now);
             let mut contexts = tokio::task::JoinSet::new();
             for id in snap.available.iter() {
@@ -149,7 +164,7 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
                 let Some(state) = snap.instances.get(id) else {
                     continue;
                 };
-                if state.info.events_url.is_some() || quiet_until.contains_key(id) {
+                if state.info.events_url.is_some() || !pages.take(*id, now) {
                     continue;
                 }
                 let url = format!("{}/metrics", state.info.url);
@@ -178,25 +193,21 @@ pub fn spawn(router: &Arc<KvRouter>, interval: Duration) -> tokio::task::JoinHan
                     Ok(found) => {
                         router.scrape_stats.ok.fetch_add(1, Ordering::Relaxed);
                         router.report_engine_load(id, found.load, found.size_known);
-                        unread.remove(&id);
+                        pages.read(id);
                     }
                     Err(why) => {
                         let n = router.scrape_stats.failed.fetch_add(1, Ordering::Relaxed) + 1;
                         let (after, why) = match why {
-                            Unusable::NotEngine(why) => (QUIET_RETRY, why),
+                            Unusable::NotEngine(why) => {
+                                pages.wait(id, Instant::now(), QUIET_RETRY, interval);
+                                (QUIET_RETRY, why)
+                            }
                             Unusable::Unread(why) => {
-                                let k = unread.entry(id).or_default();
-                                *k = k.saturating_add(1);
-                                (backoff(interval, *k), why)
+                                (pages.unread(id, Instant::now(), interval), why)
                             }
                         };
                         if n <= 10 || n.is_multiple_of(1000) {
                             tracing::debug!(instance = %id, why, "engine metrics not usable; asking again in {after:?}");
-                        }
-                        // The next tick after the backoff: a wait of one interval is
-                        // no wait.
-                        if after > interval {
-                            quiet_until.insert(id, Instant::now() + after - interval);
                         }
                     }
                 }
@@ -272,8 +283,8 @@ mod tests {
     fn an_unread_models_page_is_asked_for_again_at_the_backoff_not_in_five_minutes() {
         let s = Duration::from_secs;
         let (id, t0) = (InstanceId(7), Instant::now());
-        let mut m = ModelsDue::default();
-        let due_at = |m: &mut ModelsDue, from: Instant| {
+        let mut m = Due::every(MODELS_EVERY);
+        let due_at = |m: &mut Due, from: Instant| {
             (0..=400)
                 .map(|k| from + s(k))
                 .find(|t| {
@@ -304,5 +315,30 @@ mod tests {
         m.unread(id, t, s(1));
         m.retain(|_| false, t);
         assert!(m.due.is_empty() && m.unread.is_empty());
+    }
+
+    /// The same schedule for `/metrics`: due at every tick while read; one not read at
+    /// the backoff; a page without engine gauges after the quiet retry.
+    #[test]
+    fn a_metrics_page_is_due_at_every_tick_until_it_is_not_read() {
+        let s = Duration::from_secs;
+        let (id, t0) = (InstanceId(3), Instant::now());
+        let mut p = Due::default();
+        for k in 0..3 {
+            p.retain(|_| true, t0 + s(k));
+            assert!(p.take(id, t0 + s(k)), "tick {k}");
+        }
+        assert_eq!(p.unread(id, t0, s(1)), s(1));
+        assert_eq!(p.unread(id, t0, s(1)), s(2));
+        assert!(!p.take(id, t0), "waiting out the backoff");
+        p.retain(|_| true, t0 + s(1));
+        assert!(p.take(id, t0 + s(1)), "the tick after two seconds' backoff");
+        p.read(id);
+        assert_eq!(p.unread(id, t0, s(1)), s(1), "a read resets the backoff");
+        p.wait(id, t0, QUIET_RETRY, s(1));
+        p.retain(|_| true, t0 + s(28));
+        assert!(!p.take(id, t0 + s(28)));
+        p.retain(|_| true, t0 + s(29));
+        assert!(p.take(id, t0 + s(29)));
     }
 }
