@@ -534,8 +534,8 @@ async fn migration_without_max_tokens(c: &HttpClient, url: &str, a: &mut Vllm, b
         .await;
         // Which engine runs it, once it streams: the router's own bookings say (not its
         // in-flight count, which takes the engine's reported load for a second after the
-        // reference stream ended on one: a stream placed on the other engine left the
-        // idle one killed and nothing to continue).
+        // reference stream ended on one: a stream placed on the other engine could leave
+        // the idle one killed and nothing to continue).
         let serving = std::sync::Arc::new(parking_lot::Mutex::new(None::<usize>));
         let finder = {
             let (s, c, url, engines) =

@@ -43,8 +43,6 @@ fn unknown_until_enough_samples_then_known_for_good() {
     );
 }
 
-/// Concurrent requests (others ahead) and cached ones (no uncached tokens): both
-/// coefficients are found, and a request's TTFT follows what is ahead of it.
 /// First tokens inferred from whole answers teach only a worker that has seen none.
 /// Alone, estimates that average below zero (their decode predicted long) leave the
 /// TTFT unknown, not zero; beside first tokens seen they change nothing, however
@@ -77,6 +75,8 @@ fn first_tokens_inferred_never_pull_the_ones_seen() {
     assert_eq!(m.samples().0, 4);
 }
 
+/// Concurrent requests (others ahead) and cached ones (no uncached tokens): both
+/// coefficients are found, and a request's TTFT follows what is ahead of it.
 #[test]
 fn ttft_is_learned_from_concurrent_and_cached_requests() {
     let m = worker_at_10k_tokens_a_second();

@@ -115,10 +115,9 @@ fn whole_answers_are_pending_until_their_predicted_first_token_and_teach_it() {
     let t0 = Instant::now();
     let mut t = LoadTracker::default();
     let w = InstanceId(1);
-    let page = itl_20ms;
     let mut now = t0;
     for i in 0..20u64 {
-        t.report(w, page(100 * i), now);
+        t.report(w, itl_20ms(100 * i), now);
         // A 1,000-token prompt prefilled in 100 ms, then 150 tokens at 20 ms: 3.08 s.
         t.book(RequestId(i), w, &b(&[i]), 1000, now, Watch::WholeAnswer);
         let first_byte = now + ms(3080);
@@ -168,10 +167,9 @@ fn a_whole_answers_first_token_inferred_from_a_noisy_decode_is_learned_unbiased(
     let t0 = Instant::now();
     let mut t = LoadTracker::default();
     let w = InstanceId(1);
-    let page = itl_20ms;
     let mut now = t0;
     for i in 0..40u64 {
-        t.report(w, page(100 * i), now);
+        t.report(w, itl_20ms(100 * i), now);
         // A 1,000-token prompt prefilled in 100 ms, then 149 tokens at 15 or 25 ms.
         let tpot = if i % 2 == 0 { 15 } else { 25 };
         t.book(RequestId(i), w, &b(&[i]), 1000, now, Watch::WholeAnswer);
